@@ -1,0 +1,23 @@
+# Two commands for a newcomer (README "Quick start"):
+#   make demo   set up everything, then run the main job (examples/generate.py)
+#   make test   set up everything, then run the test suite
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+
+.PHONY: setup demo test build clean
+
+setup:
+	bash scripts/bootstrap.sh $(VENV)
+
+demo: setup
+	$(PYTHON) examples/generate.py $(ARGS)
+
+test: setup
+	$(PYTHON) -m pytest -q -ra tests $(ARGS)
+
+# Rebuild the extension after editing csrc/ (setup already did it once).
+build:
+	$(PYTHON) -m pip install -q --no-build-isolation -e .
+
+clean:
+	rm -rf build *.egg-info cxlalloc/*.so

@@ -1,0 +1,110 @@
+"""Build cxlalloc: one pybind11 extension (cxlalloc._C) and the simulated CUDA driver.
+
+Neither links against CUDA or torch: the CUDA driver is loaded at run time with
+dlopen (csrc/driver/), so the package builds and imports on machines with no GPU
+and no driver.  CUDA's own ``cuda.h`` is used for the declarations when it is
+found under ``$CUDA_HOME/include`` (default /usr/local/cuda); otherwise the
+shipped ``csrc/driver/cuda_min.h`` stands in (tests check that the two agree).
+
+Install (see README):  pip install --no-build-isolation .
+"""
+
+import glob
+import os
+import shutil
+
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
+from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+# Compile the many small C++ files of _C in parallel (CI has 2 cores).
+ParallelCompile("CXLALLOC_BUILD_JOBS", default=0).install()
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cuda_include():
+    """Return the CUDA include dir holding cuda.h, or None (then cuda_min.h is used)."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    inc = os.path.join(home, "include")
+    return inc if os.path.isfile(os.path.join(inc, "cuda.h")) else None
+
+
+def _sources(*dirs):
+    out = []
+    for d in dirs:
+        out += sorted(glob.glob(os.path.join("csrc", d, "*.cpp")))
+    return out
+
+
+CXXFLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fno-strict-aliasing"]
+include_dirs = ["csrc"]
+macros = []
+cuda_inc = _cuda_include()
+if cuda_inc and os.environ.get("CXLALLOC_NO_CUDA_H") != "1":
+    include_dirs.append(cuda_inc)
+    macros.append(("CXL_HAVE_CUDA_H", "1"))
+
+core = Pybind11Extension(
+    "cxlalloc._C",
+    _sources("common", "driver", "topology", "backend", "policy", "alloc", "capi", "python"),
+    include_dirs=include_dirs,
+    define_macros=macros,
+    extra_compile_args=CXXFLAGS,
+    libraries=["dl", "pthread"],
+    cxx_std=17,
+)
+
+# The simulated driver is a plain shared library that exports the driver's C
+# symbols (cuGetProcAddress_v2, ...); it is dlopen'ed RTLD_LOCAL by csrc/driver
+# when simulate=True and never imported as a Python module.
+sim = Extension(
+    "cxlalloc._simcuda",
+    _sources("sim"),
+    include_dirs=include_dirs,
+    define_macros=macros,
+    extra_compile_args=CXXFLAGS + ["-std=c++17", "-fvisibility=hidden"],
+    libraries=["dl", "pthread"],
+    language="c++",
+)
+
+
+class BuildPyWithStartupHook(build_py):
+    """Also install ``cxlalloc-startup.pth`` at the top of site-packages.
+
+    The .pth line imports ``cxlalloc._startup`` only when the ``CXLALLOC``
+    environment variable is set, so processes without it pay one ``os.environ``
+    lookup (see cxlalloc/_startup.py).
+    """
+
+    def run(self):
+        super().run()
+        src = os.path.join(HERE, "cxlalloc-startup.pth")
+        if os.path.isfile(src):
+            self.mkpath(self.build_lib)
+            shutil.copy(src, os.path.join(self.build_lib, "cxlalloc-startup.pth"))
+
+    def get_outputs(self, include_bytecode=1):
+        return super().get_outputs(include_bytecode) + [
+            os.path.join(self.build_lib, "cxlalloc-startup.pth")
+        ]
+
+
+setup(
+    name="cxlalloc",
+    version="0.1.0",
+    description="Tiered PyTorch CUDA allocator: VRAM first, then host/CXL NUMA memory, KV-cache aware",
+    packages=["cxlalloc", "cxlalloc.hf", "cxlalloc.bench"],
+    package_data={"cxlalloc": ["py.typed"]},
+    ext_modules=[core] + ([sim] if sim.sources else []),
+    cmdclass={"build_py": BuildPyWithStartupHook},
+    python_requires=">=3.10",
+    install_requires=["numpy"],
+    extras_require={
+        "hf": ["transformers>=5.0", "accelerate", "gguf"],
+        "bench": ["matplotlib", "rich", "tqdm"],
+        "test": ["pytest", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["cxlalloc=cxlalloc.cli:main"]},
+    zip_safe=False,
+)
