@@ -1,4 +1,14 @@
-"""cxlalloc: a tiered PyTorch CUDA allocator (VRAM, then host/CXL NUMA memory)."""
+"""cxlalloc: a tiered PyTorch CUDA allocator.
+
+VRAM first, then host memory on a chosen NUMA node (where CXL memory
+expanders appear in Linux), with a KV-cache-aware spill policy.
+
+Entry points:
+    cxlalloc.Allocator(...)     the tiered allocator of one GPU, used directly
+    cxlalloc.enable(...)        make it torch's CUDA allocator (see README)
+    cxlalloc.hf.wrap(model)     HuggingFace generate() with a tiered KV cache
+    CXLALLOC=1 python ...       enable with no code change
+"""
 
 from cxlalloc._C import (  # noqa: F401
     CaptureError,
@@ -8,5 +18,7 @@ from cxlalloc._C import (  # noqa: F401
     OutOfMemoryError,
     UnsupportedError,
 )
+from cxlalloc.allocator import Allocator, Extent  # noqa: F401
+from cxlalloc.config import Config, format_bytes, make_config, parse_size  # noqa: F401
 
 __version__ = "0.1.0"

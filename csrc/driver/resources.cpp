@@ -119,6 +119,18 @@ ManagedMemory::~ManagedMemory() {
   if (ptr_) release(drv_, drv_->api().fn_cuMemFree, "cuMemFree", ptr_);
 }
 
+// ---------------------------------------------------------------- plain device memory
+DeviceMemory::DeviceMemory(DriverPtr drv, size_t size) : drv_(std::move(drv)) {
+  CUdeviceptr p = 0;
+  CXL_CU(*drv_, cuMemAlloc, &p, size);
+  ptr_ = p;
+  size_ = size;
+}
+
+DeviceMemory::~DeviceMemory() {
+  if (ptr_) release(drv_, drv_->api().fn_cuMemFree, "cuMemFree", ptr_);
+}
+
 // ---------------------------------------------------------------- host registration
 HostRegistration::HostRegistration(DriverPtr drv, void* p, size_t size, unsigned flags) : drv_(std::move(drv)) {
   CXL_CU(*drv_, cuMemHostRegister, p, size, flags);

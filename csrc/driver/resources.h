@@ -168,6 +168,33 @@ class ManagedMemory {
   size_t size_ = 0;
 };
 
+// Plain device memory from cuMemAlloc: the device tier when the GPU lacks VMM
+// (then segments cannot be remapped between tiers).
+class DeviceMemory {
+ public:
+  DeviceMemory() = default;
+  DeviceMemory(DriverPtr drv, size_t size);
+  ~DeviceMemory();
+  DeviceMemory(DeviceMemory&& o) noexcept { swap(o); }
+  DeviceMemory& operator=(DeviceMemory&& o) noexcept {
+    DeviceMemory(std::move(o)).swap(*this);
+    return *this;
+  }
+  CUdeviceptr ptr() const { return ptr_; }
+  size_t size() const { return size_; }
+  explicit operator bool() const { return ptr_ != 0; }
+  void swap(DeviceMemory& o) noexcept {
+    std::swap(drv_, o.drv_);
+    std::swap(ptr_, o.ptr_);
+    std::swap(size_, o.size_);
+  }
+
+ private:
+  DriverPtr drv_;
+  CUdeviceptr ptr_ = 0;
+  size_t size_ = 0;
+};
+
 // A page-locked, device-mapped registration of existing host memory.
 class HostRegistration {
  public:

@@ -1,0 +1,316 @@
+// DeviceAllocator: construction, backend choice, budgets and accounting.
+#include <unistd.h>
+
+#include <chrono>
+
+#include "alloc/device_allocator.h"
+#include "alloc/sizes.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "common/units.h"
+
+namespace cxl::alloc {
+
+using backend::HostBackend;
+
+DeviceAllocator::DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std::shared_ptr<topology::NumaOps> numa)
+    : drv_(std::move(drv)),
+      cfg_(cfg),
+      numa_(std::move(numa)),
+      ctx_(drv_, cfg.device),
+      migration_budget_(cfg.migration_rate, cfg.migration_burst) {
+  if (cfg_.device_limit == 0)
+    throw Error(ErrorKind::InvalidArgument, "device_limit: must be > 0 bytes (a size like '8GiB' or a fraction of VRAM)");
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  facts_ = backend::read_device_facts(*drv_, cfg_.device, cfg_.host_node);
+
+  backend::Support dev = backend::device_vmm_support(facts_);
+  support_["device"] = dev.ok ? dev : backend::Support{true, "no VMM (" + dev.reason + "): cuMemAlloc segments, no demotion"};
+  for (int i = 0; i < backend::kNumHostBackends; ++i) {
+    auto b = static_cast<HostBackend>(i);
+    backend::Support s = backend::host_support(b, facts_);
+    if (s.ok && b == HostBackend::HostVmm) s = backend::probe_host_vmm(drv_, cfg_.host_node, facts_.host_granularity);
+    support_[backend::host_backend_name(b)] = s;
+  }
+
+  host_enabled_ = cfg_.host_limit > 0;
+  HostBackend chosen = cfg_.backend.value_or(HostBackend::HostVmm);
+  if (host_enabled_) {
+    auto supported_list = [&] {
+      std::string out;
+      for (int i = 0; i < backend::kNumHostBackends; ++i) {
+        auto b = static_cast<HostBackend>(i);
+        const auto& s = support_[backend::host_backend_name(b)];
+        out += std::string(out.empty() ? "" : "; ") + backend::host_backend_name(b) + ": " +
+               (s.ok ? "supported" : s.reason);
+      }
+      return out;
+    };
+    if (cfg_.backend) {
+      const auto& s = support_[backend::host_backend_name(chosen)];
+      if (!s.ok)
+        throw Error(ErrorKind::Unavailable, std::string("backend: '") + backend::host_backend_name(chosen) +
+                                                "' cannot be used on cuda:" + std::to_string(cfg_.device) + ": " +
+                                                s.reason + " (" + supported_list() + ")");
+    } else {
+      // Default order, pending measurement on a real GPU (README, "Backends"):
+      // host-vmm is pinned (no page faults) and remappable (demotion keeps
+      // the address); managed migrates by prefetch but faults; pinned cannot
+      // move pages between tiers.
+      bool found = false;
+      for (HostBackend b : {HostBackend::HostVmm, HostBackend::Managed, HostBackend::Pinned}) {
+        if (support_[backend::host_backend_name(b)].ok) {
+          chosen = b;
+          found = true;
+          break;
+        }
+      }
+      if (!found)
+        throw Error(ErrorKind::Unavailable, "no host-tier backend works on cuda:" + std::to_string(cfg_.device) +
+                                                " (" + supported_list() +
+                                                "); set host_limit=0 to run without a host tier");
+    }
+  }
+
+  FactoryConfig fc;
+  fc.device = cfg_.device;
+  fc.host_node = cfg_.host_node;
+  fc.host_backend = chosen;
+  fc.host_enabled = host_enabled_;
+  fc.device_vmm = dev.ok;
+  fc.device_granularity = facts_.device_granularity ? facts_.device_granularity : kLargeSegmentRound;
+  fc.host_granularity = (chosen == HostBackend::HostVmm && facts_.host_granularity) ? facts_.host_granularity
+                                                                                    : fc.device_granularity;
+  fc.strict_placement = cfg_.strict_placement;
+  factory_ = std::make_unique<SegmentFactory>(drv_, fc, numa_.get());
+}
+
+DeviceAllocator::~DeviceAllocator() {
+  // Destroying the allocator releases everything it holds.  Wait for the GPU
+  // first: a kernel may still be reading memory whose owner was just freed.
+  try {
+    std::lock_guard<std::mutex> lk(mu_);
+    driver::ContextGuard guard(*drv_, ctx_.get());
+    drv_->api().fn_cuCtxSynchronize();
+    pending_.clear();
+    event_pool_.clear();
+    free_lists_.clear();
+    allocated_.clear();
+    for (auto& [base, seg] : segments_) {
+      Block* b = seg->head;
+      while (b) {
+        Block* n = b->next;
+        delete b;
+        b = n;
+      }
+      seg->head = nullptr;
+    }
+    segments_.clear();
+  } catch (const std::exception& e) {
+    note_cleanup_failure(std::string("DeviceAllocator teardown: ") + e.what());
+  }
+}
+
+std::string DeviceAllocator::host_backend_name() const {
+  if (!host_enabled_) return "none";
+  return backend::host_backend_name(factory_->config().host_backend);
+}
+
+bool DeviceAllocator::demotion_supported() const {
+  if (!host_enabled_) return false;
+  const auto& fc = factory_->config();
+  return fc.host_backend == HostBackend::Managed || (fc.device_vmm && fc.host_backend == HostBackend::HostVmm);
+}
+
+size_t DeviceAllocator::device_limit_eff() const {
+  return cfg_.device_limit > external_device_bytes_ ? cfg_.device_limit - external_device_bytes_ : 0;
+}
+
+policy::TierBudget DeviceAllocator::budget() const {
+  policy::TierBudget b;
+  b.device_limit = device_limit_eff();
+  b.device_reserved = static_cast<size_t>(stats_.tier[0].reserved_bytes.current);
+  b.host_limit = host_enabled_ ? cfg_.host_limit : 0;
+  b.host_reserved = static_cast<size_t>(stats_.tier[1].reserved_bytes.current);
+  for (const auto& [base, seg] : segments_) {
+    if (!seg->fully_free()) continue;
+    if (!seg->pool.is_default()) {
+      auto it = pools_.find(seg->pool);
+      if (it != pools_.end() && it->second.use_count > 0) continue;
+    }
+    (seg->tier() == Tier::Device ? b.device_cached_free : b.host_cached_free) += seg->size;
+  }
+  b.kv_device_quota = cfg_.kv_device_limit;
+  b.kv_device_bytes = kv_device_bytes_;
+  b.device_headroom = cfg_.device_headroom;
+  return b;
+}
+
+size_t DeviceAllocator::segment_size(size_t rounded) const {
+  size_t s = alloc_segment_size(rounded);
+  return round_up(s, factory_->segment_alignment());
+}
+
+bool DeviceAllocator::capturing(CUstream s) const {
+  if (!cfg_.check_capture || drv_->api().fn_cuStreamIsCapturing == nullptr) return false;
+  CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+  if (drv_->api().fn_cuStreamIsCapturing(s, &st) != CUDA_SUCCESS) return false;
+  return st != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+void DeviceAllocator::sync_device() {
+  CXL_CU(*drv_, cuCtxSynchronize);
+  stats_.torch.num_sync_all_streams++;
+}
+
+double DeviceAllocator::now_s() const {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+void DeviceAllocator::set_external_device_bytes(size_t n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  external_device_bytes_ = n;
+}
+
+void DeviceAllocator::mark_step() {
+  std::lock_guard<std::mutex> lk(mu_);
+  steps_marked_ = true;
+  step_start_seq_ = ++seq_;
+}
+
+std::string DeviceAllocator::describe_tiers() const {
+  const auto& d = stats_.tier[0];
+  const auto& h = stats_.tier[1];
+  std::string s = "device tier (cuda:" + std::to_string(cfg_.device) + "): " +
+                  format_bytes(static_cast<size_t>(d.allocated_bytes.current)) + " allocated, " +
+                  format_bytes(static_cast<size_t>(d.reserved_bytes.current)) + " reserved of " +
+                  format_bytes(device_limit_eff()) + " limit";
+  if (external_device_bytes_) s += " (" + format_bytes(external_device_bytes_) + " used outside cxlalloc)";
+  if (host_enabled_)
+    s += "; host tier (NUMA node " + std::to_string(cfg_.host_node) + ", backend " + host_backend_name() + "): " +
+         format_bytes(static_cast<size_t>(h.allocated_bytes.current)) + " allocated, " +
+         format_bytes(static_cast<size_t>(h.reserved_bytes.current)) + " reserved of " +
+         format_bytes(cfg_.host_limit) + " limit";
+  else
+    s += "; host tier disabled (host_limit 0)";
+  return s;
+}
+
+void DeviceAllocator::throw_oom(size_t requested, AllocClass cls, const std::string& why) {
+  stats_.counters.ooms++;
+  stats_.torch.num_ooms++;
+  std::string msg = "cxlalloc: out of memory: tried to allocate " + format_bytes(requested) + " (class " +
+                    class_name(cls) + ") on cuda:" + std::to_string(cfg_.device) + ": " + why + ". " +
+                    describe_tiers() + ". Raise host_limit or device_limit (e.g. CXLALLOC=host_limit:64GiB).";
+  throw OutOfMemoryError(requested, msg);
+}
+
+// ------------------------------------------------------------------ accounting
+// Every byte is counted on exactly one tier: the tier of the chunk holding it.
+
+void DeviceAllocator::account_alloc(Block* b, Tier t) {
+  Segment* seg = b->segment;
+  auto n = static_cast<int64_t>(b->size);
+  stats_.tier[int(t)].allocated_bytes.increase(n);
+  stats_.class_bytes[int(seg->cls)][int(t)].increase(n);
+  if (t == Tier::Device) {
+    int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
+    for (int i : {int(kAggregate), k}) {
+      stats_.torch.allocation[i].increase(1);
+      stats_.torch.allocated_bytes[i].increase(n);
+      stats_.torch.active[i].increase(1);
+      stats_.torch.active_bytes[i].increase(n);
+      stats_.torch.requested_bytes[i].increase(static_cast<int64_t>(b->requested));
+    }
+  }
+}
+
+void DeviceAllocator::account_free(Block* b, Tier t) {
+  Segment* seg = b->segment;
+  auto n = static_cast<int64_t>(b->size);
+  stats_.tier[int(t)].allocated_bytes.decrease(n);
+  stats_.class_bytes[int(seg->cls)][int(t)].decrease(n);
+  if (t == Tier::Device) {
+    int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
+    for (int i : {int(kAggregate), k}) {
+      stats_.torch.allocation[i].decrease(1);
+      stats_.torch.allocated_bytes[i].decrease(n);
+      stats_.torch.active[i].decrease(1);
+      stats_.torch.active_bytes[i].decrease(n);
+      stats_.torch.requested_bytes[i].decrease(static_cast<int64_t>(b->requested));
+    }
+  }
+}
+
+// A whole block segment's reservation entering or leaving a tier.
+void DeviceAllocator::account_segment(const Segment& seg, Tier t, size_t bytes, bool add) {
+  auto n = static_cast<int64_t>(bytes);
+  auto& ts = stats_.tier[int(t)];
+  if (add) {
+    ts.reserved_bytes.increase(n);
+    ts.segments.increase(1);
+  } else {
+    ts.reserved_bytes.decrease(n);
+    ts.segments.decrease(1);
+  }
+  if (seg.cls == AllocClass::KV && t == Tier::Device) kv_device_bytes_ = add ? kv_device_bytes_ + bytes : kv_device_bytes_ - bytes;
+  if (t == Tier::Device) {
+    int k = seg.kind == PoolKind::Small ? kSmall : kLarge;
+    for (int i : {int(kAggregate), k}) {
+      if (add) {
+        stats_.torch.reserved_bytes[i].increase(n);
+        stats_.torch.segment[i].increase(1);
+      } else {
+        stats_.torch.reserved_bytes[i].decrease(n);
+        stats_.torch.segment[i].decrease(1);
+      }
+    }
+    if (add)
+      stats_.torch.num_device_alloc++;
+    else
+      stats_.torch.num_device_free++;
+  }
+}
+
+// An extent chunk committed (add) or released: it is both reserved and
+// allocated, on its tier, for the extent's class.
+void DeviceAllocator::account_commit(Segment& seg, Chunk& c, bool add) {
+  auto n = static_cast<int64_t>(c.size);
+  Tier t = c.tier;
+  auto& ts = stats_.tier[int(t)];
+  if (add) {
+    ts.reserved_bytes.increase(n);
+    ts.allocated_bytes.increase(n);
+    stats_.class_bytes[int(seg.cls)][int(t)].increase(n);
+    seg.allocated += c.size;
+  } else {
+    ts.reserved_bytes.decrease(n);
+    ts.allocated_bytes.decrease(n);
+    stats_.class_bytes[int(seg.cls)][int(t)].decrease(n);
+    seg.allocated -= c.size;
+  }
+  if (seg.cls == AllocClass::KV && t == Tier::Device) kv_device_bytes_ = add ? kv_device_bytes_ + c.size : kv_device_bytes_ - c.size;
+  if (t == Tier::Device) {
+    for (int i : {int(kAggregate), int(kLarge)}) {
+      if (add) {
+        stats_.torch.reserved_bytes[i].increase(n);
+        stats_.torch.allocated_bytes[i].increase(n);
+        stats_.torch.active_bytes[i].increase(n);
+      } else {
+        stats_.torch.reserved_bytes[i].decrease(n);
+        stats_.torch.allocated_bytes[i].decrease(n);
+        stats_.torch.active_bytes[i].decrease(n);
+      }
+    }
+  }
+}
+
+Segment* DeviceAllocator::segment_of(CUdeviceptr p) const {
+  auto it = segments_.upper_bound(p);
+  if (it == segments_.begin()) return nullptr;
+  --it;
+  return it->second->contains(p) ? it->second.get() : nullptr;
+}
+
+}  // namespace cxl::alloc

@@ -1,0 +1,219 @@
+// DeviceAllocator: extents, the storage of the KV cache.
+//
+// An extent reserves address space for a KV buffer's whole capacity and
+// commits physical chunks as the sequence grows, so growth never copies the
+// cache (transformers' DynamicLayer copies it every step with torch.cat) and
+// attention reads one contiguous view whose old chunks may live on the host
+// tier (the vAttention idea: virtual contiguity over physical pages placed
+// at will, arXiv 2405.04437).  Where the backend cannot remap (pinned), an
+// extent is committed whole at creation on one tier instead.
+#include "alloc/device_allocator.h"
+#include "alloc/sizes.h"
+#include "common/error.h"
+#include "common/units.h"
+
+namespace cxl::alloc {
+
+ExtentInfo DeviceAllocator::extent_create(size_t capacity, AllocClass cls) {
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  const size_t align = factory_->segment_alignment();
+  const size_t chunk = cfg_.extent_chunk ? round_up(cfg_.extent_chunk, align) : align;
+  if (capacity == 0) throw Error(ErrorKind::InvalidArgument, "extent capacity must be > 0 bytes");
+  size_t cap = round_up(capacity, chunk);
+  size_t total = device_limit_eff() + (host_enabled_ ? cfg_.host_limit : 0);
+  if (cap == 0 || cap > total) throw_oom(capacity, cls, "the extent's capacity exceeds both tiers together");
+
+  std::unique_ptr<Segment> seg;
+  bool lazy = factory_->lazy_extents();
+  if (lazy) {
+    seg = factory_->create_extent(cap, chunk, cls);
+  } else {
+    // Fixed backends: commit the whole capacity now on the tier the policy
+    // picks for it, falling back to the other tier.
+    policy::Request req{cls, cap, false};
+    Tier first = policy::first_choice(req, budget());
+    for (Tier t : {first, first == Tier::Device ? Tier::Host : Tier::Device}) {
+      if (t == Tier::Host && !host_enabled_) continue;
+      size_t limit = t == Tier::Device ? device_limit_eff() : cfg_.host_limit;
+      if (size_t(stats_.tier[int(t)].reserved_bytes.current) + cap > limit) continue;
+      try {
+        seg = factory_->create_block_segment(cap, t, cls, PoolKind::Large);
+        break;
+      } catch (const Error& e) {
+        auto* d = dynamic_cast<const DriverError*>(&e);
+        if (e.kind() != ErrorKind::OutOfMemory && !(d && d->code() == CUDA_ERROR_OUT_OF_MEMORY)) throw;
+      }
+    }
+    if (!seg) throw_oom(cap, cls, "no tier can hold the extent (this backend commits extents whole)");
+    seg->extent = true;
+    seg->chunks.front().seq = ++seq_;
+  }
+  seg->id = next_segment_id_++;
+  Segment* raw = seg.get();
+  segments_[seg->base] = std::move(seg);
+  extents_[raw->id] = raw;
+  if (!lazy) {
+    account_commit(*raw, raw->chunks.front(), true);
+    if (raw->tier() == Tier::Host) stats_.counters.spilled_bytes += raw->size;
+    stats_.counters.new_segments[int(raw->tier())]++;
+  }
+  return ExtentInfo{raw->id, raw->base, raw->size, raw->chunks.front().size, lazy};
+}
+
+static Segment* find_extent(const std::map<uint64_t, Segment*>& m, uint64_t id) {
+  auto it = m.find(id);
+  if (it == m.end()) throw Error(ErrorKind::InvalidArgument, "unknown or released extent id " + std::to_string(id));
+  return it->second;
+}
+
+void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  Segment* seg = find_extent(extents_, id);
+  if (bytes > seg->size)
+    throw Error(ErrorKind::InvalidArgument, "extent_grow: " + format_bytes(bytes) + " exceeds the extent's capacity of " +
+                                                format_bytes(seg->size));
+  if (!factory_->lazy_extents()) return;  // committed whole at creation
+  const size_t chunk = seg->chunks.front().size;
+  const size_t want = (bytes + chunk - 1) / chunk;
+  std::vector<Chunk*> fresh;
+  for (size_t i = 0; i < want; ++i)
+    if (!seg->chunks[i].committed) fresh.push_back(&seg->chunks[i]);
+  if (fresh.empty()) return;
+
+  // Plan: the newest chunks on the device (KV quota and headroom permitting),
+  // older device KV demoted to make room within the migration budget.
+  std::vector<policy::Candidate> device_kv;
+  std::vector<std::pair<Segment*, Chunk*>> where;
+  bool can_demote = demotion_supported() && seg->cls == AllocClass::KV;
+  if (can_demote) {
+    for (auto& [id2, ext] : extents_) {
+      if (ext->cls != AllocClass::KV || !factory_->can_migrate(*ext)) continue;
+      for (Chunk& c : ext->chunks) {
+        if (!c.committed || c.tier != Tier::Device) continue;
+        device_kv.push_back({where.size(), c.size, c.seq, false});
+        where.emplace_back(ext, &c);
+      }
+    }
+  }
+  const double now = now_s();
+  size_t allowed = can_demote ? migration_budget_.available(now) : 0;
+  size_t host_room = host_enabled_ ? cfg_.host_limit - std::min(cfg_.host_limit, size_t(stats_.tier[1].reserved_bytes.current)) : 0;
+  // Demoted chunks and host-placed new chunks share the host room; the
+  // commit loop below re-checks every chunk against the limits.
+  policy::GrowthPlan plan;
+  if (seg->cls == AllocClass::KV) {
+    plan = policy::plan_extent_growth(fresh.size(), chunk, budget(), device_kv, std::min(allowed, host_room), can_demote,
+                                      host_enabled_);
+  } else {
+    // Weight/other extents: the device while it has room, else the host.
+    size_t room = policy::device_available(budget());
+    size_t dev = std::min(fresh.size(), room / chunk);
+    plan.device_new = host_enabled_ ? dev : fresh.size();
+    plan.host_new = fresh.size() - plan.device_new;
+  }
+  if (!plan.demote.empty()) {
+    sync_device();
+    size_t moved = 0;
+    for (uint64_t v : plan.demote) {
+      auto [s, c] = where[v];
+      migrate_chunk(*s, *c, Tier::Host);
+      migration_budget_.consume(c->size, now);
+      moved += c->size;
+      stats_.counters.demotions++;
+    }
+    stats_.counters.demoted_bytes += moved;
+  }
+  // Commit: the oldest positions of the growth on the host, the newest on
+  // the device; each falls back to the other tier rather than fail.
+  for (size_t i = 0; i < fresh.size(); ++i) {
+    Chunk& c = *fresh[i];
+    Tier first = i < plan.host_new ? Tier::Host : Tier::Device;
+    bool done = false;
+    for (Tier t : {first, first == Tier::Device ? Tier::Host : Tier::Device}) {
+      if (t == Tier::Host && !host_enabled_) continue;
+      size_t limit = t == Tier::Device ? device_limit_eff() : cfg_.host_limit;
+      if (size_t(stats_.tier[int(t)].reserved_bytes.current) + c.size > limit) continue;
+      try {
+        factory_->commit_chunk(*seg, c, t);
+      } catch (const Error& e) {
+        auto* d = dynamic_cast<const DriverError*>(&e);
+        if (e.kind() == ErrorKind::OutOfMemory || (d && d->code() == CUDA_ERROR_OUT_OF_MEMORY)) continue;
+        throw;
+      }
+      c.seq = ++seq_;
+      account_commit(*seg, c, true);
+      if (t == Tier::Host) stats_.counters.spilled_bytes += c.size;
+      done = true;
+      break;
+    }
+    if (!done) throw_oom(c.size, seg->cls, "growing a KV extent: neither tier has room for the next chunk");
+  }
+  seg->last_use = ++seq_;
+}
+
+void DeviceAllocator::extent_trim(uint64_t id, size_t bytes) {
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  Segment* seg = find_extent(extents_, id);
+  if (!factory_->lazy_extents() || seg->backing == Backing::Managed) return;
+  const size_t chunk = seg->chunks.front().size;
+  const size_t keep = (bytes + chunk - 1) / chunk;
+  bool synced = false;
+  for (size_t i = keep; i < seg->chunks.size(); ++i) {
+    Chunk& c = seg->chunks[i];
+    if (!c.committed) continue;
+    if (!synced) {
+      sync_device();  // in-flight kernels may still read the chunk
+      synced = true;
+    }
+    account_commit(*seg, c, false);
+    factory_->decommit_chunk(*seg, c);
+  }
+}
+
+void DeviceAllocator::extent_touch(uint64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  Segment* seg = find_extent(extents_, id);
+  for (Chunk& c : seg->chunks)
+    if (c.committed) c.touches++;
+  seg->last_use = ++seq_;
+}
+
+void DeviceAllocator::extent_free(uint64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  Segment* seg = find_extent(extents_, id);
+  sync_device();
+  for (Chunk& c : seg->chunks)
+    if (c.committed) account_commit(*seg, c, false);
+  if (!factory_->lazy_extents()) stats_.counters.released_segments[int(seg->tier())]++;
+  extents_.erase(id);
+  segments_.erase(seg->base);
+}
+
+size_t DeviceAllocator::extent_committed(uint64_t id) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  Segment* seg = find_extent(extents_, id);
+  size_t n = 0;
+  for (const Chunk& c : seg->chunks)
+    if (c.committed) n += c.size;
+  return n;
+}
+
+std::vector<TierRange> DeviceAllocator::extent_tiers(uint64_t id) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  Segment* seg = find_extent(extents_, id);
+  std::vector<TierRange> out;
+  for (const Chunk& c : seg->chunks) {
+    std::string t = c.committed ? tier_name(c.tier) : "none";
+    if (!out.empty() && out.back().tier == t && out.back().offset + out.back().length == c.offset)
+      out.back().length += c.size;
+    else
+      out.push_back(TierRange{c.offset, c.size, t});
+  }
+  return out;
+}
+
+}  // namespace cxl::alloc

@@ -1,0 +1,258 @@
+// DeviceAllocator: frees, stream-ordered reuse, cache release, private pools.
+#include <cstdio>
+
+#include "alloc/device_allocator.h"
+#include "alloc/sizes.h"
+#include "common/error.h"
+#include "common/units.h"
+
+namespace cxl::alloc {
+
+namespace {
+std::string hex(CUdeviceptr p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(p));
+  return buf;
+}
+}  // namespace
+
+std::string DeviceAllocator::diagnose_bad_free(CUdeviceptr p) const {
+  Segment* seg = segment_of(p);
+  if (!seg) return "cxlalloc: free of " + hex(p) + ", which was not allocated by cxlalloc on cuda:" + std::to_string(cfg_.device);
+  if (seg->extent)
+    return "cxlalloc: free of " + hex(p) + ", which belongs to a KV extent (release the extent instead)";
+  for (Block* b = seg->head; b; b = b->next) {
+    if (p >= b->ptr && p < b->ptr + b->size) {
+      if (b->allocated)
+        return "cxlalloc: free of " + hex(p) + ", an interior pointer of the live block at " + hex(b->ptr) + " (" +
+               format_bytes(b->size) + ")";
+      return "cxlalloc: double free of " + hex(p) + " (the block is already free)";
+    }
+  }
+  return "cxlalloc: free of " + hex(p) + ", not the start of any block";
+}
+
+void DeviceAllocator::free(void* ptr) {
+  if (ptr == nullptr) return;
+  auto p = reinterpret_cast<CUdeviceptr>(ptr);
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = allocated_.find(p);
+  if (it == allocated_.end()) {
+    // Detected before anything is touched: no corruption, just the error.
+    stats_.counters.invalid_frees++;
+    throw Error(ErrorKind::InvalidFree, diagnose_bad_free(p));
+  }
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  Block* b = it->second;
+  allocated_.erase(it);
+  Segment* seg = b->segment;
+  account_free(b, seg->tier());
+  seg->allocated -= b->size;
+  b->allocated = false;
+  stats_.counters.frees++;
+  if (b->stream_uses.empty()) {
+    // Reusable at once on its own stream: later work on that stream is
+    // ordered after the work that used it (torch's semantics).
+    free_block(b);
+    return;
+  }
+  // Other streams used it: reusable only once their work has passed it.
+  // Recording an event on a capturing stream is illegal (C14): defer.
+  bool any_capturing = capturing(b->stream);
+  for (CUstream s : b->stream_uses) any_capturing = any_capturing || capturing(s);
+  // Keep the bytes "active" in torch's sense until the events complete.
+  int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
+  if (seg->tier() == Tier::Device)
+    for (int i : {int(kAggregate), k}) stats_.torch.active_bytes[i].increase(static_cast<int64_t>(b->size));
+  if (any_capturing) {
+    b->event_count = 1;  // placeholder until flush_deferred records real events
+    deferred_.push_back(b);
+    return;
+  }
+  b->event_count = 0;
+  for (CUstream s : b->stream_uses) {
+    driver::Event ev = acquire_event();
+    CXL_CU(*drv_, cuEventRecord, ev.get(), s);
+    b->event_count++;
+    pending_.push_back(PendingFree{std::move(ev), b});
+  }
+  b->stream_uses.clear();
+}
+
+driver::Event DeviceAllocator::acquire_event() {
+  if (!event_pool_.empty()) {
+    driver::Event ev = std::move(event_pool_.back());
+    event_pool_.pop_back();
+    return ev;
+  }
+  return driver::Event(drv_);
+}
+
+void DeviceAllocator::flush_deferred() {
+  std::vector<Block*> later;
+  later.swap(deferred_);
+  for (Block* b : later) {
+    b->event_count = 0;
+    for (CUstream s : b->stream_uses) {
+      driver::Event ev = acquire_event();
+      CXL_CU(*drv_, cuEventRecord, ev.get(), s);
+      b->event_count++;
+      pending_.push_back(PendingFree{std::move(ev), b});
+    }
+    b->stream_uses.clear();
+    if (b->event_count == 0) {
+      Segment* seg = b->segment;
+      int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
+      if (seg->tier() == Tier::Device)
+        for (int i : {int(kAggregate), k}) stats_.torch.active_bytes[i].decrease(static_cast<int64_t>(b->size));
+      free_block(b);
+    }
+  }
+}
+
+// Every pending event is checked, not just the queue's head: one slow stream
+// must not hold back frees on all the others (case C06, pytorch#71616).
+void DeviceAllocator::process_events(bool wait) {
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    CUresult r = wait ? drv_->api().fn_cuEventSynchronize(it->event.get()) : drv_->api().fn_cuEventQuery(it->event.get());
+    if (r == CUDA_ERROR_NOT_READY) {
+      ++it;
+      continue;
+    }
+    drv_->check(r, wait ? "cuEventSynchronize" : "cuEventQuery");
+    Block* b = it->block;
+    event_pool_.push_back(std::move(it->event));
+    it = pending_.erase(it);
+    if (--b->event_count == 0) {
+      Segment* seg = b->segment;
+      int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
+      if (seg->tier() == Tier::Device)
+        for (int i : {int(kAggregate), k}) stats_.torch.active_bytes[i].decrease(static_cast<int64_t>(b->size));
+      free_block(b);
+    }
+  }
+}
+
+// Return a block to its free list, merging with free neighbours.
+void DeviceAllocator::free_block(Block* b) {
+  auto mergeable = [](Block* n) { return n && !n->allocated && n->event_count == 0; };
+  if (mergeable(b->prev)) {
+    Block* p = b->prev;
+    erase_free(p);
+    p->size += b->size;
+    p->next = b->next;
+    if (b->next) b->next->prev = p;
+    p->stream = b->stream;
+    delete b;
+    b = p;
+  }
+  if (mergeable(b->next)) {
+    Block* n = b->next;
+    erase_free(n);
+    b->size += n->size;
+    b->next = n->next;
+    if (n->next) n->next->prev = b;
+    delete n;
+  }
+  insert_free(b);
+}
+
+void DeviceAllocator::record_stream(void* ptr, CUstream stream) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = allocated_.find(reinterpret_cast<CUdeviceptr>(ptr));
+  if (it == allocated_.end())
+    throw Error(ErrorKind::InvalidArgument,
+                "record_stream: " + hex(reinterpret_cast<CUdeviceptr>(ptr)) + " is not a live cxlalloc allocation");
+  if (stream != it->second->stream) it->second->stream_uses.insert(stream);
+}
+
+size_t DeviceAllocator::allocation_size(void* ptr) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = allocated_.find(reinterpret_cast<CUdeviceptr>(ptr));
+  return it == allocated_.end() ? 0 : it->second->requested;
+}
+
+void DeviceAllocator::release_segment(Segment* seg) {
+  CXL_CHECK(seg->fully_free(), "release of a segment in use");
+  Tier t = seg->tier();
+  erase_free(seg->head);
+  delete seg->head;
+  seg->head = nullptr;
+  account_segment(*seg, t, seg->size, false);
+  stats_.counters.released_segments[int(t)]++;
+  segments_.erase(seg->base);  // RAII: unmap, release, free the VA
+}
+
+size_t DeviceAllocator::release_free_segments(Tier tier, size_t want, bool include_private) {
+  std::vector<Segment*> victims;
+  for (const auto& [base, seg] : segments_) {
+    if (seg->extent || seg->tier() != tier || !seg->fully_free()) continue;
+    if (!seg->pool.is_default()) {
+      auto it = pools_.find(seg->pool);
+      bool in_use = it != pools_.end() && it->second.use_count > 0;
+      if (in_use && !include_private) continue;
+    }
+    victims.push_back(seg.get());
+  }
+  if (victims.empty()) return 0;
+  // Release the smallest set that covers `want`: largest first.
+  std::sort(victims.begin(), victims.end(), [](Segment* a, Segment* b) { return a->size > b->size; });
+  // The GPU may still be using memory freed on its stream: unmapping does
+  // not wait for it (unlike cudaFree), so we do.
+  sync_device();
+  size_t released = 0;
+  for (Segment* s : victims) {
+    if (released >= want) break;
+    released += s->size;
+    release_segment(s);
+  }
+  return released;
+}
+
+size_t DeviceAllocator::empty_cache() {
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  if (!pending_.empty()) process_events(true);
+  size_t n = release_free_segments(Tier::Device, SIZE_MAX, false);
+  n += release_free_segments(Tier::Host, SIZE_MAX, false);
+  return n;
+}
+
+// ------------------------------------------------------------------ private pools
+void DeviceAllocator::create_pool(PoolId id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  pools_[id].use_count++;
+}
+
+void DeviceAllocator::begin_allocate_to_pool(PoolId id, Filter filter) {
+  std::lock_guard<std::mutex> lk(mu_);
+  pools_[id];  // exists from now on
+  routes_.push_back(Route{id, std::move(filter)});
+}
+
+void DeviceAllocator::end_allocate_to_pool(PoolId id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto it = routes_.begin(); it != routes_.end(); ++it) {
+    if (it->pool == id) {
+      routes_.erase(it);
+      return;
+    }
+  }
+}
+
+void DeviceAllocator::release_pool(PoolId id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  auto it = pools_.find(id);
+  if (it == pools_.end()) return;
+  if (--it->second.use_count > 0) return;
+  // Free the pool's cached segments now; segments with live blocks are
+  // released by empty_cache once those blocks are freed.
+  std::vector<Segment*> victims;
+  for (const auto& [base, seg] : segments_)
+    if (seg->pool == id && seg->fully_free()) victims.push_back(seg.get());
+  if (!victims.empty()) sync_device();
+  for (Segment* s : victims) release_segment(s);
+}
+
+}  // namespace cxl::alloc

@@ -1,0 +1,236 @@
+// DeviceAllocator: the allocation path.
+#include <algorithm>
+
+#include "alloc/device_allocator.h"
+#include "alloc/sizes.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "common/units.h"
+
+namespace cxl::alloc {
+
+namespace {
+bool is_driver_oom(const Error& e) {
+  if (e.kind() == ErrorKind::OutOfMemory) return true;
+  auto* d = dynamic_cast<const DriverError*>(&e);
+  return d && d->code() == CUDA_ERROR_OUT_OF_MEMORY;
+}
+}  // namespace
+
+Block* DeviceAllocator::find_free(const FreeListKey& key, CUstream stream, size_t size) {
+  auto it = free_lists_.find(key);
+  if (it == free_lists_.end() || it->second.empty()) return nullptr;
+  Block probe;
+  probe.stream = stream;
+  probe.size = size;
+  probe.ptr = 0;
+  auto bit = it->second.lower_bound(&probe);
+  if (bit == it->second.end() || (*bit)->stream != stream) return nullptr;
+  return *bit;
+}
+
+void DeviceAllocator::insert_free(Block* b) {
+  FreeListKey key{b->segment->pool, b->segment->tier(), b->segment->cls, b->segment->kind};
+  bool ok = free_lists_[key].insert(b).second;
+  CXL_CHECK(ok, "block already in its free list");
+}
+
+void DeviceAllocator::erase_free(Block* b) {
+  FreeListKey key{b->segment->pool, b->segment->tier(), b->segment->cls, b->segment->kind};
+  auto it = free_lists_.find(key);
+  CXL_CHECK(it != free_lists_.end() && it->second.erase(b) == 1, "free block missing from its free list");
+}
+
+// Carve `size` bytes off the front of free block `b` and hand them out.
+Block* DeviceAllocator::take_block(Block* b, size_t size, size_t requested, CUstream stream) {
+  erase_free(b);
+  Segment* seg = b->segment;
+  if (should_split(b->size, size, seg->kind == PoolKind::Small)) {
+    auto* rest = new Block();
+    rest->segment = seg;
+    rest->ptr = b->ptr + size;
+    rest->size = b->size - size;
+    rest->stream = b->stream;
+    rest->prev = b;
+    rest->next = b->next;
+    if (b->next) b->next->prev = rest;
+    b->next = rest;
+    b->size = size;
+    insert_free(rest);
+  }
+  b->allocated = true;
+  b->requested = requested;
+  b->stream = stream;
+  b->seq = ++seq_;
+  allocated_[b->ptr] = b;
+  seg->allocated += b->size;
+  seg->last_use = b->seq;
+  seg->touches++;
+  account_alloc(b, seg->tier());
+  stats_.counters.allocations++;
+  return b;
+}
+
+Segment* DeviceAllocator::new_segment(Tier tier, const FreeListKey& key, size_t size, CUstream stream) {
+  size_t limit = tier == Tier::Device ? device_limit_eff() : cfg_.host_limit;
+  size_t reserved = static_cast<size_t>(stats_.tier[int(tier)].reserved_bytes.current);
+  if (reserved + size > limit || reserved + size < reserved) return nullptr;
+  std::unique_ptr<Segment> seg;
+  try {
+    seg = factory_->create_block_segment(size, tier, key.cls, key.kind);
+  } catch (const Error& e) {
+    // The physical tier is fuller than our budget thinks (another process,
+    // the CUDA context, a driver limit): report "does not fit" and let the
+    // caller move on; any other failure is an error the user must see.
+    if (is_driver_oom(e)) {
+      log_debug(std::string("segment allocation on ") + tier_name(tier) + " failed: " + e.what());
+      return nullptr;
+    }
+    throw;
+  }
+  seg->id = next_segment_id_++;
+  seg->pool = key.pool;
+  seg->stream = stream;
+  auto* head = new Block();
+  head->segment = seg.get();
+  head->ptr = seg->base;
+  head->size = seg->size;
+  head->stream = stream;
+  seg->head = head;
+  Segment* raw = seg.get();
+  segments_[seg->base] = std::move(seg);
+  account_segment(*raw, tier, raw->size, true);
+  stats_.counters.new_segments[int(tier)]++;
+  insert_free(head);
+  return raw;
+}
+
+// A block of `size` on `tier`: a cached one, else a new segment if allowed.
+Block* DeviceAllocator::alloc_in(Tier tier, const FreeListKey& base_key, size_t size, size_t requested,
+                                 CUstream stream, bool allow_new_segment) {
+  FreeListKey key = base_key;
+  key.tier = tier;
+  if (Block* b = find_free(key, stream, size)) {
+    stats_.counters.cache_hits++;
+    return take_block(b, size, requested, stream);
+  }
+  if (!allow_new_segment) return nullptr;
+  Segment* seg = new_segment(tier, key, segment_size(size), stream);
+  if (!seg) return nullptr;
+  return take_block(seg->head, size, requested, stream);
+}
+
+void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls) {
+  if (nbytes == 0) return nullptr;
+  const size_t size = round_size(nbytes);
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+
+  // Absurd sizes fail here, before any driver call or page touch.
+  size_t largest_tier = std::max(device_limit_eff(), host_enabled_ ? cfg_.host_limit : size_t(0));
+  if (size == 0 || size > largest_tier)
+    throw_oom(nbytes, cls, "the request is larger than either tier's whole limit");
+
+  // Private pools (graph capture, MemPool) claim matching streams, first match
+  // wins (torch's captures_underway order).
+  PoolId pool;
+  for (const auto& r : routes_) {
+    if (r.filter(stream)) {
+      pool = r.pool;
+      break;
+    }
+  }
+  // During capture no event may be queried or recorded on the capturing
+  // stream and nothing may synchronize (case C14), and nothing graph-captured
+  // may live on the host tier (C10): device only, no reclaim.
+  const bool cap = capturing(stream);
+  if (!cap) {
+    if (!deferred_.empty()) flush_deferred();
+    if (!pending_.empty()) process_events(false);
+  }
+
+  const PoolKind kind = size <= kSmallSize ? PoolKind::Small : PoolKind::Large;
+  const FreeListKey key{pool, Tier::Device, cls, kind};
+
+  // Fast path: a cached device block (already reserved: costs no budget).
+  if (Block* b = find_free(key, stream, size)) {
+    stats_.counters.cache_hits++;
+    return reinterpret_cast<void*>(take_block(b, size, nbytes, stream)->ptr);
+  }
+
+  const size_t seg_bytes = segment_size(size);
+  policy::Request req{cls, seg_bytes, cap};
+  policy::TierBudget tb = budget();
+  Tier first = policy::first_choice(req, tb);
+
+  auto try_device = [&](bool allow_demote) -> Block* {
+    if (Block* b = alloc_in(Tier::Device, key, size, nbytes, stream, true)) return b;
+    if (cap) return nullptr;
+    // 1. Frees still waiting on stream events: wait for all of them (not
+    //    FIFO-until-first-pending, the C06 failure) and retry.
+    if (!pending_.empty()) {
+      stats_.counters.event_drains++;
+      stats_.torch.num_alloc_retries++;
+      process_events(true);
+      if (Block* b = alloc_in(Tier::Device, key, size, nbytes, stream, true)) return b;
+    }
+    // 2. Cached free device segments of any class go back before we spill
+    //    (C11: the pool that never released its cache).
+    size_t used = static_cast<size_t>(stats_.tier[0].reserved_bytes.current);
+    size_t need = used + seg_bytes > device_limit_eff() ? used + seg_bytes - device_limit_eff() : seg_bytes;
+    size_t released = release_free_segments(Tier::Device, need, false);
+    if (released > 0) {
+      stats_.counters.reclaimed_bytes += released;
+      stats_.torch.num_alloc_retries++;
+      if (Block* b = alloc_in(Tier::Device, key, size, nbytes, stream, true)) return b;
+    }
+    // 3. Demote cold KV to make room (never for KV itself).
+    if (allow_demote && policy::may_demote_for(req) && demotion_supported()) {
+      used = static_cast<size_t>(stats_.tier[0].reserved_bytes.current);
+      need = used + seg_bytes > device_limit_eff() ? used + seg_bytes - device_limit_eff() : 0;
+      if (need > 0 && demote_for(need, true) > 0) {
+        stats_.torch.num_alloc_retries++;
+        if (Block* b = alloc_in(Tier::Device, key, size, nbytes, stream, true)) return b;
+      }
+    }
+    return nullptr;
+  };
+  auto try_host = [&]() -> Block* {
+    if (!policy::may_spill(req, tb)) return nullptr;
+    Block* b = alloc_in(Tier::Host, key, size, nbytes, stream, true);
+    if (!b) {
+      // Same reclaim order as the device tier, within the host budget.
+      if (!pending_.empty()) process_events(true);
+      release_free_segments(Tier::Host, seg_bytes, false);
+      b = alloc_in(Tier::Host, key, size, nbytes, stream, true);
+    }
+    if (b) {
+      stats_.counters.spilled_bytes += b->size;
+      stats_.counters.spilled_allocations++;
+    }
+    return b;
+  };
+
+  Block* b = nullptr;
+  if (first == Tier::Device) {
+    b = try_device(true);
+    if (!b && cap) {
+      stats_.counters.capture_refusals++;
+      throw Error(ErrorKind::Capture,
+                  "cxlalloc: cannot allocate " + format_bytes(nbytes) + " during CUDA graph capture on cuda:" +
+                      std::to_string(cfg_.device) +
+                      ": VRAM is full and graph-captured memory must stay in VRAM (never spilled to the host "
+                      "tier). " +
+                      describe_tiers() + ". Raise device_limit or capture with a smaller working set.");
+    }
+    if (!b) b = try_host();
+  } else {
+    b = try_host();
+    // The host tier is full: a KV block still beats an OOM while VRAM has room.
+    if (!b) b = try_device(false);
+  }
+  if (!b) throw_oom(nbytes, cls, "neither tier can hold it");
+  return reinterpret_cast<void*>(b->ptr);
+}
+
+}  // namespace cxl::alloc

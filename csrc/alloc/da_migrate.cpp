@@ -1,0 +1,194 @@
+// DeviceAllocator: demotion (VRAM -> host tier) and promotion (back), with
+// addresses unchanged and bytes intact (VMM remap or managed prefetch).
+#include "alloc/device_allocator.h"
+#include "alloc/sizes.h"
+#include "common/error.h"
+#include "common/units.h"
+
+namespace cxl::alloc {
+
+namespace {
+bool has_waiting_blocks(const Segment& seg) {
+  for (Block* b = seg.head; b; b = b->next)
+    if (!b->allocated && b->event_count > 0) return true;
+  return false;
+}
+}  // namespace
+
+void DeviceAllocator::migrate_segment(Segment& seg, Tier target) {
+  const Tier from = seg.tier();
+  if (from == target) return;
+  CXL_CHECK(!has_waiting_blocks(seg), "migrating a segment with event-pending blocks");
+  // Free lists are keyed by tier: take the free blocks out while it changes.
+  std::vector<Block*> frees, live;
+  for (Block* b = seg.head; b; b = b->next) (b->allocated ? live : frees).push_back(b);
+  for (Block* b : frees) erase_free(b);
+  for (Block* b : live) account_free(b, from);
+  account_segment(seg, from, seg.size, false);
+  try {
+    factory_->migrate_chunk(seg, seg.chunks.front(), target);
+  } catch (...) {
+    account_segment(seg, from, seg.size, true);
+    for (Block* b : live) account_alloc(b, from);
+    for (Block* b : frees) insert_free(b);
+    throw;
+  }
+  account_segment(seg, target, seg.size, true);
+  for (Block* b : live) account_alloc(b, target);
+  for (Block* b : frees) insert_free(b);
+  seg.touches = 0;
+}
+
+void DeviceAllocator::migrate_chunk(Segment& seg, Chunk& c, Tier target) {
+  if (c.tier == target) return;
+  account_commit(seg, c, false);
+  try {
+    factory_->migrate_chunk(seg, c, target);
+  } catch (...) {
+    account_commit(seg, c, true);
+    throw;
+  }
+  account_commit(seg, c, true);
+}
+
+size_t DeviceAllocator::demote_for(size_t need, bool budgeted) {
+  struct Target {
+    Segment* seg;
+    Chunk* chunk;  // nullptr: the whole block segment
+  };
+  std::vector<Target> targets;
+  std::vector<policy::Candidate> cands;
+  size_t total = 0;
+  for (const auto& [base, sp] : segments_) {
+    Segment& seg = *sp;
+    if (seg.cls != AllocClass::KV || !factory_->can_migrate(seg)) continue;
+    if (seg.extent) {
+      for (Chunk& c : seg.chunks) {
+        if (!c.committed || c.tier != Tier::Device) continue;
+        cands.push_back({targets.size(), c.size, c.seq, steps_marked_ && c.seq >= step_start_seq_});
+        targets.push_back({&seg, &c});
+        total += c.size;
+      }
+    } else {
+      // Graph-private pools stay put: a captured graph replays on them.
+      if (seg.tier() != Tier::Device || !seg.pool.is_default() || has_waiting_blocks(seg)) continue;
+      cands.push_back({targets.size(), seg.size, seg.last_use, steps_marked_ && seg.last_use >= step_start_seq_});
+      targets.push_back({&seg, nullptr});
+      total += seg.size;
+    }
+  }
+  if (total < need) return 0;
+  const double now = now_s();
+  size_t allowed = budgeted ? migration_budget_.available(now) : SIZE_MAX;
+  size_t host_room = cfg_.host_limit - std::min(cfg_.host_limit, size_t(stats_.tier[1].reserved_bytes.current));
+  auto victims = policy::choose_victims(need, cands, std::min(allowed, host_room));
+  if (victims.empty()) {
+    if (budgeted && allowed < need) stats_.counters.migration_budget_denials++;
+    return 0;
+  }
+  sync_device();
+  size_t moved = 0;
+  for (uint64_t id : victims) {
+    Target& t = targets[id];
+    size_t bytes = t.chunk ? t.chunk->size : t.seg->size;
+    if (t.chunk)
+      migrate_chunk(*t.seg, *t.chunk, Tier::Host);
+    else
+      migrate_segment(*t.seg, Tier::Host);
+    if (budgeted) migration_budget_.consume(bytes, now);
+    moved += bytes;
+    stats_.counters.demotions++;
+  }
+  stats_.counters.demoted_bytes += moved;
+  return moved;
+}
+
+size_t DeviceAllocator::migrate(const void* ptr, size_t len, Tier target) {
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  auto p = reinterpret_cast<CUdeviceptr>(ptr);
+  Segment* seg = segment_of(p);
+  if (!seg) throw Error(ErrorKind::InvalidArgument, "migrate: address is not owned by cxlalloc");
+  if (!factory_->can_migrate(*seg))
+    throw Error(ErrorKind::Unsupported, std::string("migrate: a ") + backing_name(seg->backing) +
+                                            " segment cannot move between tiers at a fixed address (backend " +
+                                            host_backend_name() + "; use host-vmm or managed)");
+  std::vector<Chunk*> chunks;
+  size_t bytes = 0;
+  if (seg->extent) {
+    size_t lo = p - seg->base, hi = std::min(seg->size, lo + std::max<size_t>(len, 1));
+    for (Chunk& c : seg->chunks)
+      if (c.committed && c.tier != target && c.offset < hi && c.offset + c.size > lo) {
+        chunks.push_back(&c);
+        bytes += c.size;
+      }
+  } else if (seg->tier() != target) {
+    if (has_waiting_blocks(*seg)) process_events(true);
+    bytes = seg->size;
+  }
+  if (bytes == 0) return 0;
+  size_t limit = target == Tier::Device ? device_limit_eff() : cfg_.host_limit;
+  size_t used = static_cast<size_t>(stats_.tier[int(target)].reserved_bytes.current);
+  if (used + bytes > limit)
+    throw_oom(bytes, seg->cls, std::string("no room to migrate to the ") + tier_name(target) + " tier");
+  sync_device();
+  if (seg->extent)
+    for (Chunk* c : chunks) migrate_chunk(*seg, *c, target);
+  else
+    migrate_segment(*seg, target);
+  if (target == Tier::Host) {
+    stats_.counters.demoted_bytes += bytes;
+    stats_.counters.demotions++;
+  } else {
+    stats_.counters.promoted_bytes += bytes;
+    stats_.counters.promotions++;
+  }
+  return bytes;
+}
+
+size_t DeviceAllocator::rebalance() {
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  if (!demotion_supported()) return 0;
+  struct Target {
+    Segment* seg;
+    Chunk* chunk;
+  };
+  std::vector<Target> targets;
+  std::vector<policy::PromoteCandidate> cands;
+  for (const auto& [base, sp] : segments_) {
+    Segment& seg = *sp;
+    if (seg.cls != AllocClass::KV || !factory_->can_migrate(seg)) continue;
+    if (seg.extent) {
+      for (Chunk& c : seg.chunks) {
+        if (!c.committed || c.tier != Tier::Host) continue;
+        cands.push_back({targets.size(), c.size, c.seq, c.touches, true});
+        targets.push_back({&seg, &c});
+      }
+    } else if (seg.tier() == Tier::Host && !has_waiting_blocks(seg)) {
+      cands.push_back({targets.size(), seg.size, seg.last_use, seg.touches, true});
+      targets.push_back({&seg, nullptr});
+    }
+  }
+  if (cands.empty()) return 0;
+  const double now = now_s();
+  auto ids = policy::choose_promotions(budget(), cands, cfg_.promote_after, migration_budget_.available(now));
+  if (ids.empty()) return 0;
+  sync_device();
+  size_t moved = 0;
+  for (uint64_t id : ids) {
+    Target& t = targets[id];
+    size_t bytes = t.chunk ? t.chunk->size : t.seg->size;
+    if (t.chunk)
+      migrate_chunk(*t.seg, *t.chunk, Tier::Device);
+    else
+      migrate_segment(*t.seg, Tier::Device);
+    migration_budget_.consume(bytes, now);
+    moved += bytes;
+    stats_.counters.promotions++;
+  }
+  stats_.counters.promoted_bytes += moved;
+  return moved;
+}
+
+}  // namespace cxl::alloc

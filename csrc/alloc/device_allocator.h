@@ -1,0 +1,244 @@
+// The per-device tiered caching allocator.
+//
+// One instance per GPU.  A best-fit block cache with split/merge and
+// stream-ordered reuse (torch's CUDACachingAllocator semantics) sits on top
+// of segments that come from two tiers: VRAM and host memory on one NUMA node.
+// The policy (csrc/policy) decides the tier of each new segment, what to
+// demote when VRAM is short and what to promote when it has room again.
+//
+// Thread safety: every public method takes the allocator's mutex, and binds
+// the device's primary context for its driver calls, so it may be called
+// from any thread (Python GC, torch deleters, worker threads).
+//
+// Order of resort when a request does not fit (compare torch's native order,
+// research/allocator-anchors.md addendum): cached block -> new segment on
+// the first-choice tier -> wait for stream-pending frees (all of them, not
+// FIFO: case C06) -> release cached free segments (C11) -> demote cold KV
+// (for non-KV requests) -> the host tier (spill) -> OutOfMemoryError.
+#pragma once
+
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "alloc/block.h"
+#include "alloc/segment.h"
+#include "alloc/segment_factory.h"
+#include "alloc/stats.h"
+#include "backend/backends.h"
+#include "driver/resources.h"
+#include "policy/policy.h"
+#include "topology/placement.h"
+
+namespace cxl::alloc {
+
+struct AllocatorConfig {
+  int device = 0;
+  size_t device_limit = 0;  // bytes of VRAM the allocator may hold (required, > 0)
+  size_t host_limit = 0;    // bytes on the host tier; 0 disables spilling
+  int host_node = 0;        // host NUMA node of the host tier (chosen by topology)
+  std::optional<backend::HostBackend> backend;  // nullopt: choose (host-vmm > managed > pinned)
+  size_t kv_device_limit = SIZE_MAX;  // KV bytes allowed in VRAM; SIZE_MAX: no separate quota
+  size_t device_headroom = 0;         // VRAM a KV placement must leave free for activations
+  double migration_rate = 8.0 * (1ull << 30);  // bytes/s of demotion+promotion; 0 disables
+  size_t migration_burst = size_t(4) << 30;    // token bucket size, bytes
+  uint32_t promote_after = 2;  // uses since demotion before a host chunk is promoted
+  size_t extent_chunk = 0;     // bytes per extent chunk; 0: the segment alignment (2 MiB)
+  bool strict_placement = false;
+  bool check_capture = true;   // ask the driver whether the stream is capturing
+};
+
+// One row of a memory snapshot (segment + its blocks), like torch's SegmentInfo.
+struct BlockSnapshot {
+  uint64_t ptr;
+  size_t size, requested;
+  bool allocated, pending_events;
+};
+struct SegmentSnapshot {
+  uint64_t id, base;
+  size_t size, allocated;
+  std::string tier;  // "device" | "host" | "mixed"
+  std::string cls, backing, kind;
+  uint64_t stream;
+  PoolId pool;
+  bool extent;
+  size_t device_bytes, host_bytes;
+  std::vector<BlockSnapshot> blocks;
+};
+
+struct TierRange {
+  size_t offset, length;
+  std::string tier;  // "device" | "host" | "none" (not committed)
+};
+
+struct ExtentInfo {
+  uint64_t id;
+  uint64_t base;
+  size_t capacity;
+  size_t chunk_bytes;
+  bool lazy;  // chunks commit on demand and place independently
+};
+
+// Where a host tier's pages were verified to be.
+struct PlacementStats {
+  size_t ok = 0, wrong = 0, unknown = 0;
+  std::string method;
+};
+
+class DeviceAllocator {
+ public:
+  using Filter = std::function<bool(CUstream)>;
+
+  DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std::shared_ptr<topology::NumaOps> numa);
+  ~DeviceAllocator();
+  DeviceAllocator(const DeviceAllocator&) = delete;
+  DeviceAllocator& operator=(const DeviceAllocator&) = delete;
+
+  // ---- block cache (global mode, pluggable allocator, Python malloc)
+  // nbytes == 0 returns nullptr.  Throws OutOfMemoryError / Error(Capture).
+  void* malloc(size_t nbytes, CUstream stream, AllocClass cls);
+  // Throws Error(InvalidFree) for pointers not allocated here or freed twice;
+  // nothing is modified then.  nullptr is a no-op.
+  void free(void* ptr);
+  void record_stream(void* ptr, CUstream stream);
+  // Wait for pending frees and release every wholly free cached segment of
+  // both tiers (except those of private pools in use).  Returns bytes released.
+  size_t empty_cache();
+  // Requested size of a live allocation (the base pointer); 0 if unknown.
+  size_t allocation_size(void* ptr) const;
+
+  // ---- private pools (CUDA graph capture, torch.cuda.MemPool in global mode)
+  void create_pool(PoolId id);  // or incref
+  void begin_allocate_to_pool(PoolId id, Filter filter);
+  void end_allocate_to_pool(PoolId id);
+  void release_pool(PoolId id);  // decref; frees its cached segments at 0
+
+  // ---- extents: growable KV buffers at a fixed address
+  ExtentInfo extent_create(size_t capacity, AllocClass cls);
+  // Commit chunks so that [0, bytes) is backed.  New chunks are placed by the
+  // policy (newest on the device up to the KV quota).  Throws OutOfMemoryError.
+  void extent_grow(uint64_t id, size_t bytes);
+  // Release chunks wholly beyond `bytes` (crop/reset).
+  void extent_trim(uint64_t id, size_t bytes);
+  void extent_touch(uint64_t id);
+  void extent_free(uint64_t id);
+  std::vector<TierRange> extent_tiers(uint64_t id) const;
+  size_t extent_committed(uint64_t id) const;
+
+  // ---- placement and migration
+  // Tier of the byte at `ptr` (any address inside a live block or extent).
+  // Throws InvalidArgument for addresses this allocator does not own.
+  Tier tier_of(const void* ptr) const;
+  // Move the segment (or extent range [ptr, ptr+len)) holding `ptr` to
+  // `target`, data intact.  Returns bytes moved.  Throws Unsupported when the
+  // backend cannot remap.  Not budgeted: an explicit request.
+  size_t migrate(const void* ptr, size_t len, Tier target);
+  // Promote hot host-tier KV back to the device while it has room (budgeted).
+  size_t rebalance();
+  // Start a new step: what is used from now on is the current working set
+  // that demotion never picks.
+  void mark_step();
+  // VRAM used outside this allocator (torch's own cache in scoped mode);
+  // subtracted from device_limit.
+  void set_external_device_bytes(size_t n);
+
+  // ---- introspection
+  Stats stats() const;
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  std::vector<SegmentSnapshot> snapshot() const;
+  PlacementStats placement() const;
+  // Recompute every counter from the segments and blocks and compare; throws
+  // Error(Internal) on any mismatch (tests call it after random sequences).
+  void check_invariants() const;
+  const AllocatorConfig& config() const { return cfg_; }
+  const backend::DeviceFacts& facts() const { return facts_; }
+  std::string host_backend_name() const;
+  // Per-backend support on this device: name -> (ok, reason).
+  std::map<std::string, backend::Support> backend_support() const { return support_; }
+  bool demotion_supported() const;
+  std::string describe_tiers() const;  // one line for OOM messages and logs
+  int device() const { return cfg_.device; }
+
+ private:
+  // Helpers below assume mu_ is held and the context is current.
+  struct PendingFree {
+    driver::Event event;
+    Block* block;
+  };
+  struct PrivatePool {
+    int use_count = 0;
+  };
+  struct Route {
+    PoolId pool;
+    Filter filter;
+  };
+
+  policy::TierBudget budget() const;
+  size_t device_limit_eff() const;
+  size_t segment_size(size_t rounded) const;
+  bool capturing(CUstream s) const;
+  Block* find_free(const FreeListKey& key, CUstream stream, size_t size);
+  Block* take_block(Block* b, size_t size, size_t requested, CUstream stream);
+  Block* alloc_in(Tier tier, const FreeListKey& key, size_t size, size_t requested, CUstream stream,
+                  bool allow_new_segment);
+  Segment* new_segment(Tier tier, const FreeListKey& key, size_t size, CUstream stream);
+  void free_block(Block* b);
+  void insert_free(Block* b);
+  void erase_free(Block* b);
+  void process_events(bool wait);
+  void flush_deferred();
+  driver::Event acquire_event();
+  size_t release_free_segments(Tier tier, size_t want, bool include_private);
+  void release_segment(Segment* seg);
+  size_t demote_for(size_t need, bool budgeted);
+  void migrate_segment(Segment& seg, Tier target);
+  void migrate_chunk(Segment& seg, Chunk& c, Tier target);
+  void sync_device();
+  double now_s() const;
+  [[noreturn]] void throw_oom(size_t requested, AllocClass cls, const std::string& why);
+  void account_alloc(Block* b, Tier t);
+  void account_free(Block* b, Tier t);
+  void account_segment(const Segment& seg, Tier t, size_t bytes, bool add);
+  void account_commit(Segment& seg, Chunk& c, bool add);
+  Segment* segment_of(CUdeviceptr p) const;
+  std::string diagnose_bad_free(CUdeviceptr p) const;
+
+  driver::DriverPtr drv_;
+  AllocatorConfig cfg_;
+  std::shared_ptr<topology::NumaOps> numa_;
+  driver::PrimaryContext ctx_;
+  backend::DeviceFacts facts_;
+  std::map<std::string, backend::Support> support_;
+  std::unique_ptr<SegmentFactory> factory_;
+  bool host_enabled_ = false;
+
+  mutable std::mutex mu_;
+  std::map<CUdeviceptr, std::unique_ptr<Segment>> segments_;  // by base address
+  std::unordered_map<CUdeviceptr, Block*> allocated_;         // live blocks by pointer
+  std::map<FreeListKey, FreeList> free_lists_;
+  std::deque<PendingFree> pending_;
+  std::vector<Block*> deferred_;  // freed with stream uses during capture
+  std::vector<driver::Event> event_pool_;
+  std::map<PoolId, PrivatePool> pools_;
+  std::vector<Route> routes_;
+  std::map<uint64_t, Segment*> extents_;
+
+  Stats stats_;
+  size_t external_device_bytes_ = 0;
+  size_t kv_device_bytes_ = 0;  // device bytes of KV segments and extent chunks
+  uint64_t seq_ = 0;            // allocation / commit sequence
+  uint64_t step_start_seq_ = 0;
+  bool steps_marked_ = false;
+  uint64_t next_segment_id_ = 1;
+  policy::MigrationBudget migration_budget_;
+};
+
+}  // namespace cxl::alloc

@@ -1,0 +1,55 @@
+// The engine: one loaded driver and one DeviceAllocator per GPU.
+//
+// A Python `cxlalloc.Allocator` owns an engine of its own; global and scoped
+// modes install one process-wide engine (Engine::set_current) that the C ABI
+// (csrc/capi) serves torch from.  Device allocators are created lazily, on a
+// device's first allocation, from the configuration set for that device.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "alloc/device_allocator.h"
+#include "driver/driver.h"
+#include "topology/placement.h"
+
+namespace cxl::alloc {
+
+class Engine {
+ public:
+  // Loads the driver (throws Error(Unavailable) "CUDA unavailable: ...").
+  Engine(const std::string& driver_path, bool simulated);
+  ~Engine();
+
+  const std::shared_ptr<const driver::Driver>& driver() const { return drv_; }
+  int device_count() const { return drv_->device_count(); }
+  // Configuration used when device `d`'s allocator is first created.
+  // Throws InvalidArgument for a bad ordinal, or if `d` already exists.
+  void configure_device(int d, const AllocatorConfig& cfg);
+  bool has_config(int d) const;
+  // The allocator of device `d`, created on first use.
+  DeviceAllocator& device(int d);
+  // Existing allocator or nullptr (stats of a device never used).
+  DeviceAllocator* existing(int d) const;
+  std::shared_ptr<topology::NumaOps> numa() const { return numa_; }
+  // (free, total) VRAM of device `d` now, via its primary context.
+  std::pair<size_t, size_t> mem_info(int d) const;
+  // A device attribute (CU_DEVICE_ATTRIBUTE_*); `fallback` if the driver rejects it.
+  int attribute(int d, int attr, int fallback) const;
+  std::string device_name(int d) const;
+
+  // The process-wide engine behind the C ABI (nullptr until enabled).
+  static void set_current(std::shared_ptr<Engine> e);
+  static std::shared_ptr<Engine> current();
+
+ private:
+  std::shared_ptr<const driver::Driver> drv_;
+  std::shared_ptr<topology::NumaOps> numa_;
+  mutable std::mutex mu_;
+  std::map<int, AllocatorConfig> configs_;
+  std::map<int, std::unique_ptr<DeviceAllocator>> devices_;
+};
+
+}  // namespace cxl::alloc

@@ -1,0 +1,73 @@
+// Creates, commits and migrates segments on one device.  Knows the backends;
+// knows nothing of blocks, budgets or policy (DeviceAllocator decides).
+//
+// Every method needs the device's primary context current (the caller holds
+// a ContextGuard) and the allocator mutex (no internal locking).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "alloc/segment.h"
+#include "backend/backends.h"
+#include "driver/resources.h"
+#include "topology/placement.h"
+
+namespace cxl::alloc {
+
+struct FactoryConfig {
+  int device = 0;
+  int host_node = 0;                 // the host/CXL NUMA node of the host tier
+  backend::HostBackend host_backend = backend::HostBackend::HostVmm;
+  bool host_enabled = true;          // false: no host tier at all (host_limit 0 or unsupported)
+  bool device_vmm = true;            // false: cuMemAlloc device segments
+  size_t device_granularity = 2u << 20;
+  size_t host_granularity = 2u << 20;
+  bool strict_placement = false;     // misplaced host pages fail the allocation
+};
+
+class SegmentFactory {
+ public:
+  SegmentFactory(driver::DriverPtr drv, FactoryConfig cfg, topology::NumaOps* numa);
+
+  const FactoryConfig& config() const { return cfg_; }
+  // Alignment every segment size is rounded to: a multiple of both tiers'
+  // granularity so any VMM segment can migrate.
+  size_t segment_alignment() const { return align_; }
+
+  // A block-cache segment of `size` bytes (a multiple of segment_alignment)
+  // fully committed on `tier`.  Throws DriverError / OutOfMemoryError.
+  std::unique_ptr<Segment> create_block_segment(size_t size, Tier tier, AllocClass cls, PoolKind kind);
+
+  // Whether extents can commit chunks lazily and place each independently
+  // (VMM with host-vmm, or managed).  Otherwise an extent is a fixed segment.
+  bool lazy_extents() const;
+  // An extent segment: `capacity` bytes of address space in chunks of
+  // `chunk_bytes` (both multiples of segment_alignment), nothing committed.
+  std::unique_ptr<Segment> create_extent(size_t capacity, size_t chunk_bytes, AllocClass cls);
+  void commit_chunk(Segment& seg, Chunk& c, Tier tier);
+  void decommit_chunk(Segment& seg, Chunk& c);
+
+  // Whether this segment's pages can move between tiers at a fixed address.
+  bool can_migrate(const Segment& seg) const;
+  // Move one committed chunk to `target`, bytes intact, address unchanged.
+  // The caller has synchronized the device (no kernel may touch the chunk).
+  // On failure the chunk is left as it was and the error is rethrown.
+  void migrate_chunk(Segment& seg, Chunk& c, Tier target);
+
+  // Re-read where a host chunk's pages are (numa ops) into c.placed_*.
+  void verify_host_placement(const Segment& seg, Chunk& c);
+
+ private:
+  CUmemLocation location(Tier t) const;
+  void advise_managed(const Segment& seg, const Chunk& c, Tier t);
+  CUstream stream();
+
+  driver::DriverPtr drv_;
+  FactoryConfig cfg_;
+  topology::NumaOps* numa_;
+  size_t align_;
+  driver::Stream stream_;  // prefetches; created on first use
+};
+
+}  // namespace cxl::alloc

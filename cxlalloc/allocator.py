@@ -1,0 +1,275 @@
+"""``cxlalloc.Allocator``: the tiered allocator of one GPU, used directly.
+
+Global mode (``cxlalloc.enable()``) makes the same engine torch's allocator;
+this class is for direct use, tests, capacity planning, and (with
+``simulate=True``) machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+from cxlalloc import _C, _runtime
+from cxlalloc.config import TAGS, make_config
+
+_DL_CPU = 1   # DLPack kDLCPU
+_DL_CUDA = 2  # DLPack kDLCUDA
+
+
+def _check_tag(tag: str) -> str:
+    if tag not in TAGS:
+        raise ValueError(f"cxlalloc: tag {tag!r} is not an allocation class; allowed: {', '.join(TAGS)}")
+    return tag
+
+
+def _check_tier(tier: str) -> str:
+    if tier not in ("device", "host"):
+        raise ValueError(f"cxlalloc: tier {tier!r} is not a tier; allowed: device, host")
+    return tier
+
+
+class Allocator:
+    """A tiered caching allocator for one GPU: VRAM first, then host memory
+    on one NUMA node (DRAM or a CXL expander), mapped for the GPU.
+
+    Args:
+        device_limit: VRAM the allocator may hold: bytes, a size string
+            (``"512MiB"``, ``"8GiB"``) or a fraction of VRAM (``0.5``,
+            ``"50%"``); default: free VRAM at start minus 256 MiB.
+        host_limit: bytes on the host tier (size string accepted); default
+            80% of the host node's free memory; 0 disables spilling.
+        numa_node: host NUMA node for the host tier, or ``"auto"`` (a
+            CPU-less/CXL node near the GPU if any, else the GPU's nearest).
+        backend: host-tier backend: ``"auto"``, ``"host-vmm"``,
+            ``"managed"``, ``"pinned"`` (see README "Backends").
+        simulate: run on the simulated CUDA driver shipped with the package
+            (no GPU needed; never a substitute for verification on a GPU).
+        device: CUDA device ordinal (default 0).
+        **options: the other options of :mod:`cxlalloc.config`
+            (``kv_device_limit``, ``device_headroom``, ``migration_rate``,
+            ``promote_after``, ``extent_chunk``, ``strict_placement``,
+            ``sim_vram``, ``libcuda``).
+
+    Raises:
+        ValueError: a bad option (the message names it and its allowed values).
+        cxlalloc.CudaUnavailableError: no CUDA driver (and simulate=False).
+        cxlalloc.CudaUnavailableError: the requested backend cannot work here
+            (the message lists each backend's support and why).
+    """
+
+    def __init__(self, device_limit=None, host_limit=None, numa_node="auto", backend="auto",
+                 simulate: bool = False, device: int = 0, **options):
+        self.config = make_config(device_limit=device_limit, host_limit=host_limit, numa_node=numa_node,
+                                  backend=backend, simulate=simulate, device=device, **options)
+        self._engine = _runtime.new_engine(self.config)
+        self.device = self.config.device or 0
+        opts = _runtime.device_options(self._engine, self.device, self.config)
+        self.node_reason = opts["node_reason"]
+        _runtime.configure(self._engine, self.device, opts)
+        self._dev = self._engine.device(self.device)
+        self.simulated = bool(self.config.simulate)
+
+    # ------------------------------------------------------------ raw memory
+    def malloc(self, nbytes: int, tag: str = "other", stream: int = 0) -> int:
+        """Allocate ``nbytes`` bytes of class ``tag`` ("kv", "weight", "other").
+
+        Returns the device address (int; also CPU-addressable in simulation).
+        0 for ``nbytes == 0``.  Blocks are cached and reused per ``stream``
+        (a ``cudaStream_t`` as int; 0 = the default stream).
+
+        Raises:
+            cxlalloc.OutOfMemoryError: neither tier can hold it (the message
+                gives the request, each tier's use and limit, and the node).
+            ValueError: unknown tag.
+        """
+        return self._dev.malloc(int(nbytes), int(stream), _check_tag(tag))
+
+    def free(self, ptr: int) -> None:
+        """Free a pointer returned by :meth:`malloc`.
+
+        Raises:
+            cxlalloc.InvalidFreeError: not allocated here, an interior
+                pointer, or already freed (nothing is modified).
+        """
+        self._dev.free(int(ptr))
+
+    def record_stream(self, ptr: int, stream: int) -> None:
+        """Mark ``ptr`` as used on ``stream``: after :meth:`free` it is reused
+        only once the work queued on ``stream`` so far has completed."""
+        self._dev.record_stream(int(ptr), int(stream))
+
+    def tier_of(self, ptr: int) -> str:
+        """``"device"`` or ``"host"``: where the byte at ``ptr`` lives now.
+
+        Raises:
+            ValueError: ``ptr`` is not memory of this allocator.
+        """
+        return self._dev.tier_of(int(ptr))
+
+    def migrate(self, ptr: int, tier: str, length: int = 1) -> int:
+        """Move the segment holding ``ptr`` (or, in an extent, the chunks
+        overlapping ``[ptr, ptr+length)``) to ``tier``, address unchanged and
+        bytes intact.  Returns bytes moved.
+
+        Raises:
+            cxlalloc.UnsupportedError: the backend cannot remap (``pinned``).
+            cxlalloc.OutOfMemoryError: the target tier has no room.
+        """
+        return self._dev.migrate(int(ptr), int(length), _check_tier(tier))
+
+    def demote(self, ptr: int, length: int = 1) -> int:
+        """:meth:`migrate` to the host tier."""
+        return self.migrate(ptr, "host", length)
+
+    def promote(self, ptr: int, length: int = 1) -> int:
+        """:meth:`migrate` to the device tier."""
+        return self.migrate(ptr, "device", length)
+
+    def rebalance(self) -> int:
+        """Promote hot host-tier KV back to VRAM while it has room beyond the
+        headroom, within the migration budget.  Returns bytes promoted."""
+        return self._dev.rebalance()
+
+    def mark_step(self) -> None:
+        """Start a new step (e.g. a decode step): memory used from now on is
+        the working set that demotion never picks."""
+        self._dev.mark_step()
+
+    def empty_cache(self) -> int:
+        """Wait for pending frees and return all cached free segments of both
+        tiers to the driver.  Returns bytes released."""
+        return self._dev.empty_cache()
+
+    # ------------------------------------------------------------ tensors
+    def _dl_device(self):
+        return (_DL_CPU, 0) if self.simulated else (_DL_CUDA, self.device)
+
+    def tensor(self, shape: Sequence[int], dtype=None, tag: str = "other", stream: Optional[int] = None):
+        """A torch tensor of ``shape``/``dtype`` whose storage comes from
+        this allocator (class ``tag``).  On a GPU it is a ``cuda:N`` tensor
+        (also when its bytes live on the host tier); in simulation a CPU
+        tensor.  The memory is freed when the tensor's storage dies.
+
+        Raises:
+            cxlalloc.OutOfMemoryError, ValueError: as :meth:`malloc`.
+        """
+        import torch
+
+        dtype = dtype or torch.float32
+        shape = tuple(int(s) for s in shape)
+        elem = torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * elem
+        dev_type, dev_id = self._dl_device()
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype, device="cpu" if self.simulated else f"cuda:{dev_id}")
+        if stream is None:
+            stream = 0 if self.simulated else torch.cuda.current_stream(dev_id).cuda_stream
+        ptr = self._dev.malloc(nbytes, int(stream), _check_tag(tag))
+        try:
+            cap = self._dev.dlpack(ptr, nbytes, dev_type, dev_id)
+        except BaseException:
+            self._dev.free(ptr)
+            raise
+        # From here the capsule owns the block: freed with the tensor.
+        return torch.from_dlpack(cap).view(dtype).view(shape)
+
+    def extent(self, capacity: int, tag: str = "kv") -> "Extent":
+        """Reserve a growable buffer of ``capacity`` bytes at a fixed address
+        (see :class:`Extent`).  Nothing is committed until :meth:`Extent.grow`
+        (with a remappable backend; ``pinned`` commits it whole now)."""
+        from cxlalloc.config import parse_size
+
+        return Extent(self, self._dev.extent(parse_size(capacity, "capacity"), _check_tag(tag)))
+
+    # ------------------------------------------------------------ introspection
+    def stats(self) -> dict:
+        """Per-tier and per-class statistics (all sizes in bytes).
+
+        Keys: ``device``/``host`` → ``allocated_bytes``, ``reserved_bytes``,
+        ``limit_bytes``, ``peak_allocated_bytes``, ``peak_reserved_bytes``,
+        ``segments`` (host also ``numa_node``, ``backend``, ``placement``:
+        verified/misplaced/unverified bytes and the method); ``kv``/
+        ``weight``/``other`` → ``device_bytes``, ``host_bytes``,
+        ``peak_device_bytes``, ``peak_host_bytes``; counters
+        ``spilled_bytes`` (cumulative bytes served by the host tier),
+        ``demoted_bytes``, ``promoted_bytes``, ``reclaimed_bytes``,
+        ``cache_hits``, ``invalid_frees``, ``ooms``, ...; ``torch``: the
+        device tier in ``torch.cuda.memory_stats()`` keys.
+        """
+        return self._dev.stats()
+
+    def reset_peak_stats(self) -> None:
+        self._dev.reset_peak_stats()
+
+    def snapshot(self) -> list:
+        """Every segment with its blocks (address, size, tier, class, backing)."""
+        return self._dev.snapshot()
+
+    def info(self) -> dict:
+        """Resolved configuration, backend support on this GPU, granularity."""
+        d = self._dev.info()
+        d["node_reason"] = self.node_reason
+        d["simulated"] = self.simulated
+        return d
+
+    def check_invariants(self) -> None:
+        """Recompute all accounting from scratch; raise RuntimeError on any
+        mismatch (used by tests after randomized operation sequences)."""
+        self._dev.check_invariants()
+
+    def __repr__(self) -> str:
+        mode = "simulated" if self.simulated else "cuda"
+        return f"<cxlalloc.Allocator {mode}:{self.device} {self._dev.describe_tiers()}>"
+
+
+class Extent:
+    """A growable buffer at a fixed address: the storage of a KV cache layer.
+
+    Address space for ``capacity`` bytes is reserved up front; physical
+    chunks are committed by :meth:`grow`, each placed by the KV policy (the
+    newest on the device while the KV quota allows, older ones demoted to the
+    host tier), so growing never copies existing bytes and the whole buffer
+    stays one contiguous view.  The extent is released when this object and
+    every tensor from :meth:`tensor` are gone.
+    """
+
+    def __init__(self, allocator: Allocator, handle):
+        self._alloc = allocator
+        self._h = handle
+
+    base = property(lambda self: self._h.base, doc="Address of byte 0 (int).")
+    capacity = property(lambda self: self._h.capacity, doc="Reserved bytes.")
+    chunk_bytes = property(lambda self: self._h.chunk_bytes, doc="Commit granularity in bytes.")
+    lazy = property(lambda self: self._h.lazy, doc="True if chunks commit on demand.")
+    committed = property(lambda self: self._h.committed, doc="Physically backed bytes.")
+
+    def grow(self, nbytes: int) -> None:
+        """Make ``[0, nbytes)`` physically backed.
+
+        Raises:
+            ValueError: beyond the capacity.
+            cxlalloc.OutOfMemoryError: no tier has room for a chunk.
+        """
+        self._h.grow(int(nbytes))
+
+    def trim(self, nbytes: int) -> None:
+        """Release chunks wholly beyond ``nbytes`` (crop / reset)."""
+        self._h.trim(int(nbytes))
+
+    def touch(self) -> None:
+        """Record a use of every committed chunk (drives promotion)."""
+        self._h.touch()
+
+    def tiers(self) -> list:
+        """``[(offset, length, "device"|"host"|"none"), ...]`` covering the capacity."""
+        return [tuple(t) for t in self._h.tiers()]
+
+    def tensor(self, dtype=None):
+        """A 1-D tensor of ``dtype`` over the whole capacity (read only the
+        committed prefix).  Keeps the extent alive."""
+        import torch
+
+        dev_type, dev_id = self._alloc._dl_device()
+        t = torch.from_dlpack(self._h.dlpack(dev_type, dev_id))
+        return t if dtype is None or dtype == torch.uint8 else t.view(dtype)

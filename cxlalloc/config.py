@@ -1,0 +1,318 @@
+"""Options of cxlalloc: parsing, units and validation.
+
+Options come from keyword arguments (``cxlalloc.enable(device_limit="8GiB")``,
+``cxlalloc.Allocator(...)``, ``cxlalloc.hf.wrap(model, ...)``) or from the one
+environment variable ``CXLALLOC``, in the same ``key:value,key:value`` form as
+``PYTORCH_CUDA_ALLOC_CONF``::
+
+    CXLALLOC=1                                      # defaults
+    CXLALLOC=device_limit:8GiB,numa_node:2,backend:managed
+
+Every bad value raises ``ValueError`` naming the option and its allowed values.
+
+Sizes are bytes: an int, or a string with a binary unit (``"512MiB"``,
+``"8GiB"``, ``"1.5TiB"``, ``"4KiB"``) or a decimal one (``"8GB"`` = 8e9
+bytes), or ``"<n>B"``.  ``device_limit`` and ``kv_device_limit`` also take a
+fraction: a float in (0, 1] or a percentage string (``"50%"``) of the GPU's
+VRAM (of ``device_limit`` for ``kv_device_limit``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Any, Optional, Union
+
+Size = Union[int, float, str, None]
+
+_BINARY = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_DECIMAL = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+SIZE_HELP = "bytes (int) or a size string like '512MiB', '8GiB', '1.5TiB', '8GB'"
+BACKENDS = ("auto", "host-vmm", "managed", "pinned")
+TAGS = ("kv", "weight", "other")
+
+
+def parse_size(value: Any, option: str) -> int:
+    """Parse a byte size.
+
+    Args:
+        value: int bytes, or a string such as ``"512MiB"``, ``"8GiB"``,
+            ``"8GB"`` (decimal), ``"4096"``.
+        option: the option's name, used in the error message.
+
+    Returns:
+        The size in bytes (int, >= 0).
+
+    Raises:
+        ValueError: naming ``option`` and the accepted forms.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"cxlalloc option '{option}': {value!r} is not a size; use {SIZE_HELP}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"cxlalloc option '{option}': {value} is negative; use {SIZE_HELP}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m:
+            number, unit = float(m.group(1)), m.group(2).lower()
+            mult = _BINARY.get(unit or "b") or _DECIMAL.get(unit)
+            if mult is not None and math.isfinite(number):
+                return int(number * mult)
+    raise ValueError(f"cxlalloc option '{option}': {value!r} is not a size; use {SIZE_HELP}")
+
+
+def parse_size_or_fraction(value: Any, option: str) -> Union[int, float]:
+    """Parse a size (-> int bytes) or a fraction (-> float in (0, 1]).
+
+    Fractions: a float in (0, 1] or a percentage string ``"50%"``.  An int is
+    always bytes (so ``1`` means one byte, ``1.0`` means 100%).
+
+    Raises:
+        ValueError: naming ``option`` and the accepted forms.
+    """
+    help_ = f"{SIZE_HELP}, or a fraction of VRAM: a float in (0, 1] or a percentage like '50%'"
+    if isinstance(value, float):
+        if 0.0 < value <= 1.0:
+            return value
+        raise ValueError(f"cxlalloc option '{option}': {value} is not a fraction in (0, 1]; use {help_}")
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            pct = float(value.strip()[:-1])
+        except ValueError:
+            pct = -1.0
+        if 0.0 < pct <= 100.0:
+            return pct / 100.0
+        raise ValueError(f"cxlalloc option '{option}': {value!r} is not a percentage in (0, 100]; use {help_}")
+    if isinstance(value, str):
+        # "0.5" from the environment variable is a fraction, "512MiB" a size.
+        try:
+            f = float(value)
+        except ValueError:
+            f = None
+        if f is not None and "." in value:
+            return parse_size_or_fraction(f, option)
+    try:
+        return parse_size(value, option)
+    except ValueError:
+        raise ValueError(f"cxlalloc option '{option}': {value!r} is not a size or fraction; use {help_}") from None
+
+
+def _parse_bool(value: Any, option: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    raise ValueError(f"cxlalloc option '{option}': {value!r} is not a boolean; use true/false (or 1/0)")
+
+
+def _parse_node(value: Any, option: str) -> Union[str, int]:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool):
+        value = None
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    raise ValueError(f"cxlalloc option '{option}': {value!r} is not a NUMA node; use 'auto' or a node id (int >= 0)")
+
+
+def _parse_choice(value: Any, option: str, allowed: tuple) -> str:
+    if isinstance(value, str) and value.strip() in allowed:
+        return value.strip()
+    raise ValueError(f"cxlalloc option '{option}': {value!r} is not allowed; allowed: {', '.join(allowed)}")
+
+
+def _parse_device(value: Any, option: str) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        v = value.strip()
+        if v.startswith("cuda:"):
+            v = v[5:]
+        if v.isdigit():
+            return int(v)
+    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    else:
+        idx = getattr(value, "index", None)  # torch.device
+        if isinstance(idx, int):
+            return idx
+    raise ValueError(f"cxlalloc option '{option}': {value!r} is not a device; use a CUDA ordinal (0, 1, ...) or 'cuda:N'")
+
+
+def _parse_rate(value: Any, option: str) -> float:
+    """Bytes per second: a size (per second) such as '8GiB', or 0 to disable."""
+    return float(parse_size(value, option))
+
+
+def _parse_positive_int(value: Any, option: str) -> int:
+    try:
+        v = int(value)
+    except (TypeError, ValueError):
+        v = -1
+    if isinstance(value, bool) or v < 1:
+        raise ValueError(f"cxlalloc option '{option}': {value!r} is not a positive integer")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Validated options (see the module docstring for units).
+
+    Attributes:
+        device_limit: VRAM cxlalloc may hold: bytes (int), a fraction of the
+            GPU's VRAM (float), or None for "all free VRAM at start minus
+            256 MiB for the CUDA context and libraries".
+        host_limit: bytes on the host tier; None = 80% of the host node's
+            free memory at start; 0 disables spilling.
+        numa_node: host NUMA node of the host tier, or "auto" (a CPU-less
+            node near the GPU if any, else the GPU's nearest node).
+        backend: host-tier backend: "auto", "host-vmm", "managed", "pinned".
+        kv_device_limit: KV cache bytes allowed in VRAM (bytes, or fraction
+            of device_limit); None = no separate quota.
+        device_headroom: VRAM a KV placement must leave free for activations
+            (bytes, or fraction of device_limit); default 5% of device_limit.
+        migration_rate: bytes/s budget for demotion + promotion (token
+            bucket, burst = half a second's worth, at least 1 GiB); 0 disables.
+        promote_after: uses of a demoted chunk before it may be promoted back.
+        extent_chunk: bytes per KV extent chunk (None: the VMM granularity).
+        strict_placement: fail host allocations whose pages did not land on
+            the chosen node (default: warn and count them in stats).
+        simulate: use the simulated CUDA driver shipped with the package.
+        sim_vram: VRAM of the simulated GPU (simulation only).
+        libcuda: path of the CUDA driver library (default "libcuda.so.1").
+        device: the CUDA device for single-device APIs (None: current).
+    """
+
+    device_limit: Union[int, float, None] = None
+    host_limit: Optional[int] = None
+    numa_node: Union[str, int] = "auto"
+    backend: str = "auto"
+    kv_device_limit: Union[int, float, None] = None
+    device_headroom: Union[int, float, None] = None
+    migration_rate: float = float(8 << 30)
+    promote_after: int = 2
+    extent_chunk: Optional[int] = None
+    strict_placement: bool = False
+    simulate: bool = False
+    sim_vram: Optional[int] = None
+    libcuda: str = "libcuda.so.1"
+    device: Optional[int] = None
+
+
+def _opt_size(v, name):
+    return None if v is None else parse_size(v, name)
+
+
+def _opt_size_or_fraction(v, name):
+    return None if v is None else parse_size_or_fraction(v, name)
+
+
+# name -> parser(value, name) -> parsed value
+_PARSERS = {
+    "device_limit": _opt_size_or_fraction,
+    "host_limit": _opt_size,
+    "numa_node": _parse_node,
+    "backend": lambda v, n: _parse_choice(v, n, BACKENDS),
+    "kv_device_limit": _opt_size_or_fraction,
+    "device_headroom": _opt_size_or_fraction,
+    "migration_rate": _parse_rate,
+    "promote_after": _parse_positive_int,
+    "extent_chunk": _opt_size,
+    "strict_placement": _parse_bool,
+    "simulate": _parse_bool,
+    "sim_vram": _opt_size,
+    "libcuda": lambda v, n: str(v),
+    "device": _parse_device,
+}
+
+OPTION_NAMES = tuple(_PARSERS)
+
+
+def make_config(**options: Any) -> Config:
+    """Validate keyword options into a :class:`Config`.
+
+    Raises:
+        ValueError: for an unknown option (listing the known ones) or a bad
+            value (naming the option and its allowed values).
+    """
+    parsed = {}
+    for name, value in options.items():
+        if name not in _PARSERS:
+            raise ValueError(f"cxlalloc: unknown option '{name}'; known options: {', '.join(OPTION_NAMES)}")
+        if value is None and name not in ("device_limit", "host_limit", "kv_device_limit", "device_headroom",
+                                           "extent_chunk", "sim_vram", "device"):
+            continue
+        parsed[name] = _PARSERS[name](value, name)
+    return Config(**parsed)
+
+
+def parse_env(value: Optional[str] = None) -> dict:
+    """Parse the ``CXLALLOC`` environment variable into option kwargs.
+
+    Args:
+        value: the variable's text (default: ``os.environ["CXLALLOC"]``).
+            ``"1"``/``"true"``/``"on"`` means defaults; ``"0"``/``""`` means
+            off (returns None); otherwise ``key:value`` pairs separated by
+            commas.
+
+    Returns:
+        dict of raw option values (validate with :func:`make_config`), or
+        None when the variable asks for cxlalloc to stay off.
+
+    Raises:
+        ValueError: a malformed pair or an unknown key, naming it.
+    """
+    if value is None:
+        value = os.environ.get("CXLALLOC", "")
+    text = value.strip()
+    if text.lower() in ("", "0", "false", "off", "no"):
+        return None
+    if text.lower() in ("1", "true", "on", "yes"):
+        return {}
+    out = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if ":" not in part:
+            raise ValueError(
+                f"CXLALLOC: '{part}' is not key:value (e.g. CXLALLOC=device_limit:8GiB,numa_node:2); "
+                f"known keys: {', '.join(OPTION_NAMES)}")
+        key, val = (s.strip() for s in part.split(":", 1))
+        if key not in _PARSERS:
+            raise ValueError(f"CXLALLOC: unknown key '{key}'; known keys: {', '.join(OPTION_NAMES)}")
+        out[key] = val
+    return out
+
+
+def resolve_fraction(value: Union[int, float, None], whole: int) -> Optional[int]:
+    """Turn a parsed size-or-fraction into bytes of ``whole`` (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, float):
+        return int(value * whole)
+    return int(value)
+
+
+def format_bytes(n: Optional[int]) -> str:
+    """'1.50 GiB', '512.00 MiB', '123 B' (None -> 'n/a')."""
+    if n is None:
+        return "n/a"
+    n = int(n)
+    if abs(n) < 1024:
+        return f"{n} B"
+    v = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        v /= 1024.0
+        if abs(v) < 1024.0 or unit == "PiB":
+            return f"{v:.2f} {unit}"
+    return f"{n} B"
