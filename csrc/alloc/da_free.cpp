@@ -226,15 +226,18 @@ void DeviceAllocator::create_pool(PoolId id) {
 
 void DeviceAllocator::begin_allocate_to_pool(PoolId id, Filter filter) {
   std::lock_guard<std::mutex> lk(mu_);
-  pools_[id];  // exists from now on
+  // torch's beginAllocateToPool creates or increfs the pool; releasePool
+  // drops that reference (research notes: torch-allocator-interface.md).
+  pools_[id].use_count++;
   routes_.push_back(Route{id, std::move(filter)});
 }
 
 void DeviceAllocator::end_allocate_to_pool(PoolId id) {
   std::lock_guard<std::mutex> lk(mu_);
-  for (auto it = routes_.begin(); it != routes_.end(); ++it) {
+  // Remove the newest route of this pool (routes nest like scopes).
+  for (auto it = routes_.rbegin(); it != routes_.rend(); ++it) {
     if (it->pool == id) {
-      routes_.erase(it);
+      routes_.erase(std::next(it).base());
       return;
     }
   }

@@ -120,7 +120,7 @@ Block* DeviceAllocator::alloc_in(Tier tier, const FreeListKey& base_key, size_t 
   return take_block(seg->head, size, requested, stream);
 }
 
-void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls) {
+void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bool only_host) {
   if (nbytes == 0) return nullptr;
   const size_t size = round_size(nbytes);
   std::lock_guard<std::mutex> lk(mu_);
@@ -131,12 +131,13 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls) {
   if (size == 0 || size > largest_tier)
     throw_oom(nbytes, cls, "the request is larger than either tier's whole limit");
 
-  // Private pools (graph capture, MemPool) claim matching streams, first match
-  // wins (torch's captures_underway order).
+  // Private pools (graph capture, MemPool) claim matching streams; the most
+  // recently begun matching route wins, as in torch since #161193 (nested
+  // use_mem_pool: the inner pool gets the allocations).
   PoolId pool;
-  for (const auto& r : routes_) {
-    if (r.filter(stream)) {
-      pool = r.pool;
+  for (auto r = routes_.rbegin(); r != routes_.rend(); ++r) {
+    if (r->filter(stream)) {
+      pool = r->pool;
       break;
     }
   }
@@ -152,8 +153,11 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls) {
   const PoolKind kind = size <= kSmallSize ? PoolKind::Small : PoolKind::Large;
   const FreeListKey key{pool, Tier::Device, cls, kind};
 
+  if (only_host && (cap || !host_enabled_))
+    throw Error(ErrorKind::Unsupported, cap ? "cxlalloc: host-tier allocation refused during CUDA graph capture"
+                                            : "cxlalloc: host-tier allocation asked for, but the host tier is disabled (host_limit 0)");
   // Fast path: a cached device block (already reserved: costs no budget).
-  if (Block* b = find_free(key, stream, size)) {
+  if (Block* b = only_host ? nullptr : find_free(key, stream, size)) {
     stats_.counters.cache_hits++;
     return reinterpret_cast<void*>(take_block(b, size, nbytes, stream)->ptr);
   }
@@ -161,7 +165,7 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls) {
   const size_t seg_bytes = segment_size(size);
   policy::Request req{cls, seg_bytes, cap};
   policy::TierBudget tb = budget();
-  Tier first = policy::first_choice(req, tb);
+  Tier first = only_host ? Tier::Host : policy::first_choice(req, tb);
 
   auto try_device = [&](bool allow_demote) -> Block* {
     if (Block* b = alloc_in(Tier::Device, key, size, nbytes, stream, true)) return b;
@@ -227,7 +231,7 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls) {
   } else {
     b = try_host();
     // The host tier is full: a KV block still beats an OOM while VRAM has room.
-    if (!b) b = try_device(false);
+    if (!b && !only_host) b = try_device(false);
   }
   if (!b) throw_oom(nbytes, cls, "neither tier can hold it");
   return reinterpret_cast<void*>(b->ptr);

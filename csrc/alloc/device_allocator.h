@@ -103,7 +103,9 @@ class DeviceAllocator {
 
   // ---- block cache (global mode, pluggable allocator, Python malloc)
   // nbytes == 0 returns nullptr.  Throws OutOfMemoryError / Error(Capture).
-  void* malloc(size_t nbytes, CUstream stream, AllocClass cls);
+  // `only_host`: serve from the host tier only (the scoped-mode spill pool,
+  // whose whole point is memory that is not VRAM).
+  void* malloc(size_t nbytes, CUstream stream, AllocClass cls, bool only_host = false);
   // Throws Error(InvalidFree) for pointers not allocated here or freed twice;
   // nothing is modified then.  nullptr is a no-op.
   void free(void* ptr);

@@ -66,9 +66,9 @@ std::shared_ptr<Engine> engine() {
   return e;
 }
 
-void* do_malloc(size_t size, int device, void* stream, AllocClass cls) {
+void* do_malloc(size_t size, int device, void* stream, AllocClass cls, bool only_host = false) {
   void* out = nullptr;
-  guarded([&] { out = engine()->device(device).malloc(size, static_cast<CUstream>(stream), cls); });
+  guarded([&] { out = engine()->device(device).malloc(size, static_cast<CUstream>(stream), cls, only_host); });
   return out;
 }
 
@@ -98,6 +98,10 @@ void* cxlalloc_weight_malloc(size_t size, int device, void* stream) {
   return do_malloc(size, device, stream, AllocClass::Weight);
 }
 void cxlalloc_weight_free(void* ptr, size_t, int device, void*) { do_free(ptr, device); }
+void* cxlalloc_host_malloc(size_t size, int device, void* stream) {
+  return do_malloc(size, device, stream, AllocClass::Other, true);
+}
+void cxlalloc_host_free(void* ptr, size_t, int device, void*) { do_free(ptr, device); }
 
 int cxlalloc_record_stream(void* ptr, void* stream) {
   return guarded([&] {

@@ -53,6 +53,9 @@ CXLALLOC_API void* cxlalloc_kv_malloc(size_t size, int device, void* stream);
 CXLALLOC_API void cxlalloc_kv_free(void* ptr, size_t size, int device, void* stream);
 CXLALLOC_API void* cxlalloc_weight_malloc(size_t size, int device, void* stream);
 CXLALLOC_API void cxlalloc_weight_free(void* ptr, size_t size, int device, void* stream);
+/* Host tier only (class other): backs scoped mode's use_on_oom spill pool. */
+CXLALLOC_API void* cxlalloc_host_malloc(size_t size, int device, void* stream);
+CXLALLOC_API void cxlalloc_host_free(void* ptr, size_t size, int device, void* stream);
 
 /* Hooks. */
 CXLALLOC_API int cxlalloc_record_stream(void* ptr, void* stream);

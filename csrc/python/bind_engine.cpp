@@ -295,12 +295,12 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("device", [](DeviceHandle& h) { return h.a->device(); })
       .def(
           "malloc",
-          [](DeviceHandle& h, size_t n, uint64_t stream, const std::string& cls) {
+          [](DeviceHandle& h, size_t n, uint64_t stream, const std::string& cls, bool only_host) {
             AllocClass c = parse_class(cls);
             py::gil_scoped_release nogil;
-            return reinterpret_cast<uint64_t>(h.a->malloc(n, reinterpret_cast<CUstream>(stream), c));
+            return reinterpret_cast<uint64_t>(h.a->malloc(n, reinterpret_cast<CUstream>(stream), c, only_host));
           },
-          py::arg("nbytes"), py::arg("stream") = 0, py::arg("tag") = "other")
+          py::arg("nbytes"), py::arg("stream") = 0, py::arg("tag") = "other", py::arg("only_host") = false)
       .def(
           "free",
           [](DeviceHandle& h, uint64_t p) {

@@ -1,0 +1,139 @@
+"""Shared fixtures: the simulated GPU and allocators on it.
+
+Every allocator test runs the real engine against the simulated CUDA driver
+(cxlalloc/_simcuda*.so).  After each test the simulator must hold no live
+resource: a leak anywhere fails the test that caused it.
+"""
+
+import gc
+import os
+
+import pytest
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _torch_cuda():
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _torch_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (not yet run on a GPU unless bench/results/ says so)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def sim():
+    from cxlalloc import _sim
+
+    return _sim.Sim()
+
+
+def _live_total(live: dict) -> int:
+    return sum(v for k, v in live.items())
+
+
+@pytest.fixture
+def fresh_sim(sim):
+    """A simulated GPU with no faults armed; asserts nothing leaked after."""
+    import cxlalloc._runtime as rt
+
+    gc.collect()
+    sim.clear_faults()
+    sim.configure("vram=1GiB")
+    rt._sim_spec = "vram=1073741824"
+    yield sim
+    sim.clear_faults()
+    gc.collect()
+    live = sim.live()
+    assert _live_total(live) == 0, f"simulated driver resources leaked: {live}"
+
+
+@pytest.fixture
+def make_alloc(fresh_sim):
+    """Factory for simulated Allocators (device_limit 64 MiB, host 256 MiB by default)."""
+    import cxlalloc
+
+    made = []
+
+    def make(**kw):
+        kw.setdefault("device_limit", 64 * MiB)
+        kw.setdefault("host_limit", 256 * MiB)
+        kw.setdefault("device_headroom", 0)
+        a = cxlalloc.Allocator(simulate=True, **kw)
+        made.append(a)
+        return a
+
+    yield make
+    made.clear()
+    gc.collect()
+
+
+class SimStreams:
+    """Create/destroy CUDA streams on the simulated driver from a test thread."""
+
+    def __init__(self, sim):
+        import ctypes
+
+        from cxlalloc import _sim
+
+        self.lib = ctypes.CDLL(_sim.library_path())
+        self.ctx = ctypes.c_void_p()
+        self.streams = []
+        getproc = self.lib.cuGetProcAddress_v2
+        getproc.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
+                            ctypes.c_void_p]
+
+        def fn(name, ver, argtypes):
+            p = ctypes.c_void_p()
+            assert getproc(name.encode(), ctypes.byref(p), ver, 0, None) == 0, name
+            f = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(p.value)
+            return f
+
+        self.retain = fn("cuDevicePrimaryCtxRetain", 7000, [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int])
+        self.release = fn("cuDevicePrimaryCtxRelease", 11000, [ctypes.c_int])
+        self.set_current = fn("cuCtxSetCurrent", 4000, [ctypes.c_void_p])
+        self.create = fn("cuStreamCreate", 2000, [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint])
+        self.destroy = fn("cuStreamDestroy", 4000, [ctypes.c_void_p])
+        self.sync = fn("cuStreamSynchronize", 2000, [ctypes.c_void_p])
+        assert self.retain(ctypes.byref(self.ctx), 0) == 0
+        assert self.set_current(self.ctx) == 0
+
+    def new(self) -> int:
+        import ctypes
+
+        s = ctypes.c_void_p()
+        assert self.create(ctypes.byref(s), 1) == 0
+        self.streams.append(s.value)
+        return s.value
+
+    def synchronize(self, s: int) -> None:
+        assert self.sync(s) == 0
+
+    def close(self):
+        self.set_current(self.ctx)
+        for s in self.streams:
+            self.destroy(s)
+        self.streams.clear()
+        self.set_current(None)
+        self.release(0)
+
+
+@pytest.fixture
+def streams(fresh_sim):
+    s = SimStreams(fresh_sim)
+    yield s
+    s.close()

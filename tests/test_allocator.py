@@ -1,0 +1,378 @@
+"""The tiered caching allocator on the simulated GPU: placement, spill,
+reuse, frees, accounting (issue 2, "Done when")."""
+
+import ctypes
+import resource
+import time
+
+import pytest
+
+import cxlalloc
+
+MiB = 1 << 20
+
+
+def test_small_allocations_stay_on_device_until_budget_full(make_alloc):
+    a = make_alloc(device_limit=64 * MiB)
+    ptrs = []
+    # 1 MiB requests use 20 MiB large segments: 3 segments (60 MiB) fit in 64 MiB.
+    for _ in range(60):
+        p = a.malloc(1 * MiB)
+        ptrs.append(p)
+        assert a.tier_of(p) == "device"
+    s = a.stats()
+    assert s["spilled_bytes"] == 0
+    assert s["device"]["allocated_bytes"] == 60 * MiB
+    assert s["device"]["reserved_bytes"] == 60 * MiB
+    assert s["host"]["allocated_bytes"] == 0
+    # The next one needs a 4th 20 MiB segment: it spills.
+    p = a.malloc(1 * MiB)
+    assert a.tier_of(p) == "host"
+    s = a.stats()
+    assert s["spilled_bytes"] == 1 * MiB
+    assert s["host"]["allocated_bytes"] == 1 * MiB
+    assert s["device"]["reserved_bytes"] <= s["device"]["limit_bytes"]
+    for q in ptrs + [p]:
+        a.free(q)
+    a.check_invariants()
+    s = a.stats()
+    assert s["device"]["allocated_bytes"] == 0 and s["host"]["allocated_bytes"] == 0
+
+
+def test_every_byte_placed_under_budgets(make_alloc):
+    a = make_alloc(device_limit=32 * MiB, host_limit=64 * MiB)
+    sizes = [300, 4096, 700 * 1024, 3 * MiB, 12 * MiB, 25 * MiB, 1000, 5 * MiB]
+    live = []
+    for sz in sizes * 2:
+        try:
+            live.append((a.malloc(sz), sz))
+        except cxlalloc.OutOfMemoryError:
+            break
+    s = a.stats()
+    assert s["device"]["reserved_bytes"] <= 32 * MiB
+    assert s["host"]["reserved_bytes"] <= 64 * MiB
+    dev = sum(((sz + 511) // 512) * 512 for p, sz in live if a.tier_of(p) == "device")
+    host = sum(((sz + 511) // 512) * 512 for p, sz in live if a.tier_of(p) == "host")
+    assert s["device"]["allocated_bytes"] == dev
+    assert s["host"]["allocated_bytes"] == host
+    assert s["other"]["device_bytes"] == dev and s["other"]["host_bytes"] == host
+    a.check_invariants()
+    for p, _ in live:
+        a.free(p)
+
+
+def test_kv_goes_to_host_after_its_device_quota_other_stays_on_device(make_alloc):
+    a = make_alloc(device_limit=64 * MiB, kv_device_limit=20 * MiB)
+    kv1 = a.malloc(12 * MiB, tag="kv")
+    assert a.tier_of(kv1) == "device"
+    kv2 = a.malloc(12 * MiB, tag="kv")  # quota of 20 MiB used by kv1's 20 MiB segment
+    assert a.tier_of(kv2) == "host"
+    other = a.malloc(12 * MiB)
+    assert a.tier_of(other) == "device"
+    s = a.stats()
+    assert s["kv"]["host_bytes"] == 12 * MiB and s["kv"]["device_bytes"] == 12 * MiB
+    assert s["other"]["host_bytes"] == 0
+    for p in (kv1, kv2, other):
+        a.free(p)
+
+
+def test_other_demotes_cold_kv_instead_of_spilling(make_alloc, sim):
+    a = make_alloc(device_limit=64 * MiB)
+    kvs = [a.malloc(18 * MiB, tag="kv") for _ in range(3)]  # 3 x 20 MiB segments on the device
+    assert all(a.tier_of(p) == "device" for p in kvs)
+    # Fill KV with a pattern to check after demotion.
+    for i, p in enumerate(kvs):
+        ctypes.memset(p, 0x40 + i, 18 * MiB)
+    other = a.malloc(18 * MiB)
+    assert a.tier_of(other) == "device", "non-KV data must stay in VRAM; KV is what spills"
+    s = a.stats()
+    assert s["other"]["host_bytes"] == 0
+    assert s["demoted_bytes"] == 20 * MiB
+    demoted = [p for p in kvs if a.tier_of(p) == "host"]
+    assert demoted == [kvs[0]], "the coldest (oldest) KV segment is demoted first"
+    for i, p in enumerate(kvs):
+        assert ctypes.string_at(p, 18 * MiB) == bytes([0x40 + i]) * (18 * MiB)
+    a.check_invariants()
+    for p in kvs + [other]:
+        a.free(p)
+
+
+def test_demotion_keeps_pointer_and_bytes(make_alloc):
+    a = make_alloc()
+    p = a.malloc(3 * MiB, tag="kv")
+    data = bytes(range(256)) * (3 * MiB // 256)
+    ctypes.memmove(p, data, len(data))
+    before = a.stats()["device"]["allocated_bytes"]
+    moved = a.demote(p)
+    assert moved == 20 * MiB
+    assert a.tier_of(p) == "host"
+    assert ctypes.string_at(p, len(data)) == data
+    s = a.stats()
+    assert s["device"]["allocated_bytes"] == before - 3 * MiB
+    assert s["device"]["reserved_bytes"] == 0
+    assert s["host"]["allocated_bytes"] == 3 * MiB
+    assert s["kv"]["host_bytes"] == 3 * MiB
+    assert a.promote(p) == 20 * MiB
+    assert a.tier_of(p) == "device"
+    assert ctypes.string_at(p, len(data)) == data
+    a.check_invariants()
+    a.free(p)
+
+
+def test_cached_segments_are_reused_no_growth(make_alloc, sim):
+    a = make_alloc()
+    for i in range(1000):
+        p = a.malloc((i % 7 + 1) * 100_000)
+        a.free(p)
+    s = a.stats()
+    assert s["new_device_segments"] == 1
+    assert s["device"]["reserved_bytes"] == 2 * MiB
+    assert s["cache_hits"] == 999
+    assert sim.live()["phys_handles"] == 1
+
+
+def test_host_tier_reuses_blocks_in_steady_loop(make_alloc, sim):
+    """C14 (ii): a loop allocating 1.5x the device cap keeps host reserved flat."""
+    a = make_alloc(device_limit=16 * MiB, host_limit=128 * MiB)
+    sizes = []
+    for _ in range(1000):
+        p = a.malloc(24 * MiB)
+        assert a.tier_of(p) == "host"
+        a.free(p)
+        sizes.append(a.stats()["host"]["reserved_bytes"])
+    assert len(set(sizes)) == 1 and sizes[0] == 24 * MiB
+    s = a.stats()
+    assert s["new_host_segments"] == 1
+    assert s["device"]["allocated_bytes"] == 0
+
+
+def test_invalid_and_double_free_are_rejected(make_alloc):
+    a = make_alloc()
+    p = a.malloc(4096)
+    q = a.malloc(4096)
+    a.free(p)
+    with pytest.raises(cxlalloc.InvalidFreeError, match="double free"):
+        a.free(p)
+    with pytest.raises(cxlalloc.InvalidFreeError, match="interior pointer"):
+        a.free(q + 512)
+    with pytest.raises(cxlalloc.InvalidFreeError, match="not allocated by cxlalloc"):
+        a.free(0x1234000)
+    s = a.stats()
+    assert s["invalid_frees"] == 3
+    assert s["device"]["allocated_bytes"] == 512 * 8  # q is still live, untouched
+    a.check_invariants()
+    a.free(q)
+    a.check_invariants()
+
+
+def test_absurd_sizes_fail_fast_without_touching_pages(make_alloc, sim):
+    a = make_alloc()
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    sim.reset_counts()
+    for n in (1 << 62, (1 << 64) - 1, 10 << 40):
+        t0 = time.perf_counter()
+        with pytest.raises(cxlalloc.OutOfMemoryError) as e:
+            a.malloc(n)
+        assert time.perf_counter() - t0 < 1.0
+        assert "larger than either tier" in str(e.value)
+    assert sim.call_count("cuMemCreate") == 0
+    assert sim.call_count("cuMemAddressReserve") == 0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 16 * 1024  # KiB
+    assert a.stats()["ooms"] == 3
+
+
+def test_oom_message_names_request_tiers_and_node(make_alloc):
+    a = make_alloc(device_limit=32 * MiB, host_limit=32 * MiB)
+    p = a.malloc(30 * MiB)
+    q = a.malloc(30 * MiB)
+    with pytest.raises(cxlalloc.OutOfMemoryError) as e:
+        a.malloc(30 * MiB)
+    msg = str(e.value)
+    assert isinstance(e.value, MemoryError)
+    assert "tried to allocate 30.00 MiB" in msg
+    assert "device tier" in msg and "of 32.00 MiB limit" in msg
+    assert "host tier (NUMA node" in msg
+    # Still usable after the OOM (a small-pool segment still fits).
+    r = a.malloc(512 * 1024)
+    for x in (p, q, r):
+        a.free(x)
+
+
+def test_zero_bytes_is_null_and_free_null_is_noop(make_alloc):
+    a = make_alloc()
+    assert a.malloc(0) == 0
+    a.free(0)
+    assert a.stats()["allocations"] == 0
+
+
+def test_host_limit_zero_disables_spilling(make_alloc):
+    a = make_alloc(device_limit=32 * MiB, host_limit=0)
+    p = a.malloc(30 * MiB)
+    with pytest.raises(cxlalloc.OutOfMemoryError):
+        a.malloc(30 * MiB)
+    assert a.stats()["host"]["backend"] == "none"
+    a.free(p)
+
+
+def test_segments_never_mix_classes(make_alloc):
+    a = make_alloc()
+    ptrs = {tag: [a.malloc(100_000, tag=tag) for _ in range(3)] for tag in ("kv", "weight", "other")}
+    segs = a.snapshot()
+    for seg in segs:
+        owners = set()
+        for blk in seg["blocks"]:
+            if not blk["allocated"]:
+                continue
+            for tag, ps in ptrs.items():
+                if blk["ptr"] in ps:
+                    owners.add(tag)
+        assert len(owners) <= 1 and (not owners or owners == {seg["class"]})
+    for ps in ptrs.values():
+        for p in ps:
+            a.free(p)
+
+
+def test_c11_cached_device_blocks_are_released_before_spilling(make_alloc):
+    """C11 (pytorch#159674): 0.6C, free, 0.7C must succeed on device with 0 spill."""
+    cap = 100 * MiB
+    a = make_alloc(device_limit=cap)
+    p = a.malloc(int(0.6 * cap))
+    a.free(p)
+    q = a.malloc(int(0.7 * cap))
+    assert a.tier_of(q) == "device"
+    s = a.stats()
+    assert s["spilled_bytes"] == 0
+    assert s["reclaimed_bytes"] > 0
+    a.free(q)
+    assert a.stats()["device"]["reserved_bytes"] > 0
+    released = a.empty_cache()
+    assert released > 0
+    assert a.stats()["device"]["reserved_bytes"] == 0
+
+
+def test_randomized_operations_match_reference_model(make_alloc):
+    import random
+
+    rng = random.Random(1234)
+    a = make_alloc(device_limit=48 * MiB, host_limit=96 * MiB)
+    live = {}  # ptr -> (size, tag)
+    tags = ("other", "kv", "weight")
+    sizes = [1, 512, 513, 4000, 65536, 700_000, 1 * MiB, 1 * MiB + 1, 3 * MiB, 9 * MiB, 11 * MiB]
+    n_ops = 100_000
+    for i in range(n_ops):
+        if live and (rng.random() < 0.5 or len(live) > 200):
+            p = rng.choice(list(live))
+            a.free(p)
+            del live[p]
+        else:
+            sz = rng.choice(sizes)
+            tag = rng.choice(tags)
+            try:
+                p = a.malloc(sz, tag=tag)
+            except cxlalloc.OutOfMemoryError:
+                continue
+            assert p not in live
+            live[p] = (sz, tag)
+        if i % 10_000 == 0:
+            a.check_invariants()
+            _check_no_overlap(live)
+            _check_accounting(a, live)
+    a.check_invariants()
+    _check_no_overlap(live)
+    _check_accounting(a, live)
+    for p in list(live):
+        a.free(p)
+    s = a.stats()
+    assert s["device"]["allocated_bytes"] == 0 and s["host"]["allocated_bytes"] == 0
+
+
+def _rounded(n):
+    return max(512, (n + 511) // 512 * 512)
+
+
+def _check_no_overlap(live):
+    spans = sorted((p, p + _rounded(sz)) for p, (sz, _) in live.items())
+    for (s0, e0), (s1, _) in zip(spans, spans[1:]):
+        assert e0 <= s1, "two live allocations overlap"
+
+
+def _check_accounting(a, live):
+    s = a.stats()
+    by = {("device", t): 0 for t in ("kv", "weight", "other")}
+    by.update({("host", t): 0 for t in ("kv", "weight", "other")})
+    for p, (sz, tag) in live.items():
+        by[(a.tier_of(p), tag)] += _rounded(sz)
+    for tag in ("kv", "weight", "other"):
+        assert s[tag]["device_bytes"] == by[("device", tag)]
+        assert s[tag]["host_bytes"] == by[("host", tag)]
+    assert s["device"]["allocated_bytes"] == sum(v for (t, _), v in by.items() if t == "device")
+    assert s["host"]["allocated_bytes"] == sum(v for (t, _), v in by.items() if t == "host")
+
+
+def test_concurrent_alloc_free_from_8_threads(make_alloc):
+    import threading
+
+    a = make_alloc(device_limit=64 * MiB, host_limit=256 * MiB)
+    errors = []
+
+    def worker(seed):
+        import random
+
+        rng = random.Random(seed)
+        mine = []
+        try:
+            for _ in range(3000):
+                if mine and rng.random() < 0.5:
+                    p, pattern = mine.pop(rng.randrange(len(mine)))
+                    assert ctypes.string_at(p, 64) == pattern * 64, "another thread wrote into my block"
+                    a.free(p)
+                else:
+                    sz = rng.choice([512, 4096, 100_000, 2 * MiB])
+                    p = a.malloc(sz, tag=rng.choice(["kv", "other"]))
+                    pattern = bytes([seed])
+                    ctypes.memset(p, seed, 64)
+                    mine.append((p, pattern))
+            for p, _ in mine:
+                a.free(p)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i + 1,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    a.check_invariants()
+    s = a.stats()
+    assert s["device"]["allocated_bytes"] == 0 and s["host"]["allocated_bytes"] == 0
+    assert s["allocations"] == s["frees"]
+
+
+def test_stats_shape_has_documented_keys(make_alloc):
+    a = make_alloc()
+    s = a.stats()
+    for tier in ("device", "host"):
+        for k in ("allocated_bytes", "limit_bytes", "peak_allocated_bytes", "reserved_bytes"):
+            assert isinstance(s[tier][k], int)
+    assert s["host"]["numa_node"] == 0
+    assert s["host"]["backend"] == "host-vmm"
+    for k in ("spilled_bytes", "demoted_bytes", "promoted_bytes"):
+        assert s[k] == 0
+    for cls in ("kv", "weight", "other"):
+        assert set(s[cls]) >= {"device_bytes", "host_bytes", "peak_host_bytes"}
+    assert s["torch"]["allocated_bytes.all.current"] == 0
+
+
+def test_peaks_track_high_water_marks(make_alloc):
+    a = make_alloc(device_limit=32 * MiB)
+    p = a.malloc(30 * MiB)
+    q = a.malloc(10 * MiB)  # host
+    a.free(q)
+    a.free(p)
+    s = a.stats()
+    assert s["device"]["peak_allocated_bytes"] == 30 * MiB
+    assert s["host"]["peak_allocated_bytes"] == 10 * MiB
+    assert s["other"]["peak_host_bytes"] == 10 * MiB
+    a.reset_peak_stats()
+    assert a.stats()["device"]["peak_allocated_bytes"] == 0

@@ -1,0 +1,114 @@
+"""Stream-ordered reuse, record_stream and graph capture on the simulated GPU
+(cases C06, C12, C14 at the allocator layer)."""
+
+import pytest
+
+import cxlalloc
+
+MiB = 1 << 20
+
+
+def test_c06_event_pending_frees_are_reclaimed_before_spilling(make_alloc, streams, sim):
+    """C06 (pytorch#71616): a free waiting on a busy stream's event, with more
+    frees queued behind it, must be reused on device, not spilled."""
+    a = make_alloc(device_limit=64 * MiB)
+    sa, sb, sc = streams.new(), streams.new(), streams.new()
+    p = a.malloc(40 * MiB, stream=sa)
+    a.record_stream(p, sb)
+    sim.stream_sleep(sb, 200_000)  # a long kernel on the other stream
+    a.free(p)
+    # Small record_stream frees on a fast stream queue up behind it.
+    for _ in range(3):
+        q = a.malloc(1 * MiB, stream=sa)
+        a.record_stream(q, sc)
+        a.free(q)
+    r = a.malloc(40 * MiB, stream=sa)  # fits only by reusing p's block
+    assert r == p
+    assert a.tier_of(r) == "device"
+    s = a.stats()
+    assert s["spilled_bytes"] == 0, "spurious spill: the pending free was not reclaimed"
+    assert s["event_drains"] >= 1
+    a.free(r)
+    a.check_invariants()
+
+
+def test_pending_frees_do_not_block_each_other(make_alloc, streams, sim):
+    """Completed events behind a slow one are processed (not FIFO-blocked)."""
+    a = make_alloc()
+    sa, slow, fast = streams.new(), streams.new(), streams.new()
+    p = a.malloc(4 * MiB, stream=sa)
+    a.record_stream(p, slow)
+    sim.stream_sleep(slow, 500_000)
+    a.free(p)
+    q = a.malloc(4 * MiB, stream=sa)  # p is pending: another block
+    assert q != p
+    a.record_stream(q, fast)
+    a.free(q)
+    streams.synchronize(fast)
+    r = a.malloc(4 * MiB, stream=sa)
+    assert r == q, "q's event completed; it must be reusable although p's is still pending"
+    a.free(r)
+    streams.synchronize(slow)
+
+
+def test_c12_host_blocks_are_reused_only_after_their_streams_pass(make_alloc, streams, sim):
+    a = make_alloc(device_limit=16 * MiB)
+    sa, sb = streams.new(), streams.new()
+    p = a.malloc(24 * MiB, stream=sa)
+    assert a.tier_of(p) == "host"
+    a.record_stream(p, sb)
+    sim.stream_sleep(sb, 200_000)
+    sim.stream_write_u64(sb, p, 0xDEAD)  # the other stream still writes p
+    a.free(p)
+    q = a.malloc(24 * MiB, stream=sa)
+    assert q != p, "host pages were reused while a stream still used them"
+    streams.synchronize(sb)
+    a.free(q)
+    r = a.malloc(24 * MiB, stream=sa)
+    assert r in (p, q)
+    a.free(r)
+    a.check_invariants()
+
+
+def test_same_stream_reuse_is_immediate(make_alloc, streams):
+    a = make_alloc()
+    s = streams.new()
+    p = a.malloc(1 * MiB, stream=s)
+    a.free(p)
+    assert a.malloc(1 * MiB, stream=s) == p
+
+
+def test_blocks_are_not_shared_across_streams(make_alloc, streams):
+    a = make_alloc()
+    s1, s2 = streams.new(), streams.new()
+    p = a.malloc(1 * MiB, stream=s1)
+    a.free(p)
+    q = a.malloc(1 * MiB, stream=s2)
+    assert q != p
+    a.free(q)
+
+
+def test_c14_capture_stays_on_device_and_issues_no_illegal_calls(make_alloc, streams, sim):
+    a = make_alloc(device_limit=32 * MiB)
+    host_block = a.malloc(40 * MiB)  # host-backed memory exists
+    assert a.tier_of(host_block) == "host"
+    s, other = streams.new(), streams.new()
+    sim.begin_capture(s)
+    try:
+        p = a.malloc(1 * MiB, stream=s)
+        assert a.tier_of(p) == "device"
+        with pytest.raises(cxlalloc.CaptureError, match="graph capture"):
+            a.malloc(31 * MiB, stream=s)
+        a.record_stream(p, other)
+        a.free(p)  # events must wait until the capture ends
+        assert sim.capture_violations() == 0
+    finally:
+        sim.end_capture(s)
+    assert a.stats()["capture_refusals"] == 1
+    q = a.malloc(512, stream=s)  # flushes the deferred free
+    a.free(q)
+    a.free(host_block)
+    streams.synchronize(other)
+    a.empty_cache()
+    a.check_invariants()
+    assert sim.capture_violations() == 0
