@@ -64,6 +64,9 @@ sim = Extension(
     include_dirs=include_dirs,
     define_macros=macros,
     extra_compile_args=CXXFLAGS + ["-std=c++17", "-fvisibility=hidden"],
+    # Export only cu* and cxlsim_* (csrc/sim/exports.map), and fail the link,
+    # not the dlopen, on a missing definition.
+    extra_link_args=["-Wl,--version-script=" + os.path.join("csrc", "sim", "exports.map"), "-Wl,--no-undefined"],
     libraries=["dl", "pthread"],
     language="c++",
 )
