@@ -6,4 +6,5 @@
 namespace cxl::python {
 void bind_errors(pybind11::module_& m);
 void bind_driver(pybind11::module_& m);
+void bind_topology(pybind11::module_& m);
 }  // namespace cxl::python

@@ -8,4 +8,5 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "cxlalloc native engine (tiered CUDA caching allocator)";
   cxl::python::bind_errors(m);
   cxl::python::bind_driver(m);
+  cxl::python::bind_topology(m);
 }
