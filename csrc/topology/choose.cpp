@@ -26,9 +26,11 @@ std::string kind(const NumaNode& n) {
   if (n.has_cpu) {
     std::string s = "memory node with CPUs";
     if (!n.cpus.empty()) s += " " + sysfs::format_list(n.cpus);
+    // Firmware may put CXL capacity on a socket's node; say so.
+    if (n.cxl) s += ", partly backed by " + n.cxl_detail;
     return s;
   }
-  if (n.cxl) return "CPU-less memory node (" + n.cxl_detail + ")";
+  if (n.cxl) return "CPU-less memory node backed by " + n.cxl_detail;
   return "CPU-less memory node (CXL candidate)";
 }
 

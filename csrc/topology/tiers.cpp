@@ -6,6 +6,8 @@
 // slower tier).  The ABI document names the node file `nodes`; the kernel
 // exposes `nodelist` (mm/memory-tiers.c, DEVICE_ATTR_RO(nodelist); observed
 // on 6.18), so both are read, `nodelist` first.
+#include <algorithm>
+
 #include "topology/readers.h"
 #include "topology/sysfs.h"
 
@@ -15,10 +17,14 @@ using sysfs::join;
 
 void read_memory_tiers(Topology& t) {
   const std::string tier_dir = join(t.sysfs_root, "devices/virtual/memory_tiering");
-  for (const auto& name : sysfs::list_dir(tier_dir)) {
-    auto k = sysfs::suffix_number(name, "memory_tier");
-    if (!k) continue;
-    std::string dir = join(tier_dir, name);
+  // Numeric order (memory_tier4 before memory_tier22), so a node listed
+  // twice keeps the faster tier.
+  std::vector<int> ks;
+  for (const auto& name : sysfs::list_dir(tier_dir))
+    if (auto k = sysfs::suffix_number(name, "memory_tier")) ks.push_back(*k);
+  std::sort(ks.begin(), ks.end());
+  for (int k : ks) {
+    std::string dir = join(tier_dir, "memory_tier" + std::to_string(k));
     std::string path = join(dir, "nodelist");
     auto text = sysfs::read_file(path);
     if (!text) {
@@ -35,17 +41,17 @@ void read_memory_tiers(Topology& t) {
       t.warnings.push_back(path + ": cannot parse (" + err + "); tier ignored");
       continue;
     }
-    t.memory_tiers[*k] = *ids;
+    t.memory_tiers[k] = *ids;
     for (int id : *ids) {
       NumaNode* n = find_node(t, id);
       if (!n) continue;  // a tier may list a node that is not online (yet)
-      if (n->memory_tier >= 0 && n->memory_tier != *k)
+      if (n->memory_tier >= 0 && n->memory_tier != k)
         t.warnings.push_back("node " + std::to_string(id) + " is listed in memory_tier" +
                              std::to_string(n->memory_tier) + " and memory_tier" +
-                             std::to_string(*k) + "; keeping memory_tier" +
+                             std::to_string(k) + "; keeping memory_tier" +
                              std::to_string(n->memory_tier));
       else
-        n->memory_tier = *k;
+        n->memory_tier = k;
     }
   }
 

@@ -69,28 +69,27 @@ void read_memory_zones(Topology& t, const std::optional<std::vector<int>>& has_n
     if (auto v = sysfs::parse_u64(*text, 16)) block_bytes = *v;
   }
 
-  // Blocks per node: nodeN/memoryM links first (CONFIG_NUMA), else the
-  // memoryM/nodeN links of the global memory directory.
+  // Blocks per node: its nodeN/memoryM links (CONFIG_NUMA); for a node
+  // without them, the memoryM/nodeN links of the global memory directory
+  // (scanned once, only when needed).
   std::map<int, std::vector<std::string>> blocks;
-  bool any = false;
+  bool need_scan = false;
   for (const auto& n : t.nodes) {
     std::string dir = join(node_dir, "node" + std::to_string(n.id));
     for (const auto& name : sysfs::list_dir(dir))
-      if (sysfs::suffix_number(name, "memory")) {
-        blocks[n.id].push_back(join(dir, name));
-        any = true;
-      }
+      if (sysfs::suffix_number(name, "memory")) blocks[n.id].push_back(join(dir, name));
+    if (n.has_memory && blocks[n.id].empty()) need_scan = true;
   }
-  if (!any) {
+  if (need_scan) {
+    std::map<int, std::vector<std::string>> by_link;
     for (const auto& name : sysfs::list_dir(mem_dir)) {
       if (!sysfs::suffix_number(name, "memory")) continue;
       std::string bdir = join(mem_dir, name);
       for (const auto& entry : sysfs::list_dir(bdir))
-        if (auto id = sysfs::suffix_number(entry, "node")) {
-          blocks[*id].push_back(bdir);
-          any = true;
-        }
+        if (auto id = sysfs::suffix_number(entry, "node")) by_link[*id].push_back(bdir);
     }
+    for (auto& [id, dirs] : by_link)
+      if (blocks[id].empty()) blocks[id] = std::move(dirs);
   }
 
   for (auto& n : t.nodes) {
