@@ -425,6 +425,19 @@ def test_garbled_files_warn_and_never_crash(tmp_path):
     assert T.choose_host_node(t, 0, "auto")["node"] == 2
 
 
+def test_huge_node_ids_are_ignored(tmp_path):
+    fs = single_node(tmp_path)
+    fs.write("devices/system/node/online", "0,999999\n")
+    fs.write("devices/system/node/node99999999/cpulist", "\n")
+    t = T.read_topology(tmp_path)
+    root = f"{tmp_path}/devices/system/node"
+    assert t["warnings"] == [
+        f"{root}: node id 99999999 exceeds 4095; ids above it ignored",
+        f"{root}/online: node id 999999 exceeds 4095; ids above it ignored",
+    ]
+    assert [n["id"] for n in t["nodes"]] == [0]
+
+
 def test_online_node_directory_missing_and_extra(tmp_path):
     fs = two_sockets(tmp_path)
     root = f"{tmp_path}/devices/system/node"
@@ -563,6 +576,21 @@ def test_cpulist_garbled(tmp_path, text, why):
     assert node(t, 0)["cpus"] == [] and node(t, 0)["has_cpu"] is True
 
 
+def test_binary_garbage_is_quoted_safely(tmp_path):
+    """Warnings quote file content; non-UTF-8 bytes must not break the Python str."""
+    fs = two_sockets(tmp_path)
+    fs.write_bytes("devices/system/node/node0/cpulist", b"0-3,\xff\xfe")
+    fs.write_bytes("devices/system/node/node1/distance", b"21 \xc3\x28" + b"9" * 500)
+    fs.write_bytes("kernel/mm/numa/demotion_enabled", b"\x00\x01")
+    t = T.read_topology(tmp_path)
+    root = f"{tmp_path}/devices/system/node"
+    assert t["warnings"] == [
+        f"{root}/node0/cpulist: cannot parse (bad item '\\xff\\xfe' in list '0-3,\\xff\\xfe'); CPUs unknown",
+        f"{root}/node1/distance: cannot parse '21 \\xc3(" + "9" * 56 + "...'; distances of node 1 unknown",
+        f"{tmp_path}/kernel/mm/numa/demotion_enabled: unexpected value '\\x00\\x01'; assuming demotion is off",
+    ]
+
+
 def test_has_cpu_falls_back_to_cpulist(tmp_path):
     fs = FakeSysfs(tmp_path)
     fs.node(0, cpus="0-3", mem_gib=16, free_gib=10)
@@ -678,6 +706,9 @@ def test_simulated_numa_ops(fake_driver):
         assert str(e.value) == f"numa_bind (simulated): node 7, {PAGE // 1024}.00 KiB failed: Invalid argument"
         with pytest.raises(ValueError, match="negative node id"):
             T.numa_bind(addr, PAGE, -2, simulated_driver=fake_driver["sim"])
+        c = T.check_placement(addr, 2 * PAGE, 1, simulated_driver=fake_driver["sim"])
+        assert (c["ok"], c["method"]) == (True, "simulated")
+        assert c["detail"] == f"verified by simulated: {2 * PAGE // 1024}.00 KiB on node 1"
         with pytest.raises(cxlalloc.CudaUnavailableError, match="does not export cxlsim_numa_bind"):
             T.page_nodes(addr, n, simulated_driver=fake_driver["plain"])
     finally:
@@ -792,6 +823,20 @@ def test_real_bind_then_touch_is_on_node_0():
         # Sub-ranges: partial pages count their overlap.
         assert T.page_nodes(m.addr + 100, 5000) == {0: 5000}
         assert T.page_nodes(m.addr, 0) == {}
+        assert T.check_placement(m.addr, n, 0) == {
+            "ok": True, "on_node": n, "elsewhere": 0, "unpopulated": 0, "method": "move_pages",
+            "detail": f"verified by move_pages: {n // 1024}.00 KiB on node 0"}
+        bad = T.check_placement(m.addr, n, 1)
+        assert not bad["ok"] and bad["elsewhere"] == n and bad["on_node"] == 0
+
+
+@needs_numa_sysfs
+def test_real_check_placement_sees_unpopulated_pages():
+    with Mapping(4 * PAGE) as m:
+        T.numa_bind(m.addr, 4 * PAGE, 0)
+        m.buf[0] = 1
+        c = T.check_placement(m.addr, 4 * PAGE, 0)
+        assert (c["ok"], c["on_node"], c["unpopulated"]) == (False, PAGE, 3 * PAGE)
 
 
 @needs_numa_sysfs

@@ -245,6 +245,24 @@ void bind_topology(py::module_& m) {
       "touched count under -1.  Faults nothing in (move_pages status query).");
 
   m.def(
+      "check_placement",
+      [](uintptr_t ptr, size_t length, int node, const py::object& simulated_driver) {
+        auto ops = ops_for(simulated_driver);
+        auto c = topology::check_placement(*ops, reinterpret_cast<const void*>(ptr), length, node);
+        py::dict d;
+        d["ok"] = c.ok;
+        d["on_node"] = c.on_node;
+        d["elsewhere"] = c.elsewhere;
+        d["unpopulated"] = c.unpopulated;
+        d["method"] = c.method;
+        d["detail"] = c.detail;
+        return d;
+      },
+      py::arg("ptr"), py::arg("length"), py::arg("node"), py::arg("simulated_driver") = py::none(),
+      "Verify that every byte of [ptr, ptr+length) is populated and on `node`: {'ok',\n"
+      "'on_node', 'elsewhere', 'unpopulated' (bytes), 'method', 'detail'}.");
+
+  m.def(
       "query_gpu",
       [](const std::string& libcuda, int device, bool simulated) {
         auto drv = driver::Driver::open(libcuda, simulated);

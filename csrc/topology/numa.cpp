@@ -42,6 +42,8 @@ NumaNode* find_node(Topology& t, int id) {
 
 namespace {
 
+constexpr int kMaxNodeId = 4095;
+
 // One of the node-state lists (online, has_cpu, ...).  nullopt when the file
 // is missing or garbled; a garbled file is always a warning, a missing one
 // only when `warn_missing`.
@@ -130,7 +132,7 @@ void read_node_files(Topology& t, NumaNode& n, const std::string& dir,
     int width = distance_order.empty() ? 0 : distance_order.back() + 1;
     n.distance.assign(static_cast<size_t>(width), -1);
     if (bad) {
-      t.warnings.push_back(dpath + ": cannot parse '" + sysfs::trim(*text) +
+      t.warnings.push_back(dpath + ": cannot parse '" + sysfs::printable(sysfs::trim(*text)) +
                            "'; distances of " + where + " unknown");
     } else if (row.size() != distance_order.size()) {
       t.warnings.push_back(dpath + ": " + std::to_string(row.size()) +
@@ -162,6 +164,17 @@ Topology read_topology(const std::string& sysfs_root) {
     std::sort(dir_ids.begin(), dir_ids.end());
 
     auto online = read_node_list(t, node_dir, "online", true);
+    // Linux caps node ids at MAX_NUMNODES (NODES_SHIFT <= 10); a larger id is
+    // a garbled tree and would size every distance row by it.
+    auto drop_huge = [&](std::vector<int>& ids, const std::string& from) {
+      auto bad = std::find_if(ids.begin(), ids.end(), [](int id) { return id > kMaxNodeId; });
+      if (bad == ids.end()) return;
+      t.warnings.push_back(from + ": node id " + std::to_string(*bad) + " exceeds " +
+                           std::to_string(kMaxNodeId) + "; ids above it ignored");
+      ids.erase(std::remove_if(ids.begin(), ids.end(), [](int id) { return id > kMaxNodeId; }), ids.end());
+    };
+    drop_huge(dir_ids, node_dir);
+    if (online) drop_huge(*online, join(node_dir, "online"));
     std::vector<int> ids;
     if (online) {
       for (int id : *online) {

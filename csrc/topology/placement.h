@@ -58,4 +58,18 @@ std::unique_ptr<NumaOps> sim_numa_ops(std::shared_ptr<const driver::Driver> drv)
 // "4.00 MiB on node 0, 1.00 MiB not populated" for messages.
 std::string describe_page_nodes(const std::map<int, size_t>& bytes_per_node);
 
+// Where [p, p+len) really is, compared with where it should be.
+struct PlacementCheck {
+  bool ok = false;           // every byte is populated and on `node`
+  size_t on_node = 0;        // bytes on `node`
+  size_t elsewhere = 0;      // bytes on other nodes
+  size_t unpopulated = 0;    // bytes not backed by a page yet
+  std::string method;        // NumaOps::method()
+  std::string detail;        // "verified by move_pages: 2.00 MiB on node 1, 2.00 MiB on node 0"
+};
+
+// Verify a placement after the memory was touched or registered (a
+// placement is never claimed without this).  Throws what page_nodes() throws.
+PlacementCheck check_placement(NumaOps& ops, const void* p, size_t len, int node);
+
 }  // namespace cxl::topology

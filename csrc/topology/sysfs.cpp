@@ -103,6 +103,24 @@ std::string trim(const std::string& s) {
   return s.substr(b, e - b + 1);
 }
 
+std::string printable(const std::string& s, size_t max_len) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (out.size() >= max_len) {
+      out += "...";
+      break;
+    }
+    if (c >= 0x20 && c < 0x7f) {
+      out += static_cast<char>(c);
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    }
+  }
+  return out;
+}
+
 std::optional<long long> parse_int(const std::string& s_in, int base) {
   std::string s = trim(s_in);
   if (s.empty()) return std::nullopt;
@@ -141,6 +159,7 @@ std::optional<std::vector<int>> parse_list(const std::string& text, std::string*
     if (error) *error = why;
     return std::nullopt;
   };
+  const std::string shown = printable(s);
   auto number = [](const std::string& t) -> std::optional<long long> {
     if (t.empty() ||
         !std::all_of(t.begin(), t.end(), [](char c) { return c >= '0' && c <= '9'; }))
@@ -152,17 +171,17 @@ std::optional<std::vector<int>> parse_list(const std::string& text, std::string*
   while (pos <= s.size()) {
     size_t comma = s.find(',', pos);
     std::string tok = trim(s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos));
-    if (tok.empty()) return fail("empty item in list '" + s + "'");
+    if (tok.empty()) return fail("empty item in list '" + shown + "'");
     size_t dash = tok.find('-');
     if (dash == std::string::npos) {
       auto v = number(tok);
-      if (!v) return fail("bad item '" + tok + "' in list '" + s + "'");
+      if (!v) return fail("bad item '" + printable(tok) + "' in list '" + shown + "'");
       out.push_back(static_cast<int>(*v));
     } else {
       auto lo = number(trim(tok.substr(0, dash)));
       auto hi = number(trim(tok.substr(dash + 1)));
-      if (!lo || !hi || *hi < *lo) return fail("bad range '" + tok + "' in list '" + s + "'");
-      if (*hi - *lo >= kMaxRangeIds) return fail("range '" + tok + "' is implausibly wide");
+      if (!lo || !hi || *hi < *lo) return fail("bad range '" + printable(tok) + "' in list '" + shown + "'");
+      if (*hi - *lo >= kMaxRangeIds) return fail("range '" + printable(tok) + "' is implausibly wide");
       for (long long i = *lo; i <= *hi; ++i) out.push_back(static_cast<int>(i));
     }
     if (comma == std::string::npos) break;

@@ -35,6 +35,11 @@ std::string link_basename(const std::string& path);
 
 std::string trim(const std::string& s);
 
+// File content made safe to quote in a warning: printable ASCII kept, other
+// bytes as \xNN (warnings become Python str, which must be valid UTF-8),
+// cut to `max_len` characters with "...".
+std::string printable(const std::string& s, size_t max_len = 64);
+
 // Kernel list syntax used by cpulist, node lists and memory tier nodelists:
 // "0-3,8,10-11", "" (empty set).  Returns the sorted, de-duplicated ids, or
 // nullopt with `error` set ("bad range '5-2'") when any token is malformed;

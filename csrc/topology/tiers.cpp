@@ -64,7 +64,8 @@ void read_memory_tiers(Topology& t) {
     else if (v == "false" || v == "0" || v == "n" || v == "N" || v == "off")
       t.demotion_enabled = false;
     else
-      t.warnings.push_back(demotion + ": unexpected value '" + v + "'; assuming demotion is off");
+      t.warnings.push_back(demotion + ": unexpected value '" + sysfs::printable(v) +
+                           "'; assuming demotion is off");
   }
 }
 
