@@ -277,6 +277,7 @@ def three_plus_memoryless(tmp_path):
         ("-1", 'numa_node: "-1" is not "auto" or a node id; nodes with memory: 0, 1, 2 (or "auto")'),
         ("1.5", 'numa_node: "1.5" is not "auto" or a node id; nodes with memory: 0, 1, 2 (or "auto")'),
         ("0x1", 'numa_node: "0x1" is not "auto" or a node id; nodes with memory: 0, 1, 2 (or "auto")'),
+        ("9999999999", 'numa_node: "9999999999" is not "auto" or a node id; nodes with memory: 0, 1, 2 (or "auto")'),
     ],
 )
 def test_explicit_node_errors(three_plus_memoryless, requested, message):

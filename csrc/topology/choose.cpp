@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <climits>
+#include <cstdlib>
 
 #include "common/error.h"
 #include "common/units.h"
@@ -77,7 +78,8 @@ NodeChoice finish(const NumaNode& n, std::string reason) {
   return c;
 }
 
-// "auto" or a node id; nullopt-like -1 with *is_auto for auto; throws otherwise.
+// The `numa_node` value: sets *is_auto for "auto" (any case) or "",
+// otherwise returns the decimal node id; throws for anything else.
 int parse_request(const std::string& requested, const std::vector<int>& allowed, bool* is_auto) {
   std::string s = sysfs::trim(requested);
   std::string lower = s;
@@ -85,12 +87,14 @@ int parse_request(const std::string& requested, const std::vector<int>& allowed,
                  [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
   *is_auto = lower == "auto" || lower.empty();
   if (*is_auto) return -1;
-  auto v = sysfs::parse_int(s);
-  if (!v || *v < 0 || *v > INT_MAX || !std::all_of(s.begin(), s.end(), ::isdigit))
-    throw Error(ErrorKind::InvalidArgument, "numa_node: \"" + requested +
+  bool digits = s.size() <= 9 && std::all_of(s.begin(), s.end(), [](unsigned char ch) {
+                  return ch >= '0' && ch <= '9';
+                });
+  if (!digits)
+    throw Error(ErrorKind::InvalidArgument, "numa_node: \"" + sysfs::printable(requested) +
                                                 "\" is not \"auto\" or a node id; nodes with memory: " +
                                                 join_ids(allowed) + " (or \"auto\")");
-  return static_cast<int>(*v);
+  return std::atoi(s.c_str());
 }
 
 }  // namespace

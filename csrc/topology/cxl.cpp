@@ -81,7 +81,7 @@ void read_cxl(Topology& t) {
       r.name = name;
       std::string dir = join(cxl_devs, name);
       r.real = sysfs::real_path(dir);
-      r.mode = sysfs::read_trimmed(join(dir, "mode")).value_or("");
+      r.mode = sysfs::printable(sysfs::read_trimmed(join(dir, "mode")).value_or(""), 16);
       if (auto s = sysfs::read_trimmed(join(dir, "size")))
         r.size = sysfs::parse_u64(*s, 0).value_or(0);  // "0x1000000000"
       collect_dax(dir, &r.dax);
