@@ -116,9 +116,12 @@ def test_fault_at_every_call_site(fresh_sim):
 
 def test_driver_oom_at_segment_creation_falls_back_to_host(make_alloc, sim):
     a = make_alloc()
-    sim.fail("cuMemCreate", 1, 2)  # CUDA_ERROR_OUT_OF_MEMORY on the device segment
+    # CUDA_ERROR_OUT_OF_MEMORY for the 20 MiB segment and for the exact-size retry.
+    sim.fail("cuMemCreate", 1, 2)
+    sim.fail("cuMemCreate", 2, 2)
     p = a.malloc(4 * MiB)
     assert a.tier_of(p) == "host"
+    assert a.stats()["device"]["reserved_bytes"] == 0
     a.free(p)
 
 

@@ -115,7 +115,15 @@ Block* DeviceAllocator::alloc_in(Tier tier, const FreeListKey& base_key, size_t 
     return take_block(b, size, requested, stream);
   }
   if (!allow_new_segment) return nullptr;
-  Segment* seg = new_segment(tier, key, segment_size(size), stream);
+  const size_t standard = segment_size(size);
+  Segment* seg = new_segment(tier, key, standard, stream);
+  if (!seg) {
+    // torch's size classes give a 1-10 MiB request a 20 MiB segment; when
+    // only the request itself fits the tier, an exact-size segment beats a
+    // spill (or an OOM) caused by rounding alone.
+    const size_t exact = round_up(size, factory_->segment_alignment());
+    if (exact < standard) seg = new_segment(tier, key, exact, stream);
+  }
   if (!seg) return nullptr;
   return take_block(seg->head, size, requested, stream);
 }
