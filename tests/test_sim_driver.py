@@ -494,7 +494,7 @@ def test_devices_names_memory_and_attributes(env, cu):
         assert cu.cuDeviceGetAttribute(ctypes.byref(v), a, dev) == SUCCESS
         return v.value
 
-    expected = {102: 1, 83: 1, 89: 1, 99: 1, 91: 1, 41: 1, 115: 1, 142: 1, 19: 1, 88: 0, 75: 9, 76: 0,
+    expected = {139: 0x233510DE, 102: 1, 83: 1, 89: 1, 99: 1, 91: 1, 41: 1, 115: 1, 142: 1, 19: 1, 88: 0, 75: 9, 76: 0,
                 134: 1, 141: 0, 16: 7, 145: 1, 113: 1}
     for a, v in expected.items():
         assert attr(a) == v, a
@@ -1311,6 +1311,34 @@ def test_exit_with_live_streams_and_queued_work_is_clean():
     assert time.monotonic() - t0 < 8
 
 
+def test_fork_child_cannot_use_the_driver_and_exits_cleanly():
+    script = textwrap.dedent(
+        f"""
+        import ctypes, os, sys
+        sys.path.insert(0, {ROOT!r}); sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import test_sim_driver as t
+        from cxlalloc import _sim
+        s = _sim.Sim(); cu = t.Cu(s.lib); assert cu.cuInit(0) == 0
+        e = t.Env(s, cu); e.retain()
+        st = e.stream()
+        s.stream_sleep(st, 2_000_000)
+        pid = os.fork()
+        if pid == 0:
+            n = ctypes.c_int()
+            codes = (cu.cuDeviceGetCount(ctypes.byref(n)), cu.cuInit(0), cu.cuStreamQuery(st))
+            print("child", codes, flush=True)
+            sys.exit(0 if codes == (3, 3, 3) else 1)  # a normal exit runs the exit hooks
+        _, status = os.waitpid(pid, 0)
+        print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+        print("parent", cu.cuStreamQuery(st), flush=True)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr[-800:]
+    assert "child (3, 3, 3)" in out.stdout and "child exit 0" in out.stdout
+    assert f"parent {NOT_READY}" in out.stdout  # the parent's stream is still busy and usable
+
+
 # ================================================================ capture
 def test_capture_rules(env, cu, lib_sim):
     ctx = env.retain()
@@ -1522,6 +1550,9 @@ def test_configure_needs_an_idle_machine_and_keeps_the_old_config_on_error(env, 
         lib_sim.configure("vram=32MiB")
     with pytest.raises(ValueError):
         lib_sim.configure("vram=oops")
+    # Re-applying the current machine is a no-op, allowed while live.
+    lib_sim.configure("vram=16777216")
+    lib_sim.configure(" vram = 16MiB ,")
     total = sz()
     assert cu.cuDeviceTotalMem(ctypes.byref(total), 0) == SUCCESS and total.value == 16 * MiB
 

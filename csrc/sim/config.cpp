@@ -71,6 +71,12 @@ const SimNode* Config::node(int id) const {
   return nullptr;
 }
 
+bool Config::operator==(const Config& o) const {
+  return devices == o.devices && vram == o.vram && granularity == o.granularity && nodes == o.nodes &&
+         gpu_numa == o.gpu_numa && reject_numa == o.reject_numa && relocate == o.relocate && attrs == o.attrs &&
+         version == o.version;
+}
+
 std::shared_ptr<const Config> config() {
   std::lock_guard<std::mutex> lk(g_config_mu);
   if (!g_config) g_config = default_config();

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <pthread.h>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -78,7 +79,8 @@ struct Engine {
   std::map<uint64_t, std::shared_ptr<Stream>> streams;  // live user streams
   std::shared_ptr<Stream> legacy[kMaxDevices];
   std::map<uint64_t, std::shared_ptr<Event>> events;
-  std::vector<std::pair<std::shared_ptr<Stream>, std::thread>> workers;
+  std::vector<std::pair<std::shared_ptr<Stream>, std::unique_ptr<std::thread>>> workers;
+  bool forked = false;  // this process is a fork() child of one that used the engine
   CUresult sticky[kMaxDevices] = {};
   uint64_t violations = 0;
   uint64_t async_faults = 0;
@@ -173,7 +175,7 @@ std::shared_ptr<Stream> start_stream_locked(Engine& e, int device, unsigned flag
   s->device = device;
   s->flags = flags;
   s->legacy = legacy;
-  e.workers.emplace_back(s, std::thread(run_worker, s));
+  e.workers.emplace_back(s, std::make_unique<std::thread>(run_worker, s));
   return s;
 }
 
@@ -186,7 +188,7 @@ std::shared_ptr<Stream> legacy_locked(Engine& e, int device) {
 void reap_locked(Engine& e) {
   for (auto it = e.workers.begin(); it != e.workers.end();) {
     if (it->first->exited) {
-      it->second.join();  // the worker holds no lock once `exited` is visible
+      it->second->join();  // the worker holds no lock once `exited` is visible
       it = e.workers.erase(it);
     } else {
       ++it;
@@ -285,13 +287,38 @@ void end_capture_locked(Engine& e, uint64_t origin) {
     }
 }
 
-struct ShutdownAtExit {
+// fork(): the child inherits the engine's state but none of its worker
+// threads, so it can never run stream work.  As with a real driver, the
+// child cannot use CUDA: the engine is shut down there and the inherited
+// thread objects are abandoned (joining threads of another process is
+// undefined).  The registry and engine locks are held across fork() so the
+// child never inherits them locked by a thread that does not exist there.
+void before_fork() {
+  registry().mu.lock();
+  eng().mu.lock();
+}
+void after_fork_parent() {
+  eng().mu.unlock();
+  registry().mu.unlock();
+}
+void after_fork_child() {
+  Engine& e = eng();
+  e.forked = true;
+  e.shutdown = true;
+  for (auto& w : e.workers) w.second.release();  // leaked on purpose, see above
+  e.workers.clear();
+  e.mu.unlock();
+  registry().mu.unlock();
+}
+
+struct ProcessHooks {
+  ProcessHooks() { pthread_atfork(before_fork, after_fork_parent, after_fork_child); }
   // Process exit: stop every worker (queued work is abandoned, as a GPU's
   // is when the process dies) and join them, so no thread runs while the
   // process tears down.
-  ~ShutdownAtExit() {
+  ~ProcessHooks() {
     Engine& e = eng();
-    std::vector<std::pair<std::shared_ptr<Stream>, std::thread>> workers;
+    std::vector<std::pair<std::shared_ptr<Stream>, std::unique_ptr<std::thread>>> workers;
     {
       std::lock_guard<std::mutex> lk(e.mu);
       e.shutdown = true;
@@ -299,9 +326,9 @@ struct ShutdownAtExit {
       e.cv.notify_all();
     }
     for (auto& w : workers)
-      if (w.second.joinable()) w.second.join();
+      if (w.second->joinable()) w.second->join();
   }
-} g_shutdown_at_exit;
+} g_process_hooks;
 
 }  // namespace
 
@@ -567,7 +594,7 @@ void live_engine(uint64_t* streams, uint64_t* events) {
 
 void engine_reset() {
   Engine& e = eng();
-  std::vector<std::pair<std::shared_ptr<Stream>, std::thread>> workers;
+  std::vector<std::pair<std::shared_ptr<Stream>, std::unique_ptr<std::thread>>> workers;
   {
     std::lock_guard<std::mutex> lk(e.mu);
     for (auto& l : e.legacy)
@@ -577,7 +604,7 @@ void engine_reset() {
     e.cv.notify_all();
   }
   for (auto& w : workers)
-    if (w.second.joinable()) w.second.join();
+    if (w.second->joinable()) w.second->join();
   std::lock_guard<std::mutex> lk(e.mu);
   for (auto& s : e.sticky) s = CUDA_SUCCESS;
   e.violations = 0;
@@ -586,6 +613,12 @@ void engine_reset() {
 }
 
 bool engine_shut_down() { return eng().shutdown.load(std::memory_order_acquire); }
+
+bool engine_forked() {
+  Engine& e = eng();
+  std::lock_guard<std::mutex> lk(e.mu);
+  return e.forked;
+}
 
 int capture_begin(CUstream h) {
   Engine& e = eng();

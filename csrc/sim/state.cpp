@@ -30,7 +30,7 @@ thread_local CUcontext t_current = nullptr;
 }  // namespace
 
 CUresult check_init() {
-  if (engine_shut_down()) return CUDA_ERROR_DEINITIALIZED;
+  if (engine_shut_down()) return engine_forked() ? CUDA_ERROR_NOT_INITIALIZED : CUDA_ERROR_DEINITIALIZED;
   return g_initialized.load(std::memory_order_acquire) ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
 }
 
@@ -152,6 +152,10 @@ CXLSIM_API int cxlsim_configure(const char* spec) {
       set_last_error(err);
       return -1;
     }
+    // Asking for the machine as it is changes nothing, so it is allowed
+    // while resources are live (a second component may re-apply the spec
+    // the first one set).
+    if (c == *config()) return 0;
     cxlsim_live_t live{};
     cxlsim_live(&live);
     std::string busy;
