@@ -1458,6 +1458,8 @@ def test_injected_fault_fires_on_the_nth_call_without_side_effects(env, cu, lib_
         lib_sim.fail("cuMemMap", 0)
     with pytest.raises(ValueError, match="CUDA_SUCCESS"):
         lib_sim.fail("cuMemMap", 1, 0)
+    with pytest.raises(ValueError, match="not a failing CUresult"):
+        lib_sim.fail("cuMemMap", 1, 5000)
 
 
 def test_faults_on_async_and_sync_paths_leave_state_intact(env, cu, lib_sim):
@@ -1498,9 +1500,9 @@ def test_call_counters(env, cu, lib_sim):
 
 def test_counters_are_exact_under_concurrency(env, cu, lib_sim):
     lib_sim.reset_counts()
-    v = cint()
 
     def spin():
+        v = cint()
         for _ in range(500):
             cu.cuDriverGetVersion(ctypes.byref(v))
 

@@ -190,7 +190,7 @@ CUresult api_cuDeviceGetAttribute(int* pi, CUdevice_attribute attrib, CUdevice d
     if (r != CUDA_SUCCESS) return r;
     if (pi == nullptr) return CUDA_ERROR_INVALID_VALUE;
     if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
-    int a = static_cast<int>(attrib);
+    const int a = raw(attrib);
     if (a < 1 || a > kMaxDeviceAttribute) return CUDA_ERROR_INVALID_VALUE;
     *pi = attribute(dev, a);
     return CUDA_SUCCESS;
