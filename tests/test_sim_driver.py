@@ -342,6 +342,7 @@ def env(lib_sim, cu):
     e.stack.close()
     live = lib_sim.live()
     assert all(v == 0 for v in live.values()), f"simulated resources leaked: {live}"
+    lib_sim.configure("")  # leave the default machine to whatever runs next
 
 
 def write(addr, data: bytes):

@@ -377,7 +377,7 @@ CUresult stream_create(int device, unsigned flags, CUstream* out) {
   return CUDA_SUCCESS;
 }
 
-CUresult stream_destroy(CUstream h, int device) {
+CUresult stream_destroy(CUstream h) {
   Engine& e = eng();
   std::lock_guard<std::mutex> lk(e.mu);
   auto v = reinterpret_cast<uint64_t>(h);
@@ -398,7 +398,6 @@ CUresult stream_destroy(CUstream h, int device) {
   e.streams.erase(it);
   e.cv.notify_all();
   reap_locked(e);
-  (void)device;
   return CUDA_SUCCESS;
 }
 

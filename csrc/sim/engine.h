@@ -54,7 +54,7 @@ CUresult submit(const std::shared_ptr<Stream>& s, Op op, uint64_t* seq);
 void wait_for(const std::shared_ptr<Stream>& s, uint64_t seq);
 
 CUresult stream_create(int device, unsigned flags, CUstream* out);
-CUresult stream_destroy(CUstream h, int device);
+CUresult stream_destroy(CUstream h);
 CUresult stream_synchronize(const std::shared_ptr<Stream>& s);
 CUresult stream_query(const std::shared_ptr<Stream>& s);
 CUresult stream_wait_event(const std::shared_ptr<Stream>& s, CUevent e, unsigned flags);

@@ -17,8 +17,10 @@ namespace cxlsim {
 
 namespace {
 
+// A context handle is the address of its device's slot: stable for the
+// process lifetime and checkable by range, with nothing to allocate or free.
 struct ContextSlot {
-  int device;
+  int unused;
 };
 ContextSlot g_slots[kMaxDevices] = {};
 
@@ -40,10 +42,7 @@ int device_count() { return config()->devices; }
 
 bool valid_device(int dev) { return dev >= 0 && dev < device_count(); }
 
-CUcontext context_of(int dev) {
-  g_slots[dev].device = dev;
-  return reinterpret_cast<CUcontext>(&g_slots[dev]);
-}
+CUcontext context_of(int dev) { return reinterpret_cast<CUcontext>(&g_slots[dev]); }
 
 int device_of_context(CUcontext ctx) {
   auto p = reinterpret_cast<uintptr_t>(ctx);

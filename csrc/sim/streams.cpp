@@ -47,7 +47,7 @@ CUresult api_cuStreamDestroy(CUstream stream) {
     int dev;
     CUresult r = current_device(&dev);
     if (r != CUDA_SUCCESS) return r;
-    return stream_destroy(stream, dev);  // the NULL/legacy stream cannot be destroyed: INVALID_HANDLE
+    return stream_destroy(stream);  // the NULL/legacy stream cannot be destroyed: INVALID_HANDLE
   });
 }
 
