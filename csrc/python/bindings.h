@@ -9,4 +9,5 @@ void bind_driver(pybind11::module_& m);
 void bind_engine(pybind11::module_& m);
 void bind_policy(pybind11::module_& m);
 void bind_topology(pybind11::module_& m);
+void bind_bench(pybind11::module_& m);  // bench timing helpers (bind_bench.cpp)
 }  // namespace cxl::python

@@ -11,4 +11,5 @@ PYBIND11_MODULE(_C, m) {
   cxl::python::bind_engine(m);
   cxl::python::bind_policy(m);
   cxl::python::bind_topology(m);
+  cxl::python::bind_bench(m);
 }
