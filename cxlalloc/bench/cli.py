@@ -1,0 +1,215 @@
+"""``python -m cxlalloc bench``: run the benchmarks, one JSON record each.
+
+    python -m cxlalloc bench [--simulate] [--out DIR] [--only NAMES] [--quick] ...
+
+Benchmarks (``--only ceilings,allocation,decode,rightsizing``; default all):
+
+  ceilings     GPU: device copy/read GB/s, H2D/D2H and zero-copy read GB/s of
+               each host-tier backend and NUMA node (:mod:`.ceilings`)
+  allocation   GPU: malloc/free latency per tier/backend, cold and cached, vs
+               raw driver calls; CPU: the same on the simulated driver and an
+               allocation throughput (:mod:`.allocation`)
+  decode       GPU: generate() under 0/25/50/75 % KV spill, native vs
+               transformers offloading vs policy-free vs cxlalloc per backend
+               (:mod:`.decode`); --simulate: a tiny model on the simulator
+  rightsizing  GPU: largest batch and tokens/s at a fixed budget (:mod:`.rightsizing`)
+
+Each writes ``DIR/<name>.json`` (:mod:`.meta` describes the record).  Parts
+that need a GPU are recorded as skipped, with the reason, when there is none
+or with ``--simulate``.  Run ``ceilings`` before ``decode`` in the same
+``--out`` folder: decode's ratios to the link-bound ceiling use its numbers.
+
+Exit status: 0 when every benchmark wrote its record (whatever its status),
+1 when one raised unexpectedly (its record says ``error``), 2 for bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from typing import Callable, Dict, List, Optional, Tuple
+
+from cxlalloc.bench.meta import BENCHMARKS
+from cxlalloc.bench.timing import Deadline
+
+
+def _runner(name: str) -> Callable:
+    import importlib
+
+    return importlib.import_module(f"cxlalloc.bench.{name}").run
+
+
+def _csv(kind):
+    def parse(text: str):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}")
+    return parse
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m cxlalloc bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="See bench/README.md for what each benchmark measures and the ceiling model.")
+    p.add_argument("--simulate", action="store_true",
+                   help="CPU only: run the CPU-able parts on cxlalloc's simulated driver (labelled as simulation)")
+    p.add_argument("--out", default=os.path.join("bench", "out"), help="output folder for the JSON records "
+                   "(default bench/out)")
+    p.add_argument("--only", type=_csv(str), default=None, metavar="NAMES",
+                   help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
+    p.add_argument("--quick", action="store_true", help="the small grid of scripts/gpu_check.sh")
+    p.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="seconds for the whole run; parts not started in time are recorded as skipped")
+    p.add_argument("--models", type=_csv(str), default=None, help="decode/right-sizing models (llama-1b, llama-3b, "
+                   "llama-8b)")
+    p.add_argument("--contexts", type=_csv(int), default=None, help="decode contexts (tokens)")
+    p.add_argument("--batches", type=_csv(int), default=None, help="decode batch sizes")
+    p.add_argument("--fractions", type=_csv(float), default=None, help="KV spill fractions (default 0,0.25,0.5,0.75)")
+    p.add_argument("--backends", type=_csv(str), default=None, help="host backends (host-vmm,managed,pinned)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per decode run")
+    p.add_argument("--policy-free-backend", default="host-vmm", help="backend of the policy-free spill baseline")
+    p.add_argument("--ceiling-bytes", type=int, default=None, help="buffer size of the bandwidth probes (bytes)")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress display")
+    return p
+
+
+class BenchContext:
+    """What every benchmark's ``run(ctx)`` gets."""
+
+    def __init__(self, args, argv: List[str], console=None):
+        self.args = args
+        self.argv = list(argv)
+        self.simulate = bool(args.simulate)
+        self.quick = bool(args.quick)
+        self.device = int(args.device)
+        self.out_dir = os.path.abspath(args.out)
+        self.deadline = Deadline(args.time_budget)
+        self.console = console
+        self._gpu: Optional[Tuple[bool, str]] = None
+
+    def log(self, text: str) -> None:
+        if self.console is not None:
+            self.console.log(text)
+        else:
+            print(text, flush=True)
+
+    def gpu_ready(self) -> Tuple[bool, str]:
+        """(True, "") when a CUDA GPU is usable by torch and cxlalloc, else (False, why)."""
+        if self._gpu is None:
+            self._gpu = _probe_gpu(self.simulate, self.device)
+        return self._gpu
+
+
+def _probe_gpu(simulate: bool, device: int) -> Tuple[bool, str]:
+    if simulate:
+        return False, "--simulate: GPU parts are not run (numbers from the simulated driver are not GPU numbers)"
+    try:
+        import torch
+    except Exception as e:
+        return False, f"no GPU run: torch is not importable ({e})"
+    if getattr(torch.version, "cuda", None) is None:
+        return False, f"no GPU run: torch {torch.__version__} is a CPU-only build"
+    try:
+        from cxlalloc import _C
+
+        info = _C.probe_driver("libcuda.so.1", False)
+        if int(info.get("device_count", 0)) <= device:
+            return False, f"no GPU run: the CUDA driver reports {info.get('device_count')} device(s)"
+    except Exception as e:
+        return False, f"no GPU run: {e}"
+    if not torch.cuda.is_available():
+        return False, "no GPU run: torch.cuda.is_available() is False"
+    return True, ""
+
+
+def _console(no_progress: bool):
+    if no_progress or not sys.stdout.isatty():
+        return None
+    try:
+        from rich.console import Console
+
+        return Console()
+    except Exception:
+        return None
+
+
+def _print_table(console, records: Dict[str, dict]) -> None:
+    rows = []
+    for name, rec in records.items():
+        why = "; ".join(s["reason"] for s in rec.get("skipped", [])[:1])
+        err = "; ".join(e["error"] for e in rec.get("errors", [])[:1])
+        rows.append((name, rec.get("status", "?"), str(len(rec.get("results", []))),
+                     f"{rec.get('duration_s', 0):.1f}", (err or why)[:90]))
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title="cxlalloc bench")
+        for col in ("benchmark", "status", "results", "seconds", "first error / skip reason"):
+            t.add_column(col)
+        for r in rows:
+            t.add_row(*r)
+        (console or Console()).print(t)
+    except Exception:
+        for r in rows:
+            print("  ".join(r))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    names = list(BENCHMARKS) if not args.only else args.only
+    bad = [n for n in names if n not in BENCHMARKS]
+    if bad:
+        parser.error(f"--only: unknown benchmark(s) {', '.join(bad)}; known: {', '.join(BENCHMARKS)}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.makedirs(args.out, exist_ok=True)
+    console = _console(args.no_progress)
+    ctx = BenchContext(args, argv, console)
+    ctx.log(f"cxlalloc bench: {', '.join(names)} -> {ctx.out_dir}"
+            + (" (SIMULATION: CPU only, numbers not comparable to GPU)" if ctx.simulate else ""))
+    records: Dict[str, dict] = {}
+    rc = 0
+    progress = None
+    if console is not None:
+        try:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            progress = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console)
+        except Exception:
+            progress = None
+    task = None
+    if progress is not None:
+        progress.start()
+        task = progress.add_task("benchmarks", total=len(names))
+    try:
+        for name in names:
+            if progress is not None:
+                progress.update(task, description=f"bench: {name}")
+            try:
+                records[name] = _runner(name)(ctx)
+            except Exception as e:  # the benchmark's own guards failed: record it, keep going
+                rc = 1
+                from cxlalloc.bench.meta import RecordWriter, new_record
+
+                wr = RecordWriter(ctx.out_dir, new_record(name, {}, ctx.simulate, argv, ctx.device))
+                wr.error(name, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
+                records[name] = wr.finish("error")
+            ctx.log(f"bench: {name}: {records[name]['status']} ({len(records[name]['results'])} results)")
+            if progress is not None:
+                progress.advance(task)
+    finally:
+        if progress is not None:
+            progress.stop()
+    _print_table(console, records)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
