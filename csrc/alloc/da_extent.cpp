@@ -87,7 +87,8 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
   // older device KV demoted to make room within the migration budget.
   std::vector<policy::Candidate> device_kv;
   std::vector<std::pair<Segment*, Chunk*>> where;
-  bool can_demote = demotion_supported() && seg->cls == AllocClass::KV;
+  const bool kv_policy = cfg_.kv_aware && seg->cls == AllocClass::KV;
+  bool can_demote = demotion_supported() && kv_policy;
   if (can_demote) {
     for (auto& [id2, ext] : extents_) {
       if (ext->cls != AllocClass::KV || !factory_->can_migrate(*ext)) continue;
@@ -104,11 +105,12 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
   // Demoted chunks and host-placed new chunks share the host room; the
   // commit loop below re-checks every chunk against the limits.
   policy::GrowthPlan plan;
-  if (seg->cls == AllocClass::KV) {
+  if (kv_policy) {
     plan = policy::plan_extent_growth(fresh.size(), chunk, budget(), device_kv, std::min(allowed, host_room), can_demote,
                                       host_enabled_);
   } else {
-    // Weight/other extents: the device while it has room, else the host.
+    // Weight/other extents, and every extent under first-fit: the device
+    // while it has room, else the host (first come, first served).
     size_t room = policy::device_available(budget());
     size_t dev = std::min(fresh.size(), room / chunk);
     plan.device_new = host_enabled_ ? dev : fresh.size();

@@ -199,7 +199,7 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
       if (Block* b = alloc_in(Tier::Device, key, size, nbytes, stream, true)) return b;
     }
     // 3. Demote cold KV to make room (never for KV itself).
-    if (allow_demote && policy::may_demote_for(req) && demotion_supported()) {
+    if (allow_demote && cfg_.kv_aware && policy::may_demote_for(req) && demotion_supported()) {
       used = static_cast<size_t>(stats_.tier[0].reserved_bytes.current);
       need = used + seg_bytes > device_limit_eff() ? used + seg_bytes - device_limit_eff() : 0;
       if (need > 0 && demote_for(need, true) > 0) {

@@ -154,7 +154,7 @@ size_t DeviceAllocator::migrate(const void* ptr, size_t len, Tier target) {
 size_t DeviceAllocator::rebalance() {
   std::lock_guard<std::mutex> lk(mu_);
   driver::ContextGuard guard(*drv_, ctx_.get());
-  if (!demotion_supported()) return 0;
+  if (!demotion_supported() || !cfg_.kv_aware) return 0;
   struct Target {
     Segment* seg;
     Chunk* chunk;

@@ -53,6 +53,10 @@ struct AllocatorConfig {
   size_t extent_chunk = 0;     // bytes per extent chunk; 0: the segment alignment (2 MiB)
   bool strict_placement = false;
   bool check_capture = true;   // ask the driver whether the stream is capturing
+  // false: "first-fit", the policy-free baseline the benchmarks compare
+  // against: everything takes VRAM first-come until it is full, then the
+  // host tier; no KV quota or headroom, no demotion, no promotion.
+  bool kv_aware = true;
 };
 
 // One row of a memory snapshot (segment + its blocks), like torch's SegmentInfo.
