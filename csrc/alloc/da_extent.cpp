@@ -42,8 +42,7 @@ ExtentInfo DeviceAllocator::extent_create(size_t capacity, AllocClass cls) {
         seg = factory_->create_block_segment(cap, t, cls, PoolKind::Large);
         break;
       } catch (const Error& e) {
-        auto* d = dynamic_cast<const DriverError*>(&e);
-        if (e.kind() != ErrorKind::OutOfMemory && !(d && d->code() == CUDA_ERROR_OUT_OF_MEMORY)) throw;
+        if (!is_out_of_memory(e)) throw;
       }
     }
     if (!seg) throw_oom(cap, cls, "no tier can hold the extent (this backend commits extents whole)");
@@ -141,8 +140,7 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
       try {
         factory_->commit_chunk(*seg, c, t);
       } catch (const Error& e) {
-        auto* d = dynamic_cast<const DriverError*>(&e);
-        if (e.kind() == ErrorKind::OutOfMemory || (d && d->code() == CUDA_ERROR_OUT_OF_MEMORY)) continue;
+        if (is_out_of_memory(e)) continue;
         throw;
       }
       c.seq = ++seq_;

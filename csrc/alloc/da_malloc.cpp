@@ -9,13 +9,6 @@
 
 namespace cxl::alloc {
 
-namespace {
-bool is_driver_oom(const Error& e) {
-  if (e.kind() == ErrorKind::OutOfMemory) return true;
-  auto* d = dynamic_cast<const DriverError*>(&e);
-  return d && d->code() == CUDA_ERROR_OUT_OF_MEMORY;
-}
-}  // namespace
 
 Block* DeviceAllocator::find_free(const FreeListKey& key, CUstream stream, size_t size) {
   auto it = free_lists_.find(key);
@@ -82,7 +75,7 @@ Segment* DeviceAllocator::new_segment(Tier tier, const FreeListKey& key, size_t 
     // The physical tier is fuller than our budget thinks (another process,
     // the CUDA context, a driver limit): report "does not fit" and let the
     // caller move on; any other failure is an error the user must see.
-    if (is_driver_oom(e)) {
+    if (is_out_of_memory(e)) {
       log_debug(std::string("segment allocation on ") + tier_name(tier) + " failed: " + e.what());
       return nullptr;
     }
