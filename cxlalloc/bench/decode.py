@@ -17,9 +17,9 @@ Variants (one run of the benchmark runs all of them on the same grid):
     so one run per point stands for every spill fraction.
 ``policy_free``
     cxlalloc's engine and KV storage with the KV policy neutralised
-    (``migration_rate=0``: no demotion or promotion; ``device_headroom=0``;
-    no KV quota): first-come placement, whatever overflows the budget goes to
-    the host tier, activations included.  Same backend as the ``cxlalloc``
+    (``policy="first-fit"``: no KV quota, no headroom, no demotion or
+    promotion; :func:`policy_free_options`): first-come placement, whatever
+    overflows the budget goes to the host tier, activations included.  Same backend as the ``cxlalloc``
     row it is compared with.
 ``cxlalloc``
     cxlalloc with its KV-aware policy (defaults), one row per host backend
@@ -127,12 +127,14 @@ def plan(points, fractions, backends, new_tokens: int, policy_free_backend: str 
     native: List[Dict[str, Any]] = []
     fmax = max(fractions) if fractions else 0.0
 
+    elem = 4 if simulate else 2  # simulation runs the toy in float32 on the CPU; GPU runs are bf16
+
     def base(model, ctx, batch, variant, spill, backend=None):
         s = SHAPES[model]
-        kv = s.kv_bytes(batch, ctx + new_tokens)
+        kv = s.kv_bytes(batch, ctx + new_tokens, elem)
         return {"id": f"{variant}{':' + backend if backend else ''}|{model}|ctx{ctx}|b{batch}|f{spill:g}",
                 "variant": variant, "backend": backend, "model": model, "context": ctx, "batch": batch,
-                "new_tokens": new_tokens, "spill": spill, "kv_final_bytes": kv, "weight_bytes": s.weight_bytes(),
+                "new_tokens": new_tokens, "spill": spill, "kv_final_bytes": kv, "weight_bytes": s.weight_bytes(elem),
                 "budget_bytes": None, "budget_rule": None, "managed_bytes": 0, "cache_implementation": None,
                 "prefill_chunk": None if simulate else prefill_chunk(batch), "timeline": True}
 
@@ -165,16 +167,28 @@ def plan(points, fractions, backends, new_tokens: int, policy_free_backend: str 
         opts = dict(options, backend=backend, host_limit=host_limit)
         groups[name] = {"kind": "cxlalloc", "backend": backend, "options": opts, "cells": cells}
 
+    pf_opts = policy_free_options()
     order = [b for b in backends if b == policy_free_backend] + [b for b in backends if b != policy_free_backend]
     for i, bk in enumerate(order):
         cxl_group(f"cxlalloc:{bk}", "cxlalloc", bk, {})
         if i == 0:
-            cxl_group(f"policy_free:{policy_free_backend}", "policy_free", policy_free_backend,
-                      {"migration_rate": 0, "device_headroom": 0})
+            cxl_group(f"policy_free:{policy_free_backend}", "policy_free", policy_free_backend, pf_opts)
     if policy_free_backend not in backends:
-        cxl_group(f"policy_free:{policy_free_backend}", "policy_free", policy_free_backend,
-                  {"migration_rate": 0, "device_headroom": 0})
+        cxl_group(f"policy_free:{policy_free_backend}", "policy_free", policy_free_backend, pf_opts)
     return groups
+
+
+def policy_free_options() -> Dict[str, Any]:
+    """cxlalloc options of the policy-free baseline: ``policy="first-fit"``
+    (the engine's own switch: no KV quota, no headroom, no demotion or
+    promotion; VRAM first come, first served, then the host tier), or, on
+    builds without that option, the same effect by ``migration_rate=0`` (no
+    migration) and ``device_headroom=0``."""
+    from cxlalloc.config import OPTION_NAMES
+
+    if "policy" in OPTION_NAMES:
+        return {"policy": "first-fit"}
+    return {"migration_rate": 0, "device_headroom": 0}
 
 
 def assign_budgets(cells: List[Dict[str, Any]], native_rows: List[Dict[str, Any]], simulate: bool = False) -> None:

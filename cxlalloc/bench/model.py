@@ -83,7 +83,9 @@ SHAPES: Dict[str, Shape] = {
     "llama-8b": Shape("llama-8b", hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336,
                       tie_embeddings=False),
     # CPU simulation toy.
-    "tiny": Shape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256),
+    # CPU simulation toy: 4 layers, ~2.8M params; at fp32 its KV is 8 KiB per token, so a 4 x 512 context
+    # spans several 2 MiB extent chunks and spill fractions are meaningful.
+    "tiny": Shape("tiny", hidden=256, layers=4, heads=4, kv_heads=4, head_dim=64, intermediate=512, vocab=512),
 }
 
 

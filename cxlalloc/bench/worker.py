@@ -315,7 +315,7 @@ class Worker:
         opts = dict(self.spec.get("cxlalloc_options") or {})
         opts.pop("device_limit", None)
         if budget:
-            opts["device_limit"] = max(int(budget) - int(cell.get("activation_bytes") or 0), 64 << 20)
+            opts["device_limit"] = max(int(budget) - int(cell.get("activation_bytes") or 0), 2 << 20)
         return self.hf_wrap.wrap(model, **opts)
 
     def _generate(self, model, cell) -> Dict[str, Any]:
