@@ -71,7 +71,9 @@ HOST_MARGIN = 2 << 30
 PREFILL_TOKENS_PER_CHUNK = 16384  # batch x chunk tokens per prefill forward
 WORKER_GRACE_S = 45.0
 
-QUICK = {"models": ["llama-1b"], "points": [(8192, 8), (32768, 8)], "new_tokens": 12}
+# Quick grid (scripts/gpu_check.sh): both points hold 2 GiB of KV (about the 1B model's weights), so 75 % spill
+# moves ~1.5 GiB over the link per decode step; the ends of the 4k-32k context range, ~1.5 s per run.
+QUICK = {"models": ["llama-1b"], "points": [(4096, 16), (32768, 2)], "new_tokens": 12}
 FULL = {"models": ["llama-1b", "llama-3b", "llama-8b"], "contexts": [4096, 8192, 16384, 32768],
         "batches": [1, 8, 32, 64], "new_tokens": 32, "max_kv_bytes": 40 * GiB}
 SIM = {"models": ["tiny"], "points": [(512, 4)], "new_tokens": 8}
@@ -234,6 +236,29 @@ def gpu_free_bytes(device: int = 0) -> Optional[int]:
         return None
 
 
+_LIVE_WORKERS: Dict[int, Any] = {}
+
+
+def _kill_workers(signum=None, frame=None) -> None:
+    """Kill every live worker's process group (on SIGTERM from a time box, and at exit)."""
+    for pid in list(_LIVE_WORKERS):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        _LIVE_WORKERS.pop(pid, None)
+    if signum is not None:
+        raise SystemExit(128 + signum)
+
+
+def _install_sigterm() -> None:
+    try:
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _kill_workers)
+    except ValueError:  # not the main thread
+        pass
+
+
 def run_worker(spec: Dict[str, Any], work_dir: str, timeout_s: float, log=print) -> List[Dict[str, Any]]:
     """Run one worker process; return its cell rows (cells it never reached are
     returned as ``not_run``).  The process is killed (its whole process group)
@@ -252,8 +277,10 @@ def run_worker(spec: Dict[str, Any], work_dir: str, timeout_s: float, log=print)
     env.pop("CXLALLOC", None)  # the worker enables cxlalloc itself, with the spec's options
     killed = None
     with open(log_path, "w") as logf:
+        _install_sigterm()
         proc = subprocess.Popen([sys.executable, "-m", "cxlalloc.bench.worker", spec_path, out_path], stdout=logf,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        _LIVE_WORKERS[proc.pid] = proc
         try:
             rc = proc.wait(timeout=max(timeout_s, 1.0))
         except subprocess.TimeoutExpired:
@@ -263,6 +290,8 @@ def run_worker(spec: Dict[str, Any], work_dir: str, timeout_s: float, log=print)
             except OSError:
                 pass
             rc = proc.wait()
+        finally:
+            _LIVE_WORKERS.pop(proc.pid, None)
     rows, worker_info = [], {}
     if os.path.exists(out_path):
         with open(out_path) as f:

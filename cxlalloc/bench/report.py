@@ -1,6 +1,7 @@
 """Plots and the README results table, generated from benchmark JSON records.
 
     python -m cxlalloc.bench.report --results bench/results --plots bench/results/plots --readme README.md
+    python -m cxlalloc.bench.report --import results.tar.gz ...   # first import a gpu_check.sh run
 
 * reads every ``*.json`` record under ``--results`` (recursively; files that
   are not valid records are skipped with a message);
@@ -27,7 +28,7 @@ import re
 import sys
 from typing import Any, Dict, List, Optional
 
-from cxlalloc.bench.meta import load_records
+from cxlalloc.bench.meta import BENCHMARKS, load_records
 
 START = "<!-- bench:start -->"
 END = "<!-- bench:end -->"
@@ -36,9 +37,51 @@ GiB = 1 << 30
 
 # ----------------------------------------------------------------- records
 def collect(results_dir: str) -> List[Dict[str, Any]]:
+    """Every ``<benchmark>.json`` record under ``results_dir`` (other JSON
+    files, e.g. ``info.json``, are machine descriptions kept beside them)."""
+    names = {f"{b}.json" for b in BENCHMARKS}
     paths = sorted(p for p in glob.glob(os.path.join(results_dir, "**", "*.json"), recursive=True)
-                   if "plots" not in os.path.relpath(p, results_dir).split(os.sep))
+                   if os.path.basename(p) in names)
     return load_records(paths)
+
+
+def import_tarball(tarball: str, results_dir: str) -> Optional[str]:
+    """Copy the GPU records of a ``scripts/gpu_check.sh`` tarball (and its
+    ``info.json``, ``README_section.md`` and ``pytest.xml``) into
+    ``results_dir/<date>_<gpu>/``.  Simulation or skipped records are not
+    imported.  Returns the folder, or None when the tarball held no GPU record."""
+    import json
+    import shutil
+    import tarfile
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(tarball) as tf:
+            members = [m for m in tf.getmembers() if m.isfile() and not m.name.startswith(("/", ".."))
+                       and ".." not in m.name.split("/")]
+            try:
+                tf.extractall(tmp, members=members, filter="data")
+            except TypeError:  # Python without extraction filters
+                tf.extractall(tmp, members=members)
+        recs = [r for r in collect(tmp) if is_gpu_record(r)]
+        if not recs:
+            print(f"cxlalloc bench report: {tarball} holds no GPU record (nothing imported)", file=sys.stderr)
+            return None
+        first = min(recs, key=lambda r: r["date_utc"])
+        gpu = re.sub(r"[^A-Za-z0-9]+", "-", str(first["hardware"]["gpu"].get("name", "gpu"))).strip("-").lower()
+        stamp = first["date_utc"].replace(":", "").replace("-", "")
+        dest = os.path.join(results_dir, f"{stamp}_{gpu}")
+        os.makedirs(dest, exist_ok=True)
+        for r in recs:
+            src = r.pop("_path")
+            with open(os.path.join(dest, os.path.basename(src)), "w") as f:
+                json.dump(r, f, indent=1)
+                f.write("\n")
+        for extra in ("info.json", "README_section.md", "pytest.xml"):
+            for p in glob.glob(os.path.join(tmp, "**", extra), recursive=True)[:1]:
+                shutil.copy(p, os.path.join(dest, extra))
+    print(f"cxlalloc bench report: imported {len(recs)} GPU record(s) into {dest}")
+    return dest
 
 
 def is_gpu_record(rec: Dict[str, Any]) -> bool:
@@ -387,7 +430,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--results", default=os.path.join("bench", "results"), help="folder of JSON records")
     p.add_argument("--plots", default=None, help="folder for PNG plots (default RESULTS/plots)")
     p.add_argument("--readme", default=None, help="README to update between the bench markers (default: none)")
+    p.add_argument("--import", dest="tarball", default=None, metavar="TARBALL",
+                   help="first copy the GPU records of a gpu_check.sh results.tar.gz into RESULTS/<date>_<gpu>/")
     args = p.parse_args(argv)
+    if args.tarball:
+        import_tarball(args.tarball, args.results)
     plots_dir = args.plots or os.path.join(args.results, "plots")
     records = collect(args.results)
     latest = latest_gpu(records)

@@ -456,8 +456,24 @@ def _host_fraction(samples: List[Dict[str, Any]]) -> Optional[float]:
     return None
 
 
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent (the bench process) dies, so a time
+    box that kills the parent never leaves a worker holding the GPU."""
+    try:
+        import ctypes
+        import signal as _signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(_signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent is already gone
+            os._exit(1)
+    except Exception:
+        pass
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _die_with_parent()
     if len(argv) != 2:
         print("usage: python -m cxlalloc.bench.worker SPEC.json OUT.jsonl", file=sys.stderr)
         return 2
