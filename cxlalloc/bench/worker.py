@@ -144,6 +144,7 @@ class Worker:
         from cxlalloc.bench.model import SHAPES, build_model
 
         self.model = None
+        self.model_name = None  # until the new model is built and warmed up
         gc.collect()
         if self.device_type == "cuda":
             self.torch.cuda.empty_cache()
