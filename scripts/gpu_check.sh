@@ -20,6 +20,11 @@
 #                         decode/right-sizing worker logs
 # With $OUT set, intermediate files live in ${TMPDIR:-/tmp}/cxlalloc_gpu_check.
 #
+# Environment: OUT (output folder), PYTHON (default python3), GPU_CHECK_BUDGET_S
+# (default 470), GPU_CHECK_SKIP="build adapter ..." (steps to skip, e.g. on a
+# second run in the same machine), CXLALLOC_GIT_COMMIT (recorded when the tree
+# has no .git).
+#
 # Safety: device_limit emulates a small GPU; managed memory is never requested
 # beyond half of the card's free memory (cxlalloc/bench/guard.py, checked in
 # every benchmark before each managed allocation); nothing changes the card's
@@ -118,6 +123,12 @@ say "commit: ${CXLALLOC_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unk
 
 run_step() {  # name box cmd
   local name="$1" box="$2" cmd="$3" left t rc st t1
+  case " ${GPU_CHECK_SKIP:-} " in
+    *" $name "*)
+      say "step $name: SKIPPED (GPU_CHECK_SKIP)"
+      printf '%s\tskipped\t0\t-\t-\n' "$name" >>"$STATUS"
+      return ;;
+  esac
   local remaining=$(( BUDGET - $(elapsed) ))
   if [ "$name" = report ] || [ "$name" = pack ]; then left=$remaining; else left=$(( remaining - RESERVE )); fi
   t=$box
@@ -190,6 +201,10 @@ tar -czf "$OUTDIR/results.tar.gz" -C "$WORK" results logs 2>>"$LOG" || say "pack
 printf 'pack\tok\t0\t0\t-\n' >>"$STATUS"
 
 say "done in $(elapsed) s; step summary:"
-column -t -s $'\t' "$STATUS" 2>/dev/null | sed 's/^/    /' | tee -a "$LOG" || cat "$STATUS" | tee -a "$LOG"
+if command -v column >/dev/null 2>&1; then
+  column -t -s $'\t' "$STATUS" | sed 's/^/    /' | tee -a "$LOG"
+else
+  sed 's/^/    /' "$STATUS" | tee -a "$LOG"
+fi
 ls -la "$OUTDIR" | tee -a "$LOG"
 exit 0

@@ -166,7 +166,7 @@ def _host_tier(ctx, w, part, backend, node, nbytes, host_limit, src, dst, warmup
 
     import cxlalloc
 
-    a = h = None
+    a = h = hf = None
     try:
         a = cxlalloc.Allocator(device_limit=64 * MiB, host_limit=host_limit, numa_node=node, backend=backend,
                                device=ctx.device, migration_rate=0)
@@ -204,12 +204,13 @@ def _host_tier(ctx, w, part, backend, node, nbytes, host_limit, src, dst, warmup
         w.error(part, e)
         return None
     finally:
-        del h
+        h = hf = None  # free the host-tier block before emptying the cache
+        gc.collect()
         if a is not None:
             try:
                 torch.cuda.synchronize()
                 a.empty_cache()
             except Exception:
                 pass
-        del a
+        a = None
         gc.collect()

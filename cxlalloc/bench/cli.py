@@ -51,7 +51,8 @@ def _csv(kind):
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cxlalloc bench", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m cxlalloc bench",
+                                description="Run cxlalloc's benchmarks; each writes one JSON record into --out.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="See bench/README.md for what each benchmark measures and the ceiling model.")
     p.add_argument("--simulate", action="store_true",
