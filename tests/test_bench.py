@@ -342,3 +342,68 @@ def test_worker_process_protocol_on_cpu(tmp_path):
     (k,) = decode.run_worker(dict(spec, cells=[dict(cell, id="k")]), str(tmp_path), timeout_s=0.2,
                              log=lambda *_: None)
     assert k["status"] == "not_run" and "killed" in k["reason"]
+
+
+# ----------------------------------------------------------------- decode orchestration (GPU path, faked workers)
+def test_decode_orchestration_budgets_guard_and_ratios(tmp_path, monkeypatch):
+    """decode.run's GPU path with the worker processes replaced by a fake: the
+    native group runs first, cxlalloc groups get budgets from its peaks,
+    managed cells over the guard are refused, rows reach the record as they
+    come, and the summary holds the ratios."""
+    from cxlalloc.bench import cli
+
+    specs = []
+
+    def fake_worker(spec, work_dir, timeout_s, log=print):
+        specs.append(spec)
+        rows = []
+        for c in spec["cells"]:
+            r = dict(c, group=spec["group"], status="ok", ttft_s=0.5, tokens_digest="x")
+            if c["variant"] == "native":
+                r.update(decode_tokens_per_s=1000.0, peak_reserved_bytes=8 * GiB)
+            elif c["variant"] == "native_limit" and c["spill"] > 0:
+                r.update(status="oom", error="torch.OutOfMemoryError: CUDA out of memory")
+            elif c["variant"] == "hf_offloaded":
+                r.update(decode_tokens_per_s=100.0)
+            else:
+                r.update(decode_tokens_per_s=1000.0 * (1 - c["spill"]) + 50, measured_host_fraction=c["spill"])
+            rows.append(r)
+        return rows
+
+    monkeypatch.setattr(decode, "run_worker", fake_worker)
+    monkeypatch.setattr(decode, "gpu_free_bytes", lambda device=0: 40 * GiB)
+    ceil = {"hbm_read_gbps": 3000.0, "link": {"host-vmm": {"zero_copy_read_gbps": 40.0},
+                                              "pinned": {"zero_copy_read_gbps": 30.0}}}
+    monkeypatch.setattr(decode, "load_ceilings", lambda out_dir: ceil)
+    args = cli.make_parser().parse_args(["--quick", "--out", str(tmp_path), "--contexts", "4096,32768",
+                                         "--batches", "16"])
+    ctx = cli.BenchContext(args, ["--quick"])
+    monkeypatch.setattr(ctx, "gpu_ready", lambda: (True, ""))
+    rec = decode.run(ctx)
+    assert meta.validate_record(rec) == []
+    assert [s["group"] for s in specs][0] == "native"
+    by_group = {s["group"]: s for s in specs}
+    assert set(by_group) >= {"native", "cxlalloc:host-vmm", "policy_free:host-vmm", "cxlalloc:pinned"}
+    cx = by_group["cxlalloc:host-vmm"]
+    for c in cx["cells"]:
+        assert c["budget_rule"] == "native_peak"
+        assert c["budget_bytes"] == decode.budget_from_peak(8 * GiB, c["kv_final_bytes"], c["spill"])
+    assert cx["cxlalloc_options"]["device_limit"] == cx["cells"][0]["budget_bytes"]
+    assert cx["cxlalloc_options"]["host_limit"] >= max(c["kv_final_bytes"] for c in cx["cells"])
+    assert by_group["policy_free:host-vmm"]["cxlalloc_options"].get("policy") == "first-fit" or \
+        by_group["policy_free:host-vmm"]["cxlalloc_options"].get("migration_rate") == 0
+    # 40 GiB free -> 20 GiB managed cap: the 32k x 16 point's managed cells (16 GiB KV + host limit) are refused.
+    refused = [r for r in rec["results"] if r["status"] == "refused"]
+    assert refused and all(r["backend"] == "managed" for r in refused)
+    assert all("managed-memory guard" in r["reason"] for r in refused)
+    assert all(c["managed_bytes"] <= 20 * GiB for c in by_group.get("cxlalloc:managed", {"cells": []})["cells"])
+    pts = rec["summary"]["points"]
+    e = next(p for p in pts if p["context"] == 4096 and p["spill"] == 0.5)
+    assert e["best_cxlalloc"]["backend"] == "host-vmm"
+    assert e["cxlalloc_vs_offloaded"] == pytest.approx(550.0 / 100.0)
+    assert e["cxlalloc_vs_policy_free"] == pytest.approx(1.0)
+    assert e["cxlalloc_vs_native"] == pytest.approx(0.55)
+    assert 0 < e["cxlalloc_vs_ceiling"] < 10
+    assert e["native_limit"]["status"] == "oom"
+    on_disk = json.loads((tmp_path / "decode.json").read_text())
+    assert on_disk["status"] == "ok" and len(on_disk["results"]) == len(rec["results"])

@@ -442,14 +442,6 @@ def _brief(r: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
             "measured_host_fraction": r.get("measured_host_fraction"), "mode": r.get("mode")}
 
 
-def _strip(row: Dict[str, Any], keep_timeline: bool) -> Dict[str, Any]:
-    row = dict(row)
-    if not keep_timeline:
-        row.pop("timeline", None)
-    row.pop("traceback", None) if row.get("status") == "ok" else None
-    return row
-
-
 # ----------------------------------------------------------------- entry
 def run(ctx) -> Dict[str, Any]:
     """The decode benchmark (see the module docstring).  ``ctx`` is a
@@ -515,8 +507,10 @@ def run(ctx) -> Dict[str, Any]:
         left -= len(grp["cells"])
         if rem != float("inf") and rem < 20:
             for c in grp["cells"]:
-                rows.append(dict(c, status="not_run", reason="time budget of the decode benchmark used up",
-                                 group=name))
+                r = dict(c, status="not_run", reason="time budget of the decode benchmark used up", group=name,
+                         method="not run")
+                rows.append(r)
+                w.add(r)
             continue
         opts = dict(grp["options"])
         if grp["kind"] == "cxlalloc":
@@ -529,28 +523,20 @@ def run(ctx) -> Dict[str, Any]:
         ctx.log(f"decode: running {name} ({len(grp['cells'])} cells, time box {share:.0f} s)")
         timeout = share + WORKER_GRACE_S if share != float("inf") else 24 * 3600
         timeout = min(timeout, max(ctx.deadline.remaining(), 10.0))
-        got = run_worker(spec, work, timeout, log=ctx.log)
-        rows.extend(got)
+        for r in run_worker(spec, work, timeout, log=ctx.log):
+            if r.get("status") == "ok":
+                r.pop("traceback", None)
+            r.setdefault("method", "transformers generate() in a worker process per variant group "
+                                   "(see parameters.method)")
+            rows.append(r)
+            w.add(r)  # on disk at once: a run cut short keeps every finished cell
+    # Analysis fills ceiling and ratio fields into the same row dicts (they are the record's results).
     summary = analyse(rows, load_ceilings(ctx.out_dir))
     if not summary["ceilings_available"]:
         w.note("no GPU ceilings.json in the output folder: ratios to the link-bound ceiling are not computed "
                "(run the ceilings benchmark first, in the same --out folder)")
-    keep_tl = _timeline_keepers(rows)
-    for r in rows:
-        r = _strip(r, r["id"] in keep_tl)
-        r.setdefault("method", "transformers generate() in a worker process per variant group (see parameters.method)")
-        w.add(r)
     w.record["summary"] = summary
     return w.finish()
-
-
-def _timeline_keepers(rows) -> set:
-    """Keep per-step tier timelines for the largest point's cells (for the tier plot)."""
-    ok = [r for r in rows if r.get("status") == "ok" and r.get("timeline")]
-    if not ok:
-        return set()
-    big = max(ok, key=lambda r: (r["kv_final_bytes"], r["context"]))
-    return {r["id"] for r in ok if (r["model"], r["context"], r["batch"]) == (big["model"], big["context"], big["batch"])}
 
 
 def _run_sim(ctx, w, fractions, backends, new_tokens) -> Dict[str, Any]:

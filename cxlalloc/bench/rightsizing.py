@@ -92,7 +92,10 @@ def run(ctx) -> Dict[str, Any]:
                 "stop_after_failure": True, "cells": allowed}
         ctx.log(f"rightsizing: running {name} ({len(allowed)} batch sizes, time box {share:.0f} s)")
         timeout = share + WORKER_GRACE_S if share != float("inf") else 24 * 3600
-        rows.extend(run_worker(spec, work, min(timeout, max(ctx.deadline.remaining(), 10.0)), log=ctx.log))
+        for r in run_worker(spec, work, min(timeout, max(ctx.deadline.remaining(), 10.0)), log=ctx.log):
+            r.setdefault("method", "transformers generate() under a fixed device budget (see parameters.method)")
+            rows.append(r)
+            w.add(r)  # on disk at once
     summary: Dict[str, Any] = {"budget_bytes": budget}
     for variant in ("native_limit", "cxlalloc"):
         ok_rows = [r for r in rows if r["variant"] == variant and r.get("status") == "ok"]
@@ -105,9 +108,5 @@ def run(ctx) -> Dict[str, Any]:
         summary["batch_ratio"] = c["largest_batch"] / n["largest_batch"]
         if n["tokens_per_s"] and c["tokens_per_s"]:
             summary["tokens_per_s_ratio"] = c["tokens_per_s"] / n["tokens_per_s"]
-    for r in rows:
-        r = dict(r)
-        r.setdefault("method", "transformers generate() under a fixed device budget (see parameters.method)")
-        w.add(r)
     w.record["summary"] = summary
     return w.finish()
