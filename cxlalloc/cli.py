@@ -1,0 +1,321 @@
+"""``python -m cxlalloc`` / ``cxlalloc``: info, run, bench, demo.
+
+    cxlalloc info [--json] [--simulate]      GPUs, driver, capabilities, NUMA nodes,
+                                             the node "auto" picks and why, backends
+    cxlalloc run [options] -- CMD ...        run CMD with CXLALLOC set from the options
+    cxlalloc bench ...                       benchmarks (cxlalloc.bench.cli)
+    cxlalloc demo ...                        HuggingFace demo (cxlalloc.hf.demo)
+
+Exit codes: 0 success; 2 bad usage or options; ``run`` returns CMD's own code
+(127 if CMD cannot be started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from typing import Dict, List, Optional
+
+# CUDA driver attributes shown by `info` (values from cuda.h): the ones that
+# decide which host-tier backends can work and how fast.
+GPU_ATTRIBUTES = {
+    "compute_capability_major": 75,
+    "compute_capability_minor": 76,
+    "can_map_host_memory": 19,
+    "unified_addressing": 41,
+    "managed_memory": 83,
+    "host_native_atomic_supported": 86,
+    "pageable_memory_access": 88,
+    "concurrent_managed_access": 89,
+    "can_use_host_pointer_for_registered_mem": 91,
+    "host_register_supported": 99,
+    "virtual_memory_management_supported": 102,
+    "memory_pools_supported": 115,
+    "numa_config": 130,
+    "numa_id": 131,
+    "host_numa_id": 134,
+    "host_numa_virtual_memory_management_supported": 141,
+    "host_numa_memory_pools_supported": 142,
+}
+
+# `run` flags -> CXLALLOC keys (every key also works through --option KEY=VALUE).
+RUN_FLAGS = ("device_limit", "host_limit", "numa_node", "backend", "kv_device_limit", "device_headroom",
+             "spill_reserve", "migration_rate", "promote_after", "strict_placement", "device")
+
+
+# ----------------------------------------------------------------- info
+def _topology_section(gpu_near_node: int = -1) -> dict:
+    try:
+        from cxlalloc import topology
+
+        topo = topology.read_topology()
+        choice = topology.choose_host_node(topo, gpu_near_node, "auto")
+        return {"available": True, "topology": topo, "auto_node": choice}
+    except Exception as e:  # no sysfs, or the topology module is missing
+        return {"available": False, "reason": f"{type(e).__name__}: {e}", "topology": None, "auto_node": None}
+
+
+def _torch_section() -> dict:
+    try:
+        import torch
+    except Exception as e:
+        return {"installed": False, "reason": f"{type(e).__name__}: {e}"}
+    out = {"installed": True, "version": torch.__version__, "cuda": getattr(torch.version, "cuda", None),
+           "git_version": getattr(torch.version, "git_version", None)}
+    try:
+        from cxlalloc import _torch_build
+
+        _torch_build.check_buildable(torch)
+        out["adapter"] = {"buildable": True, "cache": os.path.join(_torch_build.cache_root(), "torch-adapter",
+                                                                    _torch_build.build_tag(torch))}
+    except Exception as e:
+        out["adapter"] = {"buildable": False, "reason": str(e)}
+    return out
+
+
+def _device_section(engine, d: int, simulate: bool) -> dict:
+    from cxlalloc import _runtime
+
+    free_b, total_b = engine.mem_info(d)
+    attrs = {name: engine.attribute(d, code, -1) for name, code in GPU_ATTRIBUTES.items()}
+    dev = {"index": d, "name": engine.device_name(d), "total_bytes": int(total_b), "free_bytes": int(free_b),
+           "attributes": attrs, "host_numa_id": attrs["host_numa_id"]}
+    try:
+        choice = _runtime.choose_node(engine, d, "auto")
+        dev["auto_node"] = {"node": int(choice["node"]), "reason": choice["reason"]}
+    except Exception as e:
+        dev["auto_node"] = {"node": None, "reason": f"cannot choose: {e}"}
+    # The engine's own verdict on each backend (what enable() would use):
+    # a throwaway allocator with no host tier probes them all.
+    try:
+        node = dev["auto_node"]["node"] if dev["auto_node"]["node"] is not None else 0
+        engine.configure_device(d, {"device_limit": 2 << 20, "host_limit": 0, "host_node": node})
+        info = engine.device(d).info()
+        dev["backends"] = {name: {"supported": bool(ok), "reason": reason}
+                           for name, (ok, reason) in sorted(info["backend_support"].items())}
+    except Exception as e:
+        dev["backends"] = {"error": str(e)}
+    return dev
+
+
+def gather_info(simulate: bool = False, libcuda: str = "libcuda.so.1") -> dict:
+    """Everything ``cxlalloc info`` reports, as a JSON-ready dict.
+
+    Keys: ``cxlalloc`` (version, library), ``torch`` (version, CUDA build,
+    whether the adapter can be built here), ``gpu`` (``available``,
+    ``reason`` when not, ``simulated``, ``driver_version``, ``devices``: name,
+    VRAM bytes, capability attributes, host NUMA id, the node ``auto`` picks
+    and why, each backend's support and reason), ``numa`` (the topology: nodes
+    with CPU-less / CXL marking, tiers, warnings, and the node ``auto`` would
+    pick without a GPU).  Never raises for a missing GPU: that is ``gpu.reason``.
+    """
+    import cxlalloc
+    from cxlalloc import _C, _runtime
+    from cxlalloc.config import make_config
+
+    out = {"cxlalloc": {"version": cxlalloc.__version__, "library": os.path.abspath(_C.__file__)},
+           "torch": _torch_section()}
+    gpu: Dict[str, object] = {"available": False, "simulated": bool(simulate), "devices": []}
+    try:
+        engine = _runtime.new_engine(make_config(simulate=simulate, libcuda=libcuda))
+    except Exception as e:
+        gpu["reason"] = str(e)
+        engine = None
+    if engine is not None:
+        gpu["driver_version"] = engine.driver_version
+        gpu["numa_method"] = engine.numa_method
+        if engine.device_count == 0:
+            gpu["reason"] = "the CUDA driver reports no device (check CUDA_VISIBLE_DEVICES)"
+        else:
+            gpu["available"] = True
+            gpu["reason"] = None
+            gpu["devices"] = [_device_section(engine, d, simulate) for d in range(engine.device_count)]
+    out["gpu"] = gpu
+    near = gpu["devices"][0]["host_numa_id"] if gpu["devices"] else -1
+    out["numa"] = _topology_section(near if isinstance(near, int) else -1)
+    return out
+
+
+def _fmt_bytes(n) -> str:
+    from cxlalloc.config import format_bytes
+
+    return format_bytes(n)
+
+
+def format_info(info: dict, use_rich: Optional[bool] = None) -> str:
+    """The readable form of :func:`gather_info`."""
+    lines: List[str] = []
+    cx, th, gpu, numa = info["cxlalloc"], info["torch"], info["gpu"], info["numa"]
+    lines.append(f"cxlalloc {cx['version']} ({cx['library']})")
+    if th.get("installed"):
+        adapter = th.get("adapter", {})
+        a = "buildable" if adapter.get("buildable") else f"not buildable: {adapter.get('reason')}"
+        lines.append(f"torch {th['version']} (CUDA {th.get('cuda') or 'none: CPU-only build'}); adapter {a}")
+    else:
+        lines.append(f"torch: not importable ({th.get('reason')})")
+    lines.append("")
+    if not gpu["available"]:
+        lines.append(f"no GPU: {gpu.get('reason')}")
+    else:
+        sim = " (SIMULATED driver)" if gpu["simulated"] else ""
+        lines.append(f"CUDA driver {gpu.get('driver_version')}{sim}, NUMA placement checks: {gpu.get('numa_method')}")
+        for dev in gpu["devices"]:
+            lines.append(f"cuda:{dev['index']}: {dev['name']}, {_fmt_bytes(dev['total_bytes'])} VRAM "
+                         f"({_fmt_bytes(dev['free_bytes'])} free), host NUMA id {dev['host_numa_id']}")
+            attrs = ", ".join(f"{k}={v}" for k, v in dev["attributes"].items())
+            lines.append(f"  attributes: {attrs}")
+            an = dev.get("auto_node") or {}
+            lines.append(f"  numa_node auto -> {an.get('node')}: {an.get('reason')}")
+            backends = dev.get("backends", {})
+            if "error" in backends:
+                lines.append(f"  backends: cannot probe: {backends['error']}")
+            else:
+                for name, b in backends.items():
+                    state = "supported" if b["supported"] else "NOT supported"
+                    lines.append(f"  backend {name}: {state}" + (f" ({b['reason']})" if b["reason"] else ""))
+    lines.append("")
+    if numa["available"]:
+        from cxlalloc import topology
+
+        near = gpu["devices"][0]["host_numa_id"] if gpu["devices"] else -1
+        lines.append(topology.format_topology(numa["topology"], gpu_near_node=near, use_rich=use_rich))
+        if numa["auto_node"]:
+            lines.append(f"numa_node auto -> {numa['auto_node']['node']}: {numa['auto_node']['reason']}")
+    else:
+        lines.append(f"NUMA topology: unavailable ({numa['reason']})")
+    return "\n".join(lines)
+
+
+def cmd_info(args) -> int:
+    info = gather_info(simulate=args.simulate, libcuda=args.libcuda)
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=True, default=str))
+    else:
+        print(format_info(info))
+    return 0
+
+
+# ----------------------------------------------------------------- run
+def _startup_hook_installed() -> bool:
+    import site
+
+    dirs = list(getattr(site, "getsitepackages", lambda: [])()) + [site.getusersitepackages()]
+    dirs += [p for p in sys.path if p.endswith("site-packages")]
+    return any(os.path.isfile(os.path.join(d, "cxlalloc-startup.pth")) for d in dirs)
+
+
+def build_env_value(args) -> str:
+    """The CXLALLOC value for ``run``: the current CXLALLOC (if any) updated
+    with the flags and ``--option`` pairs; "1" when nothing is set.
+
+    Raises:
+        ValueError: a bad key or value (named, as cxlalloc.config words it).
+    """
+    from cxlalloc.config import make_config, parse_env
+
+    opts = dict(parse_env(os.environ.get("CXLALLOC", "")) or {})
+    for key in RUN_FLAGS:
+        v = getattr(args, key, None)
+        if v is not None:
+            opts[key] = v
+    for pair in args.option or []:
+        if "=" not in pair:
+            raise ValueError(f"--option {pair!r}: use KEY=VALUE (e.g. --option migration_rate=4GiB)")
+        k, v = pair.split("=", 1)
+        opts[k.strip()] = v.strip()
+    for k, v in opts.items():
+        if "," in str(v):  # CXLALLOC separates pairs with commas
+            raise ValueError(f"cxlalloc option '{k}': {v!r} cannot contain ',' in CXLALLOC")
+    make_config(**opts)  # validate now: a clear error before CMD starts
+    if not opts:
+        return "1"
+    return ",".join(f"{k}:{v}" for k, v in opts.items())
+
+
+def cmd_run(args) -> int:
+    cmd = list(args.cmd or [])
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("cxlalloc run: no command given (usage: cxlalloc run [options] -- CMD ...)", file=sys.stderr)
+        return 2
+    try:
+        value = build_env_value(args)
+    except ValueError as e:
+        print(f"cxlalloc run: {e}", file=sys.stderr)
+        return 2
+    if not _startup_hook_installed():
+        print("cxlalloc run: warning: cxlalloc-startup.pth is not installed in this Python's site-packages, so "
+              "Python commands will not enable cxlalloc by themselves (reinstall cxlalloc with pip)", file=sys.stderr)
+    env = dict(os.environ)
+    env["CXLALLOC"] = value
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(cmd[0], cmd, env)  # CMD's exit status and signals become ours
+    except OSError as e:
+        print(f"cxlalloc run: cannot run {cmd[0]!r}: {e.strerror}", file=sys.stderr)
+        return 127
+    return 0  # not reached
+
+
+# ----------------------------------------------------------------- bench / demo
+def _delegate(module: str, what: str, argv: List[str]) -> int:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        print(f"cxlalloc {what}: not available in this installation ({module} could not be imported: {e})",
+              file=sys.stderr)
+        return 2
+    main = getattr(mod, "main", None)
+    if main is None:
+        print(f"cxlalloc {what}: {module} has no main()", file=sys.stderr)
+        return 2
+    rc = main(argv)
+    return int(rc or 0)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cxlalloc", description="Tiered PyTorch CUDA allocator: VRAM, then host/CXL "
+                                "NUMA memory. See docs/pytorch-integration.md.")
+    sub = p.add_subparsers(dest="command", metavar="{info,run,bench,demo}")
+    sub.required = True
+
+    pi = sub.add_parser("info", help="GPUs, driver, capabilities, NUMA nodes, node choice, backends")
+    pi.add_argument("--json", action="store_true", help="machine-readable output")
+    pi.add_argument("--simulate", action="store_true", help="report the simulated GPU of cxlalloc's test driver")
+    pi.add_argument("--libcuda", default="libcuda.so.1", help="CUDA driver library (default libcuda.so.1)")
+    pi.set_defaults(func=cmd_info)
+
+    pr = sub.add_parser("run", help="run a command with cxlalloc enabled (sets CXLALLOC)",
+                        description="Run CMD with CXLALLOC set from these options; every Python process it "
+                        "starts enables cxlalloc right after importing torch.")
+    for key in RUN_FLAGS:
+        flag = "--" + key.replace("_", "-")
+        if key == "strict_placement":
+            pr.add_argument(flag, dest=key, nargs="?", const="true", default=None, metavar="BOOL")
+        else:
+            pr.add_argument(flag, dest=key, default=None, metavar=key.upper())
+    pr.add_argument("--option", action="append", metavar="KEY=VALUE", help="any other cxlalloc option")
+    pr.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...")
+    pr.set_defaults(func=cmd_run)
+
+    for name, module, text in (("bench", "cxlalloc.bench.cli", "benchmarks"),
+                               ("demo", "cxlalloc.hf.demo", "HuggingFace generate() demo")):
+        ps = sub.add_parser(name, help=text, add_help=False)
+        ps.add_argument("rest", nargs=argparse.REMAINDER)
+        ps.set_defaults(func=lambda a, m=module, n=name: _delegate(m, n, a.rest))
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of ``python -m cxlalloc`` and the ``cxlalloc`` script."""
+    args = make_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
