@@ -162,6 +162,25 @@ def check_buildable(torch_module=None) -> None:
     cuda_include_dirs(_torch_cuda_major(torch))
 
 
+def _import_cpp_extension():
+    """``torch.utils.cpp_extension``, imported without its start-up log line
+    about CUDA_HOME (the adapter needs CUDA headers only, found by
+    :func:`cuda_include_dirs`, never nvcc)."""
+    import logging
+
+    name = "torch.utils.cpp_extension"
+    if name in sys.modules:
+        return sys.modules[name]
+    log = logging.getLogger(name)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        log.setLevel(level)
+    return cpp_extension
+
+
 def load(verbose: Optional[bool] = None):
     """Build (first time, ~1 min) or load the cached adapter module.
 
@@ -178,9 +197,9 @@ def load(verbose: Optional[bool] = None):
         if _module is not None:
             return _module
         import torch
-        from torch.utils import cpp_extension
 
         check_buildable(torch)
+        cpp_extension = _import_cpp_extension()
         if verbose is None:
             verbose = os.environ.get("CXLALLOC_BUILD_VERBOSE") == "1"
         tag = build_tag(torch)
@@ -225,7 +244,7 @@ def compile_command(source: str, include_dirs: List[str], syntax_only: bool = Tr
     """
     import sysconfig
 
-    from torch.utils import cpp_extension
+    cpp_extension = _import_cpp_extension()
 
     cmd = [cxx or os.environ.get("CXX", "c++"), CXX_STD, "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror",
            "-DTORCH_EXTENSION_NAME=cxlalloc_torch_check", "-DTORCH_API_INCLUDE_EXTENSION_H", "-fPIC"]
