@@ -4,7 +4,7 @@
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: setup demo test build clean
+.PHONY: setup demo test build clean dev-build
 
 setup:
 	bash scripts/bootstrap.sh $(VENV)
@@ -21,3 +21,7 @@ build:
 
 clean:
 	rm -rf build *.egg-info cxlalloc/*.so
+
+# Incremental rebuild for development (recompiles changed .cpp files only).
+dev-build:
+	CXLALLOC_INCREMENTAL=1 $(PYTHON) setup.py -q build_ext --inplace

@@ -13,12 +13,19 @@ import glob
 import os
 import shutil
 
-from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, naive_recompile
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
-# Compile the many small C++ files of _C in parallel (CI has 2 cores).
-ParallelCompile("CXLALLOC_BUILD_JOBS", default=0).install()
+# Compile the many small C++ files of _C in parallel (CI has 2 cores).  For
+# development, CXLALLOC_INCREMENTAL=1 with `python setup.py build_ext
+# --inplace` recompiles only .cpp files newer than their objects (touch a
+# .cpp after editing a header it includes).
+ParallelCompile(
+    "CXLALLOC_BUILD_JOBS",
+    default=0,
+    needs_recompile=naive_recompile if os.environ.get("CXLALLOC_INCREMENTAL") == "1" else None,
+).install()
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -64,6 +71,9 @@ sim = Extension(
     include_dirs=include_dirs,
     define_macros=macros,
     extra_compile_args=CXXFLAGS + ["-std=c++17", "-fvisibility=hidden"],
+    # Export only cu* and cxlsim_* (csrc/sim/exports.map), and fail the link,
+    # not the dlopen, on a missing definition.
+    extra_link_args=["-Wl,--version-script=" + os.path.join("csrc", "sim", "exports.map"), "-Wl,--no-undefined"],
     libraries=["dl", "pthread"],
     language="c++",
 )

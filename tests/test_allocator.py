@@ -15,9 +15,9 @@ MiB = 1 << 20
 def test_small_allocations_stay_on_device_until_budget_full(make_alloc):
     a = make_alloc(device_limit=64 * MiB)
     ptrs = []
-    # 1 MiB requests use 20 MiB large segments: 3 segments (60 MiB) fit in 64 MiB.
-    for _ in range(60):
-        p = a.malloc(1 * MiB)
+    # 2 MiB requests are carved from 20 MiB segments: 3 segments (60 MiB) fit in 64 MiB.
+    for _ in range(30):
+        p = a.malloc(2 * MiB)
         ptrs.append(p)
         assert a.tier_of(p) == "device"
     s = a.stats()
@@ -26,11 +26,11 @@ def test_small_allocations_stay_on_device_until_budget_full(make_alloc):
     assert s["device"]["reserved_bytes"] == 60 * MiB
     assert s["host"]["allocated_bytes"] == 0
     # The next one needs a 4th 20 MiB segment: it spills.
-    p = a.malloc(1 * MiB)
+    p = a.malloc(2 * MiB)
     assert a.tier_of(p) == "host"
     s = a.stats()
-    assert s["spilled_bytes"] == 1 * MiB
-    assert s["host"]["allocated_bytes"] == 1 * MiB
+    assert s["spilled_bytes"] == 2 * MiB
+    assert s["host"]["allocated_bytes"] == 2 * MiB
     assert s["device"]["reserved_bytes"] <= s["device"]["limit_bytes"]
     for q in ptrs + [p]:
         a.free(q)
@@ -51,8 +51,17 @@ def test_every_byte_placed_under_budgets(make_alloc):
     s = a.stats()
     assert s["device"]["reserved_bytes"] <= 32 * MiB
     assert s["host"]["reserved_bytes"] <= 64 * MiB
-    dev = sum(((sz + 511) // 512) * 512 for p, sz in live if a.tier_of(p) == "device")
-    host = sum(((sz + 511) // 512) * 512 for p, sz in live if a.tier_of(p) == "host")
+    # Block sizes from the snapshot (an independent walk of every segment);
+    # a block is its rounded request plus, at most, an unsplit remainder.
+    blocks = {b["ptr"]: (b["size"], seg["tier"]) for seg in a.snapshot() for b in seg["blocks"] if b["allocated"]}
+    assert set(blocks) == {p for p, _ in live}
+    for p, sz in live:
+        rounded = max(512, (sz + 511) // 512 * 512)
+        assert rounded <= blocks[p][0] <= rounded + (1 << 20)
+        assert blocks[p][1] == a.tier_of(p)
+    dev = sum(size for size, tier in blocks.values() if tier == "device")
+    host = sum(size for size, tier in blocks.values() if tier == "host")
+    assert dev > 0 and host > 0
     assert s["device"]["allocated_bytes"] == dev
     assert s["host"]["allocated_bytes"] == host
     assert s["other"]["device_bytes"] == dev and s["other"]["host_bytes"] == host
@@ -78,7 +87,7 @@ def test_kv_goes_to_host_after_its_device_quota_other_stays_on_device(make_alloc
 
 def test_other_demotes_cold_kv_instead_of_spilling(make_alloc, sim):
     a = make_alloc(device_limit=64 * MiB)
-    kvs = [a.malloc(18 * MiB, tag="kv") for _ in range(3)]  # 3 x 20 MiB segments on the device
+    kvs = [a.malloc(18 * MiB, tag="kv") for _ in range(3)]  # 3 x 18 MiB segments on the device
     assert all(a.tier_of(p) == "device" for p in kvs)
     # Fill KV with a pattern to check after demotion.
     for i, p in enumerate(kvs):
@@ -87,7 +96,7 @@ def test_other_demotes_cold_kv_instead_of_spilling(make_alloc, sim):
     assert a.tier_of(other) == "device", "non-KV data must stay in VRAM; KV is what spills"
     s = a.stats()
     assert s["other"]["host_bytes"] == 0
-    assert s["demoted_bytes"] == 20 * MiB
+    assert s["demoted_bytes"] == 18 * MiB
     demoted = [p for p in kvs if a.tier_of(p) == "host"]
     assert demoted == [kvs[0]], "the coldest (oldest) KV segment is demoted first"
     for i, p in enumerate(kvs):
@@ -298,10 +307,13 @@ def _check_no_overlap(live):
 
 def _check_accounting(a, live):
     s = a.stats()
+    sizes = {b["ptr"]: b["size"] for seg in a.snapshot() for b in seg["blocks"] if b["allocated"]}
+    assert set(sizes) == set(live)
     by = {("device", t): 0 for t in ("kv", "weight", "other")}
     by.update({("host", t): 0 for t in ("kv", "weight", "other")})
     for p, (sz, tag) in live.items():
-        by[(a.tier_of(p), tag)] += _rounded(sz)
+        assert _rounded(sz) <= sizes[p] <= _rounded(sz) + (1 << 20)
+        by[(a.tier_of(p), tag)] += sizes[p]
     for tag in ("kv", "weight", "other"):
         assert s[tag]["device_bytes"] == by[("device", tag)]
         assert s[tag]["host_bytes"] == by[("host", tag)]

@@ -87,28 +87,30 @@ DeviceAllocator::DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std
 
 DeviceAllocator::~DeviceAllocator() {
   // Destroying the allocator releases everything it holds.  Wait for the GPU
-  // first: a kernel may still be reading memory whose owner was just freed.
-  try {
-    std::lock_guard<std::mutex> lk(mu_);
-    driver::ContextGuard guard(*drv_, ctx_.get());
-    drv_->api().fn_cuCtxSynchronize();
-    pending_.clear();
-    event_pool_.clear();
-    free_lists_.clear();
-    allocated_.clear();
-    for (auto& [base, seg] : segments_) {
-      Block* b = seg->head;
-      while (b) {
-        Block* n = b->next;
-        delete b;
-        b = n;
-      }
-      seg->head = nullptr;
+  // first (a kernel may still read memory whose owner was just freed), but a
+  // failing driver must not turn teardown into a leak: every step below runs
+  // whatever the previous one did, and the RAII owners log their failures.
+  std::lock_guard<std::mutex> lk(mu_);
+  CUcontext prev = nullptr;
+  bool have_prev = drv_->api().fn_cuCtxGetCurrent(&prev) == CUDA_SUCCESS;
+  if (drv_->api().fn_cuCtxSetCurrent(ctx_.get()) != CUDA_SUCCESS) note_cleanup_failure("teardown: cuCtxSetCurrent");
+  if (drv_->api().fn_cuCtxSynchronize() != CUDA_SUCCESS) note_cleanup_failure("teardown: cuCtxSynchronize");
+  pending_.clear();
+  event_pool_.clear();
+  free_lists_.clear();
+  allocated_.clear();
+  for (auto& [base, seg] : segments_) {
+    Block* b = seg->head;
+    while (b) {
+      Block* n = b->next;
+      delete b;
+      b = n;
     }
-    segments_.clear();
-  } catch (const std::exception& e) {
-    note_cleanup_failure(std::string("DeviceAllocator teardown: ") + e.what());
+    seg->head = nullptr;
   }
+  segments_.clear();
+  factory_.reset();
+  if (have_prev) drv_->api().fn_cuCtxSetCurrent(prev);
 }
 
 std::string DeviceAllocator::host_backend_name() const {

@@ -10,6 +10,7 @@
 #include "alloc/device_allocator.h"
 #include "alloc/sizes.h"
 #include "common/error.h"
+#include "common/log.h"
 #include "common/units.h"
 
 namespace cxl::alloc {
@@ -185,7 +186,13 @@ void DeviceAllocator::extent_free(uint64_t id) {
   std::lock_guard<std::mutex> lk(mu_);
   driver::ContextGuard guard(*drv_, ctx_.get());
   Segment* seg = find_extent(extents_, id);
-  sync_device();
+  // Called from destructors (the last tensor of a KV layer dying): a failed
+  // sync is reported, and the memory released anyway rather than leaked.
+  try {
+    sync_device();
+  } catch (const std::exception& e) {
+    note_cleanup_failure(std::string("extent release: ") + e.what());
+  }
   for (Chunk& c : seg->chunks)
     if (c.committed) account_commit(*seg, c, false);
   if (!factory_->lazy_extents()) stats_.counters.released_segments[int(seg->tier())]++;

@@ -8,4 +8,5 @@ void bind_errors(pybind11::module_& m);
 void bind_driver(pybind11::module_& m);
 void bind_engine(pybind11::module_& m);
 void bind_policy(pybind11::module_& m);
+void bind_topology(pybind11::module_& m);
 }  // namespace cxl::python

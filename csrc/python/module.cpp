@@ -10,4 +10,5 @@ PYBIND11_MODULE(_C, m) {
   cxl::python::bind_driver(m);
   cxl::python::bind_engine(m);
   cxl::python::bind_policy(m);
+  cxl::python::bind_topology(m);
 }
