@@ -33,6 +33,7 @@ from cxlalloc._torch_mode import (  # noqa: F401
     memory_summary,
     mode,
     stats,
+    tier_of,
     weights,
 )
 

@@ -35,6 +35,7 @@ import threading
 from typing import List, Optional
 
 _lock = threading.Lock()
+_import_lock = threading.Lock()
 _module = None
 
 # The adapter's C++ standard: torch 2.14's headers need C++20
@@ -169,15 +170,14 @@ def _import_cpp_extension():
     import logging
 
     name = "torch.utils.cpp_extension"
-    if name in sys.modules:
-        return sys.modules[name]
-    log = logging.getLogger(name)
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        from torch.utils import cpp_extension
-    finally:
-        log.setLevel(level)
+    with _import_lock:  # a module half-imported by another thread has no attributes yet
+        log = logging.getLogger(name)
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            from torch.utils import cpp_extension
+        finally:
+            log.setLevel(level)
     return cpp_extension
 
 
@@ -234,21 +234,25 @@ def load(verbose: Optional[bool] = None):
 
 
 def compile_command(source: str, include_dirs: List[str], syntax_only: bool = True, output: Optional[str] = None,
-                    cxx: Optional[str] = None) -> List[str]:
+                    cxx: Optional[str] = None, torch_include_dirs: Optional[List[str]] = None) -> List[str]:
     """The compiler command that checks (or compiles to an object) one
-    adapter source against the installed torch's headers.
+    adapter source against torch's headers.
 
     Used by the CI test that type-checks the adapter on machines without a
     CUDA build of torch: ``include_dirs`` supplies the CUDA runtime headers
-    and any shim for headers a CPU wheel lacks.
+    and any shim for headers a CPU wheel lacks.  ``torch_include_dirs``
+    defaults to the installed torch's (``torch.utils.cpp_extension.include_paths()``);
+    pass another tree's to check the adapter against another torch version.
+    Warnings in the adapter's own code are errors; torch's and CUDA's headers
+    are system headers.
     """
     import sysconfig
 
-    cpp_extension = _import_cpp_extension()
-
+    if torch_include_dirs is None:
+        torch_include_dirs = _import_cpp_extension().include_paths()
     cmd = [cxx or os.environ.get("CXX", "c++"), CXX_STD, "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror",
            "-DTORCH_EXTENSION_NAME=cxlalloc_torch_check", "-DTORCH_API_INCLUDE_EXTENSION_H", "-fPIC"]
-    for d in list(include_dirs) + cpp_extension.include_paths() + [sysconfig.get_paths()["include"]]:
+    for d in list(include_dirs) + list(torch_include_dirs) + [sysconfig.get_paths()["include"]]:
         cmd += ["-isystem", d]  # warnings from torch/CUDA headers are not ours
     cmd += ["-fsyntax-only"] if syntax_only else ["-c", "-o", output or os.devnull]
     cmd.append(source)

@@ -177,7 +177,7 @@ def _enable_pluggable(torch, cfg, settings, source, engine, resolved, build_erro
         "max_memory_allocated / memory_summary, _record_memory_history and _snapshot, record_stream safety, "
         "CUDA-graph private pools, cuDNN benchmark (cacheInfo), empty_cache, and torch.OutOfMemoryError (a request "
         "that fits neither tier returns a null pointer and fails later as a CUDA error). cxlalloc.stats() and "
-        "cxlalloc.memory_summary() still work.", CxlallocWarning, stacklevel=4)
+        "cxlalloc.memory_summary() still work.", CxlallocWarning, stacklevel=5)
     return _State("global-pluggable", settings, source, cfg, engine, resolved, keepalive=[alloc])
 
 
@@ -406,6 +406,30 @@ def empty_cache() -> int:
         if a is not None:
             released += int(a.empty_cache())
     return released
+
+
+def tier_of(tensor, device=None) -> str:
+    """Which cxlalloc tier holds ``tensor``'s storage: ``"device"`` (VRAM) or
+    ``"host"`` (host memory on the chosen NUMA node).  ``tensor`` may also be
+    an address (int), with ``device`` its GPU (default: current).
+
+    A tensor on the host tier still reports ``device == cuda:N``: the GPU
+    reads its bytes across the link.
+
+    Raises:
+        RuntimeError: cxlalloc is not enabled.
+        ValueError: the memory is not cxlalloc's (in scoped mode, everything
+            outside ``cxlalloc.kv()`` and the spill pool belongs to torch).
+    """
+    st = _engine()
+    if hasattr(tensor, "data_ptr"):
+        ptr = int(tensor.untyped_storage().data_ptr())
+        d = tensor.device.index if device is None else _current_device(device)
+    else:
+        ptr, d = int(tensor), _current_device(device)
+    if d not in st.devices:
+        raise ValueError(f"cxlalloc option 'device': cuda:{d} is not served by cxlalloc")
+    return st.engine.device(d).tier_of(ptr)
 
 
 @contextlib.contextmanager

@@ -263,6 +263,10 @@ def cmd_run(args) -> int:
 
 
 # ----------------------------------------------------------------- bench / demo
+# Subcommands implemented elsewhere, imported only when used.
+DELEGATES = {"bench": ("cxlalloc.bench.cli", "benchmarks"), "demo": ("cxlalloc.hf.demo", "HuggingFace generate() demo")}
+
+
 def _delegate(module: str, what: str, argv: List[str]) -> int:
     try:
         mod = importlib.import_module(module)
@@ -303,9 +307,8 @@ def make_parser() -> argparse.ArgumentParser:
     pr.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...")
     pr.set_defaults(func=cmd_run)
 
-    for name, module, text in (("bench", "cxlalloc.bench.cli", "benchmarks"),
-                               ("demo", "cxlalloc.hf.demo", "HuggingFace generate() demo")):
-        ps = sub.add_parser(name, help=text, add_help=False)
+    for name, (module, text) in DELEGATES.items():
+        ps = sub.add_parser(name, help=f"{text} ({module})", add_help=False)
         ps.add_argument("rest", nargs=argparse.REMAINDER)
         ps.set_defaults(func=lambda a, m=module, n=name: _delegate(m, n, a.rest))
     return p
@@ -313,6 +316,12 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``python -m cxlalloc`` and the ``cxlalloc`` script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # bench/demo own their arguments (argparse's REMAINDER would refuse a
+    # leading option such as --help), so hand them over untouched.
+    if argv and argv[0] in DELEGATES:
+        module = DELEGATES[argv[0]][0]
+        return _delegate(module, argv[0], argv[1:])
     args = make_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
