@@ -156,3 +156,66 @@ def test_adapter_builds_links_and_installs_with_cuda_torch(tmp_path):
     r = subprocess.run([sys.executable, "-c", INSTALL_CHECK], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     assert r.stdout.strip() == "installed"
+
+
+STATS_ON_SIM = r"""
+import ctypes, torch
+from cxlalloc import _C, _runtime, _torch_build
+from cxlalloc.config import make_config
+MiB = 1 << 20
+engine = _runtime.new_engine(make_config(simulate=True))
+opts = _runtime.device_options(engine, 0, make_config(simulate=True, device_limit=64 * MiB, host_limit=256 * MiB,
+                                                      device_headroom=0))
+_runtime.configure(engine, 0, opts)
+_C.set_current_engine(engine)
+m = _torch_build.load()
+m.install(_C.__file__)
+lib = ctypes.CDLL(_C.__file__)
+lib.cxlalloc_malloc.restype = ctypes.c_void_p
+lib.cxlalloc_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+lib.cxlalloc_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+p = lib.cxlalloc_malloc(3 * MiB, 0, None)          # device tier
+q = lib.cxlalloc_malloc(100 * MiB, 0, None)        # beyond the 64 MiB device tier: host
+ms = torch._C._cuda_memoryStats(0)                 # torch's binding -> adapter getDeviceStats -> C ABI
+eng = engine.device(0).stats()["torch"]
+flat_ok = all(ms[k.split(".")[0]][k.split(".")[1]][k.split(".")[2]] == v
+              for k, v in eng.items() if k.count(".") == 2)
+torch._C._cuda_beginAllocateToPool(0, (5, 0))      # every stream -> pool (5, 0)
+r = lib.cxlalloc_malloc(2 * MiB, 0, None)
+torch._C._cuda_endAllocateToPool(0, (5, 0))
+live_exact = torch._C._cuda_checkPoolLiveAllocations(0, (5, 0), {r})
+live_wrong = torch._C._cuda_checkPoolLiveAllocations(0, (5, 0), {p})
+pools = torch._C._cuda_memoryStats(0).get("reserved_bytes_by_private_pools")
+lib.cxlalloc_free(r, 2 * MiB, 0, None)
+torch._C._cuda_releasePool(0, (5, 0))
+lib.cxlalloc_free(q, 100 * MiB, 0, None)
+lib.cxlalloc_free(p, 3 * MiB, 0, None)
+torch._C._cuda_resetPeakMemoryStats(0)
+after = torch._C._cuda_memoryStats(0)
+print(repr((flat_ok, ms["allocated_bytes"]["all"]["current"], ms["allocation"]["all"]["current"],
+            ms["max_split_size"], ms["num_ooms"], ms.get("num_oom_rejections", 0), live_exact, live_wrong,
+            pools, after["allocated_bytes"]["all"]["peak"], torch.cuda.get_allocator_backend())))
+"""
+
+
+def test_adapter_stats_and_pools_through_torch_on_the_simulator(tmp_path):
+    """With a CUDA build of torch but no GPU: torch's own bindings reach the
+    adapter, which reads the (simulated) engine through the C ABI."""
+    import torch
+
+    if torch.version.cuda is None:
+        pytest.skip("torch is a CPU-only build: the adapter cannot be linked here")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: tests/test_torch_gpu.py covers the real thing")
+    env = dict(os.environ, CXLALLOC_CACHE_DIR=os.environ.get("CXLALLOC_CACHE_DIR", str(tmp_path)))
+    env.pop("CXLALLOC", None)
+    r = subprocess.run([sys.executable, "-c", STATS_ON_SIM], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = eval(r.stdout.strip().splitlines()[-1])
+    minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    pools = {(5, 0): 20 << 20} if minor >= (2, 13) else None  # reserved_bytes_by_private_pools: 2.13+
+    if pools is not None:
+        assert {tuple(k) if not isinstance(k, tuple) else k: v["all"]["current"]
+                for k, v in got[8].items()} == pools
+    assert got[:8] == (True, 3 << 20, 1, -1, 0, 0, True, False)
+    assert got[9:] == (0, "cxlalloc")
