@@ -20,7 +20,7 @@ HOST_LIMIT_FRACTION = 0.8
 CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID = 134
 
 _sim_lock = threading.Lock()
-_sim_spec: Optional[str] = None
+_sim_vram: Optional[int] = None  # VRAM the simulator was configured with by us
 
 
 def _sim():
@@ -39,32 +39,32 @@ def driver_path(cfg: Config) -> str:
 def ensure_sim(cfg: Config) -> None:
     """Configure the process-wide simulated GPU for `cfg` (simulation only).
 
-    The simulated VRAM is ``sim_vram`` (default 16 GiB, lazily backed: only
-    touched bytes cost RAM), raised to ``device_limit`` when that is a larger
-    byte count.  An already configured simulator is left as it is unless a
-    different VRAM size is asked for.
+    The simulated VRAM is ``sim_vram`` when given; otherwise a simulator
+    already configured is kept if ``device_limit`` fits in it, else it is
+    configured with max(16 GiB, device_limit).  VRAM is lazily backed: only
+    touched bytes cost RAM.
 
     Raises:
-        ValueError: the simulator is in use (live resources) with another size.
+        ValueError: the simulator must change size while in use (live resources).
     """
-    global _sim_spec
-    vram = cfg.sim_vram
-    if vram is None and isinstance(cfg.device_limit, int):
-        vram = max(DEFAULT_SIM_VRAM, cfg.device_limit)
+    global _sim_vram
+    need = cfg.device_limit if isinstance(cfg.device_limit, int) else 0
     with _sim_lock:
-        if vram is None and _sim_spec is not None:
-            return
-        spec = f"vram={vram if vram is not None else DEFAULT_SIM_VRAM}"
-        if spec == _sim_spec:
-            return
-        sim = _sim().Sim()
+        if cfg.sim_vram is None:
+            if _sim_vram is not None and need <= _sim_vram:
+                return
+            vram = max(DEFAULT_SIM_VRAM, need)
+        else:
+            if cfg.sim_vram == _sim_vram:
+                return
+            vram = cfg.sim_vram
         try:
-            sim.configure(spec)
+            _sim().Sim().configure(f"vram={vram}")
         except ValueError as e:
             raise ValueError(
-                f"cxlalloc option 'sim_vram': cannot reconfigure the simulated GPU while it is in use ({e}); "
-                "release other simulated Allocators first or use the same sim_vram") from None
-        _sim_spec = spec
+                f"cxlalloc option 'sim_vram': cannot resize the simulated GPU to {format_bytes(vram)} while it is "
+                f"in use ({e}); release other simulated Allocators first or keep its size") from None
+        _sim_vram = vram
 
 
 def new_engine(cfg: Config) -> "_C.Engine":

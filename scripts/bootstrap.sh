@@ -24,6 +24,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
 fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+# A fresh venv's pip 23.2 / setuptools 65 cannot build wheels (no bdist_wheel).
+"${PIP[@]}" -U pip setuptools wheel
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   "${PIP[@]}" "torch==2.13.0"
 fi

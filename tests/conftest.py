@@ -65,14 +65,17 @@ def fresh_sim(sim, request):
     before = sim.live()
     if _live_total(before) == 0:
         sim.configure("vram=1GiB")
-        rt._sim_spec = f"vram={1 << 30}"
+        rt._sim_vram = 1 << 30
     yield sim
     sim.clear_faults()
     gc.collect()
     rep = getattr(request.node, "rep_call", None)
-    if rep is not None and rep.passed:
+    # Tests that inject failures into release calls leave (reported) leaks.
+    if rep is not None and rep.passed and not request.node.get_closest_marker("reported_leaks"):
         after = sim.live()
-        leaked = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+        # Only growth is a leak (an earlier failed test's objects may be
+        # collected during this one).
+        leaked = {k: after[k] - before[k] for k in after if after[k] > before[k]}
         assert not leaked, f"simulated driver resources leaked: {leaked}"
 
 

@@ -25,7 +25,14 @@ def test_small_allocations_stay_on_device_until_budget_full(make_alloc):
     assert s["device"]["allocated_bytes"] == 60 * MiB
     assert s["device"]["reserved_bytes"] == 60 * MiB
     assert s["host"]["allocated_bytes"] == 0
-    # The next one needs a 4th 20 MiB segment: it spills.
+    # A 4th 20 MiB segment does not fit, but exact 2 MiB segments still do:
+    # rounding alone must not cause a spill.
+    for _ in range(2):
+        p = a.malloc(2 * MiB)
+        ptrs.append(p)
+        assert a.tier_of(p) == "device"
+    assert a.stats()["device"]["reserved_bytes"] == 64 * MiB
+    # Now the device is full: the next one spills.
     p = a.malloc(2 * MiB)
     assert a.tier_of(p) == "host"
     s = a.stats()

@@ -115,3 +115,26 @@ def test_fixed_extent_with_pinned_backend(make_alloc):
     e.grow(20 * MiB)  # no-op: committed whole
     with pytest.raises(cxlalloc.UnsupportedError):
         a.migrate(e.base, "device")
+
+
+def test_c04_transient_does_not_demote_kv_read_in_this_step(make_alloc):
+    """C04: a short-lived spike (the full-logits copy) must not evict KV the
+    current step uses; it goes to the host tier instead, and after the step
+    host use falls back to 0."""
+    a = make_alloc(device_limit=32 * MiB)
+    e = a.extent(32 * MiB)
+    e.grow(24 * MiB)
+    a.mark_step()
+    e.touch()  # attention of this step reads the whole cache
+    spike = a.malloc(12 * MiB)  # does not fit next to 24 MiB of KV
+    assert a.tier_of(spike) == "host"
+    assert a.stats()["demoted_bytes"] == 0
+    a.free(spike)
+    a.empty_cache()
+    assert a.stats()["host"]["reserved_bytes"] == 0
+    # Outside the step's working set the same spike demotes cold KV instead.
+    a.mark_step()
+    spike = a.malloc(12 * MiB)
+    assert a.tier_of(spike) == "device"
+    assert a.stats()["demoted_bytes"] >= 4 * MiB
+    a.free(spike)

@@ -1,6 +1,8 @@
 """Stream-ordered reuse, record_stream and graph capture on the simulated GPU
 (cases C06, C12, C14 at the allocator layer)."""
 
+import ctypes
+
 import pytest
 
 import cxlalloc
@@ -52,22 +54,42 @@ def test_pending_frees_do_not_block_each_other(make_alloc, streams, sim):
 
 
 def test_c12_host_blocks_are_reused_only_after_their_streams_pass(make_alloc, streams, sim):
-    a = make_alloc(device_limit=16 * MiB)
+    """C12: host pages are reused only after the last-use stream's event."""
+    a = make_alloc(kv_device_limit=0)  # KV goes straight to the host tier
     sa, sb = streams.new(), streams.new()
-    p = a.malloc(24 * MiB, stream=sa)
+    p = a.malloc(24 * MiB, tag="kv", stream=sa)
     assert a.tier_of(p) == "host"
     a.record_stream(p, sb)
     sim.stream_sleep(sb, 200_000)
     sim.stream_write_u64(sb, p, 0xDEAD)  # the other stream still writes p
     a.free(p)
-    q = a.malloc(24 * MiB, stream=sa)
+    q = a.malloc(24 * MiB, tag="kv", stream=sa)
     assert q != p, "host pages were reused while a stream still used them"
     streams.synchronize(sb)
     a.free(q)
-    r = a.malloc(24 * MiB, stream=sa)
+    r = a.malloc(24 * MiB, tag="kv", stream=sa)
     assert r in (p, q)
+    assert ctypes.c_uint64.from_address(p).value == 0xDEAD  # the stream's write landed before any reuse
     a.free(r)
     a.check_invariants()
+
+
+def test_event_drain_for_device_room_never_exposes_busy_host_pages(make_alloc, streams, sim):
+    """A host block freed with a busy stream may only be handed out after that
+    stream's work is done, whatever path the allocator takes."""
+    a = make_alloc(device_limit=16 * MiB)
+    sa, sb = streams.new(), streams.new()
+    p = a.malloc(24 * MiB, stream=sa)
+    assert a.tier_of(p) == "host"
+    a.record_stream(p, sb)
+    sim.stream_sleep(sb, 100_000)
+    sim.stream_write_u64(sb, p, 0xBEEF)
+    a.free(p)
+    q = a.malloc(24 * MiB, stream=sa)
+    if q == p:
+        assert ctypes.c_uint64.from_address(p).value == 0xBEEF, "reused before the stream finished"
+    a.free(q)
+    streams.synchronize(sb)
 
 
 def test_same_stream_reuse_is_immediate(make_alloc, streams):

@@ -177,9 +177,13 @@ void DeviceAllocator::extent_trim(uint64_t id, size_t bytes) {
 void DeviceAllocator::extent_touch(uint64_t id) {
   std::lock_guard<std::mutex> lk(mu_);
   Segment* seg = find_extent(extents_, id);
+  const uint64_t now = ++seq_;
   for (Chunk& c : seg->chunks)
-    if (c.committed) c.touches++;
-  seg->last_use = ++seq_;
+    if (c.committed) {
+      c.touches++;
+      c.last_touch = now;
+    }
+  seg->last_use = now;
 }
 
 void DeviceAllocator::extent_free(uint64_t id) {

@@ -112,8 +112,12 @@ void DeviceAllocator::flush_deferred() {
 
 // Every pending event is checked, not just the queue's head: one slow stream
 // must not hold back frees on all the others (case C06, pytorch#71616).
-void DeviceAllocator::process_events(bool wait) {
+void DeviceAllocator::process_events(bool wait, int only_tier) {
   for (auto it = pending_.begin(); it != pending_.end();) {
+    if (only_tier >= 0 && int(it->block->segment->tier()) != only_tier) {
+      ++it;
+      continue;
+    }
     CUresult r = wait ? drv_->api().fn_cuEventSynchronize(it->event.get()) : drv_->api().fn_cuEventQuery(it->event.get());
     if (r == CUDA_ERROR_NOT_READY) {
       ++it;

@@ -115,7 +115,15 @@ Block* DeviceAllocator::alloc_in(Tier tier, const FreeListKey& base_key, size_t 
     return take_block(b, size, requested, stream);
   }
   if (!allow_new_segment) return nullptr;
-  Segment* seg = new_segment(tier, key, segment_size(size), stream);
+  const size_t standard = segment_size(size);
+  Segment* seg = new_segment(tier, key, standard, stream);
+  if (!seg) {
+    // torch's size classes give a 1-10 MiB request a 20 MiB segment; when
+    // only the request itself fits the tier, an exact-size segment beats a
+    // spill (or an OOM) caused by rounding alone.
+    const size_t exact = round_up(size, factory_->segment_alignment());
+    if (exact < standard) seg = new_segment(tier, key, exact, stream);
+  }
   if (!seg) return nullptr;
   return take_block(seg->head, size, requested, stream);
 }
@@ -172,10 +180,12 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
     if (cap) return nullptr;
     // 1. Frees still waiting on stream events: wait for all of them (not
     //    FIFO-until-first-pending, the C06 failure) and retry.
-    if (!pending_.empty()) {
+    bool device_pending = false;
+    for (const auto& pf : pending_) device_pending = device_pending || pf.block->segment->tier() == Tier::Device;
+    if (device_pending) {
       stats_.counters.event_drains++;
       stats_.torch.num_alloc_retries++;
-      process_events(true);
+      process_events(true, int(Tier::Device));
       if (Block* b = alloc_in(Tier::Device, key, size, nbytes, stream, true)) return b;
     }
     // 2. Cached free device segments of any class go back before we spill
@@ -204,7 +214,7 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
     Block* b = alloc_in(Tier::Host, key, size, nbytes, stream, true);
     if (!b) {
       // Same reclaim order as the device tier, within the host budget.
-      if (!pending_.empty()) process_events(true);
+      if (!pending_.empty()) process_events(true, int(Tier::Host));
       release_free_segments(Tier::Host, seg_bytes, false);
       b = alloc_in(Tier::Host, key, size, nbytes, stream, true);
     }

@@ -1,5 +1,7 @@
 // DeviceAllocator: demotion (VRAM -> host tier) and promotion (back), with
 // addresses unchanged and bytes intact (VMM remap or managed prefetch).
+#include <algorithm>
+
 #include "alloc/device_allocator.h"
 #include "alloc/sizes.h"
 #include "common/error.h"
@@ -65,7 +67,10 @@ size_t DeviceAllocator::demote_for(size_t need, bool budgeted) {
     if (seg.extent) {
       for (Chunk& c : seg.chunks) {
         if (!c.committed || c.tier != Tier::Device) continue;
-        cands.push_back({targets.size(), c.size, c.seq, steps_marked_ && c.seq >= step_start_seq_});
+        // A chunk read in this step is the step's working set: demoting it for
+        // a transient (case C04) would only bring it back over the link.
+        bool current = steps_marked_ && std::max(c.seq, c.last_touch) >= step_start_seq_;
+        cands.push_back({targets.size(), c.size, c.seq, current});
         targets.push_back({&seg, &c});
         total += c.size;
       }

@@ -201,7 +201,9 @@ class DeviceAllocator {
   void free_block(Block* b);
   void insert_free(Block* b);
   void erase_free(Block* b);
-  void process_events(bool wait);
+  // Retire completed pending frees; with `wait`, wait for them.  only_tier
+  // >= 0 restricts the pass to blocks on that tier.
+  void process_events(bool wait, int only_tier = -1);
   void flush_deferred();
   driver::Event acquire_event();
   size_t release_free_segments(Tier tier, size_t want, bool include_private);

@@ -37,6 +37,7 @@ struct Chunk {
   driver::Mapping map;          // Backing::Vmm only; unmapped first
   uint64_t seq = 0;             // commit order across the allocator: smaller is older
   uint32_t touches = 0;         // uses since the last migration (promotion rule)
+  uint64_t last_touch = 0;      // sequence number of the last use (extent_touch)
   // Host placement as verified after commit: bytes on the chosen node,
   // elsewhere, and unverifiable.  Never assumed.
   size_t placed_ok = 0, placed_wrong = 0, placed_unknown = 0;

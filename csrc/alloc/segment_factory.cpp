@@ -230,12 +230,18 @@ void SegmentFactory::migrate_chunk(Segment& seg, Chunk& c, Tier target) {
     driver::Mapping staged(drv_, scratch.base(), fresh, cfg_.device, target == Tier::Host, cfg_.host_node);
     CXL_CU(*drv_, cuMemcpy, scratch.base(), va, c.size);
   }  // scratch unmapped, its VA freed; `fresh` keeps the bytes
-  c.map = driver::Mapping();  // unmap the old pages (still owned by c.phys)
+  // Unmap the old pages (still owned by c.phys); a failure here aborts the
+  // migration with nothing changed.
+  c.map.unmap();
   try {
     c.map = driver::Mapping(drv_, va, fresh, cfg_.device, target == Tier::Host, cfg_.host_node);
   } catch (...) {
     // Roll back: put the old pages back under the address.
-    c.map = driver::Mapping(drv_, va, c.phys, cfg_.device, c.tier == Tier::Host, cfg_.host_node);
+    try {
+      c.map = driver::Mapping(drv_, va, c.phys, cfg_.device, c.tier == Tier::Host, cfg_.host_node);
+    } catch (const std::exception& e) {
+      log_warning(std::string("migration rollback failed, the chunk is unmapped: ") + e.what());
+    }
     throw;
   }
   c.phys = std::move(fresh);  // releases the old pages

@@ -103,6 +103,13 @@ Mapping::Mapping(DriverPtr drv, CUdeviceptr va, const PhysicalMemory& mem, int d
   size_ = mem.size();
 }
 
+void Mapping::unmap() {
+  if (!va_) return;
+  CXL_CU(*drv_, cuMemUnmap, va_, size_);
+  va_ = 0;
+  size_ = 0;
+}
+
 Mapping::~Mapping() {
   if (va_) release(drv_, drv_->api().fn_cuMemUnmap, "cuMemUnmap", va_, size_);
 }

@@ -130,6 +130,9 @@ class Mapping {
   CUdeviceptr va() const { return va_; }
   size_t size() const { return size_; }
   explicit operator bool() const { return va_ != 0; }
+  // Unmap now, throwing DriverError on failure (the mapping then stays owned
+  // and valid), for callers that must not go on after a failed unmap.
+  void unmap();
   void swap(Mapping& o) noexcept {
     std::swap(drv_, o.drv_);
     std::swap(va_, o.va_);

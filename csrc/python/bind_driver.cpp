@@ -1,6 +1,7 @@
 // Driver loading, exposed for `cxlalloc info` and the tests.
 #include <pybind11/pybind11.h>
 
+#include "common/log.h"
 #include "driver/driver.h"
 #include "python/bindings.h"
 
@@ -24,6 +25,9 @@ void bind_driver(py::module_& m) {
       "Load the CUDA driver at `path` and call cuInit.\n\n"
       "Returns {'path', 'simulated', 'version' (e.g. 13000), 'device_count'}.\n"
       "Raises CudaUnavailableError('CUDA unavailable: <reason>') when it cannot be used.");
+  m.def("cleanup_failures", &cleanup_failures,
+        "Number of driver release calls that failed in a destructor since the process started "
+        "(each was logged as 'cxlalloc: warning: cleanup failed: ...').");
 }
 
 }  // namespace cxl::python

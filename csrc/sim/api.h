@@ -14,10 +14,25 @@
 #ifdef CXL_HAVE_CUDA_H
 #undef CXL_HAVE_CUDA_H
 #endif
+#include <cstring>
+
 #include "driver/driver.h"
 #include "sim/cxlsim.h"
 
 namespace cxlsim {
+
+// The integer a caller passed in an enum-typed parameter or field.  Callers
+// may pass values no enumerator names (rejecting them is what
+// CUDA_ERROR_INVALID_VALUE is for), and reading such an object as the enum
+// type is undefined behaviour in C++, so every caller-supplied enum is read
+// through its bytes and validated as an int.
+template <typename E>
+int raw(const E& e) {
+  static_assert(sizeof(E) == sizeof(int), "CUDA enums are int-sized");
+  int v;
+  std::memcpy(&v, &e, sizeof v);
+  return v;
+}
 
 #define CXLSIM_DECLARE_API(name, ver, req, ret, params) ret api_##name params;
 CXL_DRIVER_FUNCTIONS(CXLSIM_DECLARE_API)

@@ -71,6 +71,12 @@ const SimNode* Config::node(int id) const {
   return nullptr;
 }
 
+bool Config::operator==(const Config& o) const {
+  return devices == o.devices && vram == o.vram && granularity == o.granularity && nodes == o.nodes &&
+         gpu_numa == o.gpu_numa && reject_numa == o.reject_numa && relocate == o.relocate && attrs == o.attrs &&
+         version == o.version;
+}
+
 std::shared_ptr<const Config> config() {
   std::lock_guard<std::mutex> lk(g_config_mu);
   if (!g_config) g_config = default_config();
@@ -173,13 +179,13 @@ bool parse_config(const char* spec, Config* out, std::string* err) {
     } else if (key == "numa") {
       c.nodes.clear();
       for (const auto& n : split(value, ';')) {
+        // "id" is backed by the real node of the same id, "id:real" by `real`.
         size_t colon = n.find(':');
+        std::string id_text = colon == std::string::npos ? n : trim(n.substr(0, colon));
+        std::string real_text = colon == std::string::npos ? n : trim(n.substr(colon + 1));
         long long id, backing;
-        bool ok = colon == std::string::npos
-                      ? parse_int(n, 0, kMaxNumaNode, &id) && (backing = id, true)
-                      : parse_int(trim(n.substr(0, colon)), 0, kMaxNumaNode, &id) &&
-                            parse_int(trim(n.substr(colon + 1)), 0, kMaxNumaNode, &backing);
-        if (!ok) return bad_value(key, value, "';'-separated nodes, each 'id' or 'id:real', e.g. 0;1:0;2:0");
+        if (!parse_int(id_text, 0, kMaxNumaNode, &id) || !parse_int(real_text, 0, kMaxNumaNode, &backing))
+          return bad_value(key, value, "';'-separated nodes, each 'id' or 'id:real', e.g. 0;1:0;2:0");
         if (c.node(static_cast<int>(id))) return fail("numa: node " + std::to_string(id) + " listed twice");
         bool online = false;
         for (int r : real) online |= (r == backing);

@@ -23,6 +23,7 @@ constexpr int kMaxDeviceAttribute = 147;  // CU_DEVICE_ATTRIBUTE_MAX - 1 in CUDA
 struct SimNode {
   int id;
   int real;
+  bool operator==(const SimNode& o) const { return id == o.id && real == o.real; }
 };
 
 struct Config {
@@ -38,6 +39,7 @@ struct Config {
 
   // The simulated node `id`, or nullptr.
   const SimNode* node(int id) const;
+  bool operator==(const Config& o) const;
 };
 
 // The current configuration (never null; defaults before any configure).

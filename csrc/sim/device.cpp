@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "sim/config.h"
+#include "sim/engine.h"
 #include "sim/faults.h"
 #include "sim/state.h"
 
@@ -91,6 +92,8 @@ constexpr AttrDefault kDefaults[] = {
     {130, 0},         // NUMA_CONFIG: GPU memory is not a NUMA node
     {131, -1},        // NUMA_ID
     {132, 1},         // MULTICAST_SUPPORTED
+    {139, 0x233510de},  // GPU_PCI_DEVICE_ID: H200 SXM (0x2335), NVIDIA (0x10de)
+    {140, 0x18be10de},  // GPU_PCI_SUBSYSTEM_ID
     {141, 1},         // HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
     {142, 1},         // HOST_NUMA_MEMORY_POOLS_SUPPORTED
     {144, 1},         // HOST_MEMORY_POOLS_SUPPORTED
@@ -121,6 +124,7 @@ int attribute(int dev, int attr) {
 CUresult api_cuInit(unsigned int flags) {
   return guarded(Fn::cuInit, [&] {
     if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    if (engine_shut_down()) return engine_forked() ? CUDA_ERROR_NOT_INITIALIZED : CUDA_ERROR_DEINITIALIZED;
     if (device_count() == 0) return CUDA_ERROR_NO_DEVICE;
     set_initialized(true);
     return CUDA_SUCCESS;
@@ -186,7 +190,7 @@ CUresult api_cuDeviceGetAttribute(int* pi, CUdevice_attribute attrib, CUdevice d
     if (r != CUDA_SUCCESS) return r;
     if (pi == nullptr) return CUDA_ERROR_INVALID_VALUE;
     if (!valid_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
-    int a = static_cast<int>(attrib);
+    const int a = raw(attrib);
     if (a < 1 || a > kMaxDeviceAttribute) return CUDA_ERROR_INVALID_VALUE;
     *pi = attribute(dev, a);
     return CUDA_SUCCESS;

@@ -163,7 +163,7 @@ CUresult api_cuPointerGetAttribute(void* data, CUpointer_attribute attribute, CU
     CUresult r = check_init();
     if (r != CUDA_SUCCESS) return r;
     if (data == nullptr) return CUDA_ERROR_INVALID_VALUE;
-    const int a = static_cast<int>(attribute);
+    const int a = raw(attribute);
     const bool modelled = a == 1 || a == 2 || a == 3 || a == 4 || a == 8 || a == 9 || a == 11 || a == 12 || a == 13;
     if (!modelled) return (a >= 5 && a <= 21) ? CUDA_ERROR_NOT_SUPPORTED : CUDA_ERROR_INVALID_VALUE;
     if (a == CU_POINTER_ATTRIBUTE_DEVICE_POINTER) {

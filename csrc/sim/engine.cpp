@@ -1,104 +1,20 @@
-// Streams, events, capture and the sticky error: the simulated GPU's
-// execution engine (see engine.h for the model and the locking rule).
-#include "sim/engine.h"
-
-#include <atomic>
+// Streams and their worker threads, enqueueing with the legacy-stream
+// ordering, synchronization, the sticky error, and the process hooks (exit,
+// fork).  See engine.h for the model and the locking rule.
 #include <chrono>
-#include <condition_variable>
-#include <deque>
-#include <map>
-#include <mutex>
-#include <thread>
-#include <utility>
-#include <vector>
 
-#include "sim/config.h"
+#include <pthread.h>
+
+#include "sim/engine_impl.h"
 #include "sim/errors.h"
 #include "sim/memory.h"
 #include "sim/numa.h"
 
 namespace cxlsim {
 
-namespace {
-
-enum class Capture { None, Active, Invalidated };
-
-// Handles are tagged ids, not pointers: a destroyed handle never aliases a
-// new object, so every use after destroy is CUDA_ERROR_INVALID_HANDLE.
-constexpr uint64_t kIdMask = (1ull << 48) - 1;
-constexpr uint64_t kStreamTag = 0x5157ull << 48;
-constexpr uint64_t kEventTag = 0x5e5eull << 48;
-
-struct Dep {
-  std::shared_ptr<Stream> stream;
-  uint64_t seq;
-};
-
-struct Queued {
-  Op op;
-  uint64_t seq;
-  std::vector<Dep> deps;
-};
-
-struct Event {
-  uint64_t id = 0;
-  int device = 0;
-  unsigned flags = 0;
-  bool recorded = false;
-  std::shared_ptr<Stream> stream;  // where the last record sits
-  uint64_t seq = 0;
-  uint64_t capture_origin = 0;     // recorded inside this capture (origin stream id)
-};
-
-}  // namespace
-
-struct Stream {
-  uint64_t id = 0;
-  int device = 0;
-  unsigned flags = 0;
-  bool legacy = false;
-  std::deque<Queued> queue;
-  uint64_t submitted = 0, completed = 0;
-  bool closing = false;  // destroyed: drain the queue, then stop
-  bool exited = false;
-  Capture capture = Capture::None;
-  uint64_t capture_origin = 0;  // id of the stream that began the capture
-  uint64_t captured = 0;        // operations recorded (not run) while capturing
-
-  bool blocking() const { return !legacy && (flags & CU_STREAM_NON_BLOCKING) == 0; }
-};
-
-namespace {
-
-struct Engine {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::atomic<bool> shutdown{false};
-  uint64_t next_id = 1;
-  std::map<uint64_t, std::shared_ptr<Stream>> streams;  // live user streams
-  std::shared_ptr<Stream> legacy[kMaxDevices];
-  std::map<uint64_t, std::shared_ptr<Event>> events;
-  std::vector<std::pair<std::shared_ptr<Stream>, std::thread>> workers;
-  CUresult sticky[kMaxDevices] = {};
-  uint64_t violations = 0;
-  uint64_t async_faults = 0;
-  std::string last_fault;
-};
-
-// Leaked on purpose: workers and late callers may touch it during exit.
 Engine& eng() {
   static Engine* e = new Engine();
   return *e;
-}
-
-CUstream stream_handle(uint64_t id) { return reinterpret_cast<CUstream>(kStreamTag | id); }
-CUevent event_handle(uint64_t id) { return reinterpret_cast<CUevent>(kEventTag | id); }
-
-std::shared_ptr<Event> find_event_locked(Engine& e, CUevent h) {
-  auto v = reinterpret_cast<uint64_t>(h);
-  if ((v & ~kIdMask) != kEventTag) return nullptr;
-  auto it = e.events.find(v & kIdMask);
-  return it == e.events.end() ? nullptr : it->second;
 }
 
 bool deps_done(const std::vector<Dep>& deps) {
@@ -106,6 +22,8 @@ bool deps_done(const std::vector<Dep>& deps) {
     if (d.stream->completed < d.seq) return false;
   return true;
 }
+
+namespace {
 
 void record_fault_locked(Engine& e, int device, const std::string& msg) {
   if (e.sticky[device] == CUDA_SUCCESS) e.sticky[device] = CUDA_ERROR_ILLEGAL_ADDRESS;
@@ -173,7 +91,7 @@ std::shared_ptr<Stream> start_stream_locked(Engine& e, int device, unsigned flag
   s->device = device;
   s->flags = flags;
   s->legacy = legacy;
-  e.workers.emplace_back(s, std::thread(run_worker, s));
+  e.workers.emplace_back(s, std::make_unique<std::thread>(run_worker, s));
   return s;
 }
 
@@ -186,27 +104,12 @@ std::shared_ptr<Stream> legacy_locked(Engine& e, int device) {
 void reap_locked(Engine& e) {
   for (auto it = e.workers.begin(); it != e.workers.end();) {
     if (it->first->exited) {
-      it->second.join();  // the worker holds no lock once `exited` is visible
+      it->second->join();  // the worker holds no lock once `exited` is visible
       it = e.workers.erase(it);
     } else {
       ++it;
     }
   }
-}
-
-bool blocking_capture_locked(Engine& e, int device) {
-  for (const auto& [id, s] : e.streams)
-    if (s->device == device && s->blocking() && s->capture != Capture::None) return true;
-  return false;
-}
-
-// An illegal call during capture: count it and invalidate that capture
-// (origin 0: every active capture, for the global-mode unsafe calls).
-void violation_locked(Engine& e, uint64_t origin) {
-  ++e.violations;
-  for (auto& [id, s] : e.streams)
-    if (s->capture != Capture::None && (origin == 0 || s->capture_origin == origin))
-      s->capture = Capture::Invalidated;
 }
 
 // The implicit ordering of the legacy stream: its work waits for all prior
@@ -222,6 +125,67 @@ std::vector<Dep> implicit_deps_locked(Engine& e, const std::shared_ptr<Stream>& 
     if (l && l->submitted > l->completed) deps.push_back(Dep{l, l->submitted});
   }
   return deps;
+}
+
+// Positions a synchronize of `s` must reach: its own tail, and for the
+// legacy stream the tails of the blocking streams it implicitly waits for.
+std::vector<Dep> sync_targets_locked(Engine& e, const std::shared_ptr<Stream>& s) {
+  std::vector<Dep> t{Dep{s, s->submitted}};
+  if (s->legacy)
+    for (const auto& [id, u] : e.streams)
+      if (u->device == s->device && u->blocking()) t.push_back(Dep{u, u->submitted});
+  return t;
+}
+
+// fork(): the child inherits the engine's state but none of its worker
+// threads, so it can never run stream work.  As with a real driver, the
+// child cannot use CUDA: the engine is shut down there and the inherited
+// thread objects are abandoned (joining threads of another process is
+// undefined).  The registry and engine locks are held across fork() so the
+// child never inherits them locked by a thread that does not exist there.
+void before_fork() {
+  registry().mu.lock();
+  eng().mu.lock();
+}
+void after_fork_parent() {
+  eng().mu.unlock();
+  registry().mu.unlock();
+}
+void after_fork_child() {
+  Engine& e = eng();
+  e.forked = true;
+  e.shutdown = true;
+  for (auto& w : e.workers) w.second.release();  // leaked on purpose, see above
+  e.workers.clear();
+  e.mu.unlock();
+  registry().mu.unlock();
+}
+
+struct ProcessHooks {
+  ProcessHooks() { pthread_atfork(before_fork, after_fork_parent, after_fork_child); }
+  // Process exit: stop every worker (queued work is abandoned, as a GPU's
+  // is when the process dies) and join them, so no thread runs while the
+  // process tears down.
+  ~ProcessHooks() {
+    Engine& e = eng();
+    std::vector<std::pair<std::shared_ptr<Stream>, std::unique_ptr<std::thread>>> workers;
+    {
+      std::lock_guard<std::mutex> lk(e.mu);
+      e.shutdown = true;
+      workers.swap(e.workers);
+      e.cv.notify_all();
+    }
+    for (auto& w : workers)
+      if (w.second->joinable()) w.second->join();
+  }
+} g_process_hooks;
+
+}  // namespace
+
+bool blocking_capture_locked(Engine& e, int device) {
+  for (const auto& [id, s] : e.streams)
+    if (s->device == device && s->blocking() && s->capture != Capture::None) return true;
+  return false;
 }
 
 CUresult submit_locked(Engine& e, const std::shared_ptr<Stream>& s, Op op, std::vector<Dep> deps,
@@ -246,66 +210,8 @@ CUresult submit_locked(Engine& e, const std::shared_ptr<Stream>& s, Op op, std::
   return CUDA_SUCCESS;
 }
 
-// Positions a synchronize of `s` must reach: its own tail, and for the
-// legacy stream the tails of the blocking streams it implicitly waits for.
-std::vector<Dep> sync_targets_locked(Engine& e, const std::shared_ptr<Stream>& s) {
-  std::vector<Dep> t{Dep{s, s->submitted}};
-  if (s->legacy)
-    for (const auto& [id, u] : e.streams)
-      if (u->device == s->device && u->blocking()) t.push_back(Dep{u, u->submitted});
-  return t;
-}
-
-// Capture rules shared by synchronize and query of a stream.
-CUresult capture_check_locked(Engine& e, const std::shared_ptr<Stream>& s) {
-  if (s->capture != Capture::None) {
-    violation_locked(e, s->capture_origin);
-    return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-  }
-  if (s->legacy && blocking_capture_locked(e, s->device)) {
-    ++e.violations;
-    return kErrStreamCaptureImplicit;
-  }
-  return CUDA_SUCCESS;
-}
-
-void end_capture_locked(Engine& e, uint64_t origin) {
-  for (auto& [id, s] : e.streams)
-    if (s->capture_origin == origin) {
-      s->capture = Capture::None;
-      s->capture_origin = 0;
-    }
-  // Events recorded inside the capture named graph nodes, not stream work;
-  // outside it they read as never recorded.
-  for (auto& [id, ev] : e.events)
-    if (ev->capture_origin == origin) {
-      ev->capture_origin = 0;
-      ev->recorded = false;
-      ev->stream.reset();
-    }
-}
-
-struct ShutdownAtExit {
-  // Process exit: stop every worker (queued work is abandoned, as a GPU's
-  // is when the process dies) and join them, so no thread runs while the
-  // process tears down.
-  ~ShutdownAtExit() {
-    Engine& e = eng();
-    std::vector<std::pair<std::shared_ptr<Stream>, std::thread>> workers;
-    {
-      std::lock_guard<std::mutex> lk(e.mu);
-      e.shutdown = true;
-      workers.swap(e.workers);
-      e.cv.notify_all();
-    }
-    for (auto& w : workers)
-      if (w.second.joinable()) w.second.join();
-  }
-} g_shutdown_at_exit;
-
-}  // namespace
-
 int stream_device(const Stream& s) { return s.device; }
+
 bool stream_is_legacy(const Stream& s) { return s.legacy; }
 
 CUresult find_stream(CUstream h, int device, std::shared_ptr<Stream>* out) {
@@ -350,7 +256,7 @@ CUresult stream_create(int device, unsigned flags, CUstream* out) {
   return CUDA_SUCCESS;
 }
 
-CUresult stream_destroy(CUstream h, int device) {
+CUresult stream_destroy(CUstream h) {
   Engine& e = eng();
   std::lock_guard<std::mutex> lk(e.mu);
   auto v = reinterpret_cast<uint64_t>(h);
@@ -371,7 +277,6 @@ CUresult stream_destroy(CUstream h, int device) {
   e.streams.erase(it);
   e.cv.notify_all();
   reap_locked(e);
-  (void)device;
   return CUDA_SUCCESS;
 }
 
@@ -425,102 +330,6 @@ CUresult stream_wait_event(const std::shared_ptr<Stream>& s, CUevent h, unsigned
   return submit_locked(e, s, op, std::move(deps), &seq);
 }
 
-CUresult stream_is_capturing(const std::shared_ptr<Stream>& s, CUstreamCaptureStatus* status) {
-  Engine& e = eng();
-  std::lock_guard<std::mutex> lk(e.mu);
-  if (s->legacy) {
-    if (blocking_capture_locked(e, s->device)) {
-      ++e.violations;  // cuda.h: IMPLICIT, and the capture is not invalidated
-      return kErrStreamCaptureImplicit;
-    }
-    *status = CU_STREAM_CAPTURE_STATUS_NONE;
-    return CUDA_SUCCESS;
-  }
-  *status = s->capture == Capture::Active        ? CU_STREAM_CAPTURE_STATUS_ACTIVE
-            : s->capture == Capture::Invalidated ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
-                                                 : CU_STREAM_CAPTURE_STATUS_NONE;
-  return CUDA_SUCCESS;
-}
-
-CUresult event_create(int device, unsigned flags, CUevent* out) {
-  Engine& e = eng();
-  std::lock_guard<std::mutex> lk(e.mu);
-  if (e.shutdown) return CUDA_ERROR_DEINITIALIZED;
-  auto ev = std::make_shared<Event>();
-  ev->id = e.next_id++;
-  ev->device = device;
-  ev->flags = flags;
-  e.events.emplace(ev->id, ev);
-  *out = event_handle(ev->id);
-  return CUDA_SUCCESS;
-}
-
-CUresult event_destroy(CUevent h) {
-  Engine& e = eng();
-  std::lock_guard<std::mutex> lk(e.mu);
-  auto ev = find_event_locked(e, h);
-  if (!ev) return CUDA_ERROR_INVALID_HANDLE;
-  e.events.erase(ev->id);  // pending waits hold the stream position, not the event
-  return CUDA_SUCCESS;
-}
-
-CUresult event_record(CUevent h, const std::shared_ptr<Stream>& s) {
-  Engine& e = eng();
-  std::lock_guard<std::mutex> lk(e.mu);
-  auto ev = find_event_locked(e, h);
-  if (!ev) return CUDA_ERROR_INVALID_HANDLE;
-  if (ev->device != s->device) return CUDA_ERROR_INVALID_HANDLE;  // event and stream of different contexts
-  if (s->capture == Capture::Invalidated) return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
-  if (s->capture == Capture::Active) {
-    ++s->captured;
-    ev->recorded = true;
-    ev->stream.reset();
-    ev->capture_origin = s->capture_origin;
-    return CUDA_SUCCESS;
-  }
-  uint64_t seq;
-  Op op;
-  op.what = "cuEventRecord";
-  CUresult r = submit_locked(e, s, op, {}, &seq);
-  if (r != CUDA_SUCCESS) return r;
-  ev->recorded = true;
-  ev->stream = s;
-  ev->seq = seq;
-  ev->capture_origin = 0;
-  return CUDA_SUCCESS;
-}
-
-CUresult event_query(CUevent h) {
-  Engine& e = eng();
-  std::lock_guard<std::mutex> lk(e.mu);
-  auto ev = find_event_locked(e, h);
-  if (!ev) return CUDA_ERROR_INVALID_HANDLE;
-  if (!ev->recorded) return CUDA_SUCCESS;
-  if (ev->capture_origin != 0) {
-    violation_locked(e, ev->capture_origin);
-    return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-  }
-  if (e.sticky[ev->device] != CUDA_SUCCESS) return e.sticky[ev->device];
-  return ev->stream->completed >= ev->seq ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
-}
-
-CUresult event_synchronize(CUevent h) {
-  Engine& e = eng();
-  std::unique_lock<std::mutex> lk(e.mu);
-  auto ev = find_event_locked(e, h);
-  if (!ev) return CUDA_ERROR_INVALID_HANDLE;
-  if (!ev->recorded) return CUDA_SUCCESS;
-  if (ev->capture_origin != 0) {
-    violation_locked(e, ev->capture_origin);
-    return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-  }
-  auto s = ev->stream;
-  uint64_t seq = ev->seq;
-  e.cv.wait(lk, [&] { return e.shutdown || s->completed >= seq; });
-  if (e.shutdown) return CUDA_ERROR_DEINITIALIZED;
-  return e.sticky[ev->device];
-}
-
 CUresult device_synchronize(int device) {
   Engine& e = eng();
   std::unique_lock<std::mutex> lk(e.mu);
@@ -533,17 +342,6 @@ CUresult device_synchronize(int device) {
   e.cv.wait(lk, [&] { return e.shutdown || deps_done(targets); });
   if (e.shutdown) return CUDA_ERROR_DEINITIALIZED;
   return e.sticky[device];
-}
-
-CUresult check_capture_safe() {
-  Engine& e = eng();
-  std::lock_guard<std::mutex> lk(e.mu);
-  for (const auto& [id, s] : e.streams)
-    if (s->capture != Capture::None) {
-      violation_locked(e, 0);
-      return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    }
-  return CUDA_SUCCESS;
 }
 
 CUresult sticky_error(int device) {
@@ -567,7 +365,7 @@ void live_engine(uint64_t* streams, uint64_t* events) {
 
 void engine_reset() {
   Engine& e = eng();
-  std::vector<std::pair<std::shared_ptr<Stream>, std::thread>> workers;
+  std::vector<std::pair<std::shared_ptr<Stream>, std::unique_ptr<std::thread>>> workers;
   {
     std::lock_guard<std::mutex> lk(e.mu);
     for (auto& l : e.legacy)
@@ -577,7 +375,7 @@ void engine_reset() {
     e.cv.notify_all();
   }
   for (auto& w : workers)
-    if (w.second.joinable()) w.second.join();
+    if (w.second->joinable()) w.second->join();
   std::lock_guard<std::mutex> lk(e.mu);
   for (auto& s : e.sticky) s = CUDA_SUCCESS;
   e.violations = 0;
@@ -587,43 +385,10 @@ void engine_reset() {
 
 bool engine_shut_down() { return eng().shutdown.load(std::memory_order_acquire); }
 
-int capture_begin(CUstream h) {
+bool engine_forked() {
   Engine& e = eng();
   std::lock_guard<std::mutex> lk(e.mu);
-  auto v = reinterpret_cast<uint64_t>(h);
-  auto it = (v & ~kIdMask) == kStreamTag ? e.streams.find(v & kIdMask) : e.streams.end();
-  if (it == e.streams.end()) {
-    set_last_error("cxlsim_begin_capture: " + hex(v) +
-                   " is not a live cuStreamCreate stream (the legacy/NULL stream cannot be captured)");
-    return -1;
-  }
-  auto& s = it->second;
-  if (s->capture != Capture::None) {
-    set_last_error("cxlsim_begin_capture: stream " + hex(v) + " is already capturing");
-    return -1;
-  }
-  s->capture = Capture::Active;
-  s->capture_origin = s->id;
-  return 0;
-}
-
-int capture_end(CUstream h) {
-  Engine& e = eng();
-  std::lock_guard<std::mutex> lk(e.mu);
-  auto v = reinterpret_cast<uint64_t>(h);
-  auto it = (v & ~kIdMask) == kStreamTag ? e.streams.find(v & kIdMask) : e.streams.end();
-  if (it == e.streams.end() || it->second->capture == Capture::None || it->second->capture_origin != it->second->id) {
-    set_last_error("cxlsim_end_capture: " + hex(v) + " is not a stream that began a capture");
-    return -1;
-  }
-  end_capture_locked(e, it->second->id);
-  return 0;
-}
-
-uint64_t capture_violations() {
-  Engine& e = eng();
-  std::lock_guard<std::mutex> lk(e.mu);
-  return e.violations;
+  return e.forked;
 }
 
 uint64_t async_fault_count() {

@@ -13,8 +13,9 @@
 // Locking: one engine mutex guards every stream, event and capture field;
 // one condition variable is notified on every enqueue and completion.
 // Operations that touch memory run without the engine mutex (the memory
-// registry has its own).  The engine mutex is never held while taking another
-// simulator lock.
+// registry has its own).  The engine mutex is innermost: it is never held
+// while taking another simulator lock (the registry's may be held around
+// it, see memory.h).
 #pragma once
 
 #include <cstdint>
@@ -53,7 +54,7 @@ CUresult submit(const std::shared_ptr<Stream>& s, Op op, uint64_t* seq);
 void wait_for(const std::shared_ptr<Stream>& s, uint64_t seq);
 
 CUresult stream_create(int device, unsigned flags, CUstream* out);
-CUresult stream_destroy(CUstream h, int device);
+CUresult stream_destroy(CUstream h);
 CUresult stream_synchronize(const std::shared_ptr<Stream>& s);
 CUresult stream_query(const std::shared_ptr<Stream>& s);
 CUresult stream_wait_event(const std::shared_ptr<Stream>& s, CUevent e, unsigned flags);
@@ -85,8 +86,10 @@ void live_engine(uint64_t* streams, uint64_t* events);
 // Drain and stop the legacy streams and clear counters (cxlsim_configure
 // with nothing live).
 void engine_reset();
-// True once process exit began stopping the workers.
+// True once process exit began stopping the workers (or in a fork() child).
 bool engine_shut_down();
+// True in the child of a fork() (the driver is unusable there).
+bool engine_forked();
 
 }  // namespace cxlsim
 

@@ -12,7 +12,7 @@ namespace cxlsim {
 namespace {
 
 struct ErrorInfo {
-  CUresult code;
+  int code;
   const char* name;
   const char* text;
 };
@@ -47,9 +47,9 @@ constexpr ErrorInfo kErrors[] = {
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 
-const ErrorInfo* find(CUresult r) {
+const ErrorInfo* find(int code) {
   for (const auto& e : kErrors)
-    if (e.code == r) return &e;
+    if (e.code == code) return &e;
   return nullptr;
 }
 
@@ -57,13 +57,13 @@ thread_local std::string t_last_error;
 
 }  // namespace
 
-const char* error_name(CUresult r) {
-  const ErrorInfo* e = find(r);
+const char* error_name(int code) {
+  const ErrorInfo* e = find(code);
   return e ? e->name : nullptr;
 }
 
-const char* error_string(CUresult r) {
-  const ErrorInfo* e = find(r);
+const char* error_string(int code) {
+  const ErrorInfo* e = find(code);
   return e ? e->text : nullptr;
 }
 
@@ -73,7 +73,7 @@ void set_last_error(std::string msg) { t_last_error = std::move(msg); }
 CUresult api_cuGetErrorName(CUresult error, const char** str) {
   return guarded(Fn::cuGetErrorName, [&] {
     if (str == nullptr) return CUDA_ERROR_INVALID_VALUE;
-    *str = error_name(error);
+    *str = error_name(raw(error));
     return *str ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
   });
 }
@@ -81,7 +81,7 @@ CUresult api_cuGetErrorName(CUresult error, const char** str) {
 CUresult api_cuGetErrorString(CUresult error, const char** str) {
   return guarded(Fn::cuGetErrorString, [&] {
     if (str == nullptr) return CUDA_ERROR_INVALID_VALUE;
-    *str = error_string(error);
+    *str = error_string(raw(error));
     return *str ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
   });
 }

@@ -13,10 +13,10 @@ namespace cxlsim {
 constexpr CUresult kErrContextIsDestroyed = static_cast<CUresult>(709);
 constexpr CUresult kErrStreamCaptureImplicit = static_cast<CUresult>(906);
 
-// Name and description of `r`, or nullptr when `r` is not a CUresult the
-// simulator knows (every value in cuda_min.h plus the two above).
-const char* error_name(CUresult r);
-const char* error_string(CUresult r);
+// Name and description of the CUresult value `code`, or nullptr when the
+// simulator does not know it (every value in cuda_min.h plus the two above).
+const char* error_name(int code);
+const char* error_string(int code);
 
 // Set the calling thread's cxlsim_last_error() message.
 void set_last_error(std::string msg);

@@ -97,8 +97,10 @@ CXLSIM_API int cxlsim_fail(const char* fn, uint64_t nth, int error) {
       set_last_error("cxlsim_fail: nth must be >= 1 (1 = the next call)");
       return -1;
     }
-    if (error == CUDA_SUCCESS) {
-      set_last_error("cxlsim_fail: error must be a failing CUresult, not CUDA_SUCCESS (0)");
+    // 1..999 is CUresult's range in cuda.h; other values are not CUresults.
+    if (error < 1 || error > 999) {
+      set_last_error("cxlsim_fail: error " + std::to_string(error) +
+                     " is not a failing CUresult (1..999; CUDA_SUCCESS is 0)");
       return -1;
     }
     std::lock_guard<std::mutex> lk(g_faults_mu);

@@ -53,7 +53,7 @@ CUresult check_managed_device(int id) {
 // Normalize a host-side location: HOST ignores its id; HOST_NUMA_CURRENT is
 // the calling thread's node.  INVALID_VALUE for unknown nodes/types.
 CUresult host_location(const CUmemLocation& in, CUmemLocation* out) {
-  switch (in.type) {
+  switch (raw(in.type)) {
     case CU_MEM_LOCATION_TYPE_HOST:
       *out = CUmemLocation{CU_MEM_LOCATION_TYPE_HOST, 0};
       return CUDA_SUCCESS;
@@ -111,23 +111,33 @@ CUresult api_cuMemAdvise(CUdeviceptr dev_ptr, size_t count, CUmem_advise advice,
   return guarded(Fn::cuMemAdvise, [&] {
     CUresult r = check_init();
     if (r != CUDA_SUCCESS) return r;
-    CUmemLocation loc = location;
-    switch (advice) {
+    const int adv = raw(advice);
+    const bool on_device = raw(location.type) == CU_MEM_LOCATION_TYPE_DEVICE;
+    CUmemLocation loc{CU_MEM_LOCATION_TYPE_INVALID, 0};  // the validated location
+    switch (adv) {
       case CU_MEM_ADVISE_SET_READ_MOSTLY:
       case CU_MEM_ADVISE_UNSET_READ_MOSTLY:
       case CU_MEM_ADVISE_UNSET_PREFERRED_LOCATION:
         break;  // cuda.h: location ignored
       case CU_MEM_ADVISE_SET_PREFERRED_LOCATION:
-        r = loc.type == CU_MEM_LOCATION_TYPE_DEVICE ? check_managed_device(loc.id) : host_location(location, &loc);
+        if (on_device) {
+          r = check_managed_device(location.id);
+          loc = CUmemLocation{CU_MEM_LOCATION_TYPE_DEVICE, location.id};
+        } else {
+          r = host_location(location, &loc);
+        }
         if (r != CUDA_SUCCESS) return r;
         break;
       case CU_MEM_ADVISE_SET_ACCESSED_BY:
       case CU_MEM_ADVISE_UNSET_ACCESSED_BY:
         // cuda.h: only DEVICE or HOST; every other type is invalid.
-        if (loc.type == CU_MEM_LOCATION_TYPE_DEVICE) {
-          r = check_managed_device(loc.id);
+        if (on_device) {
+          r = check_managed_device(location.id);
           if (r != CUDA_SUCCESS) return r;
-        } else if (loc.type != CU_MEM_LOCATION_TYPE_HOST) {
+          loc = CUmemLocation{CU_MEM_LOCATION_TYPE_DEVICE, location.id};
+        } else if (raw(location.type) == CU_MEM_LOCATION_TYPE_HOST) {
+          loc = CUmemLocation{CU_MEM_LOCATION_TYPE_HOST, 0};
+        } else {
           return CUDA_ERROR_INVALID_VALUE;
         }
         break;
@@ -142,7 +152,7 @@ CUresult api_cuMemAdvise(CUdeviceptr dev_ptr, size_t count, CUmem_advise advice,
     if (a == nullptr) return CUDA_ERROR_INVALID_VALUE;
     const int bit = loc.type == CU_MEM_LOCATION_TYPE_DEVICE ? loc.id : ManagedPages::kCpuBit;
     a->pages.update(b, e, [&](ManagedPages& p) {
-      switch (advice) {
+      switch (adv) {
         case CU_MEM_ADVISE_SET_READ_MOSTLY: p.read_mostly = true; break;
         case CU_MEM_ADVISE_UNSET_READ_MOSTLY: p.read_mostly = false; break;
         case CU_MEM_ADVISE_SET_PREFERRED_LOCATION: p.preferred = loc; break;
@@ -152,7 +162,7 @@ CUresult api_cuMemAdvise(CUdeviceptr dev_ptr, size_t count, CUmem_advise advice,
         default: break;
       }
     });
-    if (advice == CU_MEM_ADVISE_SET_PREFERRED_LOCATION && loc.type == CU_MEM_LOCATION_TYPE_HOST_NUMA)
+    if (adv == CU_MEM_ADVISE_SET_PREFERRED_LOCATION && loc.type == CU_MEM_LOCATION_TYPE_HOST_NUMA)
       bind_pages(reinterpret_cast<void*>(b), e - b, real_node_of(loc.id), false);
     return CUDA_SUCCESS;
   });
@@ -168,9 +178,10 @@ CUresult api_cuMemPrefetchAsync(CUdeviceptr dev_ptr, size_t count, CUmemLocation
     r = find_stream(stream, dev, &s);
     if (r != CUDA_SUCCESS) return r;
     if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
-    CUmemLocation loc = location;
+    CUmemLocation loc{CU_MEM_LOCATION_TYPE_INVALID, 0};  // the validated target
     int host_node = -1;
-    if (loc.type == CU_MEM_LOCATION_TYPE_DEVICE) {
+    if (raw(location.type) == CU_MEM_LOCATION_TYPE_DEVICE) {
+      loc = CUmemLocation{CU_MEM_LOCATION_TYPE_DEVICE, location.id};
       r = check_managed_device(loc.id);
       if (r != CUDA_SUCCESS) return r;
       // cuda.h: the stream's device must support concurrent managed access too.
@@ -228,8 +239,9 @@ CUresult api_cuMemRangeGetAttribute(void* data, size_t data_size, CUmem_range_at
     CUresult r = check_init();
     if (r != CUDA_SUCCESS) return r;
     if (data == nullptr) return CUDA_ERROR_INVALID_VALUE;
-    const bool array = attribute == CU_MEM_RANGE_ATTRIBUTE_ACCESSED_BY;
-    if (attribute < CU_MEM_RANGE_ATTRIBUTE_READ_MOSTLY || attribute > CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION_ID)
+    const int attr = raw(attribute);
+    const bool array = attr == CU_MEM_RANGE_ATTRIBUTE_ACCESSED_BY;
+    if (attr < CU_MEM_RANGE_ATTRIBUTE_READ_MOSTLY || attr > CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION_ID)
       return CUDA_ERROR_INVALID_VALUE;
     if (array ? (data_size == 0 || data_size % 4 != 0) : data_size != 4) return CUDA_ERROR_INVALID_VALUE;
     Registry& reg = registry();
@@ -272,7 +284,7 @@ CUresult api_cuMemRangeGetAttribute(void* data, size_t data_size, CUmem_range_at
     };
 
     int* out = static_cast<int*>(data);
-    switch (attribute) {
+    switch (attr) {
       case CU_MEM_RANGE_ATTRIBUTE_READ_MOSTLY:
         *out = read_mostly ? 1 : 0;
         break;

@@ -20,10 +20,13 @@
 //    moment the work runs, so stream work that outlives cuMemUnmap or lacks
 //    cuMemSetAccess is reported, not silently performed.
 //
-// Locking: Registry::mu guards everything in the registry.  It is a leaf
-// lock except that numa.cpp's record lock may be taken after releasing it.
-// Backings are shared_ptr so stream work can keep pages alive while it
-// copies without holding the lock.
+// Locking: Registry::mu guards everything in the registry.  The engine
+// mutex may be taken while holding it (cuMemPrefetchAsync enqueues under it
+// so the residency it records and the stream operation agree), never the
+// reverse: stream workers drop the engine mutex before touching memory.
+// numa.cpp's record lock is only taken after releasing it.  Backings are
+// shared_ptr so stream work keeps pages alive while it copies without
+// holding the lock.
 #pragma once
 
 #include <cstdint>

@@ -17,8 +17,10 @@ namespace cxlsim {
 
 namespace {
 
+// A context handle is the address of its device's slot: stable for the
+// process lifetime and checkable by range, with nothing to allocate or free.
 struct ContextSlot {
-  int device;
+  int unused;
 };
 ContextSlot g_slots[kMaxDevices] = {};
 
@@ -30,7 +32,7 @@ thread_local CUcontext t_current = nullptr;
 }  // namespace
 
 CUresult check_init() {
-  if (engine_shut_down()) return CUDA_ERROR_DEINITIALIZED;
+  if (engine_shut_down()) return engine_forked() ? CUDA_ERROR_NOT_INITIALIZED : CUDA_ERROR_DEINITIALIZED;
   return g_initialized.load(std::memory_order_acquire) ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
 }
 
@@ -40,10 +42,7 @@ int device_count() { return config()->devices; }
 
 bool valid_device(int dev) { return dev >= 0 && dev < device_count(); }
 
-CUcontext context_of(int dev) {
-  g_slots[dev].device = dev;
-  return reinterpret_cast<CUcontext>(&g_slots[dev]);
-}
+CUcontext context_of(int dev) { return reinterpret_cast<CUcontext>(&g_slots[dev]); }
 
 int device_of_context(CUcontext ctx) {
   auto p = reinterpret_cast<uintptr_t>(ctx);
@@ -152,6 +151,10 @@ CXLSIM_API int cxlsim_configure(const char* spec) {
       set_last_error(err);
       return -1;
     }
+    // Asking for the machine as it is changes nothing, so it is allowed
+    // while resources are live (a second component may re-apply the spec
+    // the first one set).
+    if (c == *config()) return 0;
     cxlsim_live_t live{};
     cxlsim_live(&live);
     std::string busy;

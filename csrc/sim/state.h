@@ -13,8 +13,8 @@
 
 namespace cxlsim {
 
-// CUDA_ERROR_NOT_INITIALIZED until cuInit succeeded, CUDA_ERROR_DEINITIALIZED
-// once the process is exiting.
+// CUDA_ERROR_NOT_INITIALIZED until cuInit succeeded (and always in a fork()
+// child), CUDA_ERROR_DEINITIALIZED once the process is exiting.
 CUresult check_init();
 void set_initialized(bool v);
 

@@ -47,7 +47,7 @@ CUresult api_cuStreamDestroy(CUstream stream) {
     int dev;
     CUresult r = current_device(&dev);
     if (r != CUDA_SUCCESS) return r;
-    return stream_destroy(stream, dev);  // the NULL/legacy stream cannot be destroyed: INVALID_HANDLE
+    return stream_destroy(stream);  // the NULL/legacy stream cannot be destroyed: INVALID_HANDLE
   });
 }
 
@@ -216,7 +216,7 @@ int control_submit(const char* who, const std::shared_ptr<Stream>& s, const Op& 
   uint64_t seq;
   CUresult r = submit(s, op, &seq);
   if (r != CUDA_SUCCESS) {
-    set_last_error(std::string(who) + ": enqueue failed with " + (error_name(r) ? error_name(r) : "an error"));
+    set_last_error(std::string(who) + ": enqueue failed with " + (error_name(raw(r)) ? error_name(raw(r)) : "an error"));
     return -1;
   }
   return 0;

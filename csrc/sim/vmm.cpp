@@ -57,7 +57,7 @@ CUresult check_location(const CUmemAllocationProp* prop, bool creating, int* nod
   auto c = config();
   const CUmemLocation& loc = prop->location;
   *node = -1;
-  switch (loc.type) {
+  switch (raw(loc.type)) {
     case CU_MEM_LOCATION_TYPE_DEVICE:
       if (!valid_device(loc.id)) return CUDA_ERROR_INVALID_DEVICE;
       return CUDA_SUCCESS;
@@ -75,7 +75,7 @@ CUresult check_location(const CUmemAllocationProp* prop, bool creating, int* nod
       if (attribute(0, CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) == 0)
         return CUDA_ERROR_NOT_SUPPORTED;
       // cuda.h: HOST allocations are not IPC capable.
-      if (prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE) return CUDA_ERROR_INVALID_VALUE;
+      if (raw(prop->requestedHandleTypes) != CU_MEM_HANDLE_TYPE_NONE) return CUDA_ERROR_INVALID_VALUE;
       *node = current_sim_node();  // "no specific node": placed near the calling CPU
       return CUDA_SUCCESS;
     default:  // INVALID, HOST_NUMA_CURRENT (cuda.h: INVALID_VALUE), anything else
@@ -147,7 +147,7 @@ CUresult api_cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, cons
     if (r != CUDA_SUCCESS) return r;
     if (!vmm_supported()) return CUDA_ERROR_NOT_SUPPORTED;
     if (handle == nullptr || prop == nullptr || flags != 0) return CUDA_ERROR_INVALID_VALUE;
-    if (prop->type != CU_MEM_ALLOCATION_TYPE_PINNED) return CUDA_ERROR_INVALID_VALUE;
+    if (raw(prop->type) != CU_MEM_ALLOCATION_TYPE_PINNED) return CUDA_ERROR_INVALID_VALUE;
     auto c = config();
     if (size == 0 || !aligned(size, c->granularity)) return CUDA_ERROR_INVALID_VALUE;
     int node;
@@ -155,7 +155,7 @@ CUresult api_cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, cons
     if (r != CUDA_SUCCESS) return r;
     // NONE and POSIX fd are accepted (nothing here exports handles); other
     // shareable types need facilities the simulator does not model.
-    unsigned ht = static_cast<unsigned>(prop->requestedHandleTypes);
+    const int ht = raw(prop->requestedHandleTypes);
     if (ht != 0 && ht != 1) return CUDA_ERROR_NOT_SUPPORTED;
 
     const bool device = prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE;
@@ -284,10 +284,11 @@ CUresult api_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc*
     if (!whole_mappings(reg, ptr, size, &maps)) return CUDA_ERROR_INVALID_VALUE;
     for (size_t i = 0; i < count; ++i) {
       const CUmemAccessDesc& d = desc[i];
-      if (d.flags != CU_MEM_ACCESS_FLAGS_PROT_NONE && d.flags != CU_MEM_ACCESS_FLAGS_PROT_READ &&
-          d.flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+      const int fl = raw(d.flags);
+      if (fl != CU_MEM_ACCESS_FLAGS_PROT_NONE && fl != CU_MEM_ACCESS_FLAGS_PROT_READ &&
+          fl != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
         return CUDA_ERROR_INVALID_VALUE;
-      switch (d.location.type) {
+      switch (raw(d.location.type)) {
         case CU_MEM_LOCATION_TYPE_DEVICE:
           if (!valid_device(d.location.id)) return CUDA_ERROR_INVALID_DEVICE;
           break;
@@ -307,10 +308,10 @@ CUresult api_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc*
     }
     for (Mapping* m : maps) {
       for (size_t i = 0; i < count; ++i) {
-        if (desc[i].location.type == CU_MEM_LOCATION_TYPE_DEVICE)
-          m->dev_access[desc[i].location.id] = static_cast<uint8_t>(desc[i].flags);
+        if (raw(desc[i].location.type) == CU_MEM_LOCATION_TYPE_DEVICE)
+          m->dev_access[desc[i].location.id] = static_cast<uint8_t>(raw(desc[i].flags));
         else
-          m->host_access = static_cast<uint8_t>(desc[i].flags);
+          m->host_access = static_cast<uint8_t>(raw(desc[i].flags));
       }
       // See memory.h: host memory follows the CPU's grant; device memory
       // follows any device's grant, so tests can inspect it from the CPU.
@@ -332,9 +333,9 @@ CUresult api_cuMemGetAllocationGranularity(size_t* granularity, const CUmemAlloc
     if (r != CUDA_SUCCESS) return r;
     if (!vmm_supported()) return CUDA_ERROR_NOT_SUPPORTED;
     if (granularity == nullptr || prop == nullptr) return CUDA_ERROR_INVALID_VALUE;
-    if (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM && option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
+    if (raw(option) != CU_MEM_ALLOC_GRANULARITY_MINIMUM && raw(option) != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
       return CUDA_ERROR_INVALID_VALUE;
-    if (prop->type != CU_MEM_ALLOCATION_TYPE_PINNED) return CUDA_ERROR_INVALID_VALUE;
+    if (raw(prop->type) != CU_MEM_ALLOCATION_TYPE_PINNED) return CUDA_ERROR_INVALID_VALUE;
     int node;
     r = check_location(prop, false, &node);
     if (r != CUDA_SUCCESS) return r;
