@@ -127,6 +127,7 @@ def device_options(engine: "_C.Engine", device: int, cfg: Config, default_headro
         "promote_after": int(cfg.promote_after),
         "extent_chunk": int(cfg.extent_chunk or 0),
         "strict_placement": bool(cfg.strict_placement),
+        "kv_aware": cfg.policy == "kv-aware",
         "node_reason": choice["reason"],
     }
     return opts

@@ -33,6 +33,7 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 SIZE_HELP = "bytes (int) or a size string like '512MiB', '8GiB', '1.5TiB', '8GB'"
 BACKENDS = ("auto", "host-vmm", "managed", "pinned")
+POLICIES = ("kv-aware", "first-fit")
 TAGS = ("kv", "weight", "other")
 
 
@@ -184,6 +185,9 @@ class Config:
             bucket, burst = half a second's worth, at least 1 GiB); 0 disables.
         promote_after: uses of a demoted chunk before it may be promoted back.
         extent_chunk: bytes per KV extent chunk (None: the VMM granularity).
+        policy: "kv-aware" (default: KV quota, headroom, demotion of cold KV,
+            promotion) or "first-fit" (the policy-free baseline: VRAM first
+            come, first served, then the host tier; for comparisons).
         strict_placement: fail host allocations whose pages did not land on
             the chosen node (default: warn and count them in stats).
         simulate: use the simulated CUDA driver shipped with the package.
@@ -206,6 +210,7 @@ class Config:
     migration_rate: float = float(8 << 30)
     promote_after: int = 2
     extent_chunk: Optional[int] = None
+    policy: str = "kv-aware"
     strict_placement: bool = False
     simulate: bool = False
     sim_vram: Optional[int] = None
@@ -233,6 +238,7 @@ _PARSERS = {
     "migration_rate": _parse_rate,
     "promote_after": _parse_positive_int,
     "extent_chunk": _opt_size,
+    "policy": lambda v, n: _parse_choice(v, n, POLICIES),
     "strict_placement": _parse_bool,
     "simulate": _parse_bool,
     "sim_vram": _opt_size,

@@ -70,8 +70,7 @@ def fresh_sim(sim, request):
     sim.clear_faults()
     gc.collect()
     rep = getattr(request.node, "rep_call", None)
-    # Tests that inject failures into release calls leave (reported) leaks.
-    if rep is not None and rep.passed and not request.node.get_closest_marker("reported_leaks"):
+    if rep is not None and rep.passed:
         after = sim.live()
         # Only growth is a leak (an earlier failed test's objects may be
         # collected during this one).

@@ -395,3 +395,17 @@ def test_peaks_track_high_water_marks(make_alloc):
     assert s["other"]["peak_host_bytes"] == 10 * MiB
     a.reset_peak_stats()
     assert a.stats()["device"]["peak_allocated_bytes"] == 0
+
+
+def test_first_fit_policy_is_the_policy_free_baseline(make_alloc):
+    """policy="first-fit": no KV quota, no demotion; overflow spills whatever
+    comes last (the baseline the benchmarks compare the KV-aware policy with)."""
+    a = make_alloc(device_limit=64 * MiB, kv_device_limit=8 * MiB, policy="first-fit")
+    assert a.info()["policy"] == "first-fit"
+    kvs = [a.malloc(18 * MiB, tag="kv") for _ in range(3)]
+    assert all(a.tier_of(p) == "device" for p in kvs)  # no KV quota
+    other = a.malloc(18 * MiB)
+    assert a.tier_of(other) == "host"  # spilled: nothing was demoted
+    assert a.stats()["demoted_bytes"] == 0
+    for p in kvs + [other]:
+        a.free(p)

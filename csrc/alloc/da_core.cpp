@@ -142,9 +142,9 @@ policy::TierBudget DeviceAllocator::budget() const {
     }
     (seg->tier() == Tier::Device ? b.device_cached_free : b.host_cached_free) += seg->size;
   }
-  b.kv_device_quota = cfg_.kv_device_limit;
+  b.kv_device_quota = cfg_.kv_aware ? cfg_.kv_device_limit : SIZE_MAX;
   b.kv_device_bytes = kv_device_bytes_;
-  b.device_headroom = cfg_.device_headroom;
+  b.device_headroom = cfg_.kv_aware ? cfg_.device_headroom : 0;
   return b;
 }
 

@@ -42,8 +42,7 @@ ExtentInfo DeviceAllocator::extent_create(size_t capacity, AllocClass cls) {
         seg = factory_->create_block_segment(cap, t, cls, PoolKind::Large);
         break;
       } catch (const Error& e) {
-        auto* d = dynamic_cast<const DriverError*>(&e);
-        if (e.kind() != ErrorKind::OutOfMemory && !(d && d->code() == CUDA_ERROR_OUT_OF_MEMORY)) throw;
+        if (!is_out_of_memory(e)) throw;
       }
     }
     if (!seg) throw_oom(cap, cls, "no tier can hold the extent (this backend commits extents whole)");
@@ -87,7 +86,8 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
   // older device KV demoted to make room within the migration budget.
   std::vector<policy::Candidate> device_kv;
   std::vector<std::pair<Segment*, Chunk*>> where;
-  bool can_demote = demotion_supported() && seg->cls == AllocClass::KV;
+  const bool kv_policy = cfg_.kv_aware && seg->cls == AllocClass::KV;
+  bool can_demote = demotion_supported() && kv_policy;
   if (can_demote) {
     for (auto& [id2, ext] : extents_) {
       if (ext->cls != AllocClass::KV || !factory_->can_migrate(*ext)) continue;
@@ -104,11 +104,12 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
   // Demoted chunks and host-placed new chunks share the host room; the
   // commit loop below re-checks every chunk against the limits.
   policy::GrowthPlan plan;
-  if (seg->cls == AllocClass::KV) {
+  if (kv_policy) {
     plan = policy::plan_extent_growth(fresh.size(), chunk, budget(), device_kv, std::min(allowed, host_room), can_demote,
                                       host_enabled_);
   } else {
-    // Weight/other extents: the device while it has room, else the host.
+    // Weight/other extents, and every extent under first-fit: the device
+    // while it has room, else the host (first come, first served).
     size_t room = policy::device_available(budget());
     size_t dev = std::min(fresh.size(), room / chunk);
     plan.device_new = host_enabled_ ? dev : fresh.size();
@@ -139,8 +140,7 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
       try {
         factory_->commit_chunk(*seg, c, t);
       } catch (const Error& e) {
-        auto* d = dynamic_cast<const DriverError*>(&e);
-        if (e.kind() == ErrorKind::OutOfMemory || (d && d->code() == CUDA_ERROR_OUT_OF_MEMORY)) continue;
+        if (is_out_of_memory(e)) continue;
         throw;
       }
       c.seq = ++seq_;

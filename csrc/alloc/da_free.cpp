@@ -60,23 +60,14 @@ void DeviceAllocator::free(void* ptr) {
   // Recording an event on a capturing stream is illegal (C14): defer.
   bool any_capturing = capturing(b->stream);
   for (CUstream s : b->stream_uses) any_capturing = any_capturing || capturing(s);
-  // Keep the bytes "active" in torch's sense until the events complete.
-  int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
-  if (seg->tier() == Tier::Device)
-    for (int i : {int(kAggregate), k}) stats_.torch.active_bytes[i].increase(static_cast<int64_t>(b->size));
+  // The bytes stay "active" in torch's sense until the events complete.
+  count_active(b, true);
   if (any_capturing) {
     b->event_count = 1;  // placeholder until flush_deferred records real events
     deferred_.push_back(b);
     return;
   }
-  b->event_count = 0;
-  for (CUstream s : b->stream_uses) {
-    driver::Event ev = acquire_event();
-    CXL_CU(*drv_, cuEventRecord, ev.get(), s);
-    b->event_count++;
-    pending_.push_back(PendingFree{std::move(ev), b});
-  }
-  b->stream_uses.clear();
+  wait_for_uses(b);
 }
 
 driver::Event DeviceAllocator::acquire_event() {
@@ -88,26 +79,45 @@ driver::Event DeviceAllocator::acquire_event() {
   return driver::Event(drv_);
 }
 
+void DeviceAllocator::count_active(Block* b, bool add) {
+  if (b->segment->tier() != Tier::Device) return;
+  int k = b->segment->kind == PoolKind::Small ? kSmall : kLarge;
+  for (int i : {int(kAggregate), k}) {
+    if (add)
+      stats_.torch.active_bytes[i].increase(static_cast<int64_t>(b->size));
+    else
+      stats_.torch.active_bytes[i].decrease(static_cast<int64_t>(b->size));
+  }
+}
+
+void DeviceAllocator::wait_for_uses(Block* b) {
+  b->event_count = 0;
+  for (CUstream s : b->stream_uses) {
+    driver::Event ev = acquire_event();
+    CUresult r = drv_->api().fn_cuEventRecord(ev.get(), s);
+    if (r != CUDA_SUCCESS) {
+      // Reuse cannot be ordered after that stream's work: wait for it now
+      // instead (slow but safe); if even that fails, the error is the user's.
+      event_pool_.push_back(std::move(ev));
+      CXL_CU(*drv_, cuStreamSynchronize, s);
+      continue;
+    }
+    b->event_count++;
+    pending_.push_back(PendingFree{std::move(ev), b});
+  }
+  b->stream_uses.clear();
+  if (b->event_count == 0) retire(b);
+}
+
+void DeviceAllocator::retire(Block* b) {
+  count_active(b, false);
+  free_block(b);
+}
+
 void DeviceAllocator::flush_deferred() {
   std::vector<Block*> later;
   later.swap(deferred_);
-  for (Block* b : later) {
-    b->event_count = 0;
-    for (CUstream s : b->stream_uses) {
-      driver::Event ev = acquire_event();
-      CXL_CU(*drv_, cuEventRecord, ev.get(), s);
-      b->event_count++;
-      pending_.push_back(PendingFree{std::move(ev), b});
-    }
-    b->stream_uses.clear();
-    if (b->event_count == 0) {
-      Segment* seg = b->segment;
-      int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
-      if (seg->tier() == Tier::Device)
-        for (int i : {int(kAggregate), k}) stats_.torch.active_bytes[i].decrease(static_cast<int64_t>(b->size));
-      free_block(b);
-    }
-  }
+  for (Block* b : later) wait_for_uses(b);
 }
 
 // Every pending event is checked, not just the queue's head: one slow stream
@@ -127,13 +137,7 @@ void DeviceAllocator::process_events(bool wait, int only_tier) {
     Block* b = it->block;
     event_pool_.push_back(std::move(it->event));
     it = pending_.erase(it);
-    if (--b->event_count == 0) {
-      Segment* seg = b->segment;
-      int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
-      if (seg->tier() == Tier::Device)
-        for (int i : {int(kAggregate), k}) stats_.torch.active_bytes[i].decrease(static_cast<int64_t>(b->size));
-      free_block(b);
-    }
+    if (--b->event_count == 0) retire(b);
   }
 }
 

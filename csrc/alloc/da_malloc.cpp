@@ -9,13 +9,6 @@
 
 namespace cxl::alloc {
 
-namespace {
-bool is_driver_oom(const Error& e) {
-  if (e.kind() == ErrorKind::OutOfMemory) return true;
-  auto* d = dynamic_cast<const DriverError*>(&e);
-  return d && d->code() == CUDA_ERROR_OUT_OF_MEMORY;
-}
-}  // namespace
 
 Block* DeviceAllocator::find_free(const FreeListKey& key, CUstream stream, size_t size) {
   auto it = free_lists_.find(key);
@@ -82,7 +75,7 @@ Segment* DeviceAllocator::new_segment(Tier tier, const FreeListKey& key, size_t 
     // The physical tier is fuller than our budget thinks (another process,
     // the CUDA context, a driver limit): report "does not fit" and let the
     // caller move on; any other failure is an error the user must see.
-    if (is_driver_oom(e)) {
+    if (is_out_of_memory(e)) {
       log_debug(std::string("segment allocation on ") + tier_name(tier) + " failed: " + e.what());
       return nullptr;
     }
@@ -199,7 +192,7 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
       if (Block* b = alloc_in(Tier::Device, key, size, nbytes, stream, true)) return b;
     }
     // 3. Demote cold KV to make room (never for KV itself).
-    if (allow_demote && policy::may_demote_for(req) && demotion_supported()) {
+    if (allow_demote && cfg_.kv_aware && policy::may_demote_for(req) && demotion_supported()) {
       used = static_cast<size_t>(stats_.tier[0].reserved_bytes.current);
       need = used + seg_bytes > device_limit_eff() ? used + seg_bytes - device_limit_eff() : 0;
       if (need > 0 && demote_for(need, true) > 0) {

@@ -53,34 +53,45 @@ void DeviceAllocator::migrate_chunk(Segment& seg, Chunk& c, Tier target) {
   account_commit(seg, c, true);
 }
 
-size_t DeviceAllocator::demote_for(size_t need, bool budgeted) {
-  struct Target {
-    Segment* seg;
-    Chunk* chunk;  // nullptr: the whole block segment
-  };
-  std::vector<Target> targets;
-  std::vector<policy::Candidate> cands;
-  size_t total = 0;
+std::vector<DeviceAllocator::KvUnit> DeviceAllocator::kv_units(Tier tier) {
+  std::vector<KvUnit> out;
   for (const auto& [base, sp] : segments_) {
     Segment& seg = *sp;
     if (seg.cls != AllocClass::KV || !factory_->can_migrate(seg)) continue;
     if (seg.extent) {
-      for (Chunk& c : seg.chunks) {
-        if (!c.committed || c.tier != Tier::Device) continue;
-        // A chunk read in this step is the step's working set: demoting it for
-        // a transient (case C04) would only bring it back over the link.
-        bool current = steps_marked_ && std::max(c.seq, c.last_touch) >= step_start_seq_;
-        cands.push_back({targets.size(), c.size, c.seq, current});
-        targets.push_back({&seg, &c});
-        total += c.size;
-      }
-    } else {
+      for (Chunk& c : seg.chunks)
+        if (c.committed && c.tier == tier) out.push_back({&seg, &c});
+    } else if (seg.tier() == tier && seg.pool.is_default() && !has_waiting_blocks(seg)) {
       // Graph-private pools stay put: a captured graph replays on them.
-      if (seg.tier() != Tier::Device || !seg.pool.is_default() || has_waiting_blocks(seg)) continue;
-      cands.push_back({targets.size(), seg.size, seg.last_use, steps_marked_ && seg.last_use >= step_start_seq_});
-      targets.push_back({&seg, nullptr});
-      total += seg.size;
+      out.push_back({&seg, nullptr});
     }
+  }
+  return out;
+}
+
+size_t DeviceAllocator::move_unit(const KvUnit& u, Tier target) {
+  if (u.chunk) {
+    migrate_chunk(*u.seg, *u.chunk, target);
+    return u.chunk->size;
+  }
+  migrate_segment(*u.seg, target);
+  return u.seg->size;
+}
+
+size_t DeviceAllocator::demote_for(size_t need, bool budgeted) {
+  std::vector<KvUnit> units = kv_units(Tier::Device);
+  std::vector<policy::Candidate> cands;
+  size_t total = 0;
+  for (size_t i = 0; i < units.size(); ++i) {
+    const KvUnit& u = units[i];
+    size_t bytes = u.chunk ? u.chunk->size : u.seg->size;
+    // Age: commit order for extent chunks, last allocation for segments.  A
+    // chunk read in this step is the step's working set: demoting it for a
+    // transient (case C04) would only bring it back over the link.
+    uint64_t age = u.chunk ? u.chunk->seq : u.seg->last_use;
+    uint64_t used = u.chunk ? std::max(u.chunk->seq, u.chunk->last_touch) : u.seg->last_use;
+    cands.push_back({i, bytes, age, steps_marked_ && used >= step_start_seq_});
+    total += bytes;
   }
   if (total < need) return 0;
   const double now = now_s();
@@ -94,12 +105,7 @@ size_t DeviceAllocator::demote_for(size_t need, bool budgeted) {
   sync_device();
   size_t moved = 0;
   for (uint64_t id : victims) {
-    Target& t = targets[id];
-    size_t bytes = t.chunk ? t.chunk->size : t.seg->size;
-    if (t.chunk)
-      migrate_chunk(*t.seg, *t.chunk, Tier::Host);
-    else
-      migrate_segment(*t.seg, Tier::Host);
+    size_t bytes = move_unit(units[id], Tier::Host);
     if (budgeted) migration_budget_.consume(bytes, now);
     moved += bytes;
     stats_.counters.demotions++;
@@ -154,40 +160,24 @@ size_t DeviceAllocator::migrate(const void* ptr, size_t len, Tier target) {
 size_t DeviceAllocator::rebalance() {
   std::lock_guard<std::mutex> lk(mu_);
   driver::ContextGuard guard(*drv_, ctx_.get());
-  if (!demotion_supported()) return 0;
-  struct Target {
-    Segment* seg;
-    Chunk* chunk;
-  };
-  std::vector<Target> targets;
+  if (!demotion_supported() || !cfg_.kv_aware) return 0;
+  std::vector<KvUnit> units = kv_units(Tier::Host);
+  if (units.empty()) return 0;
   std::vector<policy::PromoteCandidate> cands;
-  for (const auto& [base, sp] : segments_) {
-    Segment& seg = *sp;
-    if (seg.cls != AllocClass::KV || !factory_->can_migrate(seg)) continue;
-    if (seg.extent) {
-      for (Chunk& c : seg.chunks) {
-        if (!c.committed || c.tier != Tier::Host) continue;
-        cands.push_back({targets.size(), c.size, c.seq, c.touches, true});
-        targets.push_back({&seg, &c});
-      }
-    } else if (seg.tier() == Tier::Host && !has_waiting_blocks(seg)) {
-      cands.push_back({targets.size(), seg.size, seg.last_use, seg.touches, true});
-      targets.push_back({&seg, nullptr});
-    }
+  for (size_t i = 0; i < units.size(); ++i) {
+    const KvUnit& u = units[i];
+    if (u.chunk)
+      cands.push_back({i, u.chunk->size, u.chunk->seq, u.chunk->touches, true});
+    else
+      cands.push_back({i, u.seg->size, u.seg->last_use, u.seg->touches, true});
   }
-  if (cands.empty()) return 0;
   const double now = now_s();
   auto ids = policy::choose_promotions(budget(), cands, cfg_.promote_after, migration_budget_.available(now));
   if (ids.empty()) return 0;
   sync_device();
   size_t moved = 0;
   for (uint64_t id : ids) {
-    Target& t = targets[id];
-    size_t bytes = t.chunk ? t.chunk->size : t.seg->size;
-    if (t.chunk)
-      migrate_chunk(*t.seg, *t.chunk, Tier::Device);
-    else
-      migrate_segment(*t.seg, Tier::Device);
+    size_t bytes = move_unit(units[id], Tier::Device);
     migration_budget_.consume(bytes, now);
     moved += bytes;
     stats_.counters.promotions++;

@@ -53,6 +53,10 @@ struct AllocatorConfig {
   size_t extent_chunk = 0;     // bytes per extent chunk; 0: the segment alignment (2 MiB)
   bool strict_placement = false;
   bool check_capture = true;   // ask the driver whether the stream is capturing
+  // false: "first-fit", the policy-free baseline the benchmarks compare
+  // against: everything takes VRAM first-come until it is full, then the
+  // host tier; no KV quota or headroom, no demotion, no promotion.
+  bool kv_aware = true;
 };
 
 // One row of a memory snapshot (segment + its blocks), like torch's SegmentInfo.
@@ -206,8 +210,21 @@ class DeviceAllocator {
   void process_events(bool wait, int only_tier = -1);
   void flush_deferred();
   driver::Event acquire_event();
+  // Order `b`'s reuse after the streams that used it (events); retire it
+  // at once if there are none left to wait for.
+  void wait_for_uses(Block* b);
+  // A freed block whose uses are complete joins its free list.
+  void retire(Block* b);
+  void count_active(Block* b, bool add);
   size_t release_free_segments(Tier tier, size_t want, bool include_private);
   void release_segment(Segment* seg);
+  // A movable unit of KV: one extent chunk, or one whole block segment.
+  struct KvUnit {
+    Segment* seg;
+    Chunk* chunk;  // nullptr: the whole block segment
+  };
+  std::vector<KvUnit> kv_units(Tier tier);
+  size_t move_unit(const KvUnit& u, Tier target);  // returns bytes moved
   size_t demote_for(size_t need, bool budgeted);
   void migrate_segment(Segment& seg, Tier target);
   void migrate_chunk(Segment& seg, Chunk& c, Tier target);

@@ -56,6 +56,10 @@ class OutOfMemoryError : public Error {
 
 [[noreturn]] void throw_error(ErrorKind kind, const std::string& msg);
 
+// True for our OutOfMemory and for a driver call that failed with
+// CUDA_ERROR_OUT_OF_MEMORY: "that tier is fuller than the budget thought".
+bool is_out_of_memory(const Error& e);
+
 }  // namespace cxl
 
 // Invariant check that stays on in release builds: a violated invariant in an

@@ -205,6 +205,7 @@ AllocatorConfig config_from(const py::dict& d) {
     else if (k == "extent_chunk") c.extent_chunk = py::cast<size_t>(v);
     else if (k == "strict_placement") c.strict_placement = py::cast<bool>(v);
     else if (k == "check_capture") c.check_capture = py::cast<bool>(v);
+    else if (k == "kv_aware") c.kv_aware = py::cast<bool>(v);
     else
       throw Error(ErrorKind::InvalidArgument, "unknown allocator option '" + k + "'");
   }
@@ -406,6 +407,7 @@ void bind_engine(py::module_& m) {
         d["demotion_supported"] = h.a->demotion_supported();
         d["kv_device_limit"] = c.kv_device_limit == SIZE_MAX ? py::object(py::none()) : py::cast(c.kv_device_limit);
         d["device_headroom"] = c.device_headroom;
+        d["policy"] = c.kv_aware ? "kv-aware" : "first-fit";
         d["total_bytes"] = f.total_bytes;
         d["free_bytes_at_start"] = f.free_bytes;
         d["device_granularity"] = f.device_granularity;
