@@ -30,6 +30,7 @@ import glob
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
 import threading
 from typing import List, Optional
@@ -150,9 +151,31 @@ def _torch_cuda_major(torch) -> Optional[int]:
         return None
 
 
+def _ensure_ninja() -> None:
+    """torch.utils.cpp_extension runs ``ninja`` from PATH.  A venv's python run
+    without activating the venv does not have the venv's bin/ (where
+    ``pip install ninja`` puts it) on PATH: add that directory to PATH then."""
+    if shutil.which("ninja"):
+        return
+    dirs = [os.path.dirname(sys.executable)]
+    try:
+        import ninja  # the PyPI package
+
+        dirs.insert(0, ninja.BIN_DIR)
+    except Exception:
+        pass
+    for d in dirs:
+        if os.path.isfile(os.path.join(d, "ninja")) and os.access(os.path.join(d, "ninja"), os.X_OK):
+            os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
+            return
+    raise AdapterBuildError("cxlalloc torch adapter: ninja is not installed (torch.utils.cpp_extension needs it); "
+                            "pip install ninja")
+
+
 def check_buildable(torch_module=None) -> None:
     """Raise :class:`AdapterBuildError` if this torch cannot host the adapter
-    (CPU-only build, missing libtorch_cuda, missing CUDA headers)."""
+    (CPU-only build, missing libtorch_cuda, no C++ compiler or ninja, missing
+    CUDA headers)."""
     torch = torch_module or __import__("torch")
     if getattr(torch.version, "cuda", None) is None:
         raise AdapterBuildError(f"cxlalloc torch adapter: torch {torch.__version__} is a CPU-only build "
@@ -160,6 +183,10 @@ def check_buildable(torch_module=None) -> None:
     lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     if not glob.glob(os.path.join(lib, "libtorch_cuda.so*")):
         raise AdapterBuildError(f"cxlalloc torch adapter: {lib}/libtorch_cuda.so not found (torch {torch.__version__})")
+    cxx = os.environ.get("CXX", "c++")
+    if not shutil.which(cxx.split()[0]):
+        raise AdapterBuildError(f"cxlalloc torch adapter: no C++ compiler ('{cxx}' is not on PATH; set CXX)")
+    _ensure_ninja()
     cuda_include_dirs(_torch_cuda_major(torch))
 
 

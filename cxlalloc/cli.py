@@ -43,7 +43,7 @@ GPU_ATTRIBUTES = {
 
 # `run` flags -> CXLALLOC keys (every key also works through --option KEY=VALUE).
 RUN_FLAGS = ("device_limit", "host_limit", "numa_node", "backend", "kv_device_limit", "device_headroom",
-             "spill_reserve", "migration_rate", "promote_after", "strict_placement", "device")
+             "spill_reserve", "migration_rate", "promote_after", "policy", "strict_placement", "device")
 
 
 # ----------------------------------------------------------------- info

@@ -15,7 +15,7 @@ KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 SIZE_HELP = "bytes (int) or a size string like '512MiB', '8GiB', '1.5TiB', '8GB'"
 FRACTION_HELP = f"{SIZE_HELP}, or a fraction of VRAM: a float in (0, 1] or a percentage like '50%'"
 KEYS = ("device_limit, host_limit, numa_node, backend, kv_device_limit, device_headroom, migration_rate, "
-        "promote_after, extent_chunk, strict_placement, simulate, sim_vram, libcuda, device, spill_reserve")
+        "promote_after, extent_chunk, policy, strict_placement, simulate, sim_vram, libcuda, device, spill_reserve")
 
 
 def test_option_names_are_the_documented_set():
@@ -76,11 +76,11 @@ def test_bad_size_or_fraction(value, message):
 def test_every_key_parses():
     cfg = make_config(device_limit="50%", host_limit="64GiB", numa_node="2", backend="managed",
                       kv_device_limit=0.25, device_headroom="1GiB", migration_rate="4GiB", promote_after="3",
-                      extent_chunk="2MiB", strict_placement="yes", simulate="0", sim_vram="24GiB",
+                      extent_chunk="2MiB", policy="first-fit", strict_placement="yes", simulate="0", sim_vram="24GiB",
                       libcuda="/opt/cuda/libcuda.so.1", device="cuda:1", spill_reserve="10%")
     assert cfg == Config(device_limit=0.5, host_limit=64 * GiB, numa_node=2, backend="managed", kv_device_limit=0.25,
                          device_headroom=GiB, migration_rate=float(4 * GiB), promote_after=3, extent_chunk=2 * MiB,
-                         strict_placement=True, simulate=False, sim_vram=24 * GiB, libcuda="/opt/cuda/libcuda.so.1",
+                         policy="first-fit", strict_placement=True, simulate=False, sim_vram=24 * GiB, libcuda="/opt/cuda/libcuda.so.1",
                          device=1, spill_reserve=0.1)
 
 
@@ -118,6 +118,7 @@ def test_defaults():
      f"cxlalloc option 'device_headroom': 2.0 is not a fraction in (0, 1]; use {FRACTION_HELP}"),
     ({"spill_reserve": "some"},
      f"cxlalloc option 'spill_reserve': 'some' is not a size or fraction; use {FRACTION_HELP}"),
+    ({"policy": "lru"}, "cxlalloc option 'policy': 'lru' is not allowed; allowed: kv-aware, first-fit"),
     ({"bogus": 1}, f"cxlalloc: unknown option 'bogus'; known options: {KEYS}"),
 ])
 def test_bad_values_exact_messages(kwargs, message):
