@@ -88,34 +88,25 @@ void CxlAllocator::setNoSplit(c10::DeviceIndex, c10::MempoolId_t) {
   // for symmetric-memory registration) get ordinary splitting semantics.
 }
 
-namespace {
-struct LiveCtx {
-  c10::MempoolId_t pool;
-  const std::unordered_set<void*>* expected;
-  size_t live = 0;
-  bool all_expected = true;
-};
-
-void collect_live(void* p, const cxlalloc_segment_info_t* seg, const cxlalloc_block_info_t* blocks, size_t n) {
-  auto* ctx = static_cast<LiveCtx*>(p);
-  if (c10::MempoolId_t{seg->pool_a, seg->pool_b} != ctx->pool) return;
-  for (size_t i = 0; i < n; ++i) {
-    if (!blocks[i].allocated) continue;
-    ++ctx->live;
-    if (!ctx->expected->count(reinterpret_cast<void*>(blocks[i].ptr))) ctx->all_expected = false;
-  }
-}
-}  // namespace
-
 bool CxlAllocator::checkPoolLiveAllocations(c10::DeviceIndex device, c10::MempoolId_t id,
                                             const std::unordered_set<void*>& expected) {
   // torch.compile's cudagraph trees ask whether exactly `expected` is alive
   // in the graph's pool (pytorch#163257, case C10).
   int uses = c_.pool_use_count(device, id.first, id.second);
   if (uses < 0) fail("checkPoolLiveAllocations");
-  LiveCtx ctx{id, &expected};
-  if (c_.snapshot(device, &collect_live, &ctx) != 0) fail("checkPoolLiveAllocations");
-  return ctx.all_expected && ctx.live == expected.size();
+  size_t live = 0;
+  bool all_expected = true;
+  int r = for_each_segment(c_, device, [&](const cxlalloc_segment_info_t& seg, const cxlalloc_block_info_t* blocks,
+                                           size_t n) {
+    if (c10::MempoolId_t{seg.pool_a, seg.pool_b} != id) return;
+    for (size_t i = 0; i < n; ++i) {
+      if (!blocks[i].allocated) continue;
+      ++live;
+      if (!expected.count(reinterpret_cast<void*>(blocks[i].ptr))) all_expected = false;
+    }
+  });
+  if (r != 0) fail("checkPoolLiveAllocations");
+  return all_expected && live == expected.size();
 }
 
 #if CXLT_TORCH_AT_LEAST(2, 13)

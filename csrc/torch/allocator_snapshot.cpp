@@ -15,33 +15,23 @@
 namespace cxlt {
 
 namespace {
-struct SnapshotCtx {
-  CxlAllocator* self;
-  const Registry* registry;
-  int device;
-  c10::MempoolId_t only_pool;  // {0,0}: every pool
-  CCA::SnapshotInfo* out;
-};
-
 time_t now_us() {
   using namespace std::chrono;
   return static_cast<time_t>(duration_cast<microseconds>(system_clock::now().time_since_epoch()).count());
 }
 
-void on_segment(void* p, const cxlalloc_segment_info_t* seg, const cxlalloc_block_info_t* blocks, size_t n) {
-  auto* ctx = static_cast<SnapshotCtx*>(p);
-  c10::MempoolId_t pool{seg->pool_a, seg->pool_b};
-  bool all = ctx->only_pool.first == 0 && ctx->only_pool.second == 0;
-  if (!all && pool != ctx->only_pool) return;
-
+// One engine segment as torch's SegmentInfo (+ an annotation if it is not
+// on the device tier).
+void add_segment(const Registry& registry, int device, const cxlalloc_segment_info_t& seg,
+                 const cxlalloc_block_info_t* blocks, size_t n, CCA::SnapshotInfo& out) {
   CDA::SegmentInfo s;
-  s.device = static_cast<c10::DeviceIndex>(ctx->device);
-  s.address = static_cast<size_t>(seg->base);
-  s.total_size = seg->size;
-  s.stream = reinterpret_cast<void*>(seg->stream);
-  s.is_large = !seg->is_small;
-  s.is_expandable = seg->is_extent != 0;  // a growable KV extent (VMM, commits on demand)
-  s.owner_private_pool_id = pool;
+  s.device = static_cast<c10::DeviceIndex>(device);
+  s.address = static_cast<size_t>(seg.base);
+  s.total_size = seg.size;
+  s.stream = reinterpret_cast<void*>(seg.stream);
+  s.is_large = !seg.is_small;
+  s.is_expandable = seg.is_extent != 0;  // a growable KV extent (VMM, commits on demand)
+  s.owner_private_pool_id = {seg.pool_a, seg.pool_b};
   for (size_t i = 0; i < n; ++i) {
     const auto& b = blocks[i];
     CDA::BlockInfo bi;
@@ -50,22 +40,22 @@ void on_segment(void* p, const cxlalloc_segment_info_t* seg, const cxlalloc_bloc
     bi.allocated = b.allocated != 0;
     bi.active = b.allocated || b.pending;
     if (b.allocated) {
-      if (auto a = ctx->registry->find(reinterpret_cast<const void*>(b.ptr))) bi.context_when_allocated = a->context;
+      if (auto a = registry.find(reinterpret_cast<const void*>(b.ptr))) bi.context_when_allocated = a->context;
       s.allocated_size += b.size;
       s.requested_size += b.requested;
     }
     if (bi.active) s.active_size += b.size;
     s.blocks.push_back(std::move(bi));
   }
-  ctx->out->segments.push_back(std::move(s));
+  out.segments.push_back(std::move(s));
 
-  if (seg->tier != 0) {
-    CDA::AnnotationEntry ae(static_cast<c10::DeviceIndex>(ctx->device), 0);
+  if (seg.tier != 0) {
+    CDA::AnnotationEntry ae(static_cast<c10::DeviceIndex>(device), 0);
     ae.time_.t_ = now_us();
-    ae.recordUserMetadata("cxlalloc_tier", seg->tier == 1 ? "host" : "mixed");
-    ae.recordUserMetadata("address", std::to_string(seg->base));
-    ae.recordUserMetadata("size", std::to_string(seg->size));
-    ctx->out->external_annotations.push_back(std::move(ae));
+    ae.recordUserMetadata("cxlalloc_tier", seg.tier == 1 ? "host" : "mixed");
+    ae.recordUserMetadata("address", std::to_string(seg.base));
+    ae.recordUserMetadata("size", std::to_string(seg.size));
+    out.external_annotations.push_back(std::move(ae));
   }
 }
 }  // namespace
@@ -73,9 +63,13 @@ void on_segment(void* p, const cxlalloc_segment_info_t* seg, const cxlalloc_bloc
 CCA::SnapshotInfo CxlAllocator::snapshot(c10::MempoolId_t mempool_id, bool include_traces) {
   CCA::SnapshotInfo out{};  // value-initialized: config_metadata has plain fields
   const int ndev = static_cast<int>(c10::cuda::device_count());
+  const bool all = mempool_id.first == 0 && mempool_id.second == 0;
   for (int d = 0; d < ndev; ++d) {
-    SnapshotCtx ctx{this, &registry_, d, mempool_id, &out};
-    if (c_.snapshot(d, &on_segment, &ctx) != 0) fail("memory snapshot");
+    int r = for_each_segment(c_, d, [&](const cxlalloc_segment_info_t& seg, const cxlalloc_block_info_t* blocks,
+                                        size_t n) {
+      if (all || c10::MempoolId_t{seg.pool_a, seg.pool_b} == mempool_id) add_segment(registry_, d, seg, blocks, n, out);
+    });
+    if (r != 0) fail("memory snapshot");
     history_.record(CDA::TraceEntry::SNAPSHOT, d, 0, 0, nullptr, mempool_id, nullptr);
   }
   if (include_traces) out.device_traces = history_.traces(ndev);

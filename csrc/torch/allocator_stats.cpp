@@ -37,13 +37,20 @@ struct SnapshotAcc {
   size_t largest_free_device_block = 0;
 };
 
-void accumulate(void* ctx, const cxlalloc_segment_info_t* seg, const cxlalloc_block_info_t* blocks, size_t n) {
-  auto* acc = static_cast<SnapshotAcc*>(ctx);
-  if (seg->tier != 0) return;  // device tier only
-  if (seg->pool_a || seg->pool_b) acc->device_bytes_by_pool[{seg->pool_a, seg->pool_b}] += static_cast<int64_t>(seg->size);
-  for (size_t i = 0; i < n; ++i)
-    if (!blocks[i].allocated && !blocks[i].pending)
-      acc->largest_free_device_block = std::max(acc->largest_free_device_block, blocks[i].size);
+// Device-tier facts the stats do not carry: bytes per private pool and the
+// largest free cached block.
+SnapshotAcc scan_device_tier(const CApi& c, c10::DeviceIndex device, bool* ok) {
+  SnapshotAcc acc;
+  *ok = for_each_segment(c, device, [&](const cxlalloc_segment_info_t& seg, const cxlalloc_block_info_t* blocks,
+                                        size_t n) {
+          if (seg.tier != 0) return;  // device tier only
+          if (seg.pool_a || seg.pool_b)
+            acc.device_bytes_by_pool[{seg.pool_a, seg.pool_b}] += static_cast<int64_t>(seg.size);
+          for (size_t i = 0; i < n; ++i)
+            if (!blocks[i].allocated && !blocks[i].pending)
+              acc.largest_free_device_block = std::max(acc.largest_free_device_block, blocks[i].size);
+        }) == 0;
+  return acc;
 }
 
 // Whether the current stream of the current device is being captured.
@@ -95,8 +102,9 @@ void CxlAllocator::cacheInfo(c10::DeviceIndex device, size_t* largest_block) {
   // is the largest block cxlalloc could hand out from VRAM without
   // spilling: a cached free device block, or the device tier's unreserved
   // headroom (never more than the driver reports free).
-  SnapshotAcc acc;
-  if (c_.snapshot(device, &accumulate, &acc) != 0) fail("cacheInfo");
+  bool ok = false;
+  SnapshotAcc acc = scan_device_tier(c_, device, &ok);
+  if (!ok) fail("cacheInfo");
   cxlalloc_torch_stats_t st;
   if (c_.torch_stats(device, &st) != 0) fail("cacheInfo");
   size_t limit = c_.device_limit(device);
@@ -166,8 +174,9 @@ DeviceStats CxlAllocator::getDeviceStats(c10::DeviceIndex device) {
   out.num_oom_rejections = 0;
   // Device-tier bytes held by each private pool (graphs, MemPools).  Only
   // the current value is known (peak = current; no allocated/freed counts).
-  SnapshotAcc acc;
-  if (c_.snapshot(device, &accumulate, &acc) != 0) fail("memory_stats");
+  bool ok = false;
+  SnapshotAcc acc = scan_device_tier(c_, device, &ok);
+  if (!ok) fail("memory_stats");
   for (const auto& [id, bytes] : acc.device_bytes_by_pool) {
     auto& arr = out.reserved_bytes_by_private_pools[id];
     arr[0].current = arr[0].peak = bytes;

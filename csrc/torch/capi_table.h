@@ -9,6 +9,7 @@
 // very engine instance Python configured, never a second copy.
 #pragma once
 
+#include <exception>
 #include <string>
 
 #include "../capi/c_api.h"
@@ -42,6 +43,30 @@ struct CApi {
   // overwritten by the next call on this thread).
   std::string error() const;
 };
+
+// Walk cxlalloc_snapshot(device) with a C++ callable.  The engine calls back
+// through a plain C function pointer; an exception thrown by `fn` is caught
+// here, before it could unwind through the engine's frames, and rethrown once
+// cxlalloc_snapshot has returned.  Returns cxlalloc_snapshot's result.
+template <typename Fn>
+int for_each_segment(const CApi& c, int device, Fn&& fn) {
+  struct Ctx {
+    Fn* fn;
+    std::exception_ptr error;
+  } ctx{&fn, nullptr};
+  auto tramp = [](void* p, const cxlalloc_segment_info_t* seg, const cxlalloc_block_info_t* blocks, size_t n) {
+    auto* x = static_cast<Ctx*>(p);
+    if (x->error) return;
+    try {
+      (*x->fn)(*seg, blocks, n);
+    } catch (...) {
+      x->error = std::current_exception();
+    }
+  };
+  int r = c.snapshot(device, tramp, &ctx);
+  if (ctx.error) std::rethrow_exception(ctx.error);
+  return r;
+}
 
 // Resolve every entry point from the shared object at `path`, which must
 // already be loaded in this process (it is: `import cxlalloc` loaded it).

@@ -1,6 +1,7 @@
 #include "history.h"
 
 #include <chrono>
+#include <cstdio>
 
 #include <c10/util/Exception.h>
 
@@ -63,7 +64,17 @@ void History::record(CDA::TraceEntry::Action action, int device, uintptr_t addr,
   CDA::TraceEntry te(action, static_cast<c10::DeviceIndex>(device), addr, size, stream, pool, 0, std::move(context));
   te.time_.t_ = now_us();
   std::lock_guard<std::mutex> lk(mu_);
-  for (const auto& t : trackers_) t(te);
+  for (const auto& t : trackers_) {
+    // A tracker (c10d's NCCL registration) failing must not turn an
+    // allocation or free that already happened into an error.
+    try {
+      t(te);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "cxlalloc: warning: allocator trace tracker failed: %s\n", e.what());
+    } catch (...) {
+      std::fprintf(stderr, "cxlalloc: warning: allocator trace tracker failed\n");
+    }
+  }
   if (!enabled_.load() || max_entries_ == 0 || skip_.count(static_cast<int>(action))) return;
   auto& ring = rings_[device];
   if (ring.size() >= max_entries_) ring.pop_front();
