@@ -79,25 +79,56 @@ sim = Extension(
 )
 
 
+def _adapter_source_files():
+    """(source, path inside the package) of the torch adapter's sources.
+
+    The adapter (csrc/torch) is compiled at run time against whatever torch is
+    installed (cxlalloc/_torch_build.py), so an installed package carries its
+    sources in cxlalloc/_adapter_src, laid out like csrc/.
+    """
+    files = sorted(glob.glob(os.path.join("csrc", "torch", "*.h")) + glob.glob(os.path.join("csrc", "torch", "*.cpp")))
+    files.append(os.path.join("csrc", "capi", "c_api.h"))
+    return [(f, os.path.join("cxlalloc", "_adapter_src", os.path.relpath(f, "csrc"))) for f in files]
+
+
 class BuildPyWithStartupHook(build_py):
-    """Also install ``cxlalloc-startup.pth`` at the top of site-packages.
+    """Also install ``cxlalloc-startup.pth`` at the top of site-packages, and
+    the torch adapter's sources into the package.
 
     The .pth line imports ``cxlalloc._startup`` only when the ``CXLALLOC``
-    environment variable is set, so processes without it pay one ``os.environ``
-    lookup (see cxlalloc/_startup.py).
+    environment variable is set, so processes without it pay one
+    ``os.environ`` lookup (see cxlalloc/_startup.py).
+
+    Editable installs (``pip install -e .``, PEP 660): setuptools builds an
+    editable wheel whose root is ``install_lib``; files written there (not to
+    ``build_lib``, which is thrown away) land in site-packages, so the .pth
+    goes there.  The adapter's sources are read from csrc/ in that case.
     """
+
+    def _pth_target_dir(self):
+        if getattr(self, "editable_mode", False):
+            return self.get_finalized_command("install").install_lib
+        return self.build_lib
 
     def run(self):
         super().run()
         src = os.path.join(HERE, "cxlalloc-startup.pth")
         if os.path.isfile(src):
-            self.mkpath(self.build_lib)
-            shutil.copy(src, os.path.join(self.build_lib, "cxlalloc-startup.pth"))
+            target = self._pth_target_dir()
+            self.mkpath(target)
+            shutil.copy(src, os.path.join(target, "cxlalloc-startup.pth"))
+        if not getattr(self, "editable_mode", False):
+            for f, rel in _adapter_source_files():
+                dest = os.path.join(self.build_lib, rel)
+                self.mkpath(os.path.dirname(dest))
+                shutil.copy(os.path.join(HERE, f), dest)
 
     def get_outputs(self, include_bytecode=1):
-        return super().get_outputs(include_bytecode) + [
-            os.path.join(self.build_lib, "cxlalloc-startup.pth")
-        ]
+        outputs = super().get_outputs(include_bytecode)
+        if getattr(self, "editable_mode", False):
+            return outputs
+        return outputs + [os.path.join(self.build_lib, "cxlalloc-startup.pth")] + [
+            os.path.join(self.build_lib, rel) for _, rel in _adapter_source_files()]
 
 
 setup(
@@ -114,6 +145,8 @@ setup(
         "hf": ["transformers>=5.0", "accelerate", "gguf"],
         "bench": ["matplotlib", "rich", "tqdm"],
         "test": ["pytest", "pytest-timeout"],
+        # building the torch adapter at run time (global mode)
+        "torch": ["ninja"],
     },
     entry_points={"console_scripts": ["cxlalloc=cxlalloc.cli:main"]},
     zip_safe=False,

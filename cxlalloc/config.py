@@ -193,7 +193,12 @@ class Config:
         simulate: use the simulated CUDA driver shipped with the package.
         sim_vram: VRAM of the simulated GPU (simulation only).
         libcuda: path of the CUDA driver library (default "libcuda.so.1").
-        device: the CUDA device for single-device APIs (None: current).
+        device: the CUDA device for single-device APIs (None: current);
+            for ``enable()`` the GPU the options apply to (None: every GPU).
+        spill_reserve: scoped mode only (``enable()`` after CUDA init): bytes
+            (or a fraction of VRAM) of host memory pre-reserved for torch's
+            use-on-OOM spill pool; None = min(host_limit, 25% of VRAM);
+            0 = no spill pool.
     """
 
     device_limit: Union[int, float, None] = None
@@ -211,6 +216,7 @@ class Config:
     sim_vram: Optional[int] = None
     libcuda: str = "libcuda.so.1"
     device: Optional[int] = None
+    spill_reserve: Union[int, float, None] = None
 
 
 def _opt_size(v, name):
@@ -238,6 +244,7 @@ _PARSERS = {
     "sim_vram": _opt_size,
     "libcuda": lambda v, n: str(v),
     "device": _parse_device,
+    "spill_reserve": _opt_size_or_fraction,
 }
 
 OPTION_NAMES = tuple(_PARSERS)
@@ -255,7 +262,7 @@ def make_config(**options: Any) -> Config:
         if name not in _PARSERS:
             raise ValueError(f"cxlalloc: unknown option '{name}'; known options: {', '.join(OPTION_NAMES)}")
         if value is None and name not in ("device_limit", "host_limit", "kv_device_limit", "device_headroom",
-                                           "extent_chunk", "sim_vram", "device"):
+                                           "extent_chunk", "sim_vram", "device", "spill_reserve"):
             continue
         parsed[name] = _PARSERS[name](value, name)
     return Config(**parsed)

@@ -262,7 +262,7 @@ def test_report_builds_plots_and_readme_table_from_synthetic_records(tmp_path):
     text = readme.read_text()
     assert text.startswith("# Project\n\nintro\n") and text.rstrip().endswith("footer")
     assert "old" not in text and text.count("<!-- bench:start -->") == 1
-    assert "Synthetic GPU" in text and "pending" not in text.lower().split("## benchmark results")[1][:200]
+    assert "Synthetic GPU" in text and "pending" not in text.lower().split("### benchmark results")[1][:200]
     assert "12345" not in text  # simulation numbers never appear
     row = next(l for l in text.splitlines() if l.startswith("| llama-1b | 4096 | 16 | 50 %"))
     cells = [c.strip() for c in row.strip("|").split("|")]

@@ -175,6 +175,12 @@ void DeviceAllocator::set_external_device_bytes(size_t n) {
   external_device_bytes_ = n;
 }
 
+void DeviceAllocator::set_device_limit(size_t bytes) {
+  if (bytes == 0) throw Error(ErrorKind::InvalidArgument, "device_limit: must be > 0 bytes");
+  std::lock_guard<std::mutex> lk(mu_);
+  cfg_.device_limit = bytes;
+}
+
 void DeviceAllocator::mark_step() {
   std::lock_guard<std::mutex> lk(mu_);
   steps_marked_ = true;

@@ -232,6 +232,12 @@ void DeviceAllocator::create_pool(PoolId id) {
   pools_[id].use_count++;
 }
 
+int DeviceAllocator::pool_use_count(PoolId id) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = pools_.find(id);
+  return it == pools_.end() ? -1 : it->second.use_count;
+}
+
 void DeviceAllocator::begin_allocate_to_pool(PoolId id, Filter filter) {
   std::lock_guard<std::mutex> lk(mu_);
   // torch's beginAllocateToPool creates or increfs the pool; releasePool

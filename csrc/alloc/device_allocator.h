@@ -125,6 +125,8 @@ class DeviceAllocator {
   void begin_allocate_to_pool(PoolId id, Filter filter);
   void end_allocate_to_pool(PoolId id);
   void release_pool(PoolId id);  // decref; frees its cached segments at 0
+  // References held on a private pool (torch's getPoolUseCount); -1 if unknown.
+  int pool_use_count(PoolId id) const;
 
   // ---- extents: growable KV buffers at a fixed address
   ExtentInfo extent_create(size_t capacity, AllocClass cls);
@@ -154,6 +156,10 @@ class DeviceAllocator {
   // VRAM used outside this allocator (torch's own cache in scoped mode);
   // subtracted from device_limit.
   void set_external_device_bytes(size_t n);
+  // A new VRAM cap (torch.cuda.set_per_process_memory_fraction in global
+  // mode).  Held segments stay; later requests beyond the cap go to the host
+  // tier.  Throws InvalidArgument for 0.
+  void set_device_limit(size_t bytes);
 
   // ---- introspection
   Stats stats() const;

@@ -1,6 +1,7 @@
 // The C ABI: thin, exception-free wrappers over the current Engine.
 #include "capi/c_api.h"
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -180,6 +181,14 @@ int cxlalloc_release_pool(int device, uint64_t a, uint64_t b) {
   return guarded([&] { engine()->device(device).release_pool(cxl::PoolId{a, b}); });
 }
 
+int cxlalloc_pool_use_count(int device, uint64_t a, uint64_t b) {
+  int n = 0;
+  int r = guarded([&] {
+    if (auto* d = engine()->existing(device)) n = std::max(0, d->pool_use_count(cxl::PoolId{a, b}));
+  });
+  return r != 0 ? r : n;
+}
+
 int cxlalloc_torch_stats(int device, cxlalloc_torch_stats_t* out) {
   return guarded([&] {
     std::memset(out, 0, sizeof *out);
@@ -222,6 +231,10 @@ size_t cxlalloc_device_limit(int device) {
   size_t n = 0;
   guarded([&] { n = engine()->device(device).config().device_limit; });
   return n;
+}
+
+int cxlalloc_set_device_limit(int device, size_t bytes) {
+  return guarded([&] { engine()->device(device).set_device_limit(bytes); });
 }
 
 const char* cxlalloc_describe_tiers(int device) {

@@ -23,7 +23,8 @@ extern "C" {
 #endif
 
 #define CXLALLOC_API __attribute__((visibility("default")))
-#define CXLALLOC_C_API_VERSION 1
+/* 2: + cxlalloc_set_device_limit, cxlalloc_pool_use_count (torch adapter). */
+#define CXLALLOC_C_API_VERSION 2
 
 /* Error kinds returned by cxlalloc_last_error_kind(). */
 enum {
@@ -75,6 +76,9 @@ CXLALLOC_API int cxlalloc_begin_allocate_to_pool(int device, uint64_t id_a, uint
                                                  void (*ctx_free)(void*));
 CXLALLOC_API int cxlalloc_end_allocate_to_pool(int device, uint64_t id_a, uint64_t id_b);
 CXLALLOC_API int cxlalloc_release_pool(int device, uint64_t id_a, uint64_t id_b);
+/* References held on a pool (create/begin add one, release drops one);
+ * 0 if the pool does not exist (as torch's getPoolUseCount), < 0 on error. */
+CXLALLOC_API int cxlalloc_pool_use_count(int device, uint64_t id_a, uint64_t id_b);
 
 /* Statistics of the device tier in torch's DeviceStats vocabulary. */
 typedef struct cxlalloc_stat_st {
@@ -90,6 +94,9 @@ CXLALLOC_API int cxlalloc_torch_stats(int device, cxlalloc_torch_stats_t* out);
 CXLALLOC_API int cxlalloc_reset_peak_stats(int device);
 CXLALLOC_API int cxlalloc_reset_accumulated_stats(int device);
 CXLALLOC_API size_t cxlalloc_device_limit(int device);
+/* A new VRAM cap for `device` (torch.cuda.set_per_process_memory_fraction in
+ * global mode): later requests beyond it spill; held memory stays. */
+CXLALLOC_API int cxlalloc_set_device_limit(int device, size_t bytes);
 /* One line describing both tiers' use (for OOM messages); thread-local buffer. */
 CXLALLOC_API const char* cxlalloc_describe_tiers(int device);
 
