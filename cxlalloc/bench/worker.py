@@ -102,6 +102,7 @@ class Worker:
         self.total_vram = 0
         self.broken: Optional[str] = None
         self.native_peaks: Dict[str, int] = {}
+        self.kv_storage = "transformers DynamicCache (torch's allocator)"
 
     # ------------------------------------------------------------ set-up
     def setup(self) -> None:
@@ -160,8 +161,14 @@ class Worker:
                 self.model = build_model(SHAPES[name], device=self.device_type, dtype=dtype)
         else:
             self.model = build_model(SHAPES[name], device=self.device_type, dtype=dtype)
-        if self._global() and self.hf_wrap is not None and self.spec.get("wrap", True):
-            self.hf_wrap.wrap(self.model)  # global mode: KV cache on the process-wide engine
+        if self._global() and self.spec.get("wrap", True):
+            if self.hf_wrap is not None:
+                self.hf_wrap.wrap(self.model)  # global mode: KV cache in cxlalloc extents on the process-wide engine
+                self.kv_storage = "cxlalloc.hf CxlCache (KV in cxlalloc extents, class kv)"
+            else:
+                _tag_dynamic_cache_as_kv()
+                self.kv_storage = ("transformers DynamicCache (torch.cat) through cxlalloc's global allocator, its "
+                                   "allocations tagged kv with cxlalloc.kv() (cxlalloc.hf.wrap not available)")
         self.model_name = name
         self._warmup()
 
@@ -276,6 +283,12 @@ class Worker:
         if cell.get("budget_rule") == "native_peak" and budget is None:
             budget = self._budget_from_native(cell)
         res: Dict[str, Any] = {"budget_bytes": budget}
+        if cell.get("cache_implementation") == "offloaded":
+            res["kv_storage"] = "transformers DynamicCache(offloading=True): pinned host copies, 2 layers on the GPU"
+        elif self.kind == "cxlalloc" and not self._global():
+            res["kv_storage"] = "cxlalloc.hf CxlCache in a scoped Allocator (weights + KV; activations in torch's)"
+        else:
+            res["kv_storage"] = self.kv_storage
         scoped = None
         if self.kind == "cxlalloc" and not self._global():
             if self.hf_wrap is None:
@@ -400,6 +413,25 @@ class Worker:
             res["timeline"] = samples
         del out, seq, ids, mask
         return res
+
+
+def _tag_dynamic_cache_as_kv() -> None:
+    """Make transformers' DynamicLayer.update allocate under ``cxlalloc.kv()``,
+    so the KV cache's torch.cat allocations are class kv for cxlalloc's policy
+    and statistics (the fallback when cxlalloc.hf is not available)."""
+    import cxlalloc
+    from transformers.cache_utils import DynamicLayer
+
+    if getattr(DynamicLayer.update, "_cxlalloc_kv", False):
+        return
+    orig = DynamicLayer.update
+
+    def update(self, *args, **kwargs):
+        with cxlalloc.kv():
+            return orig(self, *args, **kwargs)
+
+    update._cxlalloc_kv = True
+    DynamicLayer.update = update
 
 
 def _point_key(cell) -> str:
