@@ -62,6 +62,11 @@ def parse_size(value: Any, option: str) -> int:
         if m:
             number, unit = float(m.group(1)), m.group(2).lower()
             mult = _BINARY.get(unit or "b") or _DECIMAL.get(unit)
+            if mult == 1 and not number.is_integer():
+                # "0.5" is not half a byte: it is almost surely a fraction
+                # given to an option that takes only sizes.
+                raise ValueError(f"cxlalloc option '{option}': {value!r} is not a whole number of bytes; "
+                                 f"use {SIZE_HELP}")
             if mult is not None and math.isfinite(number):
                 return int(number * mult)
     raise ValueError(f"cxlalloc option '{option}': {value!r} is not a size; use {SIZE_HELP}")

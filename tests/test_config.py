@@ -16,7 +16,7 @@ def test_sizes(text, expected):
     assert parse_size(text, "host_limit") == expected
 
 
-@pytest.mark.parametrize("bad", ["", "abc", "12XB", "-1", -5, "1e3", True, None, 3.5, "GiB"])
+@pytest.mark.parametrize("bad", ["", "abc", "12XB", "-1", -5, "1e3", True, None, 3.5, "GiB", "0.5", "1.5B"])
 def test_bad_sizes_name_the_option(bad):
     with pytest.raises(ValueError, match="cxlalloc option 'host_limit'") as e:
         parse_size(bad, "host_limit")

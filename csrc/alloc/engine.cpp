@@ -1,6 +1,7 @@
 #include "alloc/engine.h"
 
 #include <atomic>
+#include <thread>
 
 #include "common/error.h"
 #include "driver/resources.h"
@@ -9,9 +10,12 @@ namespace cxl::alloc {
 
 namespace {
 // The current engine lives in a leaked holder so that frees arriving during
-// interpreter shutdown (C12) never find it destroyed.
+// interpreter shutdown (C12) never find the holder destroyed.
 std::mutex g_current_mu;
 std::shared_ptr<Engine>* g_current = new std::shared_ptr<Engine>();
+std::atomic<Engine*> g_current_raw{nullptr};
+std::atomic<uint64_t> g_epoch{0};
+std::atomic<int64_t> g_in_flight[2];
 }  // namespace
 
 Engine::Engine(const std::string& driver_path, bool simulated)
@@ -39,6 +43,9 @@ bool Engine::has_config(int d) const {
 }
 
 DeviceAllocator& Engine::device(int d) {
+  if (d >= 0 && d < kMaxDevices) {
+    if (DeviceAllocator* a = fast_[d].load(std::memory_order_acquire)) return *a;
+  }
   std::lock_guard<std::mutex> lk(mu_);
   auto it = devices_.find(d);
   if (it != devices_.end()) return *it->second;
@@ -48,10 +55,14 @@ DeviceAllocator& Engine::device(int d) {
   auto a = std::make_unique<DeviceAllocator>(drv_, c->second, numa_);
   DeviceAllocator& ref = *a;
   devices_[d] = std::move(a);
+  if (d >= 0 && d < kMaxDevices) fast_[d].store(&ref, std::memory_order_release);
   return ref;
 }
 
 DeviceAllocator* Engine::existing(int d) const {
+  if (d >= 0 && d < kMaxDevices) {
+    if (DeviceAllocator* a = fast_[d].load(std::memory_order_acquire)) return a;
+  }
   std::lock_guard<std::mutex> lk(mu_);
   auto it = devices_.find(d);
   return it == devices_.end() ? nullptr : it->second.get();
@@ -78,13 +89,34 @@ std::string Engine::device_name(int d) const {
 }
 
 void Engine::set_current(std::shared_ptr<Engine> e) {
-  std::lock_guard<std::mutex> lk(g_current_mu);
-  *g_current = std::move(e);
+  std::shared_ptr<Engine> old;
+  {
+    std::lock_guard<std::mutex> lk(g_current_mu);
+    g_current_raw.store(e.get(), std::memory_order_seq_cst);
+    old = std::move(*g_current);
+    *g_current = std::move(e);
+    // Uses from now on count in the other epoch; wait out this one's.
+    uint64_t ep = g_epoch.fetch_add(1, std::memory_order_seq_cst);
+    while (g_in_flight[ep & 1].load(std::memory_order_seq_cst) != 0) std::this_thread::yield();
+  }
+  // `old` is released here, after every use that might have seen it ended.
 }
 
 std::shared_ptr<Engine> Engine::current() {
   std::lock_guard<std::mutex> lk(g_current_mu);
   return *g_current;
 }
+
+Engine::Use::Use() {
+  for (;;) {
+    epoch_ = g_epoch.load(std::memory_order_seq_cst);
+    g_in_flight[epoch_ & 1].fetch_add(1, std::memory_order_seq_cst);
+    if (g_epoch.load(std::memory_order_seq_cst) == epoch_) break;
+    g_in_flight[epoch_ & 1].fetch_sub(1, std::memory_order_seq_cst);  // raced a set_current: retry
+  }
+  e_ = g_current_raw.load(std::memory_order_seq_cst);
+}
+
+Engine::Use::~Use() { g_in_flight[epoch_ & 1].fetch_sub(1, std::memory_order_seq_cst); }
 
 }  // namespace cxl::alloc

@@ -6,6 +6,8 @@
 // device's first allocation, from the configuration set for that device.
 #pragma once
 
+#include <array>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -41,15 +43,36 @@ class Engine {
   std::string device_name(int d) const;
 
   // The process-wide engine behind the C ABI (nullptr until enabled).
+  // Replacing the current engine waits until no C ABI call that may still
+  // hold the previous one is in flight (see Use), then drops it.
   static void set_current(std::shared_ptr<Engine> e);
   static std::shared_ptr<Engine> current();
+
+  // A lock-free use of the current engine for the allocation hot path (the
+  // C ABI): two atomic increments instead of a mutex and a shared_ptr copy.
+  // Epoch-based, like sleepable RCU: set_current waits only for uses that
+  // began before it, so a steady stream of allocations cannot starve it.
+  class Use {
+   public:
+    Use();
+    ~Use();
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
+    Engine* get() const { return e_; }
+
+   private:
+    Engine* e_;
+    uint64_t epoch_;
+  };
 
  private:
   std::shared_ptr<const driver::Driver> drv_;
   std::shared_ptr<topology::NumaOps> numa_;
-  mutable std::mutex mu_;
+  static constexpr int kMaxDevices = 256;
+  mutable std::mutex mu_;  // creation and configuration; lookups are lock-free
   std::map<int, AllocatorConfig> configs_;
   std::map<int, std::unique_ptr<DeviceAllocator>> devices_;
+  std::array<std::atomic<DeviceAllocator*>, kMaxDevices> fast_{};
 };
 
 }  // namespace cxl::alloc

@@ -61,20 +61,27 @@ int guarded(F&& f) {
   }
 }
 
-std::shared_ptr<Engine> engine() {
-  auto e = Engine::current();
-  if (!e) throw Error(ErrorKind::Unavailable, "cxlalloc is not enabled in this process (call cxlalloc.enable())");
-  return e;
+// Every entry point holds an Engine::Use for its duration (lock-free; it
+// keeps the engine alive against a concurrent set_current).
+Engine* engine(const Engine::Use& use) {
+  if (!use.get()) throw Error(ErrorKind::Unavailable, "cxlalloc is not enabled in this process (call cxlalloc.enable())");
+  return use.get();
 }
 
 void* do_malloc(size_t size, int device, void* stream, AllocClass cls, bool only_host = false) {
   void* out = nullptr;
-  guarded([&] { out = engine()->device(device).malloc(size, static_cast<CUstream>(stream), cls, only_host); });
+  guarded([&] {
+    Engine::Use use;
+    out = engine(use)->device(device).malloc(size, static_cast<CUstream>(stream), cls, only_host);
+  });
   return out;
 }
 
 void do_free(void* ptr, int device) {
-  int r = guarded([&] { engine()->device(device).free(ptr); });
+  int r = guarded([&] {
+    Engine::Use use;
+    engine(use)->device(device).free(ptr);
+  });
   // torch's free callback returns void: an invalid free cannot be raised
   // through it, so it is reported (and counted in stats) instead.
   if (r != 0) cxl::log_warning(t_error);
@@ -106,7 +113,8 @@ void cxlalloc_host_free(void* ptr, size_t, int device, void*) { do_free(ptr, dev
 
 int cxlalloc_record_stream(void* ptr, void* stream) {
   return guarded([&] {
-    auto e = engine();
+    Engine::Use use;
+    Engine* e = engine(use);
     for (int d = 0; d < e->device_count(); ++d) {
       auto* a = e->existing(d);
       if (a && a->allocation_size(ptr) > 0) {
@@ -120,7 +128,8 @@ int cxlalloc_record_stream(void* ptr, void* stream) {
 
 int cxlalloc_empty_cache(void) {
   return guarded([&] {
-    auto e = engine();
+    Engine::Use use;
+    Engine* e = engine(use);
     for (int d = 0; d < e->device_count(); ++d)
       if (auto* a = e->existing(d)) a->empty_cache();
   });
@@ -128,14 +137,16 @@ int cxlalloc_empty_cache(void) {
 
 int cxlalloc_device_empty_cache(int device) {
   return guarded([&] {
-    if (auto* a = engine()->existing(device)) a->empty_cache();
+    Engine::Use use;
+    if (auto* a = engine(use)->existing(device)) a->empty_cache();
   });
 }
 
 size_t cxlalloc_allocation_size(void* ptr, int device) {
   size_t n = 0;
   guarded([&] {
-    if (auto* a = engine()->existing(device)) n = a->allocation_size(ptr);
+    Engine::Use use;
+    if (auto* a = engine(use)->existing(device)) n = a->allocation_size(ptr);
   });
   return n;
 }
@@ -148,51 +159,69 @@ int cxlalloc_push_class(int cls) {
 }
 
 int cxlalloc_pop_class(void) {
-  return guarded([&] { cxl::alloc::pop_class(); });
+  return guarded([&] {
+    cxl::alloc::pop_class();
+  });
 }
 
 int cxlalloc_tier_of(const void* ptr, int device) {
   int tier = -1;
-  int r = guarded([&] { tier = static_cast<int>(engine()->device(device).tier_of(ptr)); });
+  int r = guarded([&] {
+    Engine::Use use;
+    tier = static_cast<int>(engine(use)->device(device).tier_of(ptr));
+  });
   return r != 0 ? r : tier;
 }
 
 int cxlalloc_create_pool(int device, uint64_t a, uint64_t b) {
-  return guarded([&] { engine()->device(device).create_pool(cxl::PoolId{a, b}); });
+  return guarded([&] {
+    Engine::Use use;
+    engine(use)->device(device).create_pool(cxl::PoolId{a, b});
+  });
 }
 
 int cxlalloc_begin_allocate_to_pool(int device, uint64_t a, uint64_t b, cxlalloc_stream_filter_fn filter, void* ctx,
                                     void (*ctx_free)(void*)) {
   return guarded([&] {
+    Engine::Use use;
     // The route owns ctx: freed with the last copy of the filter.
     std::shared_ptr<void> owner(ctx, [ctx_free](void* p) {
       if (ctx_free) ctx_free(p);
     });
-    engine()->device(device).begin_allocate_to_pool(
-        cxl::PoolId{a, b}, [filter, owner](CUstream s) { return filter(owner.get(), s) != 0; });
+    engine(use)->device(device).begin_allocate_to_pool(
+        cxl::PoolId{a, b}, [filter, owner](CUstream s) { return filter(owner.get(), s) != 0;
+  });
   });
 }
 
 int cxlalloc_end_allocate_to_pool(int device, uint64_t a, uint64_t b) {
-  return guarded([&] { engine()->device(device).end_allocate_to_pool(cxl::PoolId{a, b}); });
+  return guarded([&] {
+    Engine::Use use;
+    engine(use)->device(device).end_allocate_to_pool(cxl::PoolId{a, b});
+  });
 }
 
 int cxlalloc_release_pool(int device, uint64_t a, uint64_t b) {
-  return guarded([&] { engine()->device(device).release_pool(cxl::PoolId{a, b}); });
+  return guarded([&] {
+    Engine::Use use;
+    engine(use)->device(device).release_pool(cxl::PoolId{a, b});
+  });
 }
 
 int cxlalloc_pool_use_count(int device, uint64_t a, uint64_t b) {
   int n = 0;
   int r = guarded([&] {
-    if (auto* d = engine()->existing(device)) n = std::max(0, d->pool_use_count(cxl::PoolId{a, b}));
+    Engine::Use use;
+    if (auto* d = engine(use)->existing(device)) n = std::max(0, d->pool_use_count(cxl::PoolId{a, b}));
   });
   return r != 0 ? r : n;
 }
 
 int cxlalloc_torch_stats(int device, cxlalloc_torch_stats_t* out) {
   return guarded([&] {
+    Engine::Use use;
     std::memset(out, 0, sizeof *out);
-    auto* a = engine()->existing(device);
+    auto* a = engine(use)->existing(device);
     if (!a) return;  // never used: all zero
     auto s = a->stats().torch;
     auto copy = [](cxlalloc_stat_t* dst, const cxl::alloc::Stat* src) {
@@ -217,37 +246,47 @@ int cxlalloc_torch_stats(int device, cxlalloc_torch_stats_t* out) {
 
 int cxlalloc_reset_peak_stats(int device) {
   return guarded([&] {
-    if (auto* a = engine()->existing(device)) a->reset_peak_stats();
+    Engine::Use use;
+    if (auto* a = engine(use)->existing(device)) a->reset_peak_stats();
   });
 }
 
 int cxlalloc_reset_accumulated_stats(int device) {
   return guarded([&] {
-    if (auto* a = engine()->existing(device)) a->reset_accumulated_stats();
+    Engine::Use use;
+    if (auto* a = engine(use)->existing(device)) a->reset_accumulated_stats();
   });
 }
 
 size_t cxlalloc_device_limit(int device) {
   size_t n = 0;
-  guarded([&] { n = engine()->device(device).config().device_limit; });
+  guarded([&] {
+    Engine::Use use;
+    n = engine(use)->device(device).config().device_limit;
+  });
   return n;
 }
 
 int cxlalloc_set_device_limit(int device, size_t bytes) {
-  return guarded([&] { engine()->device(device).set_device_limit(bytes); });
+  return guarded([&] {
+    Engine::Use use;
+    engine(use)->device(device).set_device_limit(bytes);
+  });
 }
 
 const char* cxlalloc_describe_tiers(int device) {
   t_text.clear();
   guarded([&] {
-    if (auto* a = engine()->existing(device)) t_text = a->describe_tiers();
+    Engine::Use use;
+    if (auto* a = engine(use)->existing(device)) t_text = a->describe_tiers();
   });
   return t_text.c_str();
 }
 
 int cxlalloc_snapshot(int device, cxlalloc_segment_fn fn, void* ctx) {
   return guarded([&] {
-    auto* a = engine()->existing(device);
+    Engine::Use use;
+    auto* a = engine(use)->existing(device);
     if (!a) return;
     for (const auto& s : a->snapshot()) {
       cxlalloc_segment_info_t info{};
