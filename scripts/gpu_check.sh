@@ -77,7 +77,8 @@ fi
 RES="$WORK/results"
 LOGS="$WORK/logs"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false MPLBACKEND=Agg
-export CXLALLOC_CACHE_DIR="${CXLALLOC_CACHE_DIR:-$WORK/cache}"
+# The torch adapter is built once into cxlalloc's cache (~/.cache/cxlalloc, or $CXLALLOC_CACHE_DIR) and
+# reused by every later process, the GPU tests' and the benchmark workers' included, and by a second run.
 unset CXLALLOC  # the benchmarks enable cxlalloc themselves, per variant
 BENCH="$PY -m cxlalloc bench --quick --out $RES --no-progress"
 
