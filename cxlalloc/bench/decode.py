@@ -556,6 +556,25 @@ def _run_sim(ctx, w, fractions, backends, new_tokens) -> Dict[str, Any]:
     except Exception:
         have_wrap = False
     rows: List[Dict[str, Any]] = []
+    import torch
+
+    threads = torch.get_num_threads()  # the in-process worker sets 1; restored below
+    try:
+        _sim_groups(ctx, w, groups, have_wrap, rows)
+    finally:
+        torch.set_num_threads(threads)
+    for r in rows:
+        r = dict(r)
+        r["simulated"] = True
+        r.setdefault("method", "SIMULATION: transformers generate() on the CPU (one torch thread), weights and KV "
+                               "in cxlalloc's simulated tiers (cxlalloc.hf.wrap(model, simulate=True)); not a GPU "
+                               "measurement")
+        w.add(r)
+    w.record["summary"] = {"simulated": True, "points": [], "note": "simulation: no ratios are computed"}
+    return w.finish()
+
+
+def _sim_groups(ctx, w, groups, have_wrap, rows) -> None:
     for name, grp in groups.items():
         if ctx.deadline.expired():
             w.skip(name, "time budget used up")
@@ -578,11 +597,3 @@ def _run_sim(ctx, w, fractions, backends, new_tokens) -> Dict[str, Any]:
             w.error(name, e)
             continue
         rows.extend(got)
-    for r in rows:
-        r = dict(r)
-        r["simulated"] = True
-        r.setdefault("method", "SIMULATION: transformers generate() on the CPU, weights and KV in cxlalloc's "
-                               "simulated tiers (cxlalloc.hf.wrap(model, simulate=True)); not a GPU measurement")
-        w.add(r)
-    w.record["summary"] = {"simulated": True, "points": [], "note": "simulation: no ratios are computed"}
-    return w.finish()

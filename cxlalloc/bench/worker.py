@@ -125,6 +125,10 @@ class Worker:
         if self.device_type == "cuda":
             torch.cuda.set_device(self.device)
             self.total_vram = int(torch.cuda.get_device_properties(self.device).total_memory)
+        else:
+            # The CPU toy (simulation, tests) is tiny: one thread avoids oversubscribing shared CPUs, which
+            # made it an order of magnitude slower on a 2-core machine.
+            torch.set_num_threads(1)
         try:
             import cxlalloc.hf as hf
 
