@@ -269,8 +269,9 @@ def plot_decode(rec: Dict[str, Any], out_dir: str) -> List[str]:
             pts.sort()
             ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", label=key)
         for r in rs:
-            if r.get("status") == "oom":
-                ax.plot([r["spill"] * 100], [0], marker="x", color="red", linestyle="none")
+            if r.get("status") == "oom":  # at the bottom of the axes (the y axis is logarithmic)
+                ax.text(r["spill"] * 100, 0.02, f"OOM: {r['variant']}", transform=ax.get_xaxis_transform(),
+                        color="red", ha="center", fontsize=6, rotation=90, va="bottom")
         nat = next((r for r in rs if r["variant"] == "native" and r.get("decode_tokens_per_s")), None)
         if nat:
             ax.axhline(nat["decode_tokens_per_s"], color="black", linestyle=":", label="native, no limit")
