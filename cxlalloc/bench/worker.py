@@ -12,6 +12,7 @@ SPEC (written by :mod:`cxlalloc.bench.decode`)::
     {"group": "cxlalloc:host-vmm", "kind": "native" | "cxlalloc",
      "device": 0, "device_type": "cuda" | "cpu" (cpu: plumbing tests only),
      "deadline_unix": float,            # start no cell after this
+     "global": bool (default true),     # kind cxlalloc: cxlalloc.enable() first (false: scoped/simulation)
      "cxlalloc_options": {...},         # cxlalloc.enable() options (kind cxlalloc)
      "free_bytes_at_start": int,        # for the managed-memory guard
      "stop_after_failure": bool,        # right-sizing: stop a variant at its first failure
