@@ -64,7 +64,7 @@ def tiny_qwen2_sliding(hidden=64, layers=4, window=6):
 
 
 @_seeded
-def tiny_gpt_neo(hidden=128, layers=4, heads=4, window=256, positions=2048):
+def tiny_gpt_neo(hidden=128, layers=4, heads=4, window=256, positions=2304):
     """C01's model: alternating global/local attention."""
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
