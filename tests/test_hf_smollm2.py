@@ -64,7 +64,7 @@ def test_smollm2_greedy_identical_while_kv_spills(fresh_sim, smollm2):
     n_prompt, n_new = inp["input_ids"].shape[1], 24
     assert n_prompt > 400
     ref = gen(model, **inp, max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=tok.pad_token_id)
-    limit = weight_footprint(model, True) + 8 * MiB  # 4 chunks of KV in VRAM; the KV needs ~11
+    limit = weight_footprint(model) + 8 * MiB  # 4 chunks of KV in VRAM; the KV needs ~11
     with wrapped(model, device_limit=limit, host_limit=512 * MiB):
         out = gen(model, **inp, max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=tok.pad_token_id)
         assert_same(ref, out)
