@@ -26,6 +26,8 @@ is not modelled.  Byte counts are the engine's; speeds are a CPU's, not a GPU's.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -293,6 +295,18 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         "kv_need_est_bytes": int(kv_need_est), "device_limit": int(limit), "device_limit_note": limit_note,
         "load_s": load_s,
     }
+    # cuDNN attention, torch 2.11's default SDPA backend on the H200, is not
+    # deterministic run to run (measured: two plain runs of one greedy generate()
+    # differ), so an identical-token comparison runs both sides on the others.
+    sdpa = contextlib.nullcontext
+    if args.compare and not simulate:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        sdpa = functools.partial(sdpa_kernel, backends)
+        run["sdpa_backends"] = "flash, efficient, math (cuDNN excluded: not deterministic run to run)"
+    else:
+        run["sdpa_backends"] = "torch's default choice"
     report = Report(run)
     warm_up(model, tok, device, pad_id)
 
@@ -303,7 +317,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
 
         n_layers = sum(1 for layer in DynamicCache(config=model.config.get_text_config(decoder=True)).layers
                        if type(layer) is DynamicLayer)
-        with count_dynamic_cache_copies(n_layers) as dyn_steps:
+        with count_dynamic_cache_copies(n_layers) as dyn_steps, sdpa():
             out0, timing0, wall0 = run_generate(model, inputs, args, pad_id, "plain transformers")
         kv0 = cache_bytes(hf.returned_cache(out0))
         plain = {"timing": timing0, "wall_s": wall0, "kv_bytes": int(kv0), "weight_bytes": int(weights),
@@ -313,7 +327,8 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         if simulate:
             plain["capped"] = {"simulated": True, "fits": weights + kv0 <= limit}
         else:
-            plain["capped"] = plain_capped_gpu(model, inputs, args, pad_id, limit)
+            with sdpa():
+                plain["capped"] = plain_capped_gpu(model, inputs, args, pad_id, limit)
 
     # ---- cxlalloc --------------------------------------------------------------
     opts = {"device_limit": limit}
@@ -324,7 +339,8 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     if simulate:
         opts["simulate"] = True
     hf.wrap(model, **opts)
-    out, timing, wall = run_generate(model, inputs, args, pad_id, "cxlalloc")
+    with sdpa():
+        out, timing, wall = run_generate(model, inputs, args, pad_id, "cxlalloc")
     cache = hf.returned_cache(out)
     stats = hf.stats(model)
     kv = cache.kv_stats() if isinstance(cache, hf.CxlCache) else stats["hf"]["cache"]

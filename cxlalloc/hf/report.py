@@ -74,6 +74,7 @@ class Report:
                   else f"GPU: {r['gpu']}")
         t.add_row("model", f"{r['model']} [{r['dtype']}]")
         t.add_row("versions", f"transformers {r['transformers']}, torch {r['torch']}")
+        t.add_row("SDPA backends", r.get("sdpa_backends", "torch's default choice"))
         t.add_row("batch x prompt", f"{r['batch']} x {r['prompt_tokens']} tokens (left-padded)")
         t.add_row("new tokens", f"{d['new_tokens']} per sequence (max {r['max_new_tokens']}, greedy)")
         t.add_row("device limit", f"{format_bytes(r['device_limit'])} ({r['device_limit_note']})")
@@ -146,8 +147,7 @@ class Report:
             t.add_row(f"decode {i}", str(ctx[i]), format_bytes(steps[i]), other)
         con.print(t)
         con.print(f"  cxlalloc writes only the new token's K/V ({format_bytes(bpt)}) per decode step; "
-                  f"regrowths: {kv.get('regrowths', 0)}; cached KV re-copied: "
-                  f"{format_bytes(kv.get('bytes_copied_existing', 0))}")
+                  f"regrowths: {kv.get('regrowths', 0)}; KV re-copied: {format_bytes(kv.get('bytes_copied_existing', 0))}")
 
         if plain is not None:
             t = Table(title="Plain transformers", show_header=False, title_justify="left")
