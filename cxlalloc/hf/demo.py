@@ -212,6 +212,7 @@ def plain_capped_gpu(model, inputs, args, pad_id, limit: int) -> dict:
 
     total = torch.cuda.get_device_properties(model.device).total_memory
     torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(model.device)
     torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), model.device)
     try:
         out, timing, wall = run_generate(model, inputs, args, pad_id, "plain (capped)", progress=False)
