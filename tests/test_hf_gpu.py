@@ -235,7 +235,7 @@ def test_gpu_c03_beams_and_return_sequences(mode, deterministic_sdpa):
 def test_gpu_c04_spike_goes_to_host_kv_stays(deterministic_sdpa):
     from transformers import LogitsProcessorList
 
-    from test_hf_tiers import SpikeProcessor, committed_tiers  # noqa: F401  (same processor as the CPU test)
+    from test_hf_tiers import SpikeProcessor  # the same processor as the CPU test
 
     m = to_dev(tiny_llama(hidden=256, heads=8, kv_heads=8, layers=4), torch.float32)
     fp = weight_footprint(m)

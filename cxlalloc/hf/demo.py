@@ -103,7 +103,6 @@ def smollm2_dir() -> str:
 
 
 def load(args, device: str, dtype):
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = args.model or smollm2_dir()
