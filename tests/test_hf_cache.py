@@ -372,3 +372,31 @@ def test_allocator_from_engine_shares_the_engine(make_alloc):
     b.free(p)
     with pytest.raises(ValueError, match="no configuration"):
         cxlalloc.Allocator.from_engine(a._engine, 3)
+
+
+def test_wrap_uses_the_process_wide_engine(make_alloc):
+    """With a process-wide engine (cxlalloc.enable() / CXLALLOC), wrap() allocates
+    the KV cache from it and leaves the weights where they are."""
+    from cxlalloc import _C
+
+    a = make_alloc(device_limit=64 * MiB)
+    m = tiny_llama()
+    inp = padded_batch()
+    ref = gen(m, **inp, max_new_tokens=5)
+    _C.set_current_engine(a._engine)
+    try:
+        with pytest.raises(ValueError, match="process-wide"):
+            hf.wrap(m, device_limit=32 * MiB)
+        hf.wrap(m)
+        out = gen(m, **inp, max_new_tokens=5)
+        assert_same(ref, out)
+        s = hf.stats(m)
+        assert s["hf"]["mode"] == "global" and not s["hf"]["weights_placed"]
+        assert a.stats()["kv"]["device_bytes"] == returned_cache(out).kv_stats()["kv_device_bytes"] > 0
+        assert a.stats()["weight"]["device_bytes"] == 0
+        c = CxlCache(config=m.config)  # no allocator: the process-wide engine's
+        assert c.allocator._engine is a._engine
+        hf.unwrap(m)
+        del out, c
+    finally:
+        _C.set_current_engine(None)

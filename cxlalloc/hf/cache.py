@@ -56,7 +56,8 @@ class KVPool:
         self.counters = KVCounters()
         self.shared: Optional[KVStore] = None
         self.stores: "weakref.WeakSet[KVStore]" = weakref.WeakSet()
-        self._demoted_at_start = int(allocator.stats()["demoted_bytes"])
+        st = allocator.stats()
+        self._demoted_at_start = (int(st["demoted_bytes"]), int(st["demotions"]))
 
     def capacity_for(self, need: int, current: int = 0) -> int:
         if self.hint is not None and need <= self.hint and current == 0:
@@ -103,8 +104,10 @@ class KVPool:
             if s.capacity_tokens < tokens:
                 s.regrow(tokens)
 
-    def demoted_bytes(self) -> int:
-        return int(self.allocator.stats()["demoted_bytes"]) - self._demoted_at_start
+    def update_demotions(self) -> None:
+        st = self.allocator.stats()
+        self.counters.demoted_bytes = int(st["demoted_bytes"]) - self._demoted_at_start[0]
+        self.counters.demotions = int(st["demotions"]) - self._demoted_at_start[1]
 
 
 class CxlKVLayer(DynamicLayer):
@@ -515,6 +518,6 @@ class CxlCache(DynamicCache):
             "other_layers": len(self.layers) - len(layers),
             "stores": len(stores),
         }
-        self._pool.counters.demoted_bytes = self._pool.demoted_bytes()
+        self._pool.update_demotions()
         d.update(self._pool.counters.as_dict())
         return d

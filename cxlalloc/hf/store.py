@@ -57,8 +57,9 @@ class KVCounters:
         step_context_tokens: live tokens after each forward pass (same order).
         regrowths: capacity exceeded and storage re-created larger (copy).
         reorders / reorder_rows: beam reorders applied / batch rows moved.
-        demoted_bytes: bytes the allocator demoted to the host tier while this
-            cache lived (all classes, the allocator's counter delta).
+        demoted_bytes / demotions: bytes and moves the allocator demoted to the
+            host tier while this cache lived (its counters' delta: with several
+            caches or other KV on one allocator, theirs are included).
     """
 
     steps: int = 0
@@ -71,6 +72,7 @@ class KVCounters:
     reorders: int = 0
     reorder_rows: int = 0
     demoted_bytes: int = 0
+    demotions: int = 0
 
     def add_new(self, nbytes: int) -> None:
         self.bytes_copied_new += nbytes
