@@ -400,3 +400,19 @@ def test_wrap_uses_the_process_wide_engine(make_alloc):
         del out, c
     finally:
         _C.set_current_engine(None)
+
+
+def test_capacity_hint_beyond_memory_is_clamped(fresh_sim):
+    """A generation config may ask for max_length far beyond memory: the reservation
+    is clamped to what both tiers could hold instead of failing."""
+    m = tiny_llama()
+    inp = padded_batch()
+    ref = gen(m, **inp, max_new_tokens=4)
+    wrap(m)  # 64 MiB + 256 MiB
+    a = hf.allocator(m)
+    c = CxlCache(config=m.config, allocator=a, max_cache_len=10 ** 9)
+    out = gen(m, **inp, max_new_tokens=4, **{cache_kwarg(m): c})
+    assert_same(ref, out)
+    st = c.kv_stats()
+    assert st["capacity_tokens"] * st["bytes_per_token"] <= 320 * MiB
+    assert st["kv_device_bytes"] == 2 * MiB  # only the live tokens' chunk is committed

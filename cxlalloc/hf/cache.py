@@ -72,9 +72,19 @@ class KVPool:
                 f"cxlalloc.hf: this cache's allocator serves {self.device} but the model's key/value states are on "
                 f"{g.device}; wrap the model on the device it runs on (one device per wrapped model), or pass "
                 f"simulate=True for a CPU model")
-        s = KVStore(self.allocator, g, n_slots, self.capacity_for(need), self.counters)
+        s = KVStore(self.allocator, g, n_slots, self.clamp(self.capacity_for(need), need, n_slots * g.slot_elems * g.elem),
+                    self.counters)
         self.stores.add(s)
         return s
+
+    def clamp(self, tokens: int, need: int, row_bytes: int) -> int:
+        """At most what both tiers together could ever hold (a generation config's
+        max_length can be far beyond the memory; the reservation is address space
+        only, but the engine refuses an extent larger than both tiers), at least
+        ``need``."""
+        st = self.allocator.stats()
+        most = (int(st["device"]["limit_bytes"]) + int(st["host"]["limit_bytes"])) // max(1, row_bytes)
+        return max(int(need), min(int(tokens), most))
 
     def bind(self, layer: "CxlKVLayer", key_states: torch.Tensor, value_states: torch.Tensor) -> Tuple[KVStore, int]:
         """The (store, slot) an empty layer writes to, creating storage as needed."""
@@ -102,7 +112,7 @@ class KVPool:
         self.hint = max(self.hint or 0, int(tokens))
         for s in list(self.stores):
             if s.capacity_tokens < tokens:
-                s.regrow(tokens)
+                s.regrow(self.clamp(tokens, s.live_tokens, s.row_bytes))
 
     def update_demotions(self) -> None:
         st = self.allocator.stats()
@@ -196,7 +206,8 @@ class CxlKVLayer(DynamicLayer):
         store.apply_pending()
         need = self._len + q
         if need > store.capacity_tokens:
-            store.regrow(self._pool.capacity_for(need, store.capacity_tokens))
+            pool = self._pool
+            store.regrow(pool.clamp(pool.capacity_for(need, store.capacity_tokens), need, store.row_bytes))
         store.ensure(need)
         store.write(self._slot, self._len, key_states, value_states)
         self._len = need
