@@ -3,6 +3,9 @@
 #   make test   set up everything, then run the test suite
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
+# The main job compares against plain transformers by default (identical tokens,
+# and what the same limit does to it); `make demo DEMO_ARGS=` runs cxlalloc alone.
+DEMO_ARGS ?= --compare
 
 .PHONY: setup demo test build clean dev-build
 
@@ -10,7 +13,7 @@ setup:
 	bash scripts/bootstrap.sh $(VENV)
 
 demo: setup
-	$(PYTHON) examples/generate.py $(ARGS)
+	$(PYTHON) examples/generate.py $(DEMO_ARGS) $(ARGS)
 
 test: setup
 	$(PYTHON) -m pytest -q -ra tests $(ARGS)

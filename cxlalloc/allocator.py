@@ -70,6 +70,26 @@ class Allocator:
         self._dev = self._engine.device(self.device)
         self.simulated = bool(self.config.simulate)
 
+    @classmethod
+    def from_engine(cls, engine, device: int = 0) -> "Allocator":
+        """An Allocator over an existing, configured engine (e.g. the
+        process-wide one of ``cxlalloc.enable()``, ``_C.current_engine()``),
+        sharing its tiers, limits and statistics.  ``config`` is None.
+
+        Raises:
+            ValueError: ``device`` is not configured in ``engine``.
+        """
+        if not engine.has_config(int(device)):
+            raise ValueError(f"cxlalloc: the engine has no configuration for device {device}")
+        self = cls.__new__(cls)
+        self.config = None
+        self._engine = engine
+        self.device = int(device)
+        self.node_reason = "the process-wide engine's choice"
+        self._dev = engine.device(self.device)
+        self.simulated = bool(engine.simulated)
+        return self
+
     # ------------------------------------------------------------ raw memory
     def malloc(self, nbytes: int, tag: str = "other", stream: int = 0) -> int:
         """Allocate ``nbytes`` bytes of class ``tag`` ("kv", "weight", "other").

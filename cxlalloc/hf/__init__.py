@@ -1,0 +1,28 @@
+"""HuggingFace transformers integration: generate() with a tiered, copy-free KV cache.
+
+    import cxlalloc.hf
+    model = cxlalloc.hf.wrap(model, device_limit="6GiB")   # simulate=True for a CPU model
+    out = model.generate(**inputs, max_new_tokens=256)       # the user's call, unchanged
+    cxlalloc.hf.stats(model)                                 # bytes per tier and class, copies, ...
+
+Public API:
+    wrap(model, **options) -> model      KV cache (and, scoped, weights) in cxlalloc
+    unwrap(model) -> model               undo wrap
+    generate(model, *args, **kwargs)     wrap if needed, then model.generate(...)
+    stats(model) -> dict                 allocator stats + per-cache KV counters ("hf")
+    kv_cache(model), allocator(model)    the latest live CxlCache / the Allocator
+    CxlCache, CxlKVLayer                 the cache classes (transformers DynamicCache/DynamicLayer)
+    cache_kwarg(model), returned_cache(out)   transformers 5.17/5.24 naming shim
+
+Requires transformers >= 5.17 (tested on 5.17 and 5.24).  ``python -m cxlalloc demo``
+(:mod:`cxlalloc.hf.demo`) is the main job: a real model's generate() past the VRAM
+budget, with identical tokens.
+"""
+
+from cxlalloc.hf.cache import CxlCache, CxlKVLayer  # noqa: F401
+from cxlalloc.hf.compat import cache_kwarg, returned_cache  # noqa: F401
+from cxlalloc.hf.store import KVCounters  # noqa: F401
+from cxlalloc.hf.wrap import allocator, generate, is_wrapped, kv_cache, stats, unwrap, wrap  # noqa: F401
+
+__all__ = ["wrap", "unwrap", "generate", "stats", "kv_cache", "allocator", "is_wrapped", "CxlCache", "CxlKVLayer",
+           "KVCounters", "cache_kwarg", "returned_cache"]

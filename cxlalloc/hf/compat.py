@@ -1,0 +1,43 @@
+"""Differences between the transformers versions cxlalloc.hf supports (5.17-5.24).
+
+| concern | 5.17 | 5.24 |
+|---|---|---|
+| generate()/forward() cache kwarg and output field | ``past_key_values`` | ``cache`` (old name warns) |
+| ``forward(cache=...)`` | silently ignored (lands in ``**kwargs``) | used |
+| ``DynamicLayer.reset()`` | zeroes, keeps the length (stale) | drops the tensors |
+| ``crop(n > 0)`` | keep ``n`` tokens (deprecated) | ``ValueError`` |
+| ``layer.update`` call | ``(k, v, idx)`` | ``(k, v, idx, kwargs=...)`` |
+
+Source: transformers ``cache_utils.py`` / ``generation/utils.py`` of both versions
+(notes/transformers-cache-api.md in the project's research).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import transformers
+
+TRANSFORMERS_VERSION = transformers.__version__
+
+
+def cache_kwarg(model) -> str:
+    """The keyword generate()/forward() take a cache under: ``"cache"`` (5.24)
+    or ``"past_key_values"`` (5.17).  Detected from ``model.forward``'s signature
+    (passing the wrong one to forward() on 5.17 is silently ignored)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def returned_cache(output: Any) -> Optional[Any]:
+    """The cache in a generate()/forward() output (``return_dict_in_generate=True``),
+    under either version's field name; None if absent."""
+    keys = output.keys() if hasattr(output, "keys") else ()
+    for name in ("cache", "past_key_values"):
+        if name in keys:
+            return output[name]
+    return None

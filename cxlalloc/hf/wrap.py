@@ -1,0 +1,386 @@
+"""``cxlalloc.hf.wrap(model)``: HuggingFace generate() with its KV cache in cxlalloc.
+
+After ``wrap``, ``model.generate(...)`` (any call the user already makes) allocates
+its KV cache as a :class:`cxlalloc.hf.CxlCache`: full-attention K/V in cxlalloc
+extents of class ``kv``, placed by the KV-aware policy (newest tokens in VRAM,
+oldest demoted to the host tier once the device budget is used), grown without
+copying.  Nothing else about the call changes.
+
+Which allocator:
+    * the process-wide engine (``cxlalloc.enable()`` / ``CXLALLOC=...``) when one
+      exists for the model's device ("global" mode): weights are already
+      allocated through it;
+    * otherwise a :class:`cxlalloc.Allocator` of its own built from ``**options``
+      ("scoped" mode).  Its budget then covers the model's **weights too**: they
+      are moved into it (class ``weight``) so that ``device_limit`` bounds
+      weights + KV as it would in global mode.  torch's activations stay in
+      torch's allocator and are not counted (in simulation they are ordinary CPU
+      memory and not modelled at all).
+
+Simulation (no GPU): a model on the CPU with ``simulate=True`` (the default for a
+CPU model) runs on the CPU as usual while its weights and KV live in cxlalloc's
+simulated device/host tiers (host memory pretending to be VRAM), so placement,
+spills, demotions and copies are the real engine's; speeds are not a GPU's.
+
+How generate() is intercepted: an instance-level override of transformers'
+``GenerationMixin._prepare_cache_for_generation(generation_config, model_kwargs,
+generation_mode, batch_size, max_cache_length)`` (same signature in 5.17 and 5.24)
+swaps the ``DynamicCache`` it builds for a ``CxlCache`` sized ``max_cache_length``
+(= ``max_length - 1``).  If that private method is missing or its signature
+changed, the wrapper falls back to injecting a ``CxlCache`` into the generate()
+call (capacity then grows geometrically).  Passing a ``CxlCache`` yourself under
+:func:`cxlalloc.hf.cache_kwarg` is the public path and always works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import weakref
+from typing import Any, List, Optional
+
+import torch
+
+from cxlalloc.hf.cache import CxlCache
+from cxlalloc.hf.compat import TRANSFORMERS_VERSION, cache_kwarg
+
+STATE_ATTR = "_cxlalloc_hf"
+HOOK_PARAMS = ("generation_config", "model_kwargs", "generation_mode", "batch_size", "max_cache_length")
+# Scoped mode on a GPU without a device_limit: VRAM left to torch's own allocator
+# (activations, logits, cuBLAS workspaces) = max(2 GiB, 10% of VRAM).  Not yet
+# measured on a GPU.
+ACTIVATION_RESERVE_MIN = 2 << 30
+ACTIVATION_RESERVE_FRACTION = 0.10
+
+
+@dataclasses.dataclass
+class WrapState:
+    """What :func:`wrap` attached to a model (``model._cxlalloc_hf``)."""
+
+    allocator: Any
+    mode: str  # "scoped" (own Allocator) or "global" (the process-wide engine)
+    device: torch.device
+    cache_kw: str
+    hook: str  # "prepare" or "generate"
+    options: dict
+    weights_placed: bool = False
+    weight_bytes: int = 0
+    weight_params: int = 0
+    caches_created: int = 0
+    last_stats: Optional[dict] = None
+    orig_prepare: Any = None
+    orig_generate: Any = None
+    _live: List[Any] = dataclasses.field(default_factory=list)  # caches of the running generate() call
+    _last: Any = None  # weakref to the last cache
+
+    def new_cache(self, model, max_cache_len: Optional[int]) -> CxlCache:
+        self.caches_created += 1
+        return CxlCache(config=model.config.get_text_config(decoder=True), allocator=self.allocator,
+                        max_cache_len=max_cache_len)
+
+    def note(self, cache) -> None:
+        if isinstance(cache, CxlCache):
+            self._live.append(cache)
+            self._last = weakref.ref(cache)
+
+    def last_cache(self) -> Optional[CxlCache]:
+        return None if self._last is None else self._last()
+
+
+def _state(model) -> WrapState:
+    st = model.__dict__.get(STATE_ATTR)
+    if st is None:
+        raise ValueError("cxlalloc.hf: this model is not wrapped; call cxlalloc.hf.wrap(model, ...) first")
+    return st
+
+
+def is_wrapped(model) -> bool:
+    return STATE_ATTR in getattr(model, "__dict__", {})
+
+
+def _model_device(model) -> torch.device:
+    devices = {p.device for p in model.parameters() if p.device.type != "meta"}
+    if not devices:
+        raise ValueError("cxlalloc.hf: the model has no parameters on a real device (all on 'meta')")
+    if len(devices) > 1:
+        raise ValueError(f"cxlalloc.hf: the model is spread over {sorted(map(str, devices))}; wrap() supports a model "
+                         "on one device (one GPU, or the CPU in simulation)")
+    return devices.pop()
+
+
+def default_allocator(device: int = 0):
+    """The process-wide engine's allocator for ``device`` (``cxlalloc.enable()``).
+
+    Raises:
+        ValueError: there is no process-wide engine (create a
+            ``cxlalloc.Allocator(...)`` and pass it as ``allocator=``).
+    """
+    from cxlalloc import _C
+    from cxlalloc.allocator import Allocator
+
+    engine = _C.current_engine()
+    if engine is None or not engine.has_config(device):
+        raise ValueError("cxlalloc.hf: no allocator given and no process-wide cxlalloc engine (cxlalloc.enable()); "
+                         "pass allocator=cxlalloc.Allocator(...) (simulate=True without a GPU)")
+    return Allocator.from_engine(engine, device)
+
+
+def _global_allocator(device: torch.device, simulate: bool):
+    from cxlalloc import _C
+    from cxlalloc.allocator import Allocator
+
+    try:
+        engine = _C.current_engine()
+    except Exception:
+        return None
+    if engine is None or bool(engine.simulated) != simulate:
+        return None
+    idx = 0 if device.type == "cpu" else (device.index or 0)
+    if not engine.has_config(idx):
+        return None
+    return Allocator.from_engine(engine, idx)
+
+
+def _place_weights(model, allocator, device: torch.device):
+    """Move every parameter into ``allocator`` (class ``weight``), bytes
+    unchanged.  Returns (bytes, params)."""
+    total = n = since = 0
+    with torch.no_grad():
+        for p in model.parameters():  # tied parameters are visited once
+            if p.numel() == 0:
+                continue
+            t = allocator.tensor(p.shape, p.dtype, tag="weight")
+            t.copy_(p.data)
+            p.data = t
+            nbytes = t.numel() * t.element_size()
+            total += nbytes
+            since += nbytes
+            n += 1
+            if device.type == "cuda" and since >= (512 << 20):
+                torch.cuda.empty_cache()  # give torch's cached copies back before cxlalloc maps more VRAM
+                since = 0
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return total, n
+
+
+def _prepare_hook_ok(model) -> bool:
+    fn = getattr(type(model), "_prepare_cache_for_generation", None)
+    if fn is None:
+        return False
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return tuple(params[1:6]) == HOOK_PARAMS
+
+
+def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **options):
+    """Make ``model.generate()`` keep its KV cache in cxlalloc.  Returns ``model``.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` with ``generate()`` (decoder-only;
+            encoder-decoder models keep transformers' cache), on one CUDA device,
+            or on the CPU for simulation.
+        place_weights: move the parameters into the allocator (class ``weight``)
+            so ``device_limit`` covers weights + KV.  Default: True with an
+            allocator of its own ("scoped"), False with the process-wide engine
+            (weights are already allocated through it).
+        hook: ``"auto"`` (default), ``"prepare"`` (override
+            ``_prepare_cache_for_generation``; capacity = ``max_length - 1``) or
+            ``"generate"`` (inject a growing ``CxlCache`` into each call).
+        **options: :class:`cxlalloc.Allocator` options: ``device_limit``,
+            ``host_limit``, ``simulate``, ``kv_device_limit``,
+            ``device_headroom``, ``numa_node``, ``backend``, ... (sizes in bytes
+            or strings like ``"512MiB"``).  ``simulate`` defaults to True for a
+            CPU model.  On a GPU without ``device_limit``: free VRAM + the
+            weights moved in - max(2 GiB, 10% of VRAM) left to torch.
+
+    Raises:
+        ValueError: a bad option; a CPU model with ``simulate=False`` (or a CUDA
+            model with ``simulate=True``); a model spread over several devices;
+            options given while the process-wide engine serves the device; the
+            model is already wrapped with other options.
+        cxlalloc.OutOfMemoryError: the weights fit in neither tier.
+    """
+    if hook not in ("auto", "prepare", "generate"):
+        raise ValueError(f"cxlalloc.hf.wrap: hook must be 'auto', 'prepare' or 'generate', not {hook!r}")
+    given = dict(options)
+    if is_wrapped(model):
+        st = _state(model)
+        if given and given != st.options:
+            raise ValueError(f"cxlalloc.hf.wrap: the model is already wrapped with {st.options}; "
+                             "call cxlalloc.hf.unwrap(model) first to change options")
+        return model
+    device = _model_device(model)
+    simulate = options.pop("simulate", None)
+    if device.type == "cpu":
+        if simulate is False:
+            raise ValueError("cxlalloc.hf.wrap: the model is on the CPU and simulate=False; cxlalloc tiers GPU memory. "
+                             "Move the model to a GPU, or pass simulate=True to run the tiers on cxlalloc's "
+                             "simulated driver (no GPU needed)")
+        simulate = True
+    elif device.type == "cuda":
+        if simulate:
+            raise ValueError("cxlalloc.hf.wrap: simulate=True needs the model on the CPU (the simulated tiers are "
+                             f"host memory), but it is on {device}")
+        simulate = False
+    else:
+        raise ValueError(f"cxlalloc.hf.wrap: the model is on {device}; cxlalloc supports CUDA devices (or the CPU "
+                         "with simulate=True)")
+
+    allocator = _global_allocator(device, simulate)
+    if allocator is not None:
+        if options:
+            raise ValueError(f"cxlalloc.hf.wrap: the process-wide cxlalloc engine (cxlalloc.enable()) serves {device}; "
+                             f"configure it there, not with wrap() options {sorted(options)}")
+        mode = "global"
+        if place_weights is None:
+            place_weights = False
+    else:
+        from cxlalloc.allocator import Allocator
+
+        mode = "scoped"
+        if place_weights is None:
+            place_weights = True
+        kw = dict(options)
+        if not simulate:
+            kw.setdefault("device", device.index or 0)
+            if kw.get("device_limit") is None:
+                torch.cuda.empty_cache()
+                free, total = torch.cuda.mem_get_info(device)
+                weights = sum(p.numel() * p.element_size() for p in model.parameters()) if place_weights else 0
+                reserve = max(ACTIVATION_RESERVE_MIN, int(ACTIVATION_RESERVE_FRACTION * total))
+                kw["device_limit"] = max(256 << 20, free + weights - reserve)
+        allocator = Allocator(simulate=simulate, **kw)
+
+    st = WrapState(allocator=allocator, mode=mode, device=device, cache_kw=cache_kwarg(model),
+                   hook="prepare" if (hook != "generate" and _prepare_hook_ok(model)) else "generate",
+                   options=given)
+    if hook == "prepare" and st.hook != "prepare":
+        raise ValueError("cxlalloc.hf.wrap: hook='prepare' but this transformers version has no "
+                         "_prepare_cache_for_generation with the expected signature; use hook='auto'")
+    if place_weights:
+        st.weight_bytes, st.weight_params = _place_weights(model, allocator, device)
+        st.weights_placed = True
+
+    st.orig_generate = model.generate
+    if st.hook == "prepare":
+        st.orig_prepare = model._prepare_cache_for_generation
+        model.__dict__["_prepare_cache_for_generation"] = _make_prepare_hook(model, st)
+    model.__dict__["generate"] = _make_generate(model, st)
+    model.__dict__[STATE_ATTR] = st
+    return model
+
+
+def _make_prepare_hook(model, st: WrapState):
+    from transformers.cache_utils import DynamicCache
+
+    def _prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
+                                      *args, **kwargs):
+        name = st.cache_kw
+        user = model_kwargs.get(name)
+        if isinstance(user, CxlCache) and max_cache_length:
+            user.reserve(int(max_cache_length))  # a continuation: grow once now, not during decode
+        out = st.orig_prepare(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
+                              *args, **kwargs)
+        made = model_kwargs.get(name)
+        if (user is None and type(made) is DynamicCache and not getattr(made, "offloading", False)
+                and getattr(generation_config, "cache_implementation", None) in (None, "dynamic")):
+            model_kwargs[name] = st.new_cache(model, int(max_cache_length) if max_cache_length else None)
+        st.note(model_kwargs.get(name))
+        return out
+
+    return _prepare_cache_for_generation
+
+
+def _make_generate(model, st: WrapState):
+    orig = st.orig_generate
+
+    @functools.wraps(orig)
+    def generate(*args, **kwargs):
+        if st.hook == "generate":
+            name = st.cache_kw
+            gcfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+            impl = kwargs.get("cache_implementation", getattr(gcfg, "cache_implementation", None))
+            use_cache = kwargs.get("use_cache", getattr(gcfg, "use_cache", True))
+            supports = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
+            if (kwargs.get(name) is None and impl is None and use_cache is not False and supports
+                    and not getattr(model.config, "is_encoder_decoder", False)):
+                kwargs[name] = st.new_cache(model, None)
+            st.note(kwargs.get(name))
+        outer = len(st._live)
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            mine, st._live[outer:] = st._live[outer:], []
+            if mine:
+                st.last_stats = mine[-1].kv_stats()
+
+    return generate
+
+
+def unwrap(model):
+    """Undo :func:`wrap`: remove the hooks and copy the weights back into torch's
+    own memory.  Caches already created keep their storage until dropped.
+    Returns ``model``."""
+    st = _state(model)
+    for name in ("_prepare_cache_for_generation", "generate", STATE_ATTR):
+        model.__dict__.pop(name, None)
+    if st.weights_placed:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.numel():
+                    p.data = p.data.clone()
+    return model
+
+
+def generate(model, *args, **kwargs):
+    """``model.generate(*args, **kwargs)`` with the KV cache in cxlalloc: wraps
+    the model first (default options: simulation for a CPU model) if it is not
+    wrapped yet.  Returns what generate() returns."""
+    if not is_wrapped(model):
+        wrap(model)
+    return model.generate(*args, **kwargs)
+
+
+def allocator(model):
+    """The :class:`cxlalloc.Allocator` behind a wrapped model."""
+    return _state(model).allocator
+
+
+def kv_cache(model) -> Optional[CxlCache]:
+    """The most recent :class:`CxlCache` of a wrapped model if it is still alive
+    (e.g. returned by ``generate(..., return_dict_in_generate=True)``), else None."""
+    return _state(model).last_cache()
+
+
+def stats(model) -> dict:
+    """The allocator's stats dict (:meth:`cxlalloc.Allocator.stats`: per tier
+    and per class ``kv``/``weight``/``other`` bytes, spilled/demoted/promoted
+    bytes, ...) plus ``"hf"``: ``mode`` ("scoped"/"global"), ``simulated``,
+    ``device``, ``transformers`` (version), ``hook``, ``weights_placed``,
+    ``weight_bytes``, ``weight_params``, ``caches_created`` and ``cache``: the
+    :meth:`CxlCache.kv_stats` of the most recent cache (live, or as it was when
+    its generate() call returned; None before the first call).
+
+    Raises:
+        ValueError: the model is not wrapped.
+    """
+    st = _state(model)
+    d = st.allocator.stats()
+    live = st.last_cache()
+    d["hf"] = {
+        "mode": st.mode,
+        "simulated": bool(st.allocator.simulated),
+        "device": str(st.device),
+        "transformers": TRANSFORMERS_VERSION,
+        "hook": st.hook,
+        "weights_placed": st.weights_placed,
+        "weight_bytes": st.weight_bytes,
+        "weight_params": st.weight_params,
+        "caches_created": st.caches_created,
+        "cache": live.kv_stats() if live is not None else st.last_stats,
+    }
+    return d
