@@ -11,8 +11,12 @@ left() { echo $(( BUDGET - SECONDS )); }
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total,memory.free --format=csv
   python3 -c 'import sys,torch,transformers;print(sys.version);print("torch",torch.__version__,"cuda",torch.version.cuda);print("transformers",transformers.__version__)'
   git rev-parse HEAD 2>/dev/null || true; } > "$OUT/env.txt" 2>&1
-CXLALLOC_BUILD_JOBS=$(nproc) timeout 70 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 \
-  || echo "BUILD FAILED rc=$?" >> "$OUT/build.log"
+# pip -e also installs the start-up .pth (the CXLALLOC hook); fall back to
+# an in-place build if pip cannot write to site-packages.
+CXLALLOC_BUILD_JOBS=$(nproc) timeout 90 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+  > "$OUT/build.log" 2>&1 || { echo "pip -e failed rc=$?; building in place" >> "$OUT/build.log";
+  CXLALLOC_BUILD_JOBS=$(nproc) timeout 70 python3 setup.py -q build_ext --inplace >> "$OUT/build.log" 2>&1 \
+  || echo "BUILD FAILED rc=$?" >> "$OUT/build.log"; }
 timeout 60 python3 -c 'from cxlalloc import _torch_build as b; m = b.load(); print("adapter:", m.__file__)' \
   > "$OUT/adapter.log" 2>&1 || echo "ADAPTER FAILED rc=$?" >> "$OUT/adapter.log"
 timeout 15 python3 -m cxlalloc info --json > "$OUT/info.json" 2> "$OUT/info.err"

@@ -4,6 +4,7 @@
 #include "alloc/device_allocator.h"
 #include "alloc/sizes.h"
 #include "common/error.h"
+#include "common/log.h"
 #include "common/units.h"
 
 namespace cxl::alloc {
@@ -98,6 +99,10 @@ void DeviceAllocator::wait_for_uses(Block* b) {
     if (r != CUDA_SUCCESS) {
       // Reuse cannot be ordered after that stream's work: wait for it now
       // instead (slow but safe); if even that fails, the error is the user's.
+      // Counted and reported once: on a healthy driver this never happens.
+      if (stats_.counters.event_record_failures++ == 0)
+        log_warning("cuEventRecord on a stream that used a freed block failed (" + drv_->describe(r) +
+                    "); waiting for that stream instead");
       event_pool_.push_back(std::move(ev));
       CXL_CU(*drv_, cuStreamSynchronize, s);
       continue;

@@ -58,6 +58,7 @@ struct Counters {
   uint64_t capture_refusals = 0;     // host placement refused during graph capture
   uint64_t migration_budget_denials = 0;
   uint64_t extent_copy_bytes = 0;    // bytes copied by extent growth (0 with lazy extents)
+  uint64_t event_record_failures = 0;  // cuEventRecord failed on a use stream: waited for it instead
 };
 
 struct Stats {

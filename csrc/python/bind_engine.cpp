@@ -184,6 +184,7 @@ py::dict stats_dict(DeviceAllocator& a) {
   out["ooms"] = k.ooms;
   out["capture_refusals"] = k.capture_refusals;
   out["migration_budget_denials"] = k.migration_budget_denials;
+  out["event_record_failures"] = k.event_record_failures;
   out["torch"] = torch_flat(s.torch);
   return out;
 }
