@@ -327,7 +327,7 @@ def test_record_stream_holds_host_blocks_until_their_streams_pass():
         tier = cx().tier_of(t)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            torch.cuda._sleep(200_000_000)
+            torch.cuda._sleep(1_000_000_000)          # ~0.5 s
             out.copy_(t)                              # reads t long after the free below
         t.record_stream(side)
         out.record_stream(side)
