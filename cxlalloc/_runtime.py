@@ -16,6 +16,7 @@ from cxlalloc.config import Config, format_bytes, resolve_fraction
 # README "Limits").
 CONTEXT_RESERVE = 256 << 20
 DEFAULT_SIM_VRAM = 16 << 30
+MAX_SIM_VRAM = 1 << 50
 HOST_LIMIT_FRACTION = 0.8
 CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID = 134
 
@@ -49,21 +50,28 @@ def ensure_sim(cfg: Config) -> None:
     """
     global _sim_vram
     need = cfg.device_limit if isinstance(cfg.device_limit, int) else 0
+    if need > MAX_SIM_VRAM:
+        raise ValueError(f"cxlalloc option 'device_limit': {format_bytes(need)} is more than the simulated GPU can "
+                         f"model ({format_bytes(MAX_SIM_VRAM)})")
     with _sim_lock:
         if cfg.sim_vram is None:
             if _sim_vram is not None and need <= _sim_vram:
                 return
             vram = max(DEFAULT_SIM_VRAM, need)
+            why = f"device_limit={format_bytes(need)}" if need > DEFAULT_SIM_VRAM else "the default"
         else:
             if cfg.sim_vram == _sim_vram:
                 return
             vram = cfg.sim_vram
+            why = f"sim_vram={format_bytes(vram)}"
         try:
             _sim().Sim().configure(f"vram={vram}")
         except ValueError as e:
+            now = format_bytes(_sim_vram) if _sim_vram is not None else "its default"
             raise ValueError(
-                f"cxlalloc option 'sim_vram': cannot resize the simulated GPU to {format_bytes(vram)} while it is "
-                f"in use ({e}); release other simulated Allocators first or keep its size") from None
+                f"cxlalloc: the simulated GPU is one per process ({now} of VRAM now) and {why} needs it resized to "
+                f"{format_bytes(vram)}, which is impossible while simulated resources are alive ({e}); free the "
+                "other simulated Allocators/models first, or ask for no more than its current size") from None
         _sim_vram = vram
 
 

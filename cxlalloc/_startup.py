@@ -13,8 +13,9 @@ subprocess that inherits the variable.
 Nothing here may break the interpreter: every problem becomes one line on
 stderr, and the program continues (``CXLALLOC=1`` with a CPU-only torch:
 ``cxlalloc: warning: CXLALLOC is set but cxlalloc is not enabled: ...``).
-``CXLALLOC=simulate:1`` is for cxlalloc's own demo and benchmarks (torch
-cannot use a simulated GPU): the hook does nothing then.
+``CXLALLOC=simulate:1`` cannot apply to torch (torch cannot allocate from a
+simulated GPU): once torch is imported, one warning line says so and points
+to the simulated entry points.
 """
 
 from __future__ import annotations
@@ -35,11 +36,17 @@ def _line(kind: str, msg: str) -> None:
         pass
 
 
+_SIMULATE_NOTE = ('CXLALLOC=simulate:1 has no effect on torch (torch cannot allocate from a simulated GPU), so cxlalloc is not enabled; for simulated tiers use cxlalloc.Allocator(simulate=True), cxlalloc.hf.wrap(model, simulate=True), or `python -m cxlalloc demo|bench --simulate`')
+
+
 def _enable_now(options: dict) -> None:
     global _done
     if _done:
         return
     _done = True
+    if str(options.get("simulate", "")).strip().lower() in ("1", "true", "yes", "on"):
+        _line("warning", _SIMULATE_NOTE)
+        return
     try:
         import warnings
 
@@ -103,8 +110,8 @@ def _main() -> None:
         msg = str(e) if str(e).startswith("CXLALLOC") else f"CXLALLOC: {e}"
         _line("error", f"{msg} (cxlalloc is not enabled)")
         return
-    if cfg.simulate:
-        return
+    # simulate:1 only warns (in _enable_now), and only in processes that
+    # import torch: others stay silent.
     if "torch" in sys.modules:
         _enable_now(options)
     else:

@@ -87,8 +87,8 @@ def _require_cuda(torch, cfg: Config) -> None:
     if reason is not None:
         raise RuntimeError(
             f"cxlalloc.enable(): CUDA is not available: {reason}. There is no torch CUDA allocator to tier here. "
-            "Without a GPU, use cxlalloc's simulated driver instead: cxlalloc.Allocator(simulate=True) "
-            "(or simulate=True / CXLALLOC=simulate:1 for cxlalloc's demo and benchmarks).")
+            "Without a GPU, use cxlalloc's simulated driver instead: cxlalloc.Allocator(simulate=True), "
+            "cxlalloc.hf.wrap(model, simulate=True), or `python -m cxlalloc demo|bench --simulate`.")
 
 
 def _settings(cfg: Config) -> Dict[str, Any]:

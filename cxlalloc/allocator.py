@@ -23,6 +23,29 @@ def _check_tag(tag: str) -> str:
     return tag
 
 
+def _nbytes(n, what: str = "nbytes") -> int:
+    """A byte count from the caller: an int in [0, 2**64)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        try:
+            import numpy as _np
+
+            if isinstance(n, _np.integer):
+                n = int(n)
+        except ImportError:
+            pass
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"cxlalloc: {what} must be an int (bytes), not {type(n).__name__}")
+    if not 0 <= n < 1 << 64:
+        raise ValueError(f"cxlalloc: {what} must be between 0 and 2**64-1 bytes, not {n}")
+    return n
+
+
+def _ptr(p) -> int:
+    if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < 1 << 64:
+        raise ValueError(f"cxlalloc: {p!r} is not a pointer (an int address returned by malloc)")
+    return p
+
+
 def _check_tier(tier: str) -> str:
     if tier not in ("device", "host"):
         raise ValueError(f"cxlalloc: tier {tier!r} is not a tier; allowed: device, host")
@@ -64,6 +87,9 @@ class Allocator:
                                   backend=backend, simulate=simulate, device=device, **options)
         self._engine = _runtime.new_engine(self.config)
         self.device = self.config.device or 0
+        if self.device >= self._engine.device_count:
+            raise ValueError(f"cxlalloc option 'device': {self.device} is not a CUDA device ordinal here "
+                             f"(0..{self._engine.device_count - 1})")
         opts = _runtime.device_options(self._engine, self.device, self.config)
         self.node_reason = opts["node_reason"]
         _runtime.configure(self._engine, self.device, opts)
@@ -103,21 +129,24 @@ class Allocator:
                 gives the request, each tier's use and limit, and the node).
             ValueError: unknown tag.
         """
-        return self._dev.malloc(int(nbytes), int(stream), _check_tag(tag))
+        return self._dev.malloc(_nbytes(nbytes), _ptr(stream), _check_tag(tag))
 
     def free(self, ptr: int) -> None:
         """Free a pointer returned by :meth:`malloc`.
+
+        Raw pointers belong to this Allocator: deleting the Allocator frees
+        them (tensors and extents keep it alive instead).
 
         Raises:
             cxlalloc.InvalidFreeError: not allocated here, an interior
                 pointer, or already freed (nothing is modified).
         """
-        self._dev.free(int(ptr))
+        self._dev.free(_ptr(ptr))
 
     def record_stream(self, ptr: int, stream: int) -> None:
         """Mark ``ptr`` as used on ``stream``: after :meth:`free` it is reused
         only once the work queued on ``stream`` so far has completed."""
-        self._dev.record_stream(int(ptr), int(stream))
+        self._dev.record_stream(_ptr(ptr), _ptr(stream))
 
     def tier_of(self, ptr: int) -> str:
         """``"device"`` or ``"host"``: where the byte at ``ptr`` lives now.
@@ -125,7 +154,7 @@ class Allocator:
         Raises:
             ValueError: ``ptr`` is not memory of this allocator.
         """
-        return self._dev.tier_of(int(ptr))
+        return self._dev.tier_of(_ptr(ptr))
 
     def migrate(self, ptr: int, tier: str, length: int = 1) -> int:
         """Move the segment holding ``ptr`` (or, in an extent, the chunks
@@ -136,7 +165,7 @@ class Allocator:
             cxlalloc.UnsupportedError: the backend cannot remap (``pinned``).
             cxlalloc.OutOfMemoryError: the target tier has no room.
         """
-        return self._dev.migrate(int(ptr), int(length), _check_tier(tier))
+        return self._dev.migrate(_ptr(ptr), _nbytes(length, "length"), _check_tier(tier))
 
     def demote(self, ptr: int, length: int = 1) -> int:
         """:meth:`migrate` to the host tier."""
@@ -177,7 +206,9 @@ class Allocator:
         import torch
 
         dtype = dtype or torch.float32
-        shape = tuple(int(s) for s in shape)
+        shape = tuple(shape)
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape):
+            raise ValueError(f"cxlalloc: shape {shape!r} must be non-negative ints")
         elem = torch.empty((), dtype=dtype).element_size()
         nbytes = math.prod(shape) * elem
         dev_type, dev_id = self._dl_device()
@@ -185,7 +216,7 @@ class Allocator:
             return torch.empty(shape, dtype=dtype, device="cpu" if self.simulated else f"cuda:{dev_id}")
         if stream is None:
             stream = 0 if self.simulated else torch.cuda.current_stream(dev_id).cuda_stream
-        ptr = self._dev.malloc(nbytes, int(stream), _check_tag(tag))
+        ptr = self._dev.malloc(_nbytes(nbytes, "the tensor's size in bytes"), _ptr(stream), _check_tag(tag))
         try:
             cap = self._dev.dlpack(ptr, nbytes, dev_type, dev_id)
         except BaseException:
@@ -271,11 +302,11 @@ class Extent:
             ValueError: beyond the capacity.
             cxlalloc.OutOfMemoryError: no tier has room for a chunk.
         """
-        self._h.grow(int(nbytes))
+        self._h.grow(_nbytes(nbytes))
 
     def trim(self, nbytes: int) -> None:
         """Release chunks wholly beyond ``nbytes`` (crop / reset)."""
-        self._h.trim(int(nbytes))
+        self._h.trim(_nbytes(nbytes))
 
     def touch(self) -> None:
         """Record a use of every committed chunk (drives promotion)."""

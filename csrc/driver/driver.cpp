@@ -28,7 +28,8 @@ std::shared_ptr<Driver> Driver::open(const std::string& path, bool simulated) {
   if (!h) {
     const char* e = dlerror();
     unavailable("cannot load the CUDA driver library '" + path + "': " + (e ? e : "unknown error") +
-                " (no NVIDIA driver installed? use simulate=True to run on the simulated driver)");
+                " (no NVIDIA driver installed? use simulate=True, or --simulate on the command line, to run on the "
+                "simulated driver)");
   }
   std::shared_ptr<Driver> d(new Driver());
   d->handle_ = h;

@@ -41,12 +41,19 @@ def _runner(name: str) -> Callable:
     return importlib.import_module(f"cxlalloc.bench.{name}").run
 
 
-def _csv(kind):
+def _csv(kind, choices=None, lo=None, hi=None):
+    """A comma-separated list of `kind`, each in `choices` / [lo, hi] when given."""
     def parse(text: str):
         try:
-            return [kind(x) for x in text.split(",") if x.strip()]
+            out = [kind(x.strip()) for x in text.split(",") if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}")
+        for x in out:
+            if choices is not None and x not in choices:
+                raise argparse.ArgumentTypeError(f"{x!r} is not one of {', '.join(map(str, choices))}")
+            if (lo is not None and x < lo) or (hi is not None and x > hi):
+                raise argparse.ArgumentTypeError(f"{x!r} is outside [{lo}, {hi}]")
+        return out
     return parse
 
 
@@ -65,14 +72,19 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="seconds for the whole run; parts not started in time are recorded as skipped")
-    p.add_argument("--models", type=_csv(str), default=None, help="decode/right-sizing models (llama-1b, llama-3b, "
+    from cxlalloc.bench.model import SHAPES
+
+    p.add_argument("--models", type=_csv(str, choices=tuple(SHAPES)), default=None, help="decode/right-sizing models (llama-1b, llama-3b, "
                    "llama-8b)")
-    p.add_argument("--contexts", type=_csv(int), default=None, help="decode contexts (tokens)")
-    p.add_argument("--batches", type=_csv(int), default=None, help="decode batch sizes")
-    p.add_argument("--fractions", type=_csv(float), default=None, help="KV spill fractions (default 0,0.25,0.5,0.75)")
-    p.add_argument("--backends", type=_csv(str), default=None, help="host backends (host-vmm,managed,pinned)")
+    p.add_argument("--contexts", type=_csv(int, lo=1), default=None, help="decode contexts (tokens)")
+    p.add_argument("--batches", type=_csv(int, lo=1), default=None, help="decode batch sizes")
+    p.add_argument("--fractions", type=_csv(float, lo=0.0, hi=0.95), default=None,
+                   help="KV spill fractions in [0, 0.95] (default 0,0.25,0.5,0.75)")
+    p.add_argument("--backends", type=_csv(str, choices=("host-vmm", "managed", "pinned")), default=None,
+                   help="host backends (host-vmm,managed,pinned)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per decode run")
-    p.add_argument("--policy-free-backend", default="host-vmm", help="backend of the policy-free spill baseline")
+    p.add_argument("--policy-free-backend", default="host-vmm", choices=("host-vmm", "managed", "pinned"),
+                   help="backend of the policy-free spill baseline")
     p.add_argument("--ceiling-bytes", type=int, default=None, help="buffer size of the bandwidth probes (bytes)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress display")
     return p

@@ -67,7 +67,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                                                       "the host node's free memory)")
     p.add_argument("--kv-device-limit", default=None, help="cap on KV bytes in VRAM (default: none)")
     p.add_argument("--prompt-file", default=None,
-                   help="text file used verbatim as the user message (default: a ~1,500-token document from "
+                   help="text file used verbatim as the user message (default: a ~1,800-token document from "
                         "examples/data/ followed by a question)")
     p.add_argument("--batch-size", type=int, default=1,
                    help="sequences generated together; with the default prompt each asks another question, so "
@@ -226,12 +226,41 @@ def plain_capped_gpu(model, inputs, args, pad_id, limit: int) -> dict:
 
 
 # ----------------------------------------------------------------- main
+def _check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Validate every argument before the (slow) model load; argparse-style
+    errors (exit status 2) naming the flag."""
+    from cxlalloc.config import parse_size, parse_size_or_fraction
+
+    if args.batch_size < 1:
+        parser.error("--batch-size must be >= 1")
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
+    for flag, value, parse in (("--device-limit", args.device_limit, parse_size_or_fraction),
+                               ("--host-limit", args.host_limit, parse_size),
+                               ("--kv-device-limit", args.kv_device_limit, parse_size_or_fraction)):
+        if value is not None:
+            try:
+                parse(value, flag.lstrip("-").replace("-", "_"))
+            except ValueError as e:
+                parser.error(f"{flag}: {e}")
+    if args.prompt_file is not None and not os.path.isfile(args.prompt_file):
+        parser.error(f"--prompt-file: {args.prompt_file} is not a readable file")
+    if args.model is not None and not os.path.isdir(args.model):
+        parser.error(f"--model: {args.model} is not a local model directory (the demo loads offline)")
+    if args.json is not None:
+        d = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(d):
+            parser.error(f"--json: the directory {d} does not exist")
+
+
 def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     """Run the demo.  ``argv``: arguments without the program name.  Returns the
     exit status: 0, or 1 when ``--compare`` finds different tokens."""
-    args = build_parser(prog).parse_args(argv)
-    if args.batch_size < 1 or args.max_new_tokens < 1:
-        raise SystemExit("cxlalloc demo: --batch-size and --max-new-tokens must be >= 1")
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
@@ -265,6 +294,8 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     from cxlalloc.hf.report import Report
 
     hf_logging.set_verbosity_error()
+    if args.no_progress:
+        hf_logging.disable_progress_bar()  # the GGUF de-quantization and weight-loading bars too
     warnings.filterwarnings("ignore", category=FutureWarning)
     t_load = time.perf_counter()
     model, tok, model_name = load(args, device, dtype)

@@ -124,7 +124,9 @@ class Report:
         if ranges:
             on_host = sum(b - a for a, b in ranges)
             desc = ", ".join(f"{a}..{b}" for a, b in ranges)
-            t.add_row("KV tokens on the host tier", f"{desc} ({on_host} of {live}: the oldest; the newest stay in VRAM)")
+            where = ("all of them: the device budget holds no KV" if on_host >= live
+                     else "the oldest; the newest stay in VRAM")
+            t.add_row("KV tokens on the host tier", f"{desc} ({on_host} of {live}: {where})")
         else:
             t.add_row("KV tokens on the host tier", f"none of {live}")
         con.print(t)
