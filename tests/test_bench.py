@@ -115,7 +115,7 @@ def test_gpu_check_dry_run_lists_every_step(tmp_path):
     lines = [l for l in p.stdout.splitlines() if l[:3].strip().rstrip(".").isdigit()]
     assert [l.split()[1] for l in lines] == list(STEPS)
     text = p.stdout
-    assert "pytest -m gpu -x" in text and "--timeout=" in text
+    assert "pytest -m gpu -q" in text and "--timeout=" in text
     assert "python3 -m cxlalloc info --json" in text or "-m cxlalloc info --json" in text
     assert "--only decode" in text and "--quick" in text
     assert "cxlalloc.bench.report" in text

@@ -43,8 +43,8 @@ def test_enable_without_cuda_raises_and_reports_nothing_enabled():
     if torch.version.cuda is None:
         assert msg.startswith(f"cxlalloc.enable(): CUDA is not available: torch {torch.__version__} is a CPU-only "
                               "build (torch.version.cuda is None). ")
-    assert msg.endswith("Without a GPU, use cxlalloc's simulated driver instead: cxlalloc.Allocator(simulate=True) "
-                        "(or simulate=True / CXLALLOC=simulate:1 for cxlalloc's demo and benchmarks).")
+    assert msg.endswith("Without a GPU, use cxlalloc's simulated driver instead: cxlalloc.Allocator(simulate=True), "
+                        "cxlalloc.hf.wrap(model, simulate=True), or `python -m cxlalloc demo|bench --simulate`.")
     assert cxlalloc.is_enabled() is False
     assert cxlalloc.mode() is None
     assert _C.current_engine() is None
