@@ -26,6 +26,7 @@ so.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 import time
@@ -167,6 +168,25 @@ def _throughput(w, a, rounds: int, simulated: bool, backend: str) -> None:
                      f"frees the even positions, then the odd ones; ops = mallocs + frees; {timer}"})
 
 
+
+@contextlib.contextmanager
+def _allocator(**options):
+    """An Allocator for one measurement grid, its cache emptied and the
+    object collected afterwards (even when the grid fails), so the next
+    backend starts from a clean driver."""
+    import cxlalloc
+
+    a = cxlalloc.Allocator(**options)
+    try:
+        yield a
+    finally:
+        try:
+            a.empty_cache()
+        except Exception:
+            pass
+        del a
+        gc.collect()
+
 def run(ctx) -> Dict[str, Any]:
     from cxlalloc.bench.meta import RecordWriter, new_record
 
@@ -208,26 +228,17 @@ def run(ctx) -> Dict[str, Any]:
                 except guard.ManagedMemoryGuardError as e:
                     w.skip(f"gpu:{backend}", str(e))
                     continue
-            a = None
             try:
-                a = cxlalloc.Allocator(device_limit=2 * max(sizes) + 64 * MiB, host_limit=host_limit,
-                                       backend=backend, device=ctx.device, migration_rate=0)
-                tiers = ("device", "host") if first else ("host",)  # the device tier does not depend on the backend
-                _latency_grid(w, a, f"gpu:{backend}", sizes, tiers, iters_cached, iters_cold, False, dl, backend)
-                if first:
-                    _driver_grid(w, a, sizes, iters_driver, False, dl, free)
-                    _throughput(w, a, 20, False, backend)
+                with _allocator(device_limit=2 * max(sizes) + 64 * MiB, host_limit=host_limit,
+                                backend=backend, device=ctx.device, migration_rate=0) as a:
+                    tiers = ("device", "host") if first else ("host",)  # the device tier does not depend on the backend
+                    _latency_grid(w, a, f"gpu:{backend}", sizes, tiers, iters_cached, iters_cold, False, dl, backend)
+                    if first:
+                        _driver_grid(w, a, sizes, iters_driver, False, dl, free)
+                        _throughput(w, a, 20, False, backend)
                 first = False
             except Exception as e:
                 w.error(f"gpu:{backend}", e)
-            finally:
-                if a is not None:
-                    try:
-                        a.empty_cache()
-                    except Exception:
-                        pass
-                del a
-                gc.collect()
 
     # ---- CPU part: the simulated driver (always)
     sim_backends = backends
@@ -235,25 +246,16 @@ def run(ctx) -> Dict[str, Any]:
         if dl.expired():
             w.skip(f"sim:{backend}", "time budget used up")
             continue
-        a = None
         try:
-            a = cxlalloc.Allocator(simulate=True, device_limit=2 * max(sizes[:2]) + 64 * MiB,
-                                   host_limit=2 * max(sizes[:2]) + 64 * MiB, backend=backend, migration_rate=0)
-            _latency_grid(w, a, f"sim:{backend}", sizes[:2], ("device", "host"), iters_cached, iters_cold, True, dl,
-                          backend)
-            if backend == sim_backends[0]:
-                _driver_grid(w, a, sizes[:2], iters_driver, True, dl, None)
-            _throughput(w, a, 20, True, backend)
+            with _allocator(simulate=True, device_limit=2 * max(sizes[:2]) + 64 * MiB,
+                            host_limit=2 * max(sizes[:2]) + 64 * MiB, backend=backend, migration_rate=0) as a:
+                _latency_grid(w, a, f"sim:{backend}", sizes[:2], ("device", "host"), iters_cached, iters_cold, True,
+                              dl, backend)
+                if backend == sim_backends[0]:
+                    _driver_grid(w, a, sizes[:2], iters_driver, True, dl, None)
+                _throughput(w, a, 20, True, backend)
         except Exception as e:
             w.error(f"sim:{backend}", e)
-        finally:
-            if a is not None:
-                try:
-                    a.empty_cache()
-                except Exception:
-                    pass
-            del a
-            gc.collect()
     w.note("results with simulated=true ran on cxlalloc's simulated CUDA driver: engine CPU cost only, "
            "not comparable to GPU numbers")
     return w.finish()
