@@ -43,7 +43,7 @@ if [ ! -f "$DEPS_STAMP" ] || [ "$(cat "$DEPS_STAMP")" != "$deps_key" ]; then
   echo "$deps_key" > "$DEPS_STAMP"
   rm -f "$BUILD_STAMP"
 fi
-built=$(ls cxlalloc/_C*.so 2>/dev/null | head -1)
+built=$(compgen -G "cxlalloc/_C*.so" | head -1 || true)  # no match is not an error
 if [ -z "$built" ] || [ ! -f "$BUILD_STAMP" ] || \
    [ -n "$(find csrc setup.py pyproject.toml cxlalloc-startup.pth -newer "$BUILD_STAMP" -print -quit)" ]; then
   # --no-build-isolation: build against the pybind11 just installed instead
