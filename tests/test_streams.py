@@ -92,6 +92,31 @@ def test_event_drain_for_device_room_never_exposes_busy_host_pages(make_alloc, s
     streams.synchronize(sb)
 
 
+def test_driver_refusing_a_host_segment_waits_for_the_busy_block_and_is_counted(make_alloc, streams, sim):
+    """The H200 record_stream run reused a freed host block once its stream
+    had finished, where a new segment was expected.  One path that does this
+    is the driver refusing the new segment: the engine then waits for the
+    pending free (never exposing busy pages) and reuses it.  That path must be
+    visible in stats, so a GPU run can tell it from a synchronous free."""
+    a = make_alloc(device_limit=8 * MiB, host_limit=1024 * MiB, backend="host-vmm")
+    sa, sb = streams.new(), streams.new()
+    p = a.malloc(64 * MiB, stream=sa)
+    assert a.tier_of(p) == "host"
+    a.record_stream(p, sb)
+    sim.stream_sleep(sb, 100_000)
+    sim.stream_write_u64(sb, p, 0xC0DE)
+    a.free(p)
+    sim.fail("cuMemCreate", nth=1)  # the budget allows a new host segment; the driver says out of memory
+    q = a.malloc(64 * MiB, stream=sa)
+    s = a.stats()
+    assert s["driver_refused_host_segments"] == 1 and s["driver_refused_device_segments"] == 0, s
+    assert s["event_record_failures"] == 0, s
+    assert q == p and a.tier_of(q) == "host"
+    assert ctypes.c_uint64.from_address(p).value == 0xC0DE, "reused before the stream finished"
+    a.free(q)
+    a.check_invariants()
+
+
 def test_same_stream_reuse_is_immediate(make_alloc, streams):
     a = make_alloc()
     s = streams.new()

@@ -298,8 +298,20 @@ def test_c09_orderings():
 
 
 # ----------------------------------------------------------------- C06: pending frees reclaimed before spilling
+# What the two stream tests report besides their verdict: the first H200 run
+# saw both "frees" behave synchronously, and these tell the possible causes
+# apart (a synchronising call, a failed cuEventRecord, a refused segment).
+DIAG = """
+def diag(**kw):
+    s = cx().stats()
+    keys = ("event_drains", "event_record_failures", "driver_refused_device_segments",
+            "driver_refused_host_segments", "new_device_segments", "new_host_segments", "cache_hits")
+    return dict(kw, **{k: s[k] for k in keys}, sync_all=s["torch"]["num_sync_all_streams"])
+"""
+
+
 def test_c06_stream_pending_frees_are_waited_for_not_spilled():
-    res, _ = run_case("""
+    res, _ = run_case(DIAG + textwrap.dedent("""
         enable(device_limit="256MiB", host_limit="1GiB")
         side = torch.cuda.Stream()
         big = torch.empty(160 * MiB, dtype=torch.uint8, device="cuda")
@@ -308,23 +320,27 @@ def test_c06_stream_pending_frees_are_waited_for_not_spilled():
             big.add_(1)
         big.record_stream(side)
         del big                                        # free pending on side's work
+        busy_after_free = not side.query()
         smalls = []
         for _ in range(8):
             t = torch.empty(2 * MiB, dtype=torch.uint8, device="cuda")
             t.record_stream(side)
             smalls.append(t)
         del smalls, t
+        busy_before_need = not side.query()
         need = torch.empty(200 * MiB, dtype=torch.uint8, device="cuda")   # fits only once the frees complete
         s = cx().stats()
-        result(tier=cx().tier_of(need), spilled=s["spilled_bytes"], drains=s["event_drains"],
-               record_failures=s["event_record_failures"])
-    """)
-    assert res["record_failures"] == 0, res  # a failed cuEventRecord makes frees synchronous instead
-    assert res["tier"] == "device" and res["spilled"] == 0 and res["drains"] >= 1, res
+        result(**diag(tier=cx().tier_of(need), spilled=s["spilled_bytes"], busy_after_free=busy_after_free,
+                      busy_before_need=busy_before_need))
+    """))
+    assert res["event_record_failures"] == 0, res  # a failed cuEventRecord makes frees synchronous instead
+    assert res["busy_after_free"], f"something waited for the side stream during the free: {res}"
+    assert res["busy_before_need"], f"something waited for the side stream in the small allocations: {res}"
+    assert res["tier"] == "device" and res["spilled"] == 0 and res["event_drains"] >= 1, res
 
 
 def test_record_stream_holds_host_blocks_until_their_streams_pass():
-    res, _ = run_case("""
+    res, _ = run_case(DIAG + textwrap.dedent("""
         enable(device_limit="8MiB", host_limit="1GiB")
         side = torch.cuda.Stream()
         t = torch.full((64 * MiB,), 1, dtype=torch.uint8, device="cuda")   # host tier
@@ -338,13 +354,19 @@ def test_record_stream_holds_host_blocks_until_their_streams_pass():
         out.record_stream(side)
         old = t.data_ptr()
         del t
+        busy_after_free = not side.query()
         u = torch.full((64 * MiB,), 9, dtype=torch.uint8, device="cuda")   # must not reuse t's block yet
+        busy_after_alloc = not side.query()
         torch.cuda.synchronize()
-        result(tier=tier, reused=u.data_ptr() == old, out_sum=int(out.sum()), u_sum=int(u.sum()),
-               record_failures=cx().stats()["event_record_failures"])
-    """)
-    assert res == {"tier": "host", "reused": False, "out_sum": 64 * MiB, "u_sum": 9 * 64 * MiB,
-                   "record_failures": 0}
+        result(**diag(tier=tier, reused=u.data_ptr() == old, out_sum=int(out.sum()), u_sum=int(u.sum()),
+                      busy_after_free=busy_after_free, busy_after_alloc=busy_after_alloc))
+    """))
+    # Data first: whatever path was taken, no byte may be read after reuse.
+    assert res["out_sum"] == 64 * MiB and res["u_sum"] == 9 * 64 * MiB, res
+    assert res["tier"] == "host" and res["event_record_failures"] == 0, res
+    assert res["busy_after_free"], f"something waited for the side stream during the free: {res}"
+    assert res["driver_refused_host_segments"] == 0, f"the driver refused a 64 MiB host segment: {res}"
+    assert not res["reused"] and res["busy_after_alloc"], res
 
 
 # ----------------------------------------------------------------- C10: stats after generate, graphs, cuDNN

@@ -76,6 +76,7 @@ Segment* DeviceAllocator::new_segment(Tier tier, const FreeListKey& key, size_t 
     // the CUDA context, a driver limit): report "does not fit" and let the
     // caller move on; any other failure is an error the user must see.
     if (is_out_of_memory(e)) {
+      stats_.counters.driver_refused_segments[int(tier)]++;
       log_debug(std::string("segment allocation on ") + tier_name(tier) + " failed: " + e.what());
       return nullptr;
     }
@@ -205,9 +206,14 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
   auto try_host = [&]() -> Block* {
     if (!policy::may_spill(req, tb)) return nullptr;
     Block* b = alloc_in(Tier::Host, key, size, nbytes, stream, true);
+    // Same reclaim order as the device tier, within the host budget: a
+    // drained free is reused before cached segments are given back (which
+    // costs a device-wide sync and a new registration).
+    if (!b && !pending_.empty()) {
+      process_events(true, int(Tier::Host));
+      b = alloc_in(Tier::Host, key, size, nbytes, stream, false);
+    }
     if (!b) {
-      // Same reclaim order as the device tier, within the host budget.
-      if (!pending_.empty()) process_events(true, int(Tier::Host));
       release_free_segments(Tier::Host, seg_bytes, false);
       b = alloc_in(Tier::Host, key, size, nbytes, stream, true);
     }

@@ -53,6 +53,10 @@ struct Counters {
   uint64_t cache_hits = 0;           // allocations served from cached free blocks
   uint64_t new_segments[kNumTiers] = {0, 0};
   uint64_t released_segments[kNumTiers] = {0, 0};
+  // The budget allowed a new segment but the driver had no memory for it
+  // (another process, the CUDA context, pinned-memory limits): the request
+  // moved on as if the tier were full.
+  uint64_t driver_refused_segments[kNumTiers] = {0, 0};
   uint64_t invalid_frees = 0;
   uint64_t ooms = 0;
   uint64_t capture_refusals = 0;     // host placement refused during graph capture

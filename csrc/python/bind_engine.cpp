@@ -89,15 +89,6 @@ py::capsule make_capsule(DLContext* ctx, uint64_t ptr, size_t nbytes, int device
   return py::reinterpret_steal<py::capsule>(cap);
 }
 
-py::dict stat_dict(const Stat& s) {
-  py::dict d;
-  d["current"] = s.current;
-  d["peak"] = s.peak;
-  d["allocated"] = s.allocated;
-  d["freed"] = s.freed;
-  return d;
-}
-
 // torch.cuda.memory_stats()-style flat keys for the device tier.
 py::dict torch_flat(const TorchStats& t) {
   py::dict d;
@@ -180,6 +171,8 @@ py::dict stats_dict(DeviceAllocator& a) {
   out["new_host_segments"] = k.new_segments[1];
   out["released_device_segments"] = k.released_segments[0];
   out["released_host_segments"] = k.released_segments[1];
+  out["driver_refused_device_segments"] = k.driver_refused_segments[0];
+  out["driver_refused_host_segments"] = k.driver_refused_segments[1];
   out["invalid_frees"] = k.invalid_frees;
   out["ooms"] = k.ooms;
   out["capture_refusals"] = k.capture_refusals;
