@@ -25,6 +25,9 @@ import os
 import sys
 
 _done = False
+# The error line already printed for a bad CXLALLOC (the CLI's `run` then
+# does not print it a second time), or None.
+reported_error: str | None = None
 
 
 def _line(kind: str, msg: str) -> None:
@@ -107,7 +110,9 @@ def _main() -> None:
             return
         cfg = make_config(**options)
     except ValueError as e:
+        global reported_error
         msg = str(e) if str(e).startswith("CXLALLOC") else f"CXLALLOC: {e}"
+        reported_error = msg
         _line("error", f"{msg} (cxlalloc is not enabled)")
         return
     # simulate:1 only warns (in _enable_now), and only in processes that

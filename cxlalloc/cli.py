@@ -208,6 +208,19 @@ def _startup_hook_installed() -> bool:
     return any(os.path.isfile(os.path.join(d, "cxlalloc-startup.pth")) for d in dirs)
 
 
+def _inherited_error_already_shown() -> bool:
+    """True when the inherited CXLALLOC is itself invalid and the start-up
+    hook of this very interpreter has already printed why."""
+    from cxlalloc.config import make_config, parse_env
+
+    try:
+        make_config(**(parse_env(os.environ.get("CXLALLOC", "")) or {}))
+        return False
+    except ValueError:
+        startup = sys.modules.get("cxlalloc._startup")
+        return getattr(startup, "reported_error", None) is not None
+
+
 def build_env_value(args) -> str:
     """The CXLALLOC value for ``run``: the current CXLALLOC (if any) updated
     with the flags and ``--option`` pairs; "1" when nothing is set.
@@ -246,7 +259,10 @@ def cmd_run(args) -> int:
     try:
         value = build_env_value(args)
     except ValueError as e:
-        print(f"cxlalloc run: {e}", file=sys.stderr)
+        if _inherited_error_already_shown():
+            print("cxlalloc run: not running CMD: fix or unset CXLALLOC (the error above)", file=sys.stderr)
+        else:
+            print(f"cxlalloc run: {e}", file=sys.stderr)
         return 2
     if not _startup_hook_installed():
         print("cxlalloc run: warning: cxlalloc-startup.pth is not installed in this Python's site-packages, so "

@@ -100,6 +100,15 @@ def test_run_rejects_bad_options_before_starting():
     assert r.returncode == 127 and "cannot run '/nonexistent/command'" in r.stderr
 
 
+def test_run_with_a_malformed_inherited_variable_says_why_once():
+    r = cli("run", "--", sys.executable, "-c", "print('started')", env_extra={"CXLALLOC": "device_limit:banana"})
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("'device_limit': 'banana' is not a size or fraction") == 1, r.stderr
+    # Whether the start-up hook printed the error (installed .pth) or `run`
+    # did, the last line is run's own.
+    assert r.stderr.splitlines()[-1].startswith("cxlalloc run: "), r.stderr
+
+
 @pytest.mark.parametrize("sub,module", [("bench", "cxlalloc.bench.cli"), ("demo", "cxlalloc.hf.demo")])
 def test_bench_and_demo_are_registered(sub, module):
     import importlib.util
