@@ -301,6 +301,11 @@ def test_c09_orderings():
 # What the two stream tests report besides their verdict: the first H200 run
 # saw both "frees" behave synchronously, and these tell the possible causes
 # apart (a synchronising call, a failed cuEventRecord, a refused segment).
+# The leading suspect is the test itself: with CUDA lazy loading (default
+# since 12.2), a kernel's first launch may need a context synchronization
+# (CUDA Programming Guide, "Lazy Loading", potential hazards), and C06's
+# first `add_` after the sleep would then have waited the sleep out.  Both
+# tests now launch every kernel once before the timed sleep.
 DIAG = """
 def diag(**kw):
     s = cx().stats()
@@ -315,6 +320,10 @@ def test_c06_stream_pending_frees_are_waited_for_not_spilled():
         enable(device_limit="256MiB", host_limit="1GiB")
         side = torch.cuda.Stream()
         big = torch.empty(160 * MiB, dtype=torch.uint8, device="cuda")
+        with torch.cuda.stream(side):                  # load every kernel used below first: under
+            torch.cuda._sleep(1)                       # CUDA lazy loading, a kernel's first launch
+            big.add_(1)                                # may synchronize the context, i.e. wait out
+        side.synchronize()                             # the sleep the test relies on
         with torch.cuda.stream(side):
             torch.cuda._sleep(1_000_000_000)          # keeps `side` busy for ~0.5 s
             big.add_(1)
@@ -347,6 +356,10 @@ def test_record_stream_holds_host_blocks_until_their_streams_pass():
         out = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
         tier = cx().tier_of(t)
         side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                  # first launches outside the timed part
+            torch.cuda._sleep(1)                       # (lazy loading may synchronize the context)
+            out.copy_(t)
+        side.synchronize()
         with torch.cuda.stream(side):
             torch.cuda._sleep(1_000_000_000)          # ~0.5 s
             out.copy_(t)                              # reads t long after the free below
