@@ -8,8 +8,12 @@
 # on; the whole run is held under GPU_CHECK_BUDGET_S seconds, default 470, by
 # shrinking later boxes, with 30 s always kept for the report and packing):
 #   env, wheels, build, adapter (cxlalloc's torch adapter, JIT), info,
-#   pytest-gpu, ceilings (the bandwidth probe), allocation, decode,
+#   ceilings (the bandwidth probe), allocation, pytest-gpu, decode,
 #   rightsizing, report, pack
+# The two short benchmarks run before the tests (they have never run on a
+# GPU; a minute buys their first numbers); decode takes what the tests leave,
+# and right-sizing runs only if time remains (it is recorded as skipped
+# otherwise).
 #
 # Output ($OUT when set, else ./out/gpu_check), within the device tool's limits
 # (at most 8 files, at most 2 folders deep):
@@ -89,11 +93,11 @@ STEPS=(
   "build|240|CXLALLOC_BUILD_JOBS=\$(nproc) $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . || { echo 'pip editable install failed; building in place instead'; CXLALLOC_BUILD_JOBS=\$(nproc) $PY setup.py -q build_ext --inplace; }; $PY -c 'import cxlalloc, cxlalloc._C as c; print(\"cxlalloc\", cxlalloc.__version__, c.__file__)'"
   "adapter|150|if $PY -c 'import cxlalloc._torch_build' 2>/dev/null; then $PY -c 'from cxlalloc import _torch_build as b; m = b.load(); print(\"torch adapter ready:\", m.__file__)'; else echo 'cxlalloc._torch_build is missing from this tree: no adapter to build'; fi"
   "info|60|$PY -m cxlalloc info --json > $RES/info.json; rc=\$?; $PY -m cxlalloc info; exit \$rc"
-  "pytest-gpu|150|$PY -m pytest -m gpu -q -ra --timeout=60 -p no:cacheprovider --junitxml=$RES/pytest.xml tests; rc=\$?; if [ \$rc -eq 5 ]; then echo 'no GPU-marked tests collected'; exit 0; fi; exit \$rc"
   "ceilings|40|$BENCH --only ceilings --time-budget \$STEP_BUDGET"
   "allocation|35|$BENCH --only allocation --time-budget \$STEP_BUDGET"
+  "pytest-gpu|170|$PY -m pytest -m gpu -q -ra --timeout=60 -p no:cacheprovider --junitxml=$RES/pytest.xml tests; rc=\$?; if [ \$rc -eq 5 ]; then echo 'no GPU-marked tests collected'; exit 0; fi; exit \$rc"
   "decode|130|$BENCH --only decode --time-budget \$STEP_BUDGET"
-  "rightsizing|45|$BENCH --only rightsizing --time-budget \$STEP_BUDGET"
+  "rightsizing|90|$BENCH --only rightsizing --time-budget \$STEP_BUDGET"
   "report|40|$PY -m cxlalloc.bench.report --results $RES --plots $RES/plots --readme $RES/README_section.md"
   "pack|20|(internal) write $OUTDIR/summary.json, pack $WORK into $OUTDIR/results.tar.gz, keep $OUTDIR/log.txt"
 )

@@ -10,13 +10,13 @@ import tarfile
 
 import pytest
 
-from cxlalloc.bench import decode, guard, meta, report
+from cxlalloc.bench import decode, guard, meta, report, rightsizing
 from cxlalloc.bench.model import SHAPES, ceiling_tokens_per_s
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 1 << 30
 MiB = 1 << 20
-STEPS = ("env", "wheels", "build", "adapter", "info", "pytest-gpu", "ceilings", "allocation", "decode", "rightsizing",
+STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "decode", "rightsizing",
          "report", "pack")
 
 
@@ -214,6 +214,52 @@ def _synthetic_decode_rows():
                 rows.append(dict(base, id=f"l{f}", variant="native_limit", spill=f, status="oom",
                                  error="torch.OutOfMemoryError: CUDA out of memory"))
     return rows
+
+
+def test_record_status_is_judged_by_its_rows(tmp_path):
+    def status(*row_statuses):
+        w = meta.RecordWriter(str(tmp_path), meta.new_record("decode", {}, simulated=False, argv=[]))
+        w.record["summary"] = {}
+        for i, st in enumerate(row_statuses):
+            w.add({"id": str(i), "status": st, "method": "synthetic"})
+        return w.finish(w.status_from_rows()), w.record["summary"]["row_status_counts"]
+
+    assert status("error", "error")[0]["status"] == "error"           # no ok row: never "ok"
+    assert status("not_run", "oom")[0]["status"] == "error"
+    assert status("ok", "not_run")[0]["status"] == "partial"          # killed or out of time
+    assert status("ok", "error")[0]["status"] == "partial"
+    rec, counts = status("ok", "oom", "refused")                        # measured OOM, guard refusal
+    assert rec["status"] == "ok" and counts == {"ok": 1, "oom": 1, "refused": 1}
+
+
+def test_rightsizing_capacity_only_from_a_memory_stop():
+    def rows(variant, statuses):
+        return [{"variant": variant, "batch": b, "status": st, "decode_tokens_per_s": 10.0 * b}
+                for b, st in zip((4, 8, 16, 32), statuses)]
+
+    lb = rightsizing.largest_batch
+    assert lb(rows("cxlalloc", ["ok", "ok", "oom", "not_run"]), "cxlalloc", [4, 8, 16, 32]) == {
+        "largest_batch": 8, "tokens_per_s": 80.0, "mode": None, "stopped_by": "oom", "failed_batch": 16}
+    cut = lb(rows("cxlalloc", ["ok", "not_run", "not_run", "not_run"]), "cxlalloc", [4, 8, 16, 32])
+    assert cut["stopped_by"] == "time" and cut["largest_batch"] == 4
+    assert lb(rows("cxlalloc", ["ok", "ok"]), "cxlalloc", [4, 8, 16, 32])["stopped_by"] == "time"  # worker killed
+    assert lb(rows("cxlalloc", ["ok"] * 4), "cxlalloc", [4, 8, 16, 32])["stopped_by"] == "all_ran"
+    assert lb(rows("cxlalloc", ["ok", "refused"]), "cxlalloc", [4, 8, 16, 32])["stopped_by"] == "refused"
+    assert lb([], "cxlalloc", [4])["stopped_by"] == "none"
+
+
+def test_native_limit_ceiling_puts_nothing_on_the_host():
+    kv = SHAPES["llama-1b"].kv_bytes(16, 4096 + 12)
+    base = dict(model="llama-1b", context=4096, batch=16, new_tokens=12, kv_final_bytes=kv, status="ok",
+                backend=None, method="synthetic", decode_tokens_per_s=500.0)
+    rows = [dict(base, id="n", variant="native", spill=0.0),
+            dict(base, id="l", variant="native_limit", spill=0.5),   # fit after all: plain torch spills nothing
+            dict(base, id="c", variant="cxlalloc", backend="host-vmm", spill=0.5)]
+    ceil = {"hbm_read_gbps": 3500.0, "link": {"host-vmm": {"zero_copy_read_gbps": 45.0}}}
+    decode.analyse(rows, ceil)
+    by = {r["id"]: r for r in rows}
+    assert by["l"]["ceiling_host_fraction"] == 0.0 and by["c"]["ceiling_host_fraction"] == 0.5
+    assert by["l"]["ceiling_tokens_per_s"] == by["n"]["ceiling_tokens_per_s"] > by["c"]["ceiling_tokens_per_s"]
 
 
 def _gpu_record(name, results, summary, tmpdir):

@@ -328,6 +328,28 @@ class RecordWriter:
         self.record["notes"].append(text)
         self.flush()
 
+    def status_from_rows(self) -> str:
+        """The record's status judged by its result rows, for benchmarks whose
+        cells run in worker processes (decode, right-sizing): "error" when no
+        row is "ok", "partial" when any row errored or did not run (killed,
+        time budget), else "ok".  An "oom" row is a measured outcome (plain
+        transformers under a budget), and a "refused" row the managed-memory
+        guard doing its job: neither makes a run partial.  Also stores the
+        per-status row counts in ``summary["row_status_counts"]``."""
+        counts: Dict[str, int] = {}
+        for r in self.record["results"]:
+            counts[str(r.get("status"))] = counts.get(str(r.get("status")), 0) + 1
+        summary = self.record.get("summary")
+        if isinstance(summary, dict):
+            summary["row_status_counts"] = counts
+        else:
+            self.record["row_status_counts"] = counts
+        if not counts.get("ok"):
+            return "error"
+        if counts.get("error") or counts.get("not_run") or self.record["errors"]:
+            return "partial"
+        return "ok"
+
     def finish(self, status: Optional[str] = None) -> Dict[str, Any]:
         r = self.record
         if status is None:

@@ -195,10 +195,13 @@ def readme_section(latest: Dict[str, Dict[str, Any]], plots: List[str], readme_d
         lines += ["#### Right-sizing", "", f"Run: {_run_line(r)}.", "",
                   f"Fixed device budget {_gib(s.get('budget_bytes'))}, {r['parameters'].get('model')}, context "
                   f"{r['parameters'].get('context')}.", "",
-                  "| variant | largest batch | decode tok/s at it |", "|---|---:|---:|",
-                  f"| plain transformers + limit | {_f(n.get('largest_batch'), '{}')} | {_f(n.get('tokens_per_s'))} |",
-                  f"| cxlalloc | {_f(x.get('largest_batch'), '{}')} | {_f(x.get('tokens_per_s'))} |",
-                  f"| ratio | {_ratio(s.get('batch_ratio'))} | {_ratio(s.get('tokens_per_s_ratio'))} |", ""]
+                  "| variant | largest batch | decode tok/s at it | stopped by |", "|---|---:|---:|---|",
+                  f"| plain transformers + limit | {_f(n.get('largest_batch'), '{}')} | {_f(n.get('tokens_per_s'))} "
+                  f"| {n.get('stopped_by') or '–'} |",
+                  f"| cxlalloc | {_f(x.get('largest_batch'), '{}')} | {_f(x.get('tokens_per_s'))} "
+                  f"| {x.get('stopped_by') or '–'} |",
+                  f"| ratio | {_ratio(s.get('batch_ratio'))} | {_ratio(s.get('tokens_per_s_ratio'))} "
+                  f"| {s.get('ratios') or ''} |", ""]
     a = latest.get("allocation")
     if a:
         rows = [x for x in a["results"] if not x.get("simulated") and x.get("kind") in ("cxlalloc", "driver")]

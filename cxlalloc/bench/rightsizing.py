@@ -26,6 +26,7 @@ from cxlalloc.bench.model import GiB, SHAPES
 
 ACTIVATION_ALLOWANCE = 3 * GiB // 2
 FIT_BATCH = 8
+NATIVE_SHARE = 0.4  # of the remaining time budget; cxlalloc's worker gets the rest
 
 
 def run(ctx) -> Dict[str, Any]:
@@ -82,11 +83,15 @@ def run(ctx) -> Dict[str, Any]:
     for i, (name, kind, opts, cs) in enumerate(groups):
         allowed, refused = guard.split_grid(cs, free or 0)
         for c in refused:
-            w.add(dict(c, status="refused", reason=c.pop("refused"), method="refused by the managed-memory guard"))
+            r = dict(c, status="refused", reason=c.pop("refused"), method="refused by the managed-memory guard")
+            rows.append(r)
+            w.add(r)
         if not allowed:
             continue
         rem = ctx.deadline.remaining()
-        share = rem if rem == float("inf") else max(20.0, rem / (len(groups) - i))
+        # Native stops at its first OOM (a few small batches); cxlalloc runs the
+        # large batches over the link, so it gets the larger share.
+        share = rem if rem == float("inf") else max(20.0, rem * (NATIVE_SHARE if i == 0 else 1.0))
         spec = {"group": name, "kind": kind, "device": ctx.device, "device_type": "cuda",
                 "deadline_unix": time.time() + share, "cxlalloc_options": opts, "free_bytes_at_start": free,
                 "stop_after_failure": True, "cells": allowed}
@@ -98,15 +103,39 @@ def run(ctx) -> Dict[str, Any]:
             w.add(r)  # on disk at once
     summary: Dict[str, Any] = {"budget_bytes": budget}
     for variant in ("native_limit", "cxlalloc"):
-        ok_rows = [r for r in rows if r["variant"] == variant and r.get("status") == "ok"]
-        best = max(ok_rows, key=lambda r: r["batch"], default=None)
-        summary[variant] = {"largest_batch": best["batch"] if best else None,
-                            "tokens_per_s": best.get("decode_tokens_per_s") if best else None,
-                            "mode": best.get("mode") if best else None}
+        summary[variant] = largest_batch(rows, variant, batches)
     n, c = summary["native_limit"], summary["cxlalloc"]
-    if n["largest_batch"] and c["largest_batch"]:
+    if {n["stopped_by"], c["stopped_by"]} & {"time", "refused"}:
+        # A variant cut short by the clock or the guard says nothing about its capacity.
+        summary["ratios"] = "not computed: a variant was stopped by the time budget or the guard, not by memory"
+    elif n["largest_batch"] and c["largest_batch"]:
         summary["batch_ratio"] = c["largest_batch"] / n["largest_batch"]
         if n["tokens_per_s"] and c["tokens_per_s"]:
             summary["tokens_per_s_ratio"] = c["tokens_per_s"] / n["tokens_per_s"]
     w.record["summary"] = summary
-    return w.finish()
+    return w.finish(w.status_from_rows() if rows else None)
+
+
+def largest_batch(rows: List[Dict[str, Any]], variant: str, batches: List[int]) -> Dict[str, Any]:
+    """The largest batch ``variant`` decoded, its aggregate tokens/s, and what
+    stopped it: "oom" or "error" (the first failing batch: a capacity result),
+    "all_ran" (every batch in ``batches`` was ok), "refused" (the
+    managed-memory guard refused the next batch: a lower bound), "time" (a
+    batch was not run or its worker was killed before any failure: no
+    capacity result), or "none" (no row at all)."""
+    mine = sorted((r for r in rows if r.get("variant") == variant), key=lambda r: r["batch"])
+    ok_rows = [r for r in mine if r.get("status") == "ok"]
+    best = max(ok_rows, key=lambda r: r["batch"], default=None)
+    first_bad = next((r for r in mine if r.get("status") != "ok"), None)
+    if not mine:
+        stopped = "none"
+    elif first_bad is None:
+        stopped = "all_ran" if len(ok_rows) == len(batches) else "time"
+    elif first_bad.get("status") in ("oom", "error", "refused"):
+        stopped = first_bad["status"]
+    else:
+        stopped = "time"  # not_run (deadline, killed worker) before any failure
+    return {"largest_batch": best["batch"] if best else None,
+            "tokens_per_s": best.get("decode_tokens_per_s") if best else None,
+            "mode": best.get("mode") if best else None, "stopped_by": stopped,
+            "failed_batch": first_bad["batch"] if first_bad is not None else None}

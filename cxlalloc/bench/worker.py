@@ -244,12 +244,17 @@ class Worker:
                 row.update(status="refused", reason=refused)
                 _emit(self.out, row)
                 continue
+            failed = False
             try:
                 row.update(self.run_cell(cell))
             except Exception as e:  # noqa: BLE001 - every failure is recorded
                 row.update(status="oom" if _is_oom(e) else "error", error=f"{type(e).__name__}: {str(e)[:1500]}")
                 if row["status"] == "error":
                     row["traceback"] = traceback.format_exc()[-3000:]
+                failed = True
+            if failed:
+                # Outside the except block: its traceback's frames still hold the failed
+                # generate()'s KV and activations, which empty_cache could not release.
                 self._after_failure()
             if row.get("status") != "ok":
                 failed_variants.add(cell["variant"])
@@ -268,6 +273,21 @@ class Worker:
         except ManagedMemoryGuardError as e:
             return str(e)
         return None
+
+    def _torch_peak(self, fn) -> Optional[int]:
+        """torch's peak counter ``fn`` for this device in bytes, or None where the
+        installed allocator has none (torch's plain CUDAPluggableAllocator raises
+        "does not yet support" for peak stats: cxlalloc's fallback mode)."""
+        try:
+            return int(fn(self.device))
+        except RuntimeError:
+            return None
+
+    def _reset_torch_peaks(self) -> None:
+        try:
+            self.torch.cuda.reset_peak_memory_stats(self.device)
+        except RuntimeError:
+            pass  # as _torch_peak: no peak counters under this allocator
 
     def _after_failure(self) -> None:
         gc.collect()
@@ -349,9 +369,9 @@ class Worker:
 
         def at_first_token():
             # Prefill peaks (allocated/reserved), then restart the peak counters for the decode phase.
-            prefill_peak["allocated"] = int(torch.cuda.max_memory_allocated(self.device))
-            prefill_peak["reserved"] = int(torch.cuda.max_memory_reserved(self.device))
-            torch.cuda.reset_peak_memory_stats(self.device)
+            prefill_peak["allocated"] = self._torch_peak(torch.cuda.max_memory_allocated)
+            prefill_peak["reserved"] = self._torch_peak(torch.cuda.max_memory_reserved)
+            self._reset_torch_peaks()
 
         streamer = TimingStreamer(self.sampler(model) if cell.get("timeline", True) else None,
                                   on_first=at_first_token if dev == "cuda" else None)
@@ -363,7 +383,7 @@ class Worker:
             gen["cache_implementation"] = cell["cache_implementation"]
         if dev == "cuda":
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self._reset_torch_peaks()
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, **gen)
@@ -386,12 +406,15 @@ class Worker:
         res["generated_tokens"] = int(new_ids.numel())
         res["tokens_digest"] = hashlib.sha256(new_ids.numpy().tobytes()).hexdigest()[:16]
         if dev == "cuda":
-            dec_alloc = int(torch.cuda.max_memory_allocated(self.device))  # since the first token
-            dec_res = int(torch.cuda.max_memory_reserved(self.device))
+            dec_alloc = self._torch_peak(torch.cuda.max_memory_allocated)  # since the first token
+            dec_res = self._torch_peak(torch.cuda.max_memory_reserved)
             res["decode_peak_allocated_bytes"] = dec_alloc
             res["prefill_peak_allocated_bytes"] = prefill_peak.get("allocated")
-            res["peak_allocated_bytes"] = max(dec_alloc, prefill_peak.get("allocated", 0))
-            res["peak_reserved_bytes"] = max(dec_res, prefill_peak.get("reserved", 0))
+            if dec_alloc is not None:
+                res["peak_allocated_bytes"] = max(dec_alloc, prefill_peak.get("allocated") or 0)
+                res["peak_reserved_bytes"] = max(dec_res or 0, prefill_peak.get("reserved") or 0)
+            else:
+                res["torch_peaks"] = "unavailable under this allocator (see cxlalloc stats)"
             res["pinned_host_bytes"] = _pinned_host_bytes(torch)
         alloc = self._allocator(model)
         if alloc is not None:
