@@ -8,6 +8,7 @@ this class is for direct use, tests, capacity planning, and (with
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional, Sequence
 
 from cxlalloc import _C, _runtime
@@ -44,6 +45,13 @@ def _ptr(p) -> int:
     if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < 1 << 64:
         raise ValueError(f"cxlalloc: {p!r} is not a pointer (an int address returned by malloc)")
     return p
+
+
+def _stream(s) -> int:
+    if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 1 << 64:
+        raise ValueError(f"cxlalloc: stream {s!r} is not a stream handle (an int CUstream, e.g. "
+                         "torch.cuda.current_stream().cuda_stream, or 0 for the default stream)")
+    return s
 
 
 def _check_tier(tier: str) -> str:
@@ -129,7 +137,7 @@ class Allocator:
                 gives the request, each tier's use and limit, and the node).
             ValueError: unknown tag.
         """
-        return self._dev.malloc(_nbytes(nbytes), _ptr(stream), _check_tag(tag))
+        return self._dev.malloc(_nbytes(nbytes), _stream(stream), _check_tag(tag))
 
     def free(self, ptr: int) -> None:
         """Free a pointer returned by :meth:`malloc`.
@@ -146,7 +154,7 @@ class Allocator:
     def record_stream(self, ptr: int, stream: int) -> None:
         """Mark ``ptr`` as used on ``stream``: after :meth:`free` it is reused
         only once the work queued on ``stream`` so far has completed."""
-        self._dev.record_stream(_ptr(ptr), _ptr(stream))
+        self._dev.record_stream(_ptr(ptr), _stream(stream))
 
     def tier_of(self, ptr: int) -> str:
         """``"device"`` or ``"host"``: where the byte at ``ptr`` lives now.
@@ -207,7 +215,13 @@ class Allocator:
 
         dtype = dtype or torch.float32
         shape = tuple(shape)
-        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape):
+        try:  # any integer type (Python, NumPy, a 0-d integer tensor), never a bool
+            if any(isinstance(s, bool) for s in shape):
+                raise TypeError
+            shape = tuple(operator.index(s) for s in shape)
+        except TypeError:
+            raise ValueError(f"cxlalloc: shape {shape!r} must be non-negative ints") from None
+        if any(s < 0 for s in shape):
             raise ValueError(f"cxlalloc: shape {shape!r} must be non-negative ints")
         elem = torch.empty((), dtype=dtype).element_size()
         nbytes = math.prod(shape) * elem
@@ -216,13 +230,10 @@ class Allocator:
             return torch.empty(shape, dtype=dtype, device="cpu" if self.simulated else f"cuda:{dev_id}")
         if stream is None:
             stream = 0 if self.simulated else torch.cuda.current_stream(dev_id).cuda_stream
-        ptr = self._dev.malloc(_nbytes(nbytes, "the tensor's size in bytes"), _ptr(stream), _check_tag(tag))
-        try:
-            cap = self._dev.dlpack(ptr, nbytes, dev_type, dev_id)
-        except BaseException:
-            self._dev.free(ptr)
-            raise
-        # From here the capsule owns the block: freed with the tensor.
+        ptr = self._dev.malloc(_nbytes(nbytes, "the tensor's size in bytes"), _stream(stream), _check_tag(tag))
+        # dlpack() takes ownership of the block (it frees it itself if it
+        # fails): from here it is freed with the tensor, and free(ptr) is refused.
+        cap = self._dev.dlpack(ptr, nbytes, dev_type, dev_id)
         return torch.from_dlpack(cap).view(dtype).view(shape)
 
     def extent(self, capacity: int, tag: str = "kv") -> "Extent":

@@ -117,6 +117,25 @@ def test_driver_refusing_a_host_segment_waits_for_the_busy_block_and_is_counted(
     a.check_invariants()
 
 
+def test_free_after_a_use_stream_was_destroyed_keeps_the_allocator_consistent(make_alloc, streams, sim):
+    """record_stream with a stream that is gone by the time of the free: the
+    event cannot be recorded, the stream cannot be waited for; the free falls
+    back to waiting for the whole context, completes, and the block is reusable
+    (before the fix the free raised half-way and stranded the block)."""
+    a = make_alloc()
+    sa = streams.new()
+    p = a.malloc(1 * MiB, stream=sa)
+    a.record_stream(p, 0xDEAD000)  # not a stream at all
+    a.free(p)
+    a.check_invariants()
+    s = a.stats()
+    assert s["event_record_failures"] == 1 and s["device"]["allocated_bytes"] == 0
+    assert a.malloc(1 * MiB, stream=sa) == p  # reusable at once
+    a.free(p)
+    assert a.empty_cache() > 0
+    a.check_invariants()
+
+
 def test_same_stream_reuse_is_immediate(make_alloc, streams):
     a = make_alloc()
     s = streams.new()

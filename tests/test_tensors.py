@@ -2,6 +2,7 @@
 
 import gc
 
+import pytest
 import torch
 
 MiB = 1 << 20
@@ -39,3 +40,32 @@ def test_tensor_dtypes_and_empty_shapes(make_alloc):
         t.zero_()
     e = a.tensor((0, 7), torch.float32)
     assert e.shape == (0, 7)
+
+
+def test_free_of_a_tensor_owned_pointer_is_refused(make_alloc):
+    """A raw free() of the block a live tensor owns would leave the tensor
+    reading whatever is allocated there next (a use-after-free): refused,
+    nothing changed; the tensor frees it when it dies."""
+    import cxlalloc
+    import numpy as np
+
+    a = make_alloc()
+    t = a.tensor((1000,), torch.float32)
+    t.fill_(7.0)
+    with pytest.raises(cxlalloc.InvalidFreeError, match="a live tensor owns"):
+        a.free(t.data_ptr())
+    q = a.malloc(4000)
+    assert q != t.data_ptr() and float(t.sum()) == 7000.0
+    s = a.stats()
+    assert s["invalid_frees"] == 1 and s["frees"] == 0
+    del t
+    gc.collect()
+    a.free(q)
+    s = a.stats()
+    assert s["frees"] == 2 and s["device"]["allocated_bytes"] == 0
+    a.check_invariants()
+    # Any integer type is a dimension (NumPy, 0-d tensors); bools and floats are not.
+    assert a.tensor((np.int64(3), torch.tensor(2)), torch.uint8).shape == (3, 2)
+    for bad in ((True,), (2.0,), (-1,)):
+        with pytest.raises(ValueError, match="must be non-negative ints"):
+            a.tensor(bad)

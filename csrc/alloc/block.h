@@ -22,6 +22,9 @@ struct Block {
   size_t requested = 0;  // what the caller asked for
   CUstream stream = nullptr;
   bool allocated = false;
+  // Owned by a tensor (a DLPack export): only that tensor's deleter frees it,
+  // so a user's free() of the pointer cannot leave the tensor dangling.
+  bool owned = false;
   int event_count = 0;  // outstanding events before a freed block is reusable
   std::set<CUstream> stream_uses;
   Block* prev = nullptr;

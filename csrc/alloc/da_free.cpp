@@ -33,7 +33,20 @@ std::string DeviceAllocator::diagnose_bad_free(CUdeviceptr p) const {
   return "cxlalloc: free of " + hex(p) + ", not the start of any block";
 }
 
-void DeviceAllocator::free(void* ptr) {
+void DeviceAllocator::free(void* ptr) { free_block_of(ptr, false); }
+void DeviceAllocator::free_owned(void* ptr) { free_block_of(ptr, true); }
+
+void DeviceAllocator::adopt(void* ptr) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = allocated_.find(reinterpret_cast<CUdeviceptr>(ptr));
+  if (it == allocated_.end() || it->second->owned)
+    throw Error(ErrorKind::InvalidArgument, "adopt: " + hex(reinterpret_cast<CUdeviceptr>(ptr)) +
+                                                (it == allocated_.end() ? " is not a live cxlalloc allocation"
+                                                                        : " is already owned by a tensor"));
+  it->second->owned = true;
+}
+
+void DeviceAllocator::free_block_of(void* ptr, bool by_owner) {
   if (ptr == nullptr) return;
   auto p = reinterpret_cast<CUdeviceptr>(ptr);
   std::lock_guard<std::mutex> lk(mu_);
@@ -43,8 +56,15 @@ void DeviceAllocator::free(void* ptr) {
     stats_.counters.invalid_frees++;
     throw Error(ErrorKind::InvalidFree, diagnose_bad_free(p));
   }
+  if (it->second->owned && !by_owner) {
+    stats_.counters.invalid_frees++;
+    throw Error(ErrorKind::InvalidFree, "cxlalloc: free of " + hex(p) +
+                                            ", which a live tensor owns (it is freed when the tensor dies: drop "
+                                            "the tensor instead)");
+  }
   driver::ContextGuard guard(*drv_, ctx_.get());
   Block* b = it->second;
+  b->owned = false;
   allocated_.erase(it);
   Segment* seg = b->segment;
   account_free(b, seg->tier());
@@ -98,13 +118,19 @@ void DeviceAllocator::wait_for_uses(Block* b) {
     CUresult r = drv_->api().fn_cuEventRecord(ev.get(), s);
     if (r != CUDA_SUCCESS) {
       // Reuse cannot be ordered after that stream's work: wait for it now
-      // instead (slow but safe); if even that fails, the error is the user's.
-      // Counted and reported once: on a healthy driver this never happens.
+      // instead (slow but safe).  A stream that is no longer valid (destroyed
+      // after record_stream) may still have work queued: wait for the whole
+      // context then.  The free itself never fails half-way: the block's
+      // state was already changed, and a throw here would strand it outside
+      // every list.  Counted and reported once: a healthy driver never gets here.
       if (stats_.counters.event_record_failures++ == 0)
         log_warning("cuEventRecord on a stream that used a freed block failed (" + drv_->describe(r) +
                     "); waiting for that stream instead");
       event_pool_.push_back(std::move(ev));
-      CXL_CU(*drv_, cuStreamSynchronize, s);
+      if (drv_->api().fn_cuStreamSynchronize(s) != CUDA_SUCCESS &&
+          drv_->api().fn_cuCtxSynchronize() != CUDA_SUCCESS)
+        note_cleanup_failure("free: neither the stream that used the block nor the context could be synchronized; "
+                             "the context is unusable, so nothing can still touch the block");
       continue;
     }
     b->event_count++;

@@ -164,8 +164,13 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
     return reinterpret_cast<void*>(take_block(b, size, nbytes, stream)->ptr);
   }
 
+  uint64_t refused_before[kNumTiers];
+  for (int t = 0; t < kNumTiers; ++t) refused_before[t] = stats_.counters.driver_refused_segments[t];
   const size_t seg_bytes = segment_size(size);
-  policy::Request req{cls, seg_bytes, cap};
+  // alloc_in falls back to a segment of the request's own size when torch's
+  // size class does not fit: room, quota and demotion are judged by that.
+  const size_t min_seg = std::min(seg_bytes, round_up(size, factory_->segment_alignment()));
+  policy::Request req{cls, seg_bytes, cap, min_seg};
   policy::TierBudget tb = budget();
   Tier first = only_host ? Tier::Host : policy::first_choice(req, tb);
 
@@ -195,7 +200,7 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
     // 3. Demote cold KV to make room (never for KV itself).
     if (allow_demote && cfg_.kv_aware && policy::may_demote_for(req) && demotion_supported()) {
       used = static_cast<size_t>(stats_.tier[0].reserved_bytes.current);
-      need = used + seg_bytes > device_limit_eff() ? used + seg_bytes - device_limit_eff() : 0;
+      need = used + min_seg > device_limit_eff() ? used + min_seg - device_limit_eff() : 0;
       if (need > 0 && demote_for(need, true) > 0) {
         stats_.torch.num_alloc_retries++;
         if (Block* b = alloc_in(Tier::Device, key, size, nbytes, stream, true)) return b;
@@ -242,7 +247,18 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
     // The host tier is full: a KV block still beats an OOM while VRAM has room.
     if (!b && !only_host) b = try_device(false);
   }
-  if (!b) throw_oom(nbytes, cls, "neither tier can hold it");
+  if (!b) {
+    std::string why = "neither tier can hold it";
+    // The budget had room but the driver did not (another process, another
+    // allocator, the CUDA context itself): say so, or the tier numbers below
+    // would make no sense.
+    for (int t = 0; t < kNumTiers; ++t)
+      if (stats_.counters.driver_refused_segments[t] > refused_before[t])
+        why += std::string("; the driver refused a new ") + tier_name(static_cast<Tier>(t)) +
+               "-tier segment although the budget allowed it (out of memory outside cxlalloc's accounting: another "
+               "process or allocator holds it)";
+    throw_oom(nbytes, cls, why);
+  }
   return reinterpret_cast<void*>(b->ptr);
 }
 

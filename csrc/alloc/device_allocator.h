@@ -110,9 +110,15 @@ class DeviceAllocator {
   // `only_host`: serve from the host tier only (the scoped-mode spill pool,
   // whose whole point is memory that is not VRAM).
   void* malloc(size_t nbytes, CUstream stream, AllocClass cls, bool only_host = false);
-  // Throws Error(InvalidFree) for pointers not allocated here or freed twice;
-  // nothing is modified then.  nullptr is a no-op.
+  // Throws Error(InvalidFree) for pointers not allocated here, freed twice,
+  // or owned by a tensor (see adopt); nothing is modified then.  nullptr is a
+  // no-op.
   void free(void* ptr);
+  // Hand a live block to a tensor: from now on only free_owned (the tensor's
+  // deleter) releases it.  Throws Error(InvalidArgument) for an unknown or
+  // already owned pointer.
+  void adopt(void* ptr);
+  void free_owned(void* ptr);
   void record_stream(void* ptr, CUstream stream);
   // Wait for pending frees and release every wholly free cached segment of
   // both tiers (except those of private pools in use).  Returns bytes released.
@@ -213,6 +219,7 @@ class DeviceAllocator {
   // Order `b`'s reuse after the streams that used it (events); retire it
   // at once if there are none left to wait for.
   void wait_for_uses(Block* b);
+  void free_block_of(void* ptr, bool by_owner);
   // A freed block whose uses are complete joins its free list.
   void retire(Block* b);
   void count_active(Block* b, bool add);

@@ -23,8 +23,9 @@ Tier first_choice(const Request& r, const TierBudget& b) {
   if (r.cls != AllocClass::KV) return Tier::Device;
   // KV: the device only while both the KV quota and the activation headroom
   // allow; otherwise straight to the host tier (no demotion of others for KV).
-  bool quota_ok = b.kv_device_quota == SIZE_MAX || b.kv_device_bytes + r.bytes <= b.kv_device_quota;
-  bool room_ok = device_available(b) >= r.bytes + b.device_headroom;
+  const size_t need = r.device_bytes();
+  bool quota_ok = b.kv_device_quota == SIZE_MAX || b.kv_device_bytes + need <= b.kv_device_quota;
+  bool room_ok = device_available(b) >= need + b.device_headroom;
   return (quota_ok && room_ok) ? Tier::Device : Tier::Host;
 }
 

@@ -16,6 +16,8 @@
 //    costing more than they save when unbounded (cuda-cxl-facts §3, §4).
 #pragma once
 
+#include <algorithm>
+
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -45,6 +47,11 @@ struct Request {
   AllocClass cls = AllocClass::Other;
   size_t bytes = 0;           // bytes of the new segment
   bool private_pool = false;  // CUDA graph capture / private pool: device only
+  // The least the device must give: a request torch's size classes would put
+  // in a 20 MiB segment can also take a segment of its own size (the
+  // allocator tries both), so VRAM room is judged by this.  0: same as bytes.
+  size_t min_bytes = 0;
+  size_t device_bytes() const { return min_bytes ? std::min(min_bytes, bytes) : bytes; }
 };
 
 // The tier a new segment should come from first.  The allocator falls back to

@@ -51,7 +51,7 @@ void dl_deleter(DLManagedTensor* self) {
   auto* ctx = static_cast<DLContext*>(self->manager_ctx);
   if (ctx->block) {
     try {
-      ctx->a->free(ctx->block);
+      ctx->a->free_owned(ctx->block);
     } catch (const std::exception& e) {
       note_cleanup_failure(std::string("tensor free: ") + e.what());
     }
@@ -345,14 +345,23 @@ void bind_engine(py::module_& m) {
       .def(
           "dlpack",
           [](DeviceHandle& h, uint64_t p, size_t nbytes, int device_type, int device_id) {
-            auto* ctx = new DLContext();
+            void* block = reinterpret_cast<void*>(p);
+            h.a->adopt(block);  // from here only the capsule's deleter may free it
+            DLContext* ctx = nullptr;
+            try {
+              ctx = new DLContext();
+            } catch (...) {
+              h.a->free_owned(block);
+              throw;
+            }
             ctx->engine = h.engine;
             ctx->a = h.a;
-            ctx->block = reinterpret_cast<void*>(p);
-            return make_capsule(ctx, p, nbytes, device_type, device_id);
+            ctx->block = block;
+            return make_capsule(ctx, p, nbytes, device_type, device_id);  // frees the block if it fails
           },
           py::arg("ptr"), py::arg("nbytes"), py::arg("device_type"), py::arg("device_id"),
-          "A DLPack capsule owning the block at `ptr` (freed when the tensor dies).")
+          "A DLPack capsule that takes ownership of the live block at `ptr`: freed when the tensor dies, or at "
+          "once if the capsule cannot be made; a plain free() of `ptr` is refused from then on.")
       .def("stats", [](DeviceHandle& h) { return stats_dict(*h.a); })
       .def("reset_peak_stats", [](DeviceHandle& h) { h.a->reset_peak_stats(); })
       .def("reset_accumulated_stats", [](DeviceHandle& h) { h.a->reset_accumulated_stats(); })
