@@ -230,16 +230,28 @@ def build_env_value(args) -> str:
     """
     from cxlalloc.config import make_config, parse_env
 
+    # The inherited CXLALLOC is the base; this command line overrides it.
+    # Within the command line one key may be given once: `--device-limit 2GiB
+    # --option device_limit=1GiB` is a conflict, not a silent choice.
     opts = dict(parse_env(os.environ.get("CXLALLOC", "")) or {})
+    given: Dict[str, str] = {}
+
+    def put(key: str, value, how: str) -> None:
+        if key in given:
+            raise ValueError(f"cxlalloc option '{key}' is given twice on the command line ({given[key]} and {how}); "
+                             "give it once")
+        given[key] = how
+        opts[key] = value
+
     for key in RUN_FLAGS:
         v = getattr(args, key, None)
         if v is not None:
-            opts[key] = v
+            put(key, v, f"--{key.replace('_', '-')} {v}")
     for pair in args.option or []:
         if "=" not in pair:
             raise ValueError(f"--option {pair!r}: use KEY=VALUE (e.g. --option migration_rate=4GiB)")
         k, v = pair.split("=", 1)
-        opts[k.strip()] = v.strip()
+        put(k.strip(), v.strip(), f"--option {pair}")
     for k, v in opts.items():
         if "," in str(v):  # CXLALLOC separates pairs with commas
             raise ValueError(f"cxlalloc option '{k}': {v!r} cannot contain ',' in CXLALLOC")

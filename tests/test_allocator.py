@@ -2,6 +2,7 @@
 reuse, frees, accounting (issue 2, "Done when")."""
 
 import ctypes
+import re
 import resource
 import time
 
@@ -252,6 +253,19 @@ def test_oom_says_when_the_driver_refused_what_the_budget_allowed(make_alloc, si
     p = a.malloc(256 * MiB)  # what does fit still works
     assert a.tier_of(p) == "device"
     a.free(p)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(device_limit=1), "device_limit: 1 B is below cuda:0's allocation granularity (2.00 MiB)"),
+    (dict(device_limit="1MiB"), "device_limit: 1.00 MiB is below cuda:0's allocation granularity (2.00 MiB)"),
+    (dict(host_limit="1MiB"), "host_limit: 1.00 MiB is below the host tier's allocation granularity (2.00 MiB"),
+])
+def test_limits_below_one_segment_are_refused_naming_the_option(fresh_sim, kw, message):
+    """A tier whose limit cannot hold one segment would silently never be
+    used: refused at construction, naming the option and the minimum."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cxlalloc.Allocator(simulate=True, **kw)
+    cxlalloc.Allocator(simulate=True, device_limit="2MiB", host_limit=0)  # the minimum works
 
 
 def test_zero_bytes_is_null_and_free_null_is_noop(make_alloc):

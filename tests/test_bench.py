@@ -106,6 +106,27 @@ def test_bad_benchmark_name_is_a_usage_error(tmp_path):
     assert p.returncode == 2 and "unknown benchmark" in p.stderr
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--fractions", "nan"], "nan is not a finite number"),
+    (["--fractions", "0.5,inf"], "inf is not a finite number"),
+    (["--new-tokens", "-1"], "-1 is below 2"),
+    (["--new-tokens", "1"], "1 is below 2"),
+    (["--time-budget", "0"], "--time-budget: 0.0 must be a positive number of seconds"),
+    (["--ceiling-bytes", "100"], "--ceiling-bytes: 100 is below 1 MiB"),
+])
+def test_bad_bench_arguments_are_usage_errors(tmp_path, args, message):
+    p = _bench(["--simulate", "--out", str(tmp_path), "--only", "allocation"] + args)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "allocation.json").exists()
+
+
+def test_unwritable_out_folder_is_a_usage_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    p = _bench(["--simulate", "--out", str(blocker / "sub"), "--only", "allocation"])
+    assert p.returncode == 2 and "--out: cannot write to" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 # ----------------------------------------------------------------- gpu_check.sh
 def test_gpu_check_dry_run_lists_every_step(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"))

@@ -100,6 +100,18 @@ def test_run_rejects_bad_options_before_starting():
     assert r.returncode == 127 and "cannot run '/nonexistent/command'" in r.stderr
 
 
+def test_run_refuses_an_option_given_twice_on_its_command_line():
+    for args in (["--option", "device_limit=1GiB", "--device-limit", "2GiB"],
+                 ["--option", "device_limit=1GiB", "--option", "device_limit=2GiB"]):
+        r = cli("run", *args, "--", sys.executable, "-c", "print('started')")
+        assert r.returncode == 2 and r.stdout == ""
+        assert "cxlalloc option 'device_limit' is given twice on the command line" in r.stderr, r.stderr
+    # The inherited variable is a base that the command line overrides.
+    r = cli("run", "--device-limit", "2GiB", "--", sys.executable, "-c", "import os; print(os.environ['CXLALLOC'])",
+            env_extra={"CXLALLOC": "device_limit:1GiB"})
+    assert (r.returncode, r.stdout) == (0, "device_limit:2GiB\n")
+
+
 def test_run_with_a_malformed_inherited_variable_says_why_once():
     r = cli("run", "--", sys.executable, "-c", "print('started')", env_extra={"CXLALLOC": "device_limit:banana"})
     assert r.returncode == 2 and r.stdout == ""

@@ -26,7 +26,7 @@ def test_option_names_are_the_documented_set():
     (0, 0), (4096, 4096), ("4096", 4096), ("100B", 100), ("100b", 100),
     ("4KiB", 4 * KiB), ("512MiB", 512 * MiB), ("512 MiB", 512 * MiB), ("8GiB", 8 * GiB), ("8gib", 8 * GiB),
     ("1.5TiB", int(1.5 * TiB)), (".5GiB", GiB // 2), ("2KB", 2000), ("8GB", 8 * 10**9), ("3MB", 3 * 10**6),
-    ("2TB", 2 * 10**12),
+    ("2TB", 2 * 10**12), ("1PiB", 1 << 50), ("1PB", 10**15),  # every unit format_bytes prints parses back
 ])
 def test_sizes_and_units(text, expected):
     assert parse_size(text, "host_limit") == expected

@@ -82,6 +82,18 @@ DeviceAllocator::DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std
   fc.host_granularity = (chosen == HostBackend::HostVmm && facts_.host_granularity) ? facts_.host_granularity
                                                                                     : fc.device_granularity;
   fc.strict_placement = cfg_.strict_placement;
+  // A limit below one segment makes its tier unusable: every request would
+  // silently go elsewhere (or fail).  Say so now, naming the option.
+  if (cfg_.device_limit < fc.device_granularity)
+    throw Error(ErrorKind::InvalidArgument,
+                "device_limit: " + format_bytes(cfg_.device_limit) + " is below cuda:" + std::to_string(cfg_.device) +
+                    "'s allocation granularity (" + format_bytes(fc.device_granularity) +
+                    "): not one segment would fit in VRAM; use at least " + format_bytes(fc.device_granularity));
+  if (host_enabled_ && cfg_.host_limit < fc.host_granularity)
+    throw Error(ErrorKind::InvalidArgument,
+                "host_limit: " + format_bytes(cfg_.host_limit) + " is below the host tier's allocation granularity (" +
+                    format_bytes(fc.host_granularity) + ", backend " + backend::host_backend_name(chosen) +
+                    "): use at least " + format_bytes(fc.host_granularity) + ", or 0 to run without a host tier");
   factory_ = std::make_unique<SegmentFactory>(drv_, fc, numa_.get());
 }
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import math
 import sys
 import traceback
 from typing import Callable, Dict, List, Optional, Tuple
@@ -49,12 +50,24 @@ def _csv(kind, choices=None, lo=None, hi=None):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}")
         for x in out:
+            if isinstance(x, float) and not math.isfinite(x):
+                raise argparse.ArgumentTypeError(f"{x!r} is not a finite number")
             if choices is not None and x not in choices:
                 raise argparse.ArgumentTypeError(f"{x!r} is not one of {', '.join(map(str, choices))}")
             if (lo is not None and x < lo) or (hi is not None and x > hi):
                 raise argparse.ArgumentTypeError(f"{x!r} is outside [{lo}, {hi}]")
         return out
     return parse
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 2:
+        raise argparse.ArgumentTypeError(f"{v} is below 2")
+    return v
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -82,7 +95,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="KV spill fractions in [0, 0.95] (default 0,0.25,0.5,0.75)")
     p.add_argument("--backends", type=_csv(str, choices=("host-vmm", "managed", "pinned")), default=None,
                    help="host backends (host-vmm,managed,pinned)")
-    p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per decode run")
+    p.add_argument("--new-tokens", type=_positive_int, default=None, help="tokens generated per decode run (>= 2: "
+                   "decode speed needs a step after the first token)")
     p.add_argument("--policy-free-backend", default="host-vmm", choices=("host-vmm", "managed", "pinned"),
                    help="backend of the policy-free spill baseline")
     p.add_argument("--ceiling-bytes", type=int, default=None, help="buffer size of the bandwidth probes (bytes)")
@@ -182,7 +196,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--only: unknown benchmark(s) {', '.join(bad)}; known: {', '.join(BENCHMARKS)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.makedirs(args.out, exist_ok=True)
+    if args.time_budget is not None and not (math.isfinite(args.time_budget) and args.time_budget > 0):
+        parser.error(f"--time-budget: {args.time_budget!r} must be a positive number of seconds")
+    if args.ceiling_bytes is not None and args.ceiling_bytes < 1 << 20:
+        parser.error(f"--ceiling-bytes: {args.ceiling_bytes} is below 1 MiB ({1 << 20} bytes)")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        probe = os.path.join(args.out, ".cxlalloc-write-test")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        parser.error(f"--out: cannot write to {args.out!r}: {e.strerror or e}")
     console = _console(args.no_progress)
     ctx = BenchContext(args, argv, console)
     ctx.log(f"cxlalloc bench: {', '.join(names)} -> {ctx.out_dir}"
