@@ -125,9 +125,7 @@ def _parse_bool(value: Any, option: str) -> bool:
 def _parse_node(value: Any, option: str) -> Union[str, int]:
     if value == "auto":
         return "auto"
-    if isinstance(value, bool):
-        value = None
-    if isinstance(value, int) and value >= 0:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str) and value.strip().isdigit():
         return int(value.strip())

@@ -98,7 +98,7 @@ def test_defaults():
 @pytest.mark.parametrize("kwargs,message", [
     ({"numa_node": "x"}, "cxlalloc option 'numa_node': 'x' is not a NUMA node; use 'auto' or a node id (int >= 0)"),
     ({"numa_node": -1}, "cxlalloc option 'numa_node': -1 is not a NUMA node; use 'auto' or a node id (int >= 0)"),
-    ({"numa_node": True}, "cxlalloc option 'numa_node': None is not a NUMA node; use 'auto' or a node id (int >= 0)"),
+    ({"numa_node": True}, "cxlalloc option 'numa_node': True is not a NUMA node; use 'auto' or a node id (int >= 0)"),
     ({"backend": "cuda"}, "cxlalloc option 'backend': 'cuda' is not allowed; allowed: auto, host-vmm, managed, pinned"),
     ({"promote_after": 0}, "cxlalloc option 'promote_after': 0 is not a positive integer (1 .. 2**31-1)"),
     ({"promote_after": "two"}, "cxlalloc option 'promote_after': 'two' is not a positive integer (1 .. 2**31-1)"),
