@@ -346,6 +346,31 @@ def test_wrap_errors(fresh_sim):
         CxlCache(config=m.config)  # no allocator and no process-wide engine
 
 
+def test_rewrap_compares_option_values_not_spellings(fresh_sim):
+    m = tiny_llama()
+    hf.wrap(m, device_limit="4MiB", host_limit="64MiB")
+    a = hf.allocator(m)
+    # the same values in other spellings (and the CPU model's default simulate=True) are the same wrap
+    assert hf.wrap(m, device_limit=4 << 20, host_limit="64MiB") is m
+    assert hf.wrap(m, device_limit="4194304", host_limit=64 * MiB, simulate=True) is m
+    assert hf.wrap(m, device_limit="4 MiB", host_limit="65536KiB", numa_node="auto") is m
+    assert hf.allocator(m) is a, "no new allocator"
+    # other values still raise, naming what differs
+    with pytest.raises(ValueError, match=r"already wrapped .*device_limit: 4\.00 MiB \(wrapped\) vs 8\.00 MiB \(asked\)"):
+        hf.wrap(m, device_limit=8 << 20, host_limit="64MiB")
+    # a left-out option is its default, not "anything"
+    with pytest.raises(ValueError, match=r"host_limit: 64\.00 MiB \(wrapped\) vs default \(asked\)"):
+        hf.wrap(m, device_limit="4MiB")
+    # 1.0 is 100% of VRAM, not 1 byte
+    with pytest.raises(ValueError, match=r"device_limit: 4\.00 MiB \(wrapped\) vs 100% \(asked\)"):
+        hf.wrap(m, device_limit=1.0, host_limit="64MiB")
+    with pytest.raises(ValueError, match="'device_limit': 'lots' is not a size"):
+        hf.wrap(m, device_limit="lots", host_limit="64MiB")
+    hf.unwrap(m)
+    del a
+    gc.collect()
+
+
 def test_layer_shape_mismatch_is_a_clear_error(fresh_sim):
     m = tiny_llama()
     wrap(m)

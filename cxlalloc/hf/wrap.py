@@ -63,7 +63,8 @@ class WrapState:
     device: torch.device
     cache_kw: str
     hook: str  # "prepare" or "generate"
-    options: dict
+    options: dict  # as given to wrap() (for messages)
+    config: Any = None  # the options as values (cxlalloc.config.Config), compared on a repeated wrap()
     weights_placed: bool = False
     weight_bytes: int = 0
     weight_params: int = 0
@@ -97,6 +98,50 @@ def _state(model) -> WrapState:
 
 def is_wrapped(model) -> bool:
     return STATE_ATTR in getattr(model, "__dict__", {})
+
+
+def _options_config(options: dict, device: torch.device):
+    """``options`` as values: a :class:`cxlalloc.config.Config` with the
+    defaults wrap() applies (``simulate`` from the model's device, ``device``
+    from a CUDA model's index), so that ``"4MiB"``, ``4 << 20`` and
+    ``"4194304"`` compare equal.
+
+    Raises:
+        ValueError: an unknown option or a bad value (naming it).
+    """
+    from cxlalloc.config import make_config
+
+    eff = dict(options)
+    if eff.get("simulate") is None:
+        eff["simulate"] = device.type == "cpu"
+    if device.type == "cuda" and eff.get("device") is None:
+        eff["device"] = device.index or 0
+    return make_config(**eff)
+
+
+def _show_option(value) -> str:
+    from cxlalloc.config import format_bytes
+
+    if value is None:
+        return "default"
+    if isinstance(value, bool):
+        return repr(value)
+    if isinstance(value, int):
+        return format_bytes(value) if value >= 1024 else f"{value} B"
+    if isinstance(value, float):
+        return f"{value * 100:g}%"
+    return repr(value)
+
+
+def _option_differences(old, new) -> List[str]:
+    """``"name: A (wrapped) vs B (asked)"`` for each option whose value differs
+    (type-aware: 1 byte is not 1.0 = 100%)."""
+    out = []
+    for f in dataclasses.fields(old):
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if type(a) is not type(b) or a != b:
+            out.append(f"{f.name}: {_show_option(a)} (wrapped) vs {_show_option(b)} (asked)")
+    return out
 
 
 def _model_device(model) -> torch.device:
@@ -201,7 +246,11 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
         ValueError: a bad option; a CPU model with ``simulate=False`` (or a CUDA
             model with ``simulate=True``); a model spread over several devices;
             options given while the process-wide engine serves the device; the
-            model is already wrapped with other options.
+            model is already wrapped with other options.  Wrapping a wrapped
+            model again returns it unchanged when no options are given or when
+            they have the same values (``device_limit="4MiB"`` and
+            ``device_limit=4 << 20`` are the same; an option left out counts
+            as its default).
         cxlalloc.OutOfMemoryError: the weights fit in neither tier.
     """
     if hook not in ("auto", "prepare", "generate"):
@@ -209,9 +258,12 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
     given = dict(options)
     if is_wrapped(model):
         st = _state(model)
-        if given and given != st.options:
-            raise ValueError(f"cxlalloc.hf.wrap: the model is already wrapped with {st.options}; "
-                             "call cxlalloc.hf.unwrap(model) first to change options")
+        if given:
+            diff = _option_differences(st.config, _options_config(given, st.device))
+            if diff:
+                raise ValueError(f"cxlalloc.hf.wrap: the model is already wrapped with {st.options} and other "
+                                 f"values are asked ({'; '.join(diff)}); call cxlalloc.hf.unwrap(model) first to "
+                                 "change options")
         return model
     device = _model_device(model)
     simulate = options.pop("simulate", None)
@@ -230,6 +282,7 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
         raise ValueError(f"cxlalloc.hf.wrap: the model is on {device}; cxlalloc supports CUDA devices (or the CPU "
                          "with simulate=True)")
 
+    config = _options_config(dict(options, simulate=simulate), device)  # validates every option
     allocator = _global_allocator(device, simulate)
     if allocator is not None:
         if options:
@@ -257,7 +310,7 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
 
     st = WrapState(allocator=allocator, mode=mode, device=device, cache_kw=cache_kwarg(model),
                    hook="prepare" if (hook != "generate" and _prepare_hook_ok(model)) else "generate",
-                   options=given)
+                   options=given, config=config)
     if hook == "prepare" and st.hook != "prepare":
         raise ValueError("cxlalloc.hf.wrap: hook='prepare' but this transformers version has no "
                          "_prepare_cache_for_generation with the expected signature; use hook='auto'")
