@@ -17,6 +17,12 @@ Which allocator:
       torch's allocator and are not counted (in simulation they are ordinary CPU
       memory and not modelled at all).
 
+Copies: ``copy.deepcopy(model)``, ``pickle``, ``torch.save(model)`` work on a
+wrapped model and give a plain, **unwrapped** model (weights copied into torch's
+own memory, transformers' own generate()), with one
+:class:`UnwrappedCopyWarning`; call :func:`wrap` on the copy to tier it.
+``model.state_dict()`` and ``save_pretrained`` are unaffected (plain tensors).
+
 Simulation (no GPU): a model on the CPU with ``simulate=True`` (the default for a
 CPU model) runs on the CPU as usual while its weights and KV live in cxlalloc's
 simulated device/host tiers (host memory pretending to be VRAM), so placement,
@@ -37,6 +43,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
+import warnings
 import weakref
 from typing import Any, List, Optional
 
@@ -46,12 +54,55 @@ from cxlalloc.hf.cache import CxlCache
 from cxlalloc.hf.compat import TRANSFORMERS_VERSION, cache_kwarg
 
 STATE_ATTR = "_cxlalloc_hf"
+# Instance attributes wrap() sets on the model (unwrap() and copies drop them).
+INSTANCE_ATTRS = ("_prepare_cache_for_generation", "generate", "__getstate__", STATE_ATTR)
 HOOK_PARAMS = ("generation_config", "model_kwargs", "generation_mode", "batch_size", "max_cache_length")
 # Scoped mode on a GPU without a device_limit: VRAM left to torch's own allocator
 # (activations, logits, cuBLAS workspaces) = max(2 GiB, 10% of VRAM).  Not yet
 # measured on a GPU.
 ACTIVATION_RESERVE_MIN = 2 << 30
 ACTIVATION_RESERVE_FRACTION = 0.10
+
+
+class UnwrappedCopyWarning(UserWarning):
+    """A wrapped model was deep-copied or pickled: the copy is a plain model."""
+
+
+COPY_WARNING = ("cxlalloc.hf: copying/pickling a wrapped model gives an unwrapped copy (weights in torch's memory, "
+                "transformers' own generate()); call cxlalloc.hf.wrap() on the copy to tier it")
+
+
+_COPY_MODULES = ("copy", "copyreg", "pickle", "torch.serialization")
+
+
+def _caller_level() -> int:
+    """``stacklevel`` that points a warning raised in ``_GetState.__call__`` at
+    the user's deepcopy/pickle/torch.save line, past the copy machinery."""
+    level, f = 2, sys._getframe(2)  # level 2: the frame that called __call__
+    while f is not None and f.f_globals.get("__name__") in _COPY_MODULES:
+        level, f = level + 1, f.f_back
+    return level
+
+
+class _GetState:
+    """``model.__getstate__`` of a wrapped model (an instance attribute, found
+    before the class's by ``copy``/``pickle``): the model class's state without
+    what wrap() attached (the allocator, the hooks: not picklable, and bound to
+    this model), so that deepcopy/pickle/torch.save give a plain model."""
+
+    def __init__(self, model):
+        self._model = weakref.ref(model)
+
+    def __call__(self):
+        model = self._model()
+        if model is None:  # cannot happen while the model is being copied
+            raise TypeError("cxlalloc.hf: the wrapped model is gone")
+        warnings.warn(COPY_WARNING, UnwrappedCopyWarning, stacklevel=_caller_level())
+        base = getattr(type(model), "__getstate__", None)
+        state = dict(base(model) if base is not None else model.__dict__)
+        for name in INSTANCE_ATTRS:
+            state.pop(name, None)
+        return state
 
 
 @dataclasses.dataclass
@@ -242,6 +293,9 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
             CPU model.  On a GPU without ``device_limit``: free VRAM + the
             weights moved in - max(2 GiB, 10% of VRAM) left to torch.
 
+    A wrapped model can be deep-copied, pickled and ``torch.save``'d: the copy
+    is unwrapped (:class:`UnwrappedCopyWarning`).
+
     Raises:
         ValueError: a bad option; a CPU model with ``simulate=False`` (or a CUDA
             model with ``simulate=True``); a model spread over several devices;
@@ -323,6 +377,7 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
         st.orig_prepare = model._prepare_cache_for_generation
         model.__dict__["_prepare_cache_for_generation"] = _make_prepare_hook(model, st)
     model.__dict__["generate"] = _make_generate(model, st)
+    model.__dict__["__getstate__"] = _GetState(model)
     model.__dict__[STATE_ATTR] = st
     return model
 
@@ -379,7 +434,7 @@ def unwrap(model):
     own memory.  Caches already created keep their storage until dropped.
     Returns ``model``."""
     st = _state(model)
-    for name in ("_prepare_cache_for_generation", "generate", STATE_ATTR):
+    for name in INSTANCE_ATTRS:
         model.__dict__.pop(name, None)
     if st.weights_placed:
         with torch.no_grad():
