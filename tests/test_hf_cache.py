@@ -459,6 +459,9 @@ def test_rewrap_compares_option_values_not_spellings(fresh_sim):
     # 1.0 is 100% of VRAM, not 1 byte
     with pytest.raises(ValueError, match=r"device_limit: 4\.00 MiB \(wrapped\) vs 100% \(asked\)"):
         hf.wrap(m, device_limit=1.0, host_limit="64MiB")
+    # options that are not sizes are shown as they are
+    with pytest.raises(ValueError, match=r"promote_after: 2 \(wrapped\) vs 3 \(asked\)"):
+        hf.wrap(m, device_limit="4MiB", host_limit="64MiB", promote_after=3)
     with pytest.raises(ValueError, match="'device_limit': 'lots' is not a size"):
         hf.wrap(m, device_limit="lots", host_limit="64MiB")
     hf.unwrap(m)

@@ -68,8 +68,9 @@ class UnwrappedCopyWarning(UserWarning):
     """A wrapped model was deep-copied or pickled: the copy is a plain model."""
 
 
-COPY_WARNING = ("cxlalloc.hf: copying/pickling a wrapped model gives an unwrapped copy (weights in torch's memory, "
-                "transformers' own generate()); call cxlalloc.hf.wrap() on the copy to tier it")
+COPY_WARNING = ("cxlalloc.hf: copying/pickling a wrapped model gives an unwrapped copy (transformers' own generate(); "
+                "a deep copy or a pickle has its weights in torch's memory); call cxlalloc.hf.wrap() on the copy to "
+                "tier it")
 
 
 _COPY_MODULES = ("copy", "copyreg", "pickle", "torch.serialization")
@@ -170,17 +171,22 @@ def _options_config(options: dict, device: torch.device):
     return make_config(**eff)
 
 
-def _show_option(value) -> str:
+# Config fields that hold bytes (int) or a fraction (float); shown as sizes/percentages.
+_SIZE_FIELDS = ("device_limit", "host_limit", "kv_device_limit", "device_headroom", "extent_chunk", "sim_vram",
+                "spill_reserve")
+
+
+def _show_option(name: str, value) -> str:
     from cxlalloc.config import format_bytes
 
     if value is None:
         return "default"
-    if isinstance(value, bool):
-        return repr(value)
-    if isinstance(value, int):
-        return format_bytes(value) if value >= 1024 else f"{value} B"
-    if isinstance(value, float):
+    if name in _SIZE_FIELDS and isinstance(value, int) and not isinstance(value, bool):
+        return format_bytes(value)
+    if name in _SIZE_FIELDS and isinstance(value, float):
         return f"{value * 100:g}%"
+    if name == "migration_rate":
+        return f"{format_bytes(int(value))}/s"
     return repr(value)
 
 
@@ -191,7 +197,7 @@ def _option_differences(old, new) -> List[str]:
     for f in dataclasses.fields(old):
         a, b = getattr(old, f.name), getattr(new, f.name)
         if type(a) is not type(b) or a != b:
-            out.append(f"{f.name}: {_show_option(a)} (wrapped) vs {_show_option(b)} (asked)")
+            out.append(f"{f.name}: {_show_option(f.name, a)} (wrapped) vs {_show_option(f.name, b)} (asked)")
     return out
 
 
