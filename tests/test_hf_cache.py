@@ -215,6 +215,100 @@ def test_deepcopy_prompt_cache(fresh_sim):
     assert a.stats()["kv"]["device_bytes"] == kv0 + pc.kv_stats()["kv_device_bytes"] + c2.kv_stats()["kv_device_bytes"]
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save", "pickle", "deepcopy-parent"])
+def test_wrapped_model_copies_come_back_unwrapped(fresh_sim, how, tmp_path):
+    """deepcopy/pickle/torch.save of a wrapped model give a plain model (weights in
+    torch's memory, transformers' own cache) with one warning; the original stays
+    wrapped, and state_dict()/save_pretrained keep working."""
+    import io
+    import pickle
+
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    m = tiny_llama()
+    inp = padded_batch()
+    ref = gen(m, **inp, max_new_tokens=5)
+    hf.wrap(m, simulate=True, device_limit="4MiB", host_limit="64MiB")
+    a = hf.allocator(m)
+    before = a.stats()["weight"]
+    cxl_ptrs = {p.data_ptr() for p in m.parameters()}
+
+    def roundtrip(obj):
+        if how.startswith("deepcopy"):
+            return copy.deepcopy(obj)
+        if how == "pickle":
+            return pickle.loads(pickle.dumps(obj))
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    with pytest.warns(hf.UnwrappedCopyWarning, match=r"unwrapped copy .*cxlalloc\.hf\.wrap\(\) on the copy") as rec:
+        if how == "deepcopy-parent":  # the wrapped model inside a user's module
+            c = roundtrip(torch.nn.ModuleDict({"lm": m}))["lm"]
+        else:
+            c = roundtrip(m)
+    assert len([w for w in rec if w.category is hf.UnwrappedCopyWarning]) == 1
+    assert rec[0].filename == __file__, "the warning points at the caller's line"
+    assert type(c) is LlamaForCausalLM and c is not m
+    assert not hf.is_wrapped(c) and "generate" not in c.__dict__ and "__getstate__" not in c.__dict__
+    assert not {p.data_ptr() for p in c.parameters()} & cxl_ptrs, "the copy's weights are torch's, not cxlalloc's"
+    assert a.stats()["weight"] == before
+    out = gen(c, **inp, max_new_tokens=5)
+    assert_same(ref, out)
+    assert type(returned_cache(out)) is DynamicCache
+    # the original is still wrapped and unchanged
+    assert hf.is_wrapped(m) and hf.allocator(m) is a
+    out = gen(m, **inp, max_new_tokens=5)
+    assert_same(ref, out)
+    assert isinstance(returned_cache(out), CxlCache)
+    del out
+    # state_dict() and save_pretrained() of the wrapped model still work, no warning
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hf.UnwrappedCopyWarning)
+        sd = m.state_dict()
+        m.save_pretrained(tmp_path / "saved")
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "saved")
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    # the copy wraps like any model
+    hf.wrap(c, device_limit="4MiB", host_limit="64MiB")
+    assert hf.allocator(c) is not a
+    assert_same(ref, gen(c, **inp, max_new_tokens=5))
+    hf.unwrap(c)
+    hf.unwrap(m)
+    del a, sd, c
+    gc.collect()
+
+
+def test_cxl_cache_pickle_is_a_clear_error_copy_works(fresh_sim):
+    import io
+    import pickle
+
+    m = tiny_llama()
+    wrap(m)
+    c = returned_cache(gen(m, **padded_batch(), max_new_tokens=3))
+    assert isinstance(c, CxlCache)
+    for dump in (pickle.dumps, lambda obj: torch.save(obj, io.BytesIO())):
+        with pytest.raises(TypeError, match=r"a CxlCache cannot be pickled .*copy\.deepcopy\(cache\)"):
+            dump(c)
+        with pytest.raises(TypeError, match="a CxlKVLayer cannot be pickled"):
+            dump(c.layers[0])
+    # what the message suggests works
+    kv = pickle.loads(pickle.dumps([(layer.keys.clone(), layer.values.clone()) for layer in c.layers]))
+    assert torch.equal(kv[0][0], c.layers[0].keys)
+    # copy.copy is still the shallow copy it was (shares the layers), deepcopy a real copy
+    s = copy.copy(c)
+    assert type(s) is CxlCache and s.layers is c.layers and s.get_seq_length() == c.get_seq_length()
+    d = copy.deepcopy(c)
+    assert d.layers[0]._store is not c.layers[0]._store and torch.equal(d.layers[0].keys, c.layers[0].keys)
+    hf.unwrap(m)
+    del c, s, d
+    gc.collect()
+
+
 @pytest.mark.parametrize("op", ["repeat", "select"])
 def test_batch_ops_match_dynamic_cache(fresh_sim, op):
     from transformers import DynamicCache
@@ -344,6 +438,35 @@ def test_wrap_errors(fresh_sim):
         hf.wrap(m, device_limit=32 * MiB)
     with pytest.raises(ValueError, match="allocator"):
         CxlCache(config=m.config)  # no allocator and no process-wide engine
+
+
+def test_rewrap_compares_option_values_not_spellings(fresh_sim):
+    m = tiny_llama()
+    hf.wrap(m, device_limit="4MiB", host_limit="64MiB")
+    a = hf.allocator(m)
+    # the same values in other spellings (and the CPU model's default simulate=True) are the same wrap
+    assert hf.wrap(m, device_limit=4 << 20, host_limit="64MiB") is m
+    assert hf.wrap(m, device_limit="4194304", host_limit=64 * MiB, simulate=True) is m
+    assert hf.wrap(m, device_limit="4 MiB", host_limit="65536KiB", numa_node="auto") is m
+    assert hf.allocator(m) is a, "no new allocator"
+    # other values still raise, naming what differs
+    differ = r"already wrapped .*device_limit: 4\.00 MiB \(wrapped\) vs 8\.00 MiB \(asked\)"
+    with pytest.raises(ValueError, match=differ):
+        hf.wrap(m, device_limit=8 << 20, host_limit="64MiB")
+    # a left-out option is its default, not "anything"
+    with pytest.raises(ValueError, match=r"host_limit: 64\.00 MiB \(wrapped\) vs default \(asked\)"):
+        hf.wrap(m, device_limit="4MiB")
+    # 1.0 is 100% of VRAM, not 1 byte
+    with pytest.raises(ValueError, match=r"device_limit: 4\.00 MiB \(wrapped\) vs 100% \(asked\)"):
+        hf.wrap(m, device_limit=1.0, host_limit="64MiB")
+    # options that are not sizes are shown as they are
+    with pytest.raises(ValueError, match=r"promote_after: 2 \(wrapped\) vs 3 \(asked\)"):
+        hf.wrap(m, device_limit="4MiB", host_limit="64MiB", promote_after=3)
+    with pytest.raises(ValueError, match="'device_limit': 'lots' is not a size"):
+        hf.wrap(m, device_limit="lots", host_limit="64MiB")
+    hf.unwrap(m)
+    del a
+    gc.collect()
 
 
 def test_layer_shape_mismatch_is_a_clear_error(fresh_sim):

@@ -14,6 +14,9 @@ Public API:
     CxlCache, CxlKVLayer                 the cache classes (transformers DynamicCache/DynamicLayer)
     cache_kwarg(model), returned_cache(out)   transformers 5.17/5.24 naming shim
 
+copy.deepcopy / pickle / torch.save of a wrapped model give an unwrapped copy
+(UnwrappedCopyWarning); a CxlCache can be deep-copied but not pickled.
+
 Requires transformers >= 5.17 (tested on 5.17 and 5.24).  ``python -m cxlalloc demo``
 (:mod:`cxlalloc.hf.demo`) is the main job: a real model's generate() past the VRAM
 budget, with identical tokens.
@@ -22,7 +25,8 @@ budget, with identical tokens.
 from cxlalloc.hf.cache import CxlCache, CxlKVLayer  # noqa: F401
 from cxlalloc.hf.compat import cache_kwarg, returned_cache  # noqa: F401
 from cxlalloc.hf.store import KVCounters  # noqa: F401
-from cxlalloc.hf.wrap import allocator, generate, is_wrapped, kv_cache, stats, unwrap, wrap  # noqa: F401
+from cxlalloc.hf.wrap import (UnwrappedCopyWarning, allocator, generate, is_wrapped, kv_cache, stats,  # noqa: F401
+                              unwrap, wrap)
 
 __all__ = ["wrap", "unwrap", "generate", "stats", "kv_cache", "allocator", "is_wrapped", "CxlCache", "CxlKVLayer",
-           "KVCounters", "cache_kwarg", "returned_cache"]
+           "KVCounters", "cache_kwarg", "returned_cache", "UnwrappedCopyWarning"]

@@ -37,6 +37,18 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 from cxlalloc.hf.store import Geometry, KVCounters, KVStore, grown_capacity
 
 
+PICKLE_ERROR = ("cxlalloc.hf: a {what} cannot be pickled or torch.save'd: its K/V live in cxlalloc memory of "
+                "this process; copy.deepcopy(cache) copies it here, and to save the K/V pickle "
+                "[(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]")
+
+
+def _shallow_copy(obj):
+    """``copy.copy``: what the default reduction did (shares layers/storage)."""
+    new = obj.__class__.__new__(obj.__class__)
+    new.__dict__.update(obj.__dict__)
+    return new
+
+
 def _allocator_device(allocator) -> torch.device:
     return torch.device("cpu") if allocator.simulated else torch.device("cuda", allocator.device)
 
@@ -272,6 +284,12 @@ class CxlKVLayer(DynamicLayer):
             n = torch.arange(self._store.g.batch)[torch.as_tensor(indices).cpu()].numel()
             self._detach(n, lambda t: t[indices])
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError(PICKLE_ERROR.format(what="CxlKVLayer"))
+
+    def __copy__(self):
+        return _shallow_copy(self)
+
     def __deepcopy__(self, memo):
         new = CxlKVLayer(self._pool, None)
         new.is_initialized = self.is_initialized
@@ -308,6 +326,9 @@ class CxlCache(DynamicCache):
 
     Counters: :meth:`kv_stats`.  Use :func:`cxlalloc.hf.cache_kwarg` for the
     generate()/forward() keyword (``cache`` or ``past_key_values``).
+
+    ``copy.deepcopy(cache)`` copies the live tokens into new storage of the
+    same allocator; pickling (``pickle``, ``torch.save``) raises ``TypeError``.
 
     Raises:
         ValueError: no allocator given and no process-wide engine.
@@ -450,6 +471,14 @@ class CxlCache(DynamicCache):
         for layer in self._cxl_layers():
             layer._store = None
         self._pool.shared = None
+
+    def __reduce_ex__(self, protocol):
+        """Pickling (``pickle``, ``torch.save``) raises ``TypeError``: the
+        storage belongs to this process's allocator.  Use ``copy.deepcopy``."""
+        raise TypeError(PICKLE_ERROR.format(what="CxlCache"))
+
+    def __copy__(self):
+        return _shallow_copy(self)
 
     def __deepcopy__(self, memo):
         """A copy whose storage comes from the same allocator; only live tokens

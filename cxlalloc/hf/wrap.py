@@ -17,6 +17,12 @@ Which allocator:
       torch's allocator and are not counted (in simulation they are ordinary CPU
       memory and not modelled at all).
 
+Copies: ``copy.deepcopy(model)``, ``pickle``, ``torch.save(model)`` work on a
+wrapped model and give a plain, **unwrapped** model (weights copied into torch's
+own memory, transformers' own generate()), with one
+:class:`UnwrappedCopyWarning`; call :func:`wrap` on the copy to tier it.
+``model.state_dict()`` and ``save_pretrained`` are unaffected (plain tensors).
+
 Simulation (no GPU): a model on the CPU with ``simulate=True`` (the default for a
 CPU model) runs on the CPU as usual while its weights and KV live in cxlalloc's
 simulated device/host tiers (host memory pretending to be VRAM), so placement,
@@ -37,6 +43,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
+import warnings
 import weakref
 from typing import Any, List, Optional
 
@@ -46,12 +54,56 @@ from cxlalloc.hf.cache import CxlCache
 from cxlalloc.hf.compat import TRANSFORMERS_VERSION, cache_kwarg
 
 STATE_ATTR = "_cxlalloc_hf"
+# Instance attributes wrap() sets on the model (unwrap() and copies drop them).
+INSTANCE_ATTRS = ("_prepare_cache_for_generation", "generate", "__getstate__", STATE_ATTR)
 HOOK_PARAMS = ("generation_config", "model_kwargs", "generation_mode", "batch_size", "max_cache_length")
 # Scoped mode on a GPU without a device_limit: VRAM left to torch's own allocator
 # (activations, logits, cuBLAS workspaces) = max(2 GiB, 10% of VRAM).  Not yet
 # measured on a GPU.
 ACTIVATION_RESERVE_MIN = 2 << 30
 ACTIVATION_RESERVE_FRACTION = 0.10
+
+
+class UnwrappedCopyWarning(UserWarning):
+    """A wrapped model was deep-copied or pickled: the copy is a plain model."""
+
+
+COPY_WARNING = ("cxlalloc.hf: copying/pickling a wrapped model gives an unwrapped copy (transformers' own generate(); "
+                "a deep copy or a pickle has its weights in torch's memory); call cxlalloc.hf.wrap() on the copy to "
+                "tier it")
+
+
+_COPY_MODULES = ("copy", "copyreg", "pickle", "torch.serialization")
+
+
+def _caller_level() -> int:
+    """``stacklevel`` that points a warning raised in ``_GetState.__call__`` at
+    the user's deepcopy/pickle/torch.save line, past the copy machinery."""
+    level, f = 2, sys._getframe(2)  # level 2: the frame that called __call__
+    while f is not None and f.f_globals.get("__name__") in _COPY_MODULES:
+        level, f = level + 1, f.f_back
+    return level
+
+
+class _GetState:
+    """``model.__getstate__`` of a wrapped model (an instance attribute, found
+    before the class's by ``copy``/``pickle``): the model class's state without
+    what wrap() attached (the allocator, the hooks: not picklable, and bound to
+    this model), so that deepcopy/pickle/torch.save give a plain model."""
+
+    def __init__(self, model):
+        self._model = weakref.ref(model)
+
+    def __call__(self):
+        model = self._model()
+        if model is None:  # cannot happen while the model is being copied
+            raise TypeError("cxlalloc.hf: the wrapped model is gone")
+        warnings.warn(COPY_WARNING, UnwrappedCopyWarning, stacklevel=_caller_level())
+        base = getattr(type(model), "__getstate__", None)
+        state = dict(base(model) if base is not None else model.__dict__)
+        for name in INSTANCE_ATTRS:
+            state.pop(name, None)
+        return state
 
 
 @dataclasses.dataclass
@@ -63,7 +115,8 @@ class WrapState:
     device: torch.device
     cache_kw: str
     hook: str  # "prepare" or "generate"
-    options: dict
+    options: dict  # as given to wrap() (for messages)
+    config: Any = None  # the options as values (cxlalloc.config.Config), compared on a repeated wrap()
     weights_placed: bool = False
     weight_bytes: int = 0
     weight_params: int = 0
@@ -97,6 +150,55 @@ def _state(model) -> WrapState:
 
 def is_wrapped(model) -> bool:
     return STATE_ATTR in getattr(model, "__dict__", {})
+
+
+def _options_config(options: dict, device: torch.device):
+    """``options`` as values: a :class:`cxlalloc.config.Config` with the
+    defaults wrap() applies (``simulate`` from the model's device, ``device``
+    from a CUDA model's index), so that ``"4MiB"``, ``4 << 20`` and
+    ``"4194304"`` compare equal.
+
+    Raises:
+        ValueError: an unknown option or a bad value (naming it).
+    """
+    from cxlalloc.config import make_config
+
+    eff = dict(options)
+    if eff.get("simulate") is None:
+        eff["simulate"] = device.type == "cpu"
+    if device.type == "cuda" and eff.get("device") is None:
+        eff["device"] = device.index or 0
+    return make_config(**eff)
+
+
+# Config fields that hold bytes (int) or a fraction (float); shown as sizes/percentages.
+_SIZE_FIELDS = ("device_limit", "host_limit", "kv_device_limit", "device_headroom", "extent_chunk", "sim_vram",
+                "spill_reserve")
+
+
+def _show_option(name: str, value) -> str:
+    from cxlalloc.config import format_bytes
+
+    if value is None:
+        return "default"
+    if name in _SIZE_FIELDS and isinstance(value, int) and not isinstance(value, bool):
+        return format_bytes(value)
+    if name in _SIZE_FIELDS and isinstance(value, float):
+        return f"{value * 100:g}%"
+    if name == "migration_rate":
+        return f"{format_bytes(int(value))}/s"
+    return repr(value)
+
+
+def _option_differences(old, new) -> List[str]:
+    """``"name: A (wrapped) vs B (asked)"`` for each option whose value differs
+    (type-aware: 1 byte is not 1.0 = 100%)."""
+    out = []
+    for f in dataclasses.fields(old):
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if type(a) is not type(b) or a != b:
+            out.append(f"{f.name}: {_show_option(f.name, a)} (wrapped) vs {_show_option(f.name, b)} (asked)")
+    return out
 
 
 def _model_device(model) -> torch.device:
@@ -197,11 +299,18 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
             CPU model.  On a GPU without ``device_limit``: free VRAM + the
             weights moved in - max(2 GiB, 10% of VRAM) left to torch.
 
+    A wrapped model can be deep-copied, pickled and ``torch.save``'d: the copy
+    is unwrapped (:class:`UnwrappedCopyWarning`).
+
     Raises:
         ValueError: a bad option; a CPU model with ``simulate=False`` (or a CUDA
             model with ``simulate=True``); a model spread over several devices;
             options given while the process-wide engine serves the device; the
-            model is already wrapped with other options.
+            model is already wrapped with other options.  Wrapping a wrapped
+            model again returns it unchanged when no options are given or when
+            they have the same values (``device_limit="4MiB"`` and
+            ``device_limit=4 << 20`` are the same; an option left out counts
+            as its default).
         cxlalloc.OutOfMemoryError: the weights fit in neither tier.
     """
     if hook not in ("auto", "prepare", "generate"):
@@ -209,9 +318,12 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
     given = dict(options)
     if is_wrapped(model):
         st = _state(model)
-        if given and given != st.options:
-            raise ValueError(f"cxlalloc.hf.wrap: the model is already wrapped with {st.options}; "
-                             "call cxlalloc.hf.unwrap(model) first to change options")
+        if given:
+            diff = _option_differences(st.config, _options_config(given, st.device))
+            if diff:
+                raise ValueError(f"cxlalloc.hf.wrap: the model is already wrapped with {st.options} and other "
+                                 f"values are asked ({'; '.join(diff)}); call cxlalloc.hf.unwrap(model) first to "
+                                 "change options")
         return model
     device = _model_device(model)
     simulate = options.pop("simulate", None)
@@ -230,6 +342,7 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
         raise ValueError(f"cxlalloc.hf.wrap: the model is on {device}; cxlalloc supports CUDA devices (or the CPU "
                          "with simulate=True)")
 
+    config = _options_config(dict(options, simulate=simulate), device)  # validates every option
     allocator = _global_allocator(device, simulate)
     if allocator is not None:
         if options:
@@ -257,7 +370,7 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
 
     st = WrapState(allocator=allocator, mode=mode, device=device, cache_kw=cache_kwarg(model),
                    hook="prepare" if (hook != "generate" and _prepare_hook_ok(model)) else "generate",
-                   options=given)
+                   options=given, config=config)
     if hook == "prepare" and st.hook != "prepare":
         raise ValueError("cxlalloc.hf.wrap: hook='prepare' but this transformers version has no "
                          "_prepare_cache_for_generation with the expected signature; use hook='auto'")
@@ -270,6 +383,7 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
         st.orig_prepare = model._prepare_cache_for_generation
         model.__dict__["_prepare_cache_for_generation"] = _make_prepare_hook(model, st)
     model.__dict__["generate"] = _make_generate(model, st)
+    model.__dict__["__getstate__"] = _GetState(model)
     model.__dict__[STATE_ATTR] = st
     return model
 
@@ -326,7 +440,7 @@ def unwrap(model):
     own memory.  Caches already created keep their storage until dropped.
     Returns ``model``."""
     st = _state(model)
-    for name in ("_prepare_cache_for_generation", "generate", STATE_ATTR):
+    for name in INSTANCE_ATTRS:
         model.__dict__.pop(name, None)
     if st.weights_placed:
         with torch.no_grad():
