@@ -52,6 +52,7 @@ def test_generate_py_runs_in_simulation_and_reports(tmp_path):
     # transformers' DynamicCache re-copies the whole cache every decode step (measured)
     assert all(b >= kv["kv_live_bytes"] * 0.9 for b in r["plain"]["step_bytes_copied"][1:])
     assert c["kv_host_token_ranges"][0][0] == 0, "the oldest tokens are the ones on the host tier"
+    assert "de-quantizing" not in p.stderr, "--no-progress hides the GGUF loading bar too"
 
 
 # ----------------------------------------------------------------- errors

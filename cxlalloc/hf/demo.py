@@ -287,6 +287,21 @@ def _check_gguf(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--gguf-file: {path} is not a GGUF file (it does not start with the bytes 'GGUF')")
 
 
+def _quiet_gguf_progress() -> None:
+    """transformers' GGUF de-quantization loop calls plain ``tqdm`` (not its
+    own switchable one, as of 5.17-5.24), so ``disable_progress_bar`` misses
+    it: give that module a tqdm that is off."""
+    try:
+        import functools
+
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        if hasattr(gguf_utils, "tqdm"):
+            gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
+    except Exception:  # a progress bar is never worth failing the demo over
+        pass
+
+
 def _too_small(what: str, limit: int, host_limit: Optional[int], weights: int, footprint: int, kv_need: int) -> str:
     """One line for an out-of-memory under the user's limits: the limits, what
     this run needs, and limits that hold it (weights + half the KV on the device,
@@ -353,7 +368,8 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
 
     hf_logging.set_verbosity_error()
     if args.no_progress:
-        hf_logging.disable_progress_bar()  # the GGUF de-quantization and weight-loading bars too
+        hf_logging.disable_progress_bar()  # the weight-loading bars
+        _quiet_gguf_progress()
     warnings.filterwarnings("ignore", category=FutureWarning)
     t_load = time.perf_counter()
     model, tok, model_name = load(args, device, dtype)
@@ -440,6 +456,13 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         with sdpa():
             out, timing, wall = run_generate(model, inputs, args, pad_id, "cxlalloc")
     except cxlalloc.OutOfMemoryError:
+        print(_too_small(what, limit, host_limit, weights, weight_footprint(model), kv_need_est), file=sys.stderr)
+        return 1
+    except ValueError as e:
+        # A limit below one allocator segment (the GPU's granularity) cannot
+        # hold anything: for the user the same case as an OOM under the limits.
+        if not str(e).startswith(("device_limit:", "host_limit:")):
+            raise
         print(_too_small(what, limit, host_limit, weights, weight_footprint(model), kv_need_est), file=sys.stderr)
         return 1
     cache = hf.returned_cache(out)
