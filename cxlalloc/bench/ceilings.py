@@ -67,12 +67,10 @@ def run(ctx) -> Dict[str, Any]:
               "units": "GB/s = 1e9 bytes/s"}
     w = RecordWriter(ctx.out_dir, new_record("ceilings", params, ctx.simulate, ctx.argv, ctx.device))
     if ctx.simulate:
-        w.skip("all", "--simulate: bandwidth ceilings need a real GPU (a simulated driver has no link to measure)")
-        return w.finish("skipped")
+        return w.finish_skipped("all", "--simulate: bandwidth ceilings need a real GPU (a simulated driver has no link to measure)")
     ok, reason = ctx.gpu_ready()
     if not ok:
-        w.skip("all", reason)
-        return w.finish("skipped")
+        return w.finish_skipped("all", reason)
     import torch
 
     dev = torch.device("cuda", ctx.device)

@@ -477,14 +477,12 @@ def run(ctx) -> Dict[str, Any]:
         return _run_sim(ctx, w, fractions, backends, new_tokens)
     ok, reason = ctx.gpu_ready()
     if not ok:
-        w.skip("decode (GPU)", reason)
-        return w.finish("skipped")
+        return w.finish_skipped("decode (GPU)", reason)
     free = gpu_free_bytes(ctx.device)
     w.record["parameters"]["free_bytes_at_start"] = free
     points = grid_points(ctx.quick, False, ctx.args.models, ctx.args.contexts, ctx.args.batches, free)
     if not points:
-        w.skip("decode (GPU)", f"no grid point fits 45% of the free VRAM ({free} bytes)")
-        return w.finish("skipped")
+        return w.finish_skipped("decode (GPU)", f"no grid point fits 45% of the free VRAM ({free} bytes)")
     w.record["parameters"]["points"] = [list(p) for p in points]
     w.record["parameters"]["shapes"] = {m: SHAPES[m].to_dict() for m in {p[0] for p in points}}
     groups = plan(points, fractions, backends, new_tokens, ctx.args.policy_free_backend)
@@ -549,8 +547,7 @@ def _run_sim(ctx, w, fractions, backends, new_tokens) -> Dict[str, Any]:
     try:
         import transformers  # noqa: F401
     except Exception as e:
-        w.skip("decode (simulation)", f"transformers is not importable: {e}")
-        return w.finish("skipped")
+        return w.finish_skipped("decode (simulation)", f"transformers is not importable: {e}")
     points = grid_points(False, True, None, None, None)
     w.record["parameters"]["points"] = [list(p) for p in points]
     w.record["parameters"]["shapes"] = {m: SHAPES[m].to_dict() for m in {p[0] for p in points}}

@@ -319,6 +319,12 @@ class RecordWriter:
         self.record["skipped"].append({"part": part, "reason": reason})
         self.flush()
 
+    def finish_skipped(self, part: str, reason: str) -> Dict[str, Any]:
+        """Record that ``part`` was skipped for ``reason`` and finish the
+        record as "skipped" (a benchmark that cannot run here at all)."""
+        self.skip(part, reason)
+        return self.finish("skipped")
+
     def error(self, part: str, err: Any) -> None:
         text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
         self.record["errors"].append({"part": part, "error": text[:2000]})

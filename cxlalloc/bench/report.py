@@ -298,15 +298,19 @@ def plot_decode(rec: Dict[str, Any], out_dir: str) -> List[str]:
         ax.set_title(f"{m}, context {c}, batch {b} — {rec['hardware']['gpu'].get('name', '')}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = os.path.join(out_dir, f"decode_{_point_name(m, c, b)}.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        files.append(p)
+        files.append(_save(fig, os.path.join(out_dir, f"decode_{_point_name(m, c, b)}.png")))
         tl = [r for r in rs if r.get("timeline") and r.get("status") == "ok"]
         if tl:
             files.append(plot_tiers(tl, os.path.join(out_dir, f"tiers_{_point_name(m, c, b)}.png"), (m, c, b)))
     return files
+
+
+def _save(fig, path: str, dpi: int = 110) -> str:
+    """Lay out, write ``path`` (PNG) and release ``fig``; returns ``path``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    _plt().close(fig)
+    return path
 
 
 def plot_tiers(rows: List[Dict[str, Any]], path: str, point) -> str:
@@ -332,10 +336,7 @@ def plot_tiers(rows: List[Dict[str, Any]], path: str, point) -> str:
         ax.axis("off")
     axes[0][0].legend(fontsize=6)
     fig.suptitle(f"tier usage over a run: {point[0]}, context {point[1]}, batch {point[2]}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path, dpi=100)
 
 
 def plot_rightsizing(rec: Dict[str, Any], out_dir: str) -> List[str]:
@@ -354,11 +355,7 @@ def plot_rightsizing(rec: Dict[str, Any], out_dir: str) -> List[str]:
     ax.set_title(f"fixed budget {_gib(s.get('budget_bytes'))} (x: failed)")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    p = os.path.join(out_dir, "rightsizing.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return [p]
+    return [_save(fig, os.path.join(out_dir, "rightsizing.png"))]
 
 
 def plot_ceilings(rec: Dict[str, Any], out_dir: str) -> List[str]:
@@ -382,11 +379,7 @@ def plot_ceilings(rec: Dict[str, Any], out_dir: str) -> List[str]:
     ax.set_xscale("log")
     ax.set_xlabel("GB/s (1e9 B/s), log scale")
     ax.set_title(f"bandwidth ceilings — {rec['hardware']['gpu'].get('name', '')}")
-    fig.tight_layout()
-    p = os.path.join(out_dir, "ceilings.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return [p]
+    return [_save(fig, os.path.join(out_dir, "ceilings.png"))]
 
 
 def plot_allocation(rec: Dict[str, Any], out_dir: str) -> List[str]:
@@ -409,11 +402,7 @@ def plot_allocation(rec: Dict[str, Any], out_dir: str) -> List[str]:
     ax.set_xscale("log")
     ax.set_xlabel("malloc / alloc latency, µs (median), log scale")
     ax.tick_params(labelsize=7)
-    fig.tight_layout()
-    p = os.path.join(out_dir, "allocation.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return [p]
+    return [_save(fig, os.path.join(out_dir, "allocation.png"))]
 
 
 def make_plots(latest: Dict[str, Dict[str, Any]], out_dir: str) -> List[str]:

@@ -47,17 +47,14 @@ def run(ctx) -> Dict[str, Any]:
                         "variant, batches in increasing order, stop at the first failure"}
     w = RecordWriter(ctx.out_dir, new_record("rightsizing", params, ctx.simulate, ctx.argv, ctx.device))
     if ctx.simulate:
-        w.skip("all", "--simulate: right-sizing measures real VRAM budgets and speeds, GPU only")
-        return w.finish("skipped")
+        return w.finish_skipped("all", "--simulate: right-sizing measures real VRAM budgets and speeds, GPU only")
     ok, reason = ctx.gpu_ready()
     if not ok:
-        w.skip("all", reason)
-        return w.finish("skipped")
+        return w.finish_skipped("all", reason)
     free = gpu_free_bytes(ctx.device)
     w.record["parameters"]["free_bytes_at_start"] = free
     if free and budget > 0.45 * free:
-        w.skip("all", f"the budget ({budget} bytes) does not fit 45% of the free VRAM ({free} bytes)")
-        return w.finish("skipped")
+        return w.finish_skipped("all", f"the budget ({budget} bytes) does not fit 45% of the free VRAM ({free} bytes)")
     kv_max = shape.kv_bytes(max(batches), context + new_tokens)
     host_limit = kv_max + HOST_MARGIN
 
