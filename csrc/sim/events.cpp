@@ -59,9 +59,11 @@ CUresult event_record(CUevent h, const std::shared_ptr<Stream>& s) {
   return CUDA_SUCCESS;
 }
 
-CUresult event_query(CUevent h) {
-  Engine& e = eng();
-  std::lock_guard<std::mutex> lk(e.mu);
+namespace {
+// What query and synchronize both check first: the handle, whether there is
+// anything to wait for (*out stays null if not), and that the event was not
+// recorded inside a capture.  Caller holds e.mu.
+CUresult waitable_event_locked(Engine& e, CUevent h, std::shared_ptr<Event>* out) {
   auto ev = find_event_locked(e, h);
   if (!ev) return CUDA_ERROR_INVALID_HANDLE;
   if (!ev->recorded) return CUDA_SUCCESS;
@@ -69,6 +71,17 @@ CUresult event_query(CUevent h) {
     violation_locked(e, ev->capture_origin);
     return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
   }
+  *out = std::move(ev);
+  return CUDA_SUCCESS;
+}
+}  // namespace
+
+CUresult event_query(CUevent h) {
+  Engine& e = eng();
+  std::lock_guard<std::mutex> lk(e.mu);
+  std::shared_ptr<Event> ev;
+  CUresult r = waitable_event_locked(e, h, &ev);
+  if (r != CUDA_SUCCESS || !ev) return r;
   if (e.sticky[ev->device] != CUDA_SUCCESS) return e.sticky[ev->device];
   return ev->stream->completed >= ev->seq ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
@@ -76,13 +89,9 @@ CUresult event_query(CUevent h) {
 CUresult event_synchronize(CUevent h) {
   Engine& e = eng();
   std::unique_lock<std::mutex> lk(e.mu);
-  auto ev = find_event_locked(e, h);
-  if (!ev) return CUDA_ERROR_INVALID_HANDLE;
-  if (!ev->recorded) return CUDA_SUCCESS;
-  if (ev->capture_origin != 0) {
-    violation_locked(e, ev->capture_origin);
-    return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-  }
+  std::shared_ptr<Event> ev;
+  CUresult r = waitable_event_locked(e, h, &ev);
+  if (r != CUDA_SUCCESS || !ev) return r;
   auto s = ev->stream;
   uint64_t seq = ev->seq;
   e.cv.wait(lk, [&] { return e.shutdown || s->completed >= seq; });

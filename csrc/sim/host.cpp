@@ -33,6 +33,30 @@ bool overlaps_pages(const M& m, uint64_t b, uint64_t e) {
   return false;
 }
 
+// cuMemFreeHost and cuMemHostUnregister: `p` must be an entry's base
+// (else `missing`); both are implicitly synchronizing (like cudaFreeHost), so
+// the owner device's work finishes before the entry goes.
+template <typename M>
+CUresult release_after_sync(M& entries, void* p, CUresult missing) {
+  int dev;
+  CUresult r = current_device(&dev);
+  if (r != CUDA_SUCCESS) return r;
+  r = check_capture_safe();
+  if (r != CUDA_SUCCESS) return r;
+  Registry& reg = registry();
+  const auto key = reinterpret_cast<uint64_t>(p);
+  int owner;
+  {
+    std::lock_guard<std::mutex> lk(reg.mu);
+    auto it = entries.find(key);
+    if (it == entries.end()) return missing;
+    owner = it->second.device;
+  }
+  device_synchronize(owner);
+  std::lock_guard<std::mutex> lk(reg.mu);
+  return entries.erase(key) == 0 ? missing : CUDA_SUCCESS;
+}
+
 }  // namespace
 
 CUresult api_cuMemHostAlloc(void** pp, size_t bytesize, unsigned int flags) {
@@ -66,25 +90,8 @@ CUresult api_cuMemHostAlloc(void** pp, size_t bytesize, unsigned int flags) {
 }
 
 CUresult api_cuMemFreeHost(void* p) {
-  return guarded(Fn::cuMemFreeHost, [&] {
-    int dev;
-    CUresult r = current_device(&dev);
-    if (r != CUDA_SUCCESS) return r;
-    r = check_capture_safe();
-    if (r != CUDA_SUCCESS) return r;
-    Registry& reg = registry();
-    int owner;
-    {
-      std::lock_guard<std::mutex> lk(reg.mu);
-      auto it = reg.host_allocs.find(reinterpret_cast<uint64_t>(p));
-      if (it == reg.host_allocs.end()) return CUDA_ERROR_INVALID_VALUE;
-      owner = it->second.device;
-    }
-    device_synchronize(owner);  // implicitly synchronizing, like cudaFreeHost
-    std::lock_guard<std::mutex> lk(reg.mu);
-    if (reg.host_allocs.erase(reinterpret_cast<uint64_t>(p)) == 0) return CUDA_ERROR_INVALID_VALUE;
-    return CUDA_SUCCESS;
-  });
+  return guarded(Fn::cuMemFreeHost,
+                 [&] { return release_after_sync(registry().host_allocs, p, CUDA_ERROR_INVALID_VALUE); });
 }
 
 CUresult api_cuMemHostRegister(void* p, size_t bytesize, unsigned int flags) {
@@ -128,25 +135,9 @@ CUresult api_cuMemHostRegister(void* p, size_t bytesize, unsigned int flags) {
 }
 
 CUresult api_cuMemHostUnregister(void* p) {
+  // cuda.h: p must be the base address given to cuMemHostRegister.
   return guarded(Fn::cuMemHostUnregister, [&] {
-    int dev;
-    CUresult r = current_device(&dev);
-    if (r != CUDA_SUCCESS) return r;
-    r = check_capture_safe();
-    if (r != CUDA_SUCCESS) return r;
-    Registry& reg = registry();
-    int owner;
-    {
-      std::lock_guard<std::mutex> lk(reg.mu);
-      auto it = reg.registrations.find(reinterpret_cast<uint64_t>(p));
-      // cuda.h: p must be the base address given to cuMemHostRegister.
-      if (it == reg.registrations.end()) return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
-      owner = it->second.device;
-    }
-    device_synchronize(owner);
-    std::lock_guard<std::mutex> lk(reg.mu);
-    if (reg.registrations.erase(reinterpret_cast<uint64_t>(p)) == 0) return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
-    return CUDA_SUCCESS;
+    return release_after_sync(registry().registrations, p, CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED);
   });
 }
 

@@ -147,6 +147,18 @@ CUresult api_cuCtxSynchronize() {
 
 // Synchronous: runs on the legacy stream (so it is ordered after prior
 // legacy and blocking-stream work, as in CUDA) and waits for itself.
+namespace {
+Op copy_op(CUdeviceptr dst, CUdeviceptr src, size_t bytes, const char* what) {
+  Op op;
+  op.kind = OpKind::Copy;
+  op.dst = dst;
+  op.src = src;
+  op.n = bytes;
+  op.what = what;
+  return op;
+}
+}  // namespace
+
 CUresult api_cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
   return guarded(Fn::cuMemcpy, [&] {
     std::shared_ptr<Stream> s;
@@ -156,12 +168,7 @@ CUresult api_cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
     if (bytes == 0) return CUDA_SUCCESS;
     r = check_copy(dst, src, bytes, dev);
     if (r != CUDA_SUCCESS) return r;
-    Op op;
-    op.kind = OpKind::Copy;
-    op.dst = dst;
-    op.src = src;
-    op.n = bytes;
-    op.what = "cuMemcpy";
+    Op op = copy_op(dst, src, bytes, "cuMemcpy");
     op.result = std::make_shared<CUresult>(CUDA_SUCCESS);
     uint64_t seq;
     r = submit(s, op, &seq);
@@ -183,12 +190,7 @@ CUresult api_cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstr
     // copy runs (memory unmapped meanwhile is an asynchronous fault).
     r = check_copy(dst, src, bytes, stream_device(*s));
     if (r != CUDA_SUCCESS) return r;
-    Op op;
-    op.kind = OpKind::Copy;
-    op.dst = dst;
-    op.src = src;
-    op.n = bytes;
-    op.what = "cuMemcpyAsync";
+    Op op = copy_op(dst, src, bytes, "cuMemcpyAsync");
     uint64_t seq;
     return submit(s, op, &seq);
   });
