@@ -135,6 +135,7 @@ setup(
     name="cxlalloc",
     version="0.1.0",
     description="Tiered PyTorch CUDA allocator: VRAM first, then host/CXL NUMA memory, KV-cache aware",
+    license="Apache-2.0",
     packages=["cxlalloc", "cxlalloc.hf", "cxlalloc.bench"],
     package_data={"cxlalloc": ["py.typed"]},
     ext_modules=[core] + ([sim] if sim.sources else []),

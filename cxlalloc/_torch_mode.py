@@ -16,7 +16,7 @@ segments cxlalloc places (VRAM, then host), and a pre-reserved host spill
 pool (``MemPool(use_on_oom=True)``) catches other allocations that would
 otherwise OOM, up to its reservation.  Why pre-reserved: on an outside OOM
 torch only looks for an already cached free block in use-on-OOM pools; it
-never asks their allocator for a new segment (ARCHITECTURE.md).
+never asks their allocator for a new segment (docs/sources.md#torch-oom-order).
 
 Every callback, library handle, allocator object and pool created here is
 kept in the module state until the process ends (case C12).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/gpu_check.sh: every GPU check of cxlalloc in ONE command (issue 5).
+# scripts/gpu_check.sh: every GPU check of cxlalloc in ONE command.
 #
 #   bash scripts/gpu_check.sh             run everything (about 7 minutes on an H200)
 #   bash scripts/gpu_check.sh --dry-run   list every step with its time box and command; exit 0

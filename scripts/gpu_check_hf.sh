@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the HuggingFace integration (issue 4), for a machine with an NVIDIA GPU
+# GPU check of the HuggingFace integration, for a machine with an NVIDIA GPU
 # whose python3 has torch (CUDA) and transformers.  Run from the repository root:
 #
 #   scripts/gpu_check_hf.sh OUTDIR [ASSETS]

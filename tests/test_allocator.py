@@ -1,5 +1,5 @@
 """The tiered caching allocator on the simulated GPU: placement, spill,
-reuse, frees, accounting (issue 2, "Done when")."""
+reuse, frees, accounting."""
 
 import ctypes
 import re

@@ -151,7 +151,7 @@ def test_auto_chooses_the_cpu_less_cxl_node_and_places_spill_there(cxl_machine, 
 
 def test_relocated_pages_are_reported_never_silently_accepted(cxl_machine, make_alloc, capfd):
     """The driver moving long-term-pinned ZONE_MOVABLE pages off the node
-    (research/cuda-cxl-facts.md §1.7) must show up in stats and as a warning."""
+    (docs/sources.md#cpu-less-nodes) must show up in stats and as a warning."""
     cxl_machine(",relocate=1:0")
     a = make_alloc(backend="pinned", device_limit=16 * MiB, numa_node=1)
     p = a.malloc(24 * MiB)

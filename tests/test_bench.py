@@ -1,4 +1,4 @@
-"""CPU tests of the benchmark harness (issue 5): records, skips, dry run,
+"""CPU tests of the benchmark harness: records, skips, dry run,
 report, managed-memory guard, worker protocol.  No timing is asserted: the
 benchmarks produce numbers, the tests check plumbing."""
 

@@ -1,5 +1,5 @@
 """A failure injected at every driver call site either falls back cleanly or
-raises a clear cxlalloc error, and nothing leaks (issue 2)."""
+raises a clear cxlalloc error, and nothing leaks."""
 
 import gc
 

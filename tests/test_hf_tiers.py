@@ -1,6 +1,6 @@
 """KV placement under a device budget (simulation): the KV cache spills oldest
 tokens first while weights stay in VRAM, copies stay flat per decode step, and
-cases C01, C03, C04 of shared/cases/cases-001.md scaled down.
+cases C01, C03, C04 of docs/cases.md scaled down.
 
 Activations are torch's own CPU memory in simulation and are not modelled; the
 device budget here covers weights + KV (what wrap() places in the allocator)."""

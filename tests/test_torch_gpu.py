@@ -7,7 +7,7 @@ GiB of memory in total (far below half of the card's free memory).
 
 Global mode is per process, so every scenario runs in a fresh interpreter
 (`run_case`) that prints one `RESULT {json}` line; the assertions here check
-its exact values.  Cases refer to ../shared/cases/cases-001.md.
+its exact values.  Cases (Cnn) are listed in docs/cases.md.
 """
 
 import json

@@ -272,7 +272,7 @@ int DeviceAllocator::pool_use_count(PoolId id) const {
 void DeviceAllocator::begin_allocate_to_pool(PoolId id, Filter filter) {
   std::lock_guard<std::mutex> lk(mu_);
   // torch's beginAllocateToPool creates or increfs the pool; releasePool
-  // drops that reference (research notes: torch-allocator-interface.md).
+  // drops that reference (docs/sources.md#torch-allocator-interface).
   pools_[id].use_count++;
   routes_.push_back(Route{id, std::move(filter)});
 }

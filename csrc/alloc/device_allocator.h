@@ -11,7 +11,7 @@
 // from any thread (Python GC, torch deleters, worker threads).
 //
 // Order of resort when a request does not fit (compare torch's native order,
-// research/allocator-anchors.md addendum): cached block -> new segment on
+// docs/sources.md#torch-oom-order): cached block -> new segment on
 // the first-choice tier -> wait for stream-pending frees (all of them, not
 // FIFO: case C06) -> release cached free segments (C11) -> demote cold KV
 // (for non-KV requests) -> the host tier (spill) -> OutOfMemoryError.

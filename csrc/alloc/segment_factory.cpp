@@ -51,7 +51,7 @@ void SegmentFactory::verify_host_placement(const Segment& seg, Chunk& c) {
   if (c.placed_wrong > 0) {
     std::string msg = format_bytes(c.placed_wrong) + " of a host-tier " + backing_name(seg.backing) +
                       " chunk landed outside NUMA node " + std::to_string(cfg_.host_node) +
-                      " (the driver or kernel moved or refused the placement; research/cuda-cxl-facts.md §1.7)";
+                      " (the driver or kernel moved or refused the placement; see docs/sources.md#cpu-less-nodes)";
     if (cfg_.strict_placement) throw Error(ErrorKind::Unavailable, "strict_placement: " + msg);
     log_warning(msg);
   }

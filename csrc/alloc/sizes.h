@@ -1,6 +1,6 @@
 // Size classes of the block cache, the same as torch's native caching
-// allocator (c10/cuda/CUDACachingAllocator.cpp; research/allocator-anchors.md
-// §2) so that fragmentation behaves as users know it:
+// allocator (c10/cuda/CUDACachingAllocator.cpp; docs/sources.md
+// #torch-size-classes) so that fragmentation behaves as users know it:
 //   requests round up to 512 B; <= 1 MiB goes to the small pool, packed in
 //   2 MiB segments; 1-10 MiB requests get a 20 MiB segment; larger ones a
 //   segment rounded up to 2 MiB.  A free remainder is split off a block if it

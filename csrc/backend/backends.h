@@ -10,7 +10,7 @@
 //             accessed-by the GPU; migration by advise + prefetch
 //   pinned    mmap + mbind(node) + cuMemHostRegister (portable fallback; a
 //             segment's tier is fixed)
-// Sources: research/cuda-cxl-facts.md §1.2-1.6; NCCL's probe-then-fallback
+// Sources: docs/sources.md#host-backends (cuda.h); NCCL's probe-then-fallback
 // for cuMem host allocations (src/misc/cudawrap.cc).
 #pragma once
 

@@ -3,7 +3,7 @@
  * Two callers:
  *  - torch's CUDAPluggableAllocator / MemPool, which loads cxlalloc_malloc and
  *    cxlalloc_free (and the per-class variants) by name from cxlalloc/_C*.so
- *    with the signatures torch documents (research/allocator-anchors.md §1.1);
+ *    with the signatures torch documents (docs/sources.md#torch-pluggable-allocator);
  *  - cxlalloc's torch adapter (csrc/torch), which needs stats, snapshots,
  *    pools and error text to give torch.cuda's memory APIs their meaning.
  *

@@ -13,7 +13,7 @@ enum class Tier : uint8_t { Device = 0, Host = 1 };
 constexpr int kNumTiers = 2;
 
 // What an allocation holds.  Classes never share a segment, so a KV segment
-// can be demoted alone (ARCHITECTURE.md, layer 4).
+// can be demoted alone (docs/DESIGN.md, "Segments, chunks, blocks").
 enum class AllocClass : uint8_t { Other = 0, KV = 1, Weight = 2 };
 constexpr int kNumClasses = 3;
 

@@ -4,8 +4,8 @@
 // build and import on machines with no GPU and no driver (CI), report *why*
 // CUDA is unavailable instead of failing to load, and run the same code against
 // the simulated driver (csrc/sim) in tests.  Symbols are resolved by base name
-// and the ABI version they were introduced with (research/cuda-cxl-facts.md
-// §1.8, the same table NCCL's cudawrap.cc uses), so a CUDA 13 header never
+// and the ABI version they were introduced with (docs/sources.md#driver-abi,
+// the same table NCCL's cudawrap.cc uses), so a CUDA 13 header never
 // silently binds a function with a different signature on an older driver.
 #pragma once
 

@@ -4,16 +4,16 @@
 // The rules, and where they come from:
 //  * VRAM first for everything while it has room; KV cache is what spills:
 //    it is large, grows predictably and is read in long sequential runs
-//    (ARCHITECTURE.md "The job in one paragraph"; seeds part 4).
+//    (docs/sources.md#kv-first).
 //  * A KV allocation goes to the host tier once the KV device quota is used,
 //    or when placing it on the device would eat the headroom kept for
 //    activations and workspaces (hot, short-lived: TPP's lesson that new
-//    allocations are hot, cuda-cxl-facts §4).
+//    allocations are hot, docs/sources.md#tiering-policy).
 //  * Other/weight allocations that do not fit may demote KV, coldest first,
 //    never what the current step is using.
 //  * Migrations (demotion and promotion) draw on a byte budget (a token
 //    bucket), so they cannot thrash: TPP / MICRO'23 measured migrations
-//    costing more than they save when unbounded (cuda-cxl-facts §3, §4).
+//    costing more than they save when unbounded (docs/sources.md#tiering-policy).
 #pragma once
 
 #include <algorithm>

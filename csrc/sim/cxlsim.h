@@ -82,7 +82,8 @@ extern "C" {
 //   reject_numa=LIST     nodes where cuMemCreate(HOST_NUMA)/cuMemHostAlloc fail with
 //                        CUDA_ERROR_INVALID_VALUE (emulates nccl#2190)
 //   relocate=A:B;...     cuMemHostRegister of pages placed on node A moves them
-//                        to node B (emulates ZONE_MOVABLE long-term pins, §1.7)
+//                        to node B (emulates ZONE_MOVABLE long-term pins,
+//                        docs/sources.md#cpu-less-nodes)
 //   attr.N=V             override device attribute N (e.g. attr.141=0)
 //   version=N            cuDriverGetVersion result (default 13000); cuGetProcAddress
 //                        refuses versions above it (CUDA_ERROR_INVALID_VALUE), and

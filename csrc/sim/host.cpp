@@ -128,7 +128,8 @@ CUresult api_cuMemHostRegister(void* p, size_t bytesize, unsigned int flags) {
       reg_entry.device = dev;
       reg.registrations.emplace(b, reg_entry);
     }
-    // Long-term pinning migrates ZONE_MOVABLE pages off their node (§1.7).
+    // Long-term pinning migrates ZONE_MOVABLE pages off their node
+    // (docs/sources.md#cpu-less-nodes).
     relocate_on_register(b, e);
     return CUDA_SUCCESS;
   });

@@ -33,7 +33,7 @@ struct NodeChoice {
 // memory; with no readable topology at all, node 0 (the only valid host NUMA
 // id on a non-NUMA kernel).
 // An explicit id must name an online node with memory.  A chosen node whose
-// memory is all ZONE_MOVABLE gets a warning (research/cuda-cxl-facts.md §1.7).
+// memory is all ZONE_MOVABLE gets a warning (docs/sources.md#cpu-less-nodes).
 //
 // An empty `requested` means "auto".
 //

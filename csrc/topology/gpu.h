@@ -1,6 +1,6 @@
 // What a GPU can do with host memory, and which host NUMA node is nearest.
 //
-// Attribute numbers and meanings: research/cuda-cxl-facts.md §1.1/§1.6 and
+// Attribute numbers and meanings: docs/sources.md#gpu-attributes and
 // cuda.h (CUDA 13.0).  Attributes are queried by number so a build against
 // an older cuda.h still asks a newer driver for them.
 #pragma once

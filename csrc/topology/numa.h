@@ -2,10 +2,11 @@
 //
 // A CXL Type-3 memory expander appears as a CPU-less NUMA node (often onlined
 // into ZONE_MOVABLE and placed in a lower memory tier); see
-// research/cuda-cxl-facts.md §2.  read_topology() gathers what the spill tier
+// docs/sources.md#linux-numa-cxl.  read_topology() gathers what the spill tier
 // needs to pick and judge a host node: which nodes have memory and CPUs, how
 // far they are (SLIT), which memory tier they sit in, whether their memory is
-// all ZONE_MOVABLE (driver-pinned pages cannot live there, §1.7) and whether a
+// all ZONE_MOVABLE (driver-pinned pages cannot live there,
+// docs/sources.md#cpu-less-nodes) and whether a
 // CXL region / dax kmem device backs them.
 //
 // Sources, relative to the sysfs root (kernel docs in Documentation/ABI/):

@@ -3,7 +3,7 @@
 // A placement is never claimed without verification: the driver may reject
 // or relocate pages on CPU-less / ZONE_MOVABLE nodes (nccl#2190,
 // open-gpu-kernel-modules#885, long-term pins migrating out of ZONE_MOVABLE;
-// research/cuda-cxl-facts.md §1.7), so backends bind(), touch or register,
+// docs/sources.md#cpu-less-nodes), so backends bind(), touch or register,
 // then ask page_nodes() where the bytes really are.
 #pragma once
 

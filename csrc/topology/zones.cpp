@@ -3,7 +3,7 @@
 // Why it matters: the CUDA driver's pinned memory (cuMemCreate HOST_NUMA,
 // cuMemHostAlloc, cuMemHostRegister's FOLL_LONGTERM pins) never lives in
 // ZONE_MOVABLE, and daxctl onlines CXL capacity as movable by default
-// (research/cuda-cxl-facts.md §1.7).  Two sources:
+// (docs/sources.md#cpu-less-nodes).  Two sources:
 //   * has_normal_memory (N_NORMAL_MEMORY): nodes with memory in DMA/DMA32/
 //     Normal.  On 64-bit kernels (no highmem) a node in has_memory but not in
 //     has_normal_memory has only ZONE_MOVABLE memory.  Authoritative, cheap.

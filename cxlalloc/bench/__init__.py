@@ -1,4 +1,4 @@
-"""cxlalloc's benchmarks (issue 5): ``python -m cxlalloc bench`` (:mod:`.cli`).
+"""cxlalloc's benchmarks: ``python -m cxlalloc bench`` (:mod:`.cli`).
 
 Modules:
     meta         JSON records: metadata (hardware, software, command, date), writer, validation

@@ -28,8 +28,8 @@ Measured, each with CUDA events, median of ``repeat`` runs after ``warmup``
 ``device_copy_gbps``, ``torch_pinned_{h2d,d2h}_gbps`` and ``link[backend]``
 (the node ``auto`` picks if measured, else the fastest node).
 
-Sources of expectations: cuda-cxl-facts.md section 3 (PCIe 5.0 x16 ~63 GB/s
-per direction; nvbandwidth SM-copy H2D 35.2 GB/s on H100).
+Sources of expectations: docs/sources.md#link-bandwidth (PCIe 5.0 x16 ~63 GB/s
+per direction; NVIDIA/nvbandwidth#24: SM-copy H2D 35.2 GB/s on H100).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 | ``layer.update`` call | ``(k, v, idx)`` | ``(k, v, idx, kwargs=...)`` |
 
 Source: transformers ``cache_utils.py`` / ``generation/utils.py`` of both versions
-(notes/transformers-cache-api.md in the project's research).
+(docs/sources.md#transformers-cache-api).
 """
 
 from __future__ import annotations

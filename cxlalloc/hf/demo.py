@@ -118,7 +118,7 @@ def load(args, device: str, dtype):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     model = model.to(device).eval()
     # transformers 5.17 reads SmolLM2's GGUF with eos '<|im_start|>' and no pad token;
-    # the model's generation config has pad = eos = 2 = '<|im_end|>' (research §6).
+    # the model's generation config has pad = eos = 2 = '<|im_end|>' (docs/sources.md#smollm2-tokens).
     if "<|im_end|>" in tok.get_vocab():
         tok.pad_token = "<|im_end|>"
     elif tok.pad_token is None:
