@@ -13,7 +13,7 @@ namespace cxl::alloc {
 
 using backend::HostBackend;
 
-DeviceAllocator::DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std::shared_ptr<topology::NumaOps> numa)
+DeviceAllocator::DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std::shared_ptr<backend::NumaOps> numa)
     : drv_(std::move(drv)),
       cfg_(cfg),
       numa_(std::move(numa)),

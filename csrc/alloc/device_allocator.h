@@ -33,9 +33,9 @@
 #include "alloc/segment_factory.h"
 #include "alloc/stats.h"
 #include "backend/backends.h"
+#include "backend/placement.h"
 #include "driver/resources.h"
 #include "policy/policy.h"
-#include "topology/placement.h"
 
 namespace cxl::alloc {
 
@@ -100,7 +100,7 @@ class DeviceAllocator {
  public:
   using Filter = std::function<bool(CUstream)>;
 
-  DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std::shared_ptr<topology::NumaOps> numa);
+  DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std::shared_ptr<backend::NumaOps> numa);
   ~DeviceAllocator();
   DeviceAllocator(const DeviceAllocator&) = delete;
   DeviceAllocator& operator=(const DeviceAllocator&) = delete;
@@ -247,7 +247,7 @@ class DeviceAllocator {
 
   driver::DriverPtr drv_;
   AllocatorConfig cfg_;
-  std::shared_ptr<topology::NumaOps> numa_;
+  std::shared_ptr<backend::NumaOps> numa_;
   driver::PrimaryContext ctx_;
   backend::DeviceFacts facts_;
   std::map<std::string, backend::Support> support_;

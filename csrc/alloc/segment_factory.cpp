@@ -11,7 +11,7 @@ namespace cxl::alloc {
 
 using backend::HostBackend;
 
-SegmentFactory::SegmentFactory(driver::DriverPtr drv, FactoryConfig cfg, topology::NumaOps* numa)
+SegmentFactory::SegmentFactory(driver::DriverPtr drv, FactoryConfig cfg, backend::NumaOps* numa)
     : drv_(std::move(drv)), cfg_(cfg), numa_(numa) {
   size_t d = cfg_.device_granularity ? cfg_.device_granularity : (2u << 20);
   size_t h = cfg_.host_granularity ? cfg_.host_granularity : d;

@@ -10,8 +10,8 @@
 
 #include "alloc/segment.h"
 #include "backend/backends.h"
+#include "backend/placement.h"
 #include "driver/resources.h"
-#include "topology/placement.h"
 
 namespace cxl::alloc {
 
@@ -28,7 +28,7 @@ struct FactoryConfig {
 
 class SegmentFactory {
  public:
-  SegmentFactory(driver::DriverPtr drv, FactoryConfig cfg, topology::NumaOps* numa);
+  SegmentFactory(driver::DriverPtr drv, FactoryConfig cfg, backend::NumaOps* numa);
 
   const FactoryConfig& config() const { return cfg_; }
   // Alignment every segment size is rounded to: a multiple of both tiers'
@@ -65,7 +65,7 @@ class SegmentFactory {
 
   driver::DriverPtr drv_;
   FactoryConfig cfg_;
-  topology::NumaOps* numa_;
+  backend::NumaOps* numa_;
   size_t align_;
   driver::Stream stream_;  // prefetches; created on first use
 };
