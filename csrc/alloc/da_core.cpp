@@ -72,7 +72,7 @@ DeviceAllocator::DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std
     }
   }
 
-  FactoryConfig fc;
+  backend::FactoryConfig fc;
   fc.device = cfg_.device;
   fc.host_node = cfg_.host_node;
   fc.host_backend = chosen;
@@ -94,7 +94,7 @@ DeviceAllocator::DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std
                 "host_limit: " + format_bytes(cfg_.host_limit) + " is below the host tier's allocation granularity (" +
                     format_bytes(fc.host_granularity) + ", backend " + backend::host_backend_name(chosen) +
                     "): use at least " + format_bytes(fc.host_granularity) + ", or 0 to run without a host tier");
-  factory_ = std::make_unique<SegmentFactory>(drv_, fc, numa_.get());
+  factory_ = std::make_unique<backend::SegmentFactory>(drv_, fc, numa_.get());
 }
 
 DeviceAllocator::~DeviceAllocator() {

@@ -28,7 +28,8 @@ ExtentInfo DeviceAllocator::extent_create(size_t capacity, AllocClass cls) {
   std::unique_ptr<Segment> seg;
   bool lazy = factory_->lazy_extents();
   if (lazy) {
-    seg = factory_->create_extent(cap, chunk, cls);
+    seg = std::make_unique<Segment>();
+    factory_->create_extent(*seg, cap, chunk);
   } else {
     // Fixed backends: commit the whole capacity now on the tier the policy
     // picks for it, falling back to the other tier.
@@ -39,16 +40,20 @@ ExtentInfo DeviceAllocator::extent_create(size_t capacity, AllocClass cls) {
       size_t limit = t == Tier::Device ? device_limit_eff() : cfg_.host_limit;
       if (size_t(stats_.tier[int(t)].reserved_bytes.current) + cap > limit) continue;
       try {
-        seg = factory_->create_block_segment(cap, t, cls, PoolKind::Large);
+        auto fresh = std::make_unique<Segment>();
+        factory_->create_block_segment(*fresh, cap, t, cls);
+        seg = std::move(fresh);
         break;
       } catch (const Error& e) {
         if (!is_out_of_memory(e)) throw;
       }
     }
     if (!seg) throw_oom(cap, cls, "no tier can hold the extent (this backend commits extents whole)");
-    seg->extent = true;
     seg->chunks.front().seq = ++seq_;
   }
+  seg->cls = cls;
+  seg->kind = PoolKind::Large;
+  seg->extent = true;
   seg->id = next_segment_id_++;
   Segment* raw = seg.get();
   segments_[seg->base] = std::move(seg);

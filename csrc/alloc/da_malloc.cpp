@@ -70,7 +70,11 @@ Segment* DeviceAllocator::new_segment(Tier tier, const FreeListKey& key, size_t 
   if (reserved + size > limit || reserved + size < reserved) return nullptr;
   std::unique_ptr<Segment> seg;
   try {
-    seg = factory_->create_block_segment(size, tier, key.cls, key.kind);
+    // Made in a local, so that what a failing factory made is released
+    // before the failure is handled.
+    auto fresh = std::make_unique<Segment>();
+    factory_->create_block_segment(*fresh, size, tier, key.cls);
+    seg = std::move(fresh);
   } catch (const Error& e) {
     // The physical tier is fuller than our budget thinks (another process,
     // the CUDA context, a driver limit): report "does not fit" and let the
@@ -83,6 +87,8 @@ Segment* DeviceAllocator::new_segment(Tier tier, const FreeListKey& key, size_t 
     throw;
   }
   seg->id = next_segment_id_++;
+  seg->cls = key.cls;
+  seg->kind = key.kind;
   seg->pool = key.pool;
   seg->stream = stream;
   auto* head = new Block();

@@ -30,10 +30,10 @@
 
 #include "alloc/block.h"
 #include "alloc/segment.h"
-#include "alloc/segment_factory.h"
 #include "alloc/stats.h"
 #include "backend/backends.h"
 #include "backend/placement.h"
+#include "backend/segment_factory.h"
 #include "driver/resources.h"
 #include "policy/policy.h"
 
@@ -251,7 +251,7 @@ class DeviceAllocator {
   driver::PrimaryContext ctx_;
   backend::DeviceFacts facts_;
   std::map<std::string, backend::Support> support_;
-  std::unique_ptr<SegmentFactory> factory_;
+  std::unique_ptr<backend::SegmentFactory> factory_;
   bool host_enabled_ = false;
 
   mutable std::mutex mu_;
