@@ -1,4 +1,4 @@
-// DeviceAllocator: construction, backend choice, budgets and accounting.
+// DeviceAllocator: construction, budgets and accounting.
 #include <unistd.h>
 
 #include <chrono>
@@ -11,8 +11,6 @@
 
 namespace cxl::alloc {
 
-using backend::HostBackend;
-
 DeviceAllocator::DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std::shared_ptr<backend::NumaOps> numa)
     : drv_(std::move(drv)),
       cfg_(cfg),
@@ -22,66 +20,12 @@ DeviceAllocator::DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std
   if (cfg_.device_limit == 0)
     throw Error(ErrorKind::InvalidArgument, "device_limit: must be > 0 bytes (a size like '8GiB' or a fraction of VRAM)");
   driver::ContextGuard guard(*drv_, ctx_.get());
-  facts_ = backend::read_device_facts(*drv_, cfg_.device, cfg_.host_node);
-
-  backend::Support dev = backend::device_vmm_support(facts_);
-  support_["device"] = dev.ok ? dev : backend::Support{true, "no VMM (" + dev.reason + "): cuMemAlloc segments, no demotion"};
-  for (int i = 0; i < backend::kNumHostBackends; ++i) {
-    auto b = static_cast<HostBackend>(i);
-    backend::Support s = backend::host_support(b, facts_);
-    if (s.ok && b == HostBackend::HostVmm) s = backend::probe_host_vmm(drv_, cfg_.host_node, facts_.host_granularity);
-    support_[backend::host_backend_name(b)] = s;
-  }
-
   host_enabled_ = cfg_.host_limit > 0;
-  HostBackend chosen = cfg_.backend.value_or(HostBackend::HostVmm);
-  if (host_enabled_) {
-    auto supported_list = [&] {
-      std::string out;
-      for (int i = 0; i < backend::kNumHostBackends; ++i) {
-        auto b = static_cast<HostBackend>(i);
-        const auto& s = support_[backend::host_backend_name(b)];
-        out += std::string(out.empty() ? "" : "; ") + backend::host_backend_name(b) + ": " +
-               (s.ok ? "supported" : s.reason);
-      }
-      return out;
-    };
-    if (cfg_.backend) {
-      const auto& s = support_[backend::host_backend_name(chosen)];
-      if (!s.ok)
-        throw Error(ErrorKind::Unavailable, std::string("backend: '") + backend::host_backend_name(chosen) +
-                                                "' cannot be used on cuda:" + std::to_string(cfg_.device) + ": " +
-                                                s.reason + " (" + supported_list() + ")");
-    } else {
-      // Default order, pending measurement on a real GPU (README, "Backends"):
-      // host-vmm is pinned (no page faults) and remappable (demotion keeps
-      // the address); managed migrates by prefetch but faults; pinned cannot
-      // move pages between tiers.
-      bool found = false;
-      for (HostBackend b : {HostBackend::HostVmm, HostBackend::Managed, HostBackend::Pinned}) {
-        if (support_[backend::host_backend_name(b)].ok) {
-          chosen = b;
-          found = true;
-          break;
-        }
-      }
-      if (!found)
-        throw Error(ErrorKind::Unavailable, "no host-tier backend works on cuda:" + std::to_string(cfg_.device) +
-                                                " (" + supported_list() +
-                                                "); set host_limit=0 to run without a host tier");
-    }
-  }
-
-  backend::FactoryConfig fc;
-  fc.device = cfg_.device;
-  fc.host_node = cfg_.host_node;
-  fc.host_backend = chosen;
-  fc.host_enabled = host_enabled_;
-  fc.device_vmm = dev.ok;
-  fc.device_granularity = facts_.device_granularity ? facts_.device_granularity : kLargeSegmentRound;
-  fc.host_granularity = (chosen == HostBackend::HostVmm && facts_.host_granularity) ? facts_.host_granularity
-                                                                                    : fc.device_granularity;
-  fc.strict_placement = cfg_.strict_placement;
+  backend::Selection chosen =
+      backend::select_backends(drv_, {cfg_.device, cfg_.host_node, host_enabled_, cfg_.backend, cfg_.strict_placement});
+  facts_ = chosen.facts;
+  support_ = std::move(chosen.support);
+  const backend::FactoryConfig& fc = chosen.factory;
   // A limit below one segment makes its tier unusable: every request would
   // silently go elsewhere (or fail).  Say so now, naming the option.
   if (cfg_.device_limit < fc.device_granularity)
@@ -92,7 +36,7 @@ DeviceAllocator::DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std
   if (host_enabled_ && cfg_.host_limit < fc.host_granularity)
     throw Error(ErrorKind::InvalidArgument,
                 "host_limit: " + format_bytes(cfg_.host_limit) + " is below the host tier's allocation granularity (" +
-                    format_bytes(fc.host_granularity) + ", backend " + backend::host_backend_name(chosen) +
+                    format_bytes(fc.host_granularity) + ", backend " + backend::host_backend_name(fc.host_backend) +
                     "): use at least " + format_bytes(fc.host_granularity) + ", or 0 to run without a host tier");
   factory_ = std::make_unique<backend::SegmentFactory>(drv_, fc, numa_.get());
 }
@@ -130,11 +74,7 @@ std::string DeviceAllocator::host_backend_name() const {
   return backend::host_backend_name(factory_->config().host_backend);
 }
 
-bool DeviceAllocator::demotion_supported() const {
-  if (!host_enabled_) return false;
-  const auto& fc = factory_->config();
-  return fc.host_backend == HostBackend::Managed || (fc.device_vmm && fc.host_backend == HostBackend::HostVmm);
-}
+bool DeviceAllocator::demotion_supported() const { return factory_->can_move_between_tiers(); }
 
 size_t DeviceAllocator::device_limit_eff() const {
   return cfg_.device_limit > external_device_bytes_ ? cfg_.device_limit - external_device_bytes_ : 0;

@@ -34,6 +34,7 @@
 #include "backend/backends.h"
 #include "backend/placement.h"
 #include "backend/segment_factory.h"
+#include "backend/selection.h"
 #include "driver/resources.h"
 #include "policy/policy.h"
 

@@ -193,6 +193,11 @@ void SegmentFactory::decommit_chunk(SegmentMemory& seg, Chunk& c) {
 }
 
 // ------------------------------------------------------------------ migration
+bool SegmentFactory::can_move_between_tiers() const {
+  if (!cfg_.host_enabled) return false;
+  return cfg_.host_backend == HostBackend::Managed || (cfg_.device_vmm && cfg_.host_backend == HostBackend::HostVmm);
+}
+
 bool SegmentFactory::can_migrate(const SegmentMemory& seg) const {
   if (!cfg_.host_enabled) return false;
   if (seg.backing == Backing::Managed) return true;

@@ -53,6 +53,9 @@ class SegmentFactory {
   void commit_chunk(SegmentMemory& seg, Chunk& c, Tier tier);
   void decommit_chunk(SegmentMemory& seg, Chunk& c);
 
+  // Whether memory can move between the tiers at a fixed address at all
+  // (demotion, promotion): managed, or host-vmm over device VMM.
+  bool can_move_between_tiers() const;
   // Whether this segment's pages can move between tiers at a fixed address.
   bool can_migrate(const SegmentMemory& seg) const;
   // Move one committed chunk to `target`, bytes intact, address unchanged.
