@@ -3,9 +3,7 @@
 #include <algorithm>
 
 #include "alloc/device_allocator.h"
-#include "alloc/sizes.h"
 #include "common/error.h"
-#include "common/units.h"
 
 namespace cxl::alloc {
 
@@ -16,6 +14,12 @@ bool has_waiting_blocks(const Segment& seg) {
   return false;
 }
 }  // namespace
+
+void DeviceAllocator::mark_step() {
+  std::lock_guard<std::mutex> lk(mu_);
+  steps_marked_ = true;
+  step_start_seq_ = ++seq_;
+}
 
 void DeviceAllocator::migrate_segment(Segment& seg, Tier target) {
   const Tier from = seg.tier();

@@ -8,7 +8,6 @@
 // at will, arXiv 2405.04437).  Where the backend cannot remap (pinned), an
 // extent is committed whole at creation on one tier instead.
 #include "alloc/device_allocator.h"
-#include "alloc/sizes.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/units.h"

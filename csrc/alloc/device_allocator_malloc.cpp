@@ -1,4 +1,5 @@
-// DeviceAllocator: the allocation path.
+// DeviceAllocator: the allocation path, from a request to a block (the
+// order of resort is in device_allocator.h).
 #include <algorithm>
 
 #include "alloc/device_allocator.h"
@@ -8,125 +9,6 @@
 #include "common/units.h"
 
 namespace cxl::alloc {
-
-
-Block* DeviceAllocator::find_free(const FreeListKey& key, CUstream stream, size_t size) {
-  auto it = free_lists_.find(key);
-  if (it == free_lists_.end() || it->second.empty()) return nullptr;
-  Block probe;
-  probe.stream = stream;
-  probe.size = size;
-  probe.ptr = 0;
-  auto bit = it->second.lower_bound(&probe);
-  if (bit == it->second.end() || (*bit)->stream != stream) return nullptr;
-  return *bit;
-}
-
-void DeviceAllocator::insert_free(Block* b) {
-  FreeListKey key{b->segment->pool, b->segment->tier(), b->segment->cls, b->segment->kind};
-  bool ok = free_lists_[key].insert(b).second;
-  CXL_CHECK(ok, "block already in its free list");
-}
-
-void DeviceAllocator::erase_free(Block* b) {
-  FreeListKey key{b->segment->pool, b->segment->tier(), b->segment->cls, b->segment->kind};
-  auto it = free_lists_.find(key);
-  CXL_CHECK(it != free_lists_.end() && it->second.erase(b) == 1, "free block missing from its free list");
-}
-
-// Carve `size` bytes off the front of free block `b` and hand them out.
-Block* DeviceAllocator::take_block(Block* b, size_t size, size_t requested, CUstream stream) {
-  erase_free(b);
-  Segment* seg = b->segment;
-  if (should_split(b->size, size, seg->kind == PoolKind::Small)) {
-    auto* rest = new Block();
-    rest->segment = seg;
-    rest->ptr = b->ptr + size;
-    rest->size = b->size - size;
-    rest->stream = b->stream;
-    rest->prev = b;
-    rest->next = b->next;
-    if (b->next) b->next->prev = rest;
-    b->next = rest;
-    b->size = size;
-    insert_free(rest);
-  }
-  b->allocated = true;
-  b->requested = requested;
-  b->stream = stream;
-  b->seq = ++seq_;
-  allocated_[b->ptr] = b;
-  seg->allocated += b->size;
-  seg->last_use = b->seq;
-  seg->touches++;
-  account_alloc(b, seg->tier());
-  stats_.counters.allocations++;
-  return b;
-}
-
-Segment* DeviceAllocator::new_segment(Tier tier, const FreeListKey& key, size_t size, CUstream stream) {
-  size_t limit = tier == Tier::Device ? device_limit_eff() : cfg_.host_limit;
-  size_t reserved = static_cast<size_t>(stats_.tier[int(tier)].reserved_bytes.current);
-  if (reserved + size > limit || reserved + size < reserved) return nullptr;
-  std::unique_ptr<Segment> seg;
-  try {
-    // Made in a local, so that what a failing factory made is released
-    // before the failure is handled.
-    auto fresh = std::make_unique<Segment>();
-    factory_->create_block_segment(*fresh, size, tier, key.cls);
-    seg = std::move(fresh);
-  } catch (const Error& e) {
-    // The physical tier is fuller than our budget thinks (another process,
-    // the CUDA context, a driver limit): report "does not fit" and let the
-    // caller move on; any other failure is an error the user must see.
-    if (is_out_of_memory(e)) {
-      stats_.counters.driver_refused_segments[int(tier)]++;
-      log_debug(std::string("segment allocation on ") + tier_name(tier) + " failed: " + e.what());
-      return nullptr;
-    }
-    throw;
-  }
-  seg->id = next_segment_id_++;
-  seg->cls = key.cls;
-  seg->kind = key.kind;
-  seg->pool = key.pool;
-  seg->stream = stream;
-  auto* head = new Block();
-  head->segment = seg.get();
-  head->ptr = seg->base;
-  head->size = seg->size;
-  head->stream = stream;
-  seg->head = head;
-  Segment* raw = seg.get();
-  segments_[seg->base] = std::move(seg);
-  account_segment(*raw, tier, raw->size, true);
-  stats_.counters.new_segments[int(tier)]++;
-  insert_free(head);
-  return raw;
-}
-
-// A block of `size` on `tier`: a cached one, else a new segment if allowed.
-Block* DeviceAllocator::alloc_in(Tier tier, const FreeListKey& base_key, size_t size, size_t requested,
-                                 CUstream stream, bool allow_new_segment) {
-  FreeListKey key = base_key;
-  key.tier = tier;
-  if (Block* b = find_free(key, stream, size)) {
-    stats_.counters.cache_hits++;
-    return take_block(b, size, requested, stream);
-  }
-  if (!allow_new_segment) return nullptr;
-  const size_t standard = segment_size(size);
-  Segment* seg = new_segment(tier, key, standard, stream);
-  if (!seg) {
-    // torch's size classes give a 1-10 MiB request a 20 MiB segment; when
-    // only the request itself fits the tier, an exact-size segment beats a
-    // spill (or an OOM) caused by rounding alone.
-    const size_t exact = round_up(size, factory_->segment_alignment());
-    if (exact < standard) seg = new_segment(tier, key, exact, stream);
-  }
-  if (!seg) return nullptr;
-  return take_block(seg->head, size, requested, stream);
-}
 
 void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bool only_host) {
   if (nbytes == 0) return nullptr;
@@ -139,16 +21,7 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
   if (size == 0 || size > largest_tier)
     throw_oom(nbytes, cls, "the request is larger than either tier's whole limit");
 
-  // Private pools (graph capture, MemPool) claim matching streams; the most
-  // recently begun matching route wins, as in torch since #161193 (nested
-  // use_mem_pool: the inner pool gets the allocations).
-  PoolId pool;
-  for (auto r = routes_.rbegin(); r != routes_.rend(); ++r) {
-    if (r->filter(stream)) {
-      pool = r->pool;
-      break;
-    }
-  }
+  const PoolId pool = pool_for(stream);
   // During capture no event may be queried or recorded on the capturing
   // stream and nothing may synchronize (case C14), and nothing graph-captured
   // may live on the host tier (C10): device only, no reclaim.
@@ -266,6 +139,105 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
     throw_oom(nbytes, cls, why);
   }
   return reinterpret_cast<void*>(b->ptr);
+}
+
+// A block of `size` on `tier`: a cached one, else a new segment if allowed.
+Block* DeviceAllocator::alloc_in(Tier tier, const FreeListKey& base_key, size_t size, size_t requested,
+                                 CUstream stream, bool allow_new_segment) {
+  FreeListKey key = base_key;
+  key.tier = tier;
+  if (Block* b = find_free(key, stream, size)) {
+    stats_.counters.cache_hits++;
+    return take_block(b, size, requested, stream);
+  }
+  if (!allow_new_segment) return nullptr;
+  const size_t standard = segment_size(size);
+  Segment* seg = new_segment(tier, key, standard, stream);
+  if (!seg) {
+    // torch's size classes give a 1-10 MiB request a 20 MiB segment; when
+    // only the request itself fits the tier, an exact-size segment beats a
+    // spill (or an OOM) caused by rounding alone.
+    const size_t exact = round_up(size, factory_->segment_alignment());
+    if (exact < standard) seg = new_segment(tier, key, exact, stream);
+  }
+  if (!seg) return nullptr;
+  return take_block(seg->head, size, requested, stream);
+}
+
+Segment* DeviceAllocator::new_segment(Tier tier, const FreeListKey& key, size_t size, CUstream stream) {
+  size_t limit = tier == Tier::Device ? device_limit_eff() : cfg_.host_limit;
+  size_t reserved = static_cast<size_t>(stats_.tier[int(tier)].reserved_bytes.current);
+  if (reserved + size > limit || reserved + size < reserved) return nullptr;
+  std::unique_ptr<Segment> seg;
+  try {
+    // Made in a local, so that what a failing factory made is released
+    // before the failure is handled.
+    auto fresh = std::make_unique<Segment>();
+    factory_->create_block_segment(*fresh, size, tier, key.cls);
+    seg = std::move(fresh);
+  } catch (const Error& e) {
+    // The physical tier is fuller than our budget thinks (another process,
+    // the CUDA context, a driver limit): report "does not fit" and let the
+    // caller move on; any other failure is an error the user must see.
+    if (is_out_of_memory(e)) {
+      stats_.counters.driver_refused_segments[int(tier)]++;
+      log_debug(std::string("segment allocation on ") + tier_name(tier) + " failed: " + e.what());
+      return nullptr;
+    }
+    throw;
+  }
+  seg->id = next_segment_id_++;
+  seg->cls = key.cls;
+  seg->kind = key.kind;
+  seg->pool = key.pool;
+  seg->stream = stream;
+  auto* head = new Block();
+  head->segment = seg.get();
+  head->ptr = seg->base;
+  head->size = seg->size;
+  head->stream = stream;
+  seg->head = head;
+  Segment* raw = seg.get();
+  segments_[seg->base] = std::move(seg);
+  account_segment(*raw, tier, raw->size, true);
+  stats_.counters.new_segments[int(tier)]++;
+  insert_free(head);
+  return raw;
+}
+
+// Carve `size` bytes off the front of free block `b` and hand them out.
+Block* DeviceAllocator::take_block(Block* b, size_t size, size_t requested, CUstream stream) {
+  erase_free(b);
+  Segment* seg = b->segment;
+  if (should_split(b->size, size, seg->kind == PoolKind::Small)) {
+    auto* rest = new Block();
+    rest->segment = seg;
+    rest->ptr = b->ptr + size;
+    rest->size = b->size - size;
+    rest->stream = b->stream;
+    rest->prev = b;
+    rest->next = b->next;
+    if (b->next) b->next->prev = rest;
+    b->next = rest;
+    b->size = size;
+    insert_free(rest);
+  }
+  b->allocated = true;
+  b->requested = requested;
+  b->stream = stream;
+  b->seq = ++seq_;
+  allocated_[b->ptr] = b;
+  seg->allocated += b->size;
+  seg->last_use = b->seq;
+  seg->touches++;
+  account_alloc(b, seg->tier());
+  stats_.counters.allocations++;
+  return b;
+}
+
+size_t DeviceAllocator::segment_size(size_t rounded) const {
+  size_t s = alloc_segment_size(rounded);
+  return round_up(s, factory_->segment_alignment());
 }
 
 }  // namespace cxl::alloc

@@ -1,12 +1,111 @@
-// DeviceAllocator: statistics, snapshots, placement queries, invariants.
+// DeviceAllocator: accounting, statistics, snapshots, placement queries and
+// the invariant check.
 #include <set>
 
 #include "alloc/device_allocator.h"
 #include "alloc/sizes.h"
 #include "common/error.h"
-#include "common/units.h"
 
 namespace cxl::alloc {
+
+// Every byte is counted on exactly one tier: the tier of the chunk holding it.
+
+void DeviceAllocator::account_alloc(Block* b, Tier t) {
+  Segment* seg = b->segment;
+  auto n = static_cast<int64_t>(b->size);
+  stats_.tier[int(t)].allocated_bytes.increase(n);
+  stats_.class_bytes[int(seg->cls)][int(t)].increase(n);
+  if (t == Tier::Device) {
+    int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
+    for (int i : {int(kAggregate), k}) {
+      stats_.torch.allocation[i].increase(1);
+      stats_.torch.allocated_bytes[i].increase(n);
+      stats_.torch.active[i].increase(1);
+      stats_.torch.active_bytes[i].increase(n);
+      stats_.torch.requested_bytes[i].increase(static_cast<int64_t>(b->requested));
+    }
+  }
+}
+
+void DeviceAllocator::account_free(Block* b, Tier t) {
+  Segment* seg = b->segment;
+  auto n = static_cast<int64_t>(b->size);
+  stats_.tier[int(t)].allocated_bytes.decrease(n);
+  stats_.class_bytes[int(seg->cls)][int(t)].decrease(n);
+  if (t == Tier::Device) {
+    int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
+    for (int i : {int(kAggregate), k}) {
+      stats_.torch.allocation[i].decrease(1);
+      stats_.torch.allocated_bytes[i].decrease(n);
+      stats_.torch.active[i].decrease(1);
+      stats_.torch.active_bytes[i].decrease(n);
+      stats_.torch.requested_bytes[i].decrease(static_cast<int64_t>(b->requested));
+    }
+  }
+}
+
+// A whole block segment's reservation entering or leaving a tier.
+void DeviceAllocator::account_segment(const Segment& seg, Tier t, size_t bytes, bool add) {
+  auto n = static_cast<int64_t>(bytes);
+  auto& ts = stats_.tier[int(t)];
+  if (add) {
+    ts.reserved_bytes.increase(n);
+    ts.segments.increase(1);
+  } else {
+    ts.reserved_bytes.decrease(n);
+    ts.segments.decrease(1);
+  }
+  if (seg.cls == AllocClass::KV && t == Tier::Device) kv_device_bytes_ = add ? kv_device_bytes_ + bytes : kv_device_bytes_ - bytes;
+  if (t == Tier::Device) {
+    int k = seg.kind == PoolKind::Small ? kSmall : kLarge;
+    for (int i : {int(kAggregate), k}) {
+      if (add) {
+        stats_.torch.reserved_bytes[i].increase(n);
+        stats_.torch.segment[i].increase(1);
+      } else {
+        stats_.torch.reserved_bytes[i].decrease(n);
+        stats_.torch.segment[i].decrease(1);
+      }
+    }
+    if (add)
+      stats_.torch.num_device_alloc++;
+    else
+      stats_.torch.num_device_free++;
+  }
+}
+
+// An extent chunk committed (add) or released: it is both reserved and
+// allocated, on its tier, for the extent's class.
+void DeviceAllocator::account_commit(Segment& seg, Chunk& c, bool add) {
+  auto n = static_cast<int64_t>(c.size);
+  Tier t = c.tier;
+  auto& ts = stats_.tier[int(t)];
+  if (add) {
+    ts.reserved_bytes.increase(n);
+    ts.allocated_bytes.increase(n);
+    stats_.class_bytes[int(seg.cls)][int(t)].increase(n);
+    seg.allocated += c.size;
+  } else {
+    ts.reserved_bytes.decrease(n);
+    ts.allocated_bytes.decrease(n);
+    stats_.class_bytes[int(seg.cls)][int(t)].decrease(n);
+    seg.allocated -= c.size;
+  }
+  if (seg.cls == AllocClass::KV && t == Tier::Device) kv_device_bytes_ = add ? kv_device_bytes_ + c.size : kv_device_bytes_ - c.size;
+  if (t == Tier::Device) {
+    for (int i : {int(kAggregate), int(kLarge)}) {
+      if (add) {
+        stats_.torch.reserved_bytes[i].increase(n);
+        stats_.torch.allocated_bytes[i].increase(n);
+        stats_.torch.active_bytes[i].increase(n);
+      } else {
+        stats_.torch.reserved_bytes[i].decrease(n);
+        stats_.torch.allocated_bytes[i].decrease(n);
+        stats_.torch.active_bytes[i].decrease(n);
+      }
+    }
+  }
+}
 
 Stats DeviceAllocator::stats() const {
   std::lock_guard<std::mutex> lk(mu_);

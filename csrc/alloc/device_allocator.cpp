@@ -1,10 +1,8 @@
-// DeviceAllocator: construction, budgets and accounting.
-#include <unistd.h>
-
+// DeviceAllocator: construction and teardown, limits and budgets, and what
+// every path shares (the capture check, device sync, the OOM message).
 #include <chrono>
 
 #include "alloc/device_allocator.h"
-#include "alloc/sizes.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/units.h"
@@ -80,6 +78,17 @@ size_t DeviceAllocator::device_limit_eff() const {
   return cfg_.device_limit > external_device_bytes_ ? cfg_.device_limit - external_device_bytes_ : 0;
 }
 
+void DeviceAllocator::set_external_device_bytes(size_t n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  external_device_bytes_ = n;
+}
+
+void DeviceAllocator::set_device_limit(size_t bytes) {
+  if (bytes == 0) throw Error(ErrorKind::InvalidArgument, "device_limit: must be > 0 bytes");
+  std::lock_guard<std::mutex> lk(mu_);
+  cfg_.device_limit = bytes;
+}
+
 policy::TierBudget DeviceAllocator::budget() const {
   policy::TierBudget b;
   b.device_limit = device_limit_eff();
@@ -100,11 +109,6 @@ policy::TierBudget DeviceAllocator::budget() const {
   return b;
 }
 
-size_t DeviceAllocator::segment_size(size_t rounded) const {
-  size_t s = alloc_segment_size(rounded);
-  return round_up(s, factory_->segment_alignment());
-}
-
 bool DeviceAllocator::capturing(CUstream s) const {
   if (!cfg_.check_capture || drv_->api().fn_cuStreamIsCapturing == nullptr) return false;
   CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
@@ -120,23 +124,6 @@ void DeviceAllocator::sync_device() {
 double DeviceAllocator::now_s() const {
   using namespace std::chrono;
   return duration<double>(steady_clock::now().time_since_epoch()).count();
-}
-
-void DeviceAllocator::set_external_device_bytes(size_t n) {
-  std::lock_guard<std::mutex> lk(mu_);
-  external_device_bytes_ = n;
-}
-
-void DeviceAllocator::set_device_limit(size_t bytes) {
-  if (bytes == 0) throw Error(ErrorKind::InvalidArgument, "device_limit: must be > 0 bytes");
-  std::lock_guard<std::mutex> lk(mu_);
-  cfg_.device_limit = bytes;
-}
-
-void DeviceAllocator::mark_step() {
-  std::lock_guard<std::mutex> lk(mu_);
-  steps_marked_ = true;
-  step_start_seq_ = ++seq_;
 }
 
 std::string DeviceAllocator::describe_tiers() const {
@@ -164,106 +151,6 @@ void DeviceAllocator::throw_oom(size_t requested, AllocClass cls, const std::str
                     class_name(cls) + ") on cuda:" + std::to_string(cfg_.device) + ": " + why + ". " +
                     describe_tiers() + ". Raise host_limit or device_limit (e.g. CXLALLOC=host_limit:64GiB).";
   throw OutOfMemoryError(requested, msg);
-}
-
-// ------------------------------------------------------------------ accounting
-// Every byte is counted on exactly one tier: the tier of the chunk holding it.
-
-void DeviceAllocator::account_alloc(Block* b, Tier t) {
-  Segment* seg = b->segment;
-  auto n = static_cast<int64_t>(b->size);
-  stats_.tier[int(t)].allocated_bytes.increase(n);
-  stats_.class_bytes[int(seg->cls)][int(t)].increase(n);
-  if (t == Tier::Device) {
-    int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
-    for (int i : {int(kAggregate), k}) {
-      stats_.torch.allocation[i].increase(1);
-      stats_.torch.allocated_bytes[i].increase(n);
-      stats_.torch.active[i].increase(1);
-      stats_.torch.active_bytes[i].increase(n);
-      stats_.torch.requested_bytes[i].increase(static_cast<int64_t>(b->requested));
-    }
-  }
-}
-
-void DeviceAllocator::account_free(Block* b, Tier t) {
-  Segment* seg = b->segment;
-  auto n = static_cast<int64_t>(b->size);
-  stats_.tier[int(t)].allocated_bytes.decrease(n);
-  stats_.class_bytes[int(seg->cls)][int(t)].decrease(n);
-  if (t == Tier::Device) {
-    int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
-    for (int i : {int(kAggregate), k}) {
-      stats_.torch.allocation[i].decrease(1);
-      stats_.torch.allocated_bytes[i].decrease(n);
-      stats_.torch.active[i].decrease(1);
-      stats_.torch.active_bytes[i].decrease(n);
-      stats_.torch.requested_bytes[i].decrease(static_cast<int64_t>(b->requested));
-    }
-  }
-}
-
-// A whole block segment's reservation entering or leaving a tier.
-void DeviceAllocator::account_segment(const Segment& seg, Tier t, size_t bytes, bool add) {
-  auto n = static_cast<int64_t>(bytes);
-  auto& ts = stats_.tier[int(t)];
-  if (add) {
-    ts.reserved_bytes.increase(n);
-    ts.segments.increase(1);
-  } else {
-    ts.reserved_bytes.decrease(n);
-    ts.segments.decrease(1);
-  }
-  if (seg.cls == AllocClass::KV && t == Tier::Device) kv_device_bytes_ = add ? kv_device_bytes_ + bytes : kv_device_bytes_ - bytes;
-  if (t == Tier::Device) {
-    int k = seg.kind == PoolKind::Small ? kSmall : kLarge;
-    for (int i : {int(kAggregate), k}) {
-      if (add) {
-        stats_.torch.reserved_bytes[i].increase(n);
-        stats_.torch.segment[i].increase(1);
-      } else {
-        stats_.torch.reserved_bytes[i].decrease(n);
-        stats_.torch.segment[i].decrease(1);
-      }
-    }
-    if (add)
-      stats_.torch.num_device_alloc++;
-    else
-      stats_.torch.num_device_free++;
-  }
-}
-
-// An extent chunk committed (add) or released: it is both reserved and
-// allocated, on its tier, for the extent's class.
-void DeviceAllocator::account_commit(Segment& seg, Chunk& c, bool add) {
-  auto n = static_cast<int64_t>(c.size);
-  Tier t = c.tier;
-  auto& ts = stats_.tier[int(t)];
-  if (add) {
-    ts.reserved_bytes.increase(n);
-    ts.allocated_bytes.increase(n);
-    stats_.class_bytes[int(seg.cls)][int(t)].increase(n);
-    seg.allocated += c.size;
-  } else {
-    ts.reserved_bytes.decrease(n);
-    ts.allocated_bytes.decrease(n);
-    stats_.class_bytes[int(seg.cls)][int(t)].decrease(n);
-    seg.allocated -= c.size;
-  }
-  if (seg.cls == AllocClass::KV && t == Tier::Device) kv_device_bytes_ = add ? kv_device_bytes_ + c.size : kv_device_bytes_ - c.size;
-  if (t == Tier::Device) {
-    for (int i : {int(kAggregate), int(kLarge)}) {
-      if (add) {
-        stats_.torch.reserved_bytes[i].increase(n);
-        stats_.torch.allocated_bytes[i].increase(n);
-        stats_.torch.active_bytes[i].increase(n);
-      } else {
-        stats_.torch.reserved_bytes[i].decrease(n);
-        stats_.torch.allocated_bytes[i].decrease(n);
-        stats_.torch.active_bytes[i].decrease(n);
-      }
-    }
-  }
 }
 
 Segment* DeviceAllocator::segment_of(CUdeviceptr p) const {
