@@ -92,9 +92,9 @@ void DeviceAllocator::set_device_limit(size_t bytes) {
 policy::TierBudget DeviceAllocator::budget() const {
   policy::TierBudget b;
   b.device_limit = device_limit_eff();
-  b.device_reserved = static_cast<size_t>(stats_.tier[0].reserved_bytes.current);
+  b.device_reserved = stats_.reserved(Tier::Device);
   b.host_limit = host_enabled_ ? cfg_.host_limit : 0;
-  b.host_reserved = static_cast<size_t>(stats_.tier[1].reserved_bytes.current);
+  b.host_reserved = stats_.reserved(Tier::Host);
   for (const auto& [base, seg] : segments_) {
     if (!seg->fully_free()) continue;
     if (!seg->pool.is_default()) {
@@ -104,7 +104,7 @@ policy::TierBudget DeviceAllocator::budget() const {
     (seg->tier() == Tier::Device ? b.device_cached_free : b.host_cached_free) += seg->size;
   }
   b.kv_device_quota = cfg_.kv_aware ? cfg_.kv_device_limit : SIZE_MAX;
-  b.kv_device_bytes = kv_device_bytes_;
+  b.kv_device_bytes = stats_.kv_device_bytes;
   b.device_headroom = cfg_.kv_aware ? cfg_.device_headroom : 0;
   return b;
 }
@@ -118,7 +118,7 @@ bool DeviceAllocator::capturing(CUstream s) const {
 
 void DeviceAllocator::sync_device() {
   CXL_CU(*drv_, cuCtxSynchronize);
-  stats_.torch.num_sync_all_streams++;
+  stats_.on_sync_all_streams();
 }
 
 double DeviceAllocator::now_s() const {
@@ -145,8 +145,7 @@ std::string DeviceAllocator::describe_tiers() const {
 }
 
 void DeviceAllocator::throw_oom(size_t requested, AllocClass cls, const std::string& why) {
-  stats_.counters.ooms++;
-  stats_.torch.num_ooms++;
+  stats_.on_oom();
   std::string msg = "cxlalloc: out of memory: tried to allocate " + format_bytes(requested) + " (class " +
                     class_name(cls) + ") on cuda:" + std::to_string(cfg_.device) + ": " + why + ". " +
                     describe_tiers() + ". Raise host_limit or device_limit (e.g. CXLALLOC=host_limit:64GiB).";

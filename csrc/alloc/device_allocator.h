@@ -240,7 +240,6 @@ class DeviceAllocator {
   void wait_for_uses(Block* b);
   // A freed block whose uses are complete joins its free list.
   void retire(Block* b);
-  void count_active(Block* b, bool add);
 
   // device_allocator_migration.cpp: demotion and promotion
   // A movable unit of KV: one extent chunk, or one whole block segment.
@@ -253,12 +252,6 @@ class DeviceAllocator {
   size_t demote_for(size_t need, bool budgeted);
   void migrate_segment(Segment& seg, Tier target);
   void migrate_chunk(Segment& seg, Chunk& c, Tier target);
-
-  // device_allocator_stats.cpp: accounting
-  void account_alloc(Block* b, Tier t);
-  void account_free(Block* b, Tier t);
-  void account_segment(const Segment& seg, Tier t, size_t bytes, bool add);
-  void account_commit(Segment& seg, Chunk& c, bool add);
 
   driver::DriverPtr drv_;
   AllocatorConfig cfg_;
@@ -280,9 +273,8 @@ class DeviceAllocator {
   std::vector<Route> routes_;
   std::map<uint64_t, Segment*> extents_;
 
-  Stats stats_;
+  Stats stats_;  // every counter; its operations are the accounting rules (stats.cpp)
   size_t external_device_bytes_ = 0;
-  size_t kv_device_bytes_ = 0;  // device bytes of KV segments and extent chunks
   uint64_t seq_ = 0;            // allocation / commit sequence
   uint64_t step_start_seq_ = 0;
   bool steps_marked_ = false;

@@ -53,11 +53,11 @@ void DeviceAllocator::free_block_of(void* ptr, bool by_owner) {
   auto it = allocated_.find(p);
   if (it == allocated_.end()) {
     // Detected before anything is touched: no corruption, just the error.
-    stats_.counters.invalid_frees++;
+    stats_.on_invalid_free();
     throw Error(ErrorKind::InvalidFree, diagnose_bad_free(p));
   }
   if (it->second->owned && !by_owner) {
-    stats_.counters.invalid_frees++;
+    stats_.on_invalid_free();
     throw Error(ErrorKind::InvalidFree, "cxlalloc: free of " + hex(p) +
                                             ", which a live tensor owns (it is freed when the tensor dies: drop "
                                             "the tensor instead)");
@@ -67,10 +67,9 @@ void DeviceAllocator::free_block_of(void* ptr, bool by_owner) {
   b->owned = false;
   allocated_.erase(it);
   Segment* seg = b->segment;
-  account_free(b, seg->tier());
+  stats_.on_block_freed(seg->tier(), seg->cls, seg->kind, b->size, b->requested);
   seg->allocated -= b->size;
   b->allocated = false;
-  stats_.counters.frees++;
   if (b->stream_uses.empty()) {
     // Reusable at once on its own stream: later work on that stream is
     // ordered after the work that used it (torch's semantics).
@@ -82,7 +81,7 @@ void DeviceAllocator::free_block_of(void* ptr, bool by_owner) {
   bool any_capturing = capturing(b->stream);
   for (CUstream s : b->stream_uses) any_capturing = any_capturing || capturing(s);
   // The bytes stay "active" in torch's sense until the events complete.
-  count_active(b, true);
+  stats_.on_block_awaiting_events(seg->tier(), seg->kind, b->size);
   if (any_capturing) {
     b->event_count = 1;  // placeholder until flush_deferred records real events
     deferred_.push_back(b);
@@ -115,17 +114,6 @@ driver::Event DeviceAllocator::acquire_event() {
   return driver::Event(drv_);
 }
 
-void DeviceAllocator::count_active(Block* b, bool add) {
-  if (b->segment->tier() != Tier::Device) return;
-  int k = b->segment->kind == PoolKind::Small ? kSmall : kLarge;
-  for (int i : {int(kAggregate), k}) {
-    if (add)
-      stats_.torch.active_bytes[i].increase(static_cast<int64_t>(b->size));
-    else
-      stats_.torch.active_bytes[i].decrease(static_cast<int64_t>(b->size));
-  }
-}
-
 void DeviceAllocator::wait_for_uses(Block* b) {
   b->event_count = 0;
   for (CUstream s : b->stream_uses) {
@@ -138,7 +126,7 @@ void DeviceAllocator::wait_for_uses(Block* b) {
       // context then.  The free itself never fails half-way: the block's
       // state was already changed, and a throw here would strand it outside
       // every list.  Counted and reported once: a healthy driver never gets here.
-      if (stats_.counters.event_record_failures++ == 0)
+      if (stats_.on_event_record_failure())
         log_warning("cuEventRecord on a stream that used a freed block failed (" + drv_->describe(r) +
                     "); waiting for that stream instead");
       event_pool_.push_back(std::move(ev));
@@ -156,7 +144,7 @@ void DeviceAllocator::wait_for_uses(Block* b) {
 }
 
 void DeviceAllocator::retire(Block* b) {
-  count_active(b, false);
+  stats_.on_block_events_done(b->segment->tier(), b->segment->kind, b->size);
   free_block(b);
 }
 

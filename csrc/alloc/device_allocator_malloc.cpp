@@ -39,7 +39,7 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
                                             : "cxlalloc: host-tier allocation asked for, but the host tier is disabled (host_limit 0)");
   // Fast path: a cached device block (already reserved: costs no budget).
   if (Block* b = only_host ? nullptr : find_free(key, stream, size)) {
-    stats_.counters.cache_hits++;
+    stats_.on_cache_hit();
     return reinterpret_cast<void*>(take_block(b, size, nbytes, stream)->ptr);
   }
 
@@ -61,27 +61,25 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
     bool device_pending = false;
     for (const auto& pf : pending_) device_pending = device_pending || pf.block->segment->tier() == Tier::Device;
     if (device_pending) {
-      stats_.counters.event_drains++;
-      stats_.torch.num_alloc_retries++;
+      stats_.on_event_drain();
       process_events(true, int(Tier::Device));
       if (Block* b = alloc_in(Tier::Device, key, size, nbytes, stream, true)) return b;
     }
     // 2. Cached free device segments of any class go back before we spill
     //    (C11: the pool that never released its cache).
-    size_t used = static_cast<size_t>(stats_.tier[0].reserved_bytes.current);
+    size_t used = stats_.reserved(Tier::Device);
     size_t need = used + seg_bytes > device_limit_eff() ? used + seg_bytes - device_limit_eff() : seg_bytes;
     size_t released = release_free_segments(Tier::Device, need, false);
     if (released > 0) {
-      stats_.counters.reclaimed_bytes += released;
-      stats_.torch.num_alloc_retries++;
+      stats_.on_reclaimed(released);
       if (Block* b = alloc_in(Tier::Device, key, size, nbytes, stream, true)) return b;
     }
     // 3. Demote cold KV to make room (never for KV itself).
     if (allow_demote && cfg_.kv_aware && policy::may_demote_for(req) && demotion_supported()) {
-      used = static_cast<size_t>(stats_.tier[0].reserved_bytes.current);
+      used = stats_.reserved(Tier::Device);
       need = used + min_seg > device_limit_eff() ? used + min_seg - device_limit_eff() : 0;
       if (need > 0 && demote_for(need, true) > 0) {
-        stats_.torch.num_alloc_retries++;
+        stats_.on_demoted_for_room();
         if (Block* b = alloc_in(Tier::Device, key, size, nbytes, stream, true)) return b;
       }
     }
@@ -102,8 +100,7 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
       b = alloc_in(Tier::Host, key, size, nbytes, stream, true);
     }
     if (b) {
-      stats_.counters.spilled_bytes += b->size;
-      stats_.counters.spilled_allocations++;
+      stats_.on_spilled_block(b->size);
     }
     return b;
   };
@@ -112,7 +109,7 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
   if (first == Tier::Device) {
     b = try_device(true);
     if (!b && cap) {
-      stats_.counters.capture_refusals++;
+      stats_.on_capture_refusal();
       throw Error(ErrorKind::Capture,
                   "cxlalloc: cannot allocate " + format_bytes(nbytes) + " during CUDA graph capture on cuda:" +
                       std::to_string(cfg_.device) +
@@ -147,7 +144,7 @@ Block* DeviceAllocator::alloc_in(Tier tier, const FreeListKey& base_key, size_t 
   FreeListKey key = base_key;
   key.tier = tier;
   if (Block* b = find_free(key, stream, size)) {
-    stats_.counters.cache_hits++;
+    stats_.on_cache_hit();
     return take_block(b, size, requested, stream);
   }
   if (!allow_new_segment) return nullptr;
@@ -166,7 +163,7 @@ Block* DeviceAllocator::alloc_in(Tier tier, const FreeListKey& base_key, size_t 
 
 Segment* DeviceAllocator::new_segment(Tier tier, const FreeListKey& key, size_t size, CUstream stream) {
   size_t limit = tier == Tier::Device ? device_limit_eff() : cfg_.host_limit;
-  size_t reserved = static_cast<size_t>(stats_.tier[int(tier)].reserved_bytes.current);
+  size_t reserved = stats_.reserved(tier);
   if (reserved + size > limit || reserved + size < reserved) return nullptr;
   std::unique_ptr<Segment> seg;
   try {
@@ -180,7 +177,7 @@ Segment* DeviceAllocator::new_segment(Tier tier, const FreeListKey& key, size_t 
     // the CUDA context, a driver limit): report "does not fit" and let the
     // caller move on; any other failure is an error the user must see.
     if (is_out_of_memory(e)) {
-      stats_.counters.driver_refused_segments[int(tier)]++;
+      stats_.on_driver_refused(tier);
       log_debug(std::string("segment allocation on ") + tier_name(tier) + " failed: " + e.what());
       return nullptr;
     }
@@ -199,8 +196,7 @@ Segment* DeviceAllocator::new_segment(Tier tier, const FreeListKey& key, size_t 
   seg->head = head;
   Segment* raw = seg.get();
   segments_[seg->base] = std::move(seg);
-  account_segment(*raw, tier, raw->size, true);
-  stats_.counters.new_segments[int(tier)]++;
+  stats_.on_segment_created(tier, raw->cls, raw->kind, raw->size);
   insert_free(head);
   return raw;
 }
@@ -230,8 +226,7 @@ Block* DeviceAllocator::take_block(Block* b, size_t size, size_t requested, CUst
   seg->allocated += b->size;
   seg->last_use = b->seq;
   seg->touches++;
-  account_alloc(b, seg->tier());
-  stats_.counters.allocations++;
+  stats_.on_block_allocated(seg->tier(), seg->cls, seg->kind, b->size, b->requested);
   return b;
 }
 

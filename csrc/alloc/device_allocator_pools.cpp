@@ -116,8 +116,7 @@ void DeviceAllocator::release_segment(Segment* seg) {
   erase_free(seg->head);
   delete seg->head;
   seg->head = nullptr;
-  account_segment(*seg, t, seg->size, false);
-  stats_.counters.released_segments[int(t)]++;
+  stats_.on_segment_released(t, seg->cls, seg->kind, seg->size);
   segments_.erase(seg->base);  // RAII: unmap, release, free the VA
 }
 

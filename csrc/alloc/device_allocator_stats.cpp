@@ -1,5 +1,5 @@
-// DeviceAllocator: accounting, statistics, snapshots, placement queries and
-// the invariant check.
+// DeviceAllocator: statistics, snapshots, placement queries and the
+// invariant check.
 #include <set>
 
 #include "alloc/device_allocator.h"
@@ -8,120 +8,15 @@
 
 namespace cxl::alloc {
 
-// Every byte is counted on exactly one tier: the tier of the chunk holding it.
-
-void DeviceAllocator::account_alloc(Block* b, Tier t) {
-  Segment* seg = b->segment;
-  auto n = static_cast<int64_t>(b->size);
-  stats_.tier[int(t)].allocated_bytes.increase(n);
-  stats_.class_bytes[int(seg->cls)][int(t)].increase(n);
-  if (t == Tier::Device) {
-    int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
-    for (int i : {int(kAggregate), k}) {
-      stats_.torch.allocation[i].increase(1);
-      stats_.torch.allocated_bytes[i].increase(n);
-      stats_.torch.active[i].increase(1);
-      stats_.torch.active_bytes[i].increase(n);
-      stats_.torch.requested_bytes[i].increase(static_cast<int64_t>(b->requested));
-    }
-  }
-}
-
-void DeviceAllocator::account_free(Block* b, Tier t) {
-  Segment* seg = b->segment;
-  auto n = static_cast<int64_t>(b->size);
-  stats_.tier[int(t)].allocated_bytes.decrease(n);
-  stats_.class_bytes[int(seg->cls)][int(t)].decrease(n);
-  if (t == Tier::Device) {
-    int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
-    for (int i : {int(kAggregate), k}) {
-      stats_.torch.allocation[i].decrease(1);
-      stats_.torch.allocated_bytes[i].decrease(n);
-      stats_.torch.active[i].decrease(1);
-      stats_.torch.active_bytes[i].decrease(n);
-      stats_.torch.requested_bytes[i].decrease(static_cast<int64_t>(b->requested));
-    }
-  }
-}
-
-// A whole block segment's reservation entering or leaving a tier.
-void DeviceAllocator::account_segment(const Segment& seg, Tier t, size_t bytes, bool add) {
-  auto n = static_cast<int64_t>(bytes);
-  auto& ts = stats_.tier[int(t)];
-  if (add) {
-    ts.reserved_bytes.increase(n);
-    ts.segments.increase(1);
-  } else {
-    ts.reserved_bytes.decrease(n);
-    ts.segments.decrease(1);
-  }
-  if (seg.cls == AllocClass::KV && t == Tier::Device) kv_device_bytes_ = add ? kv_device_bytes_ + bytes : kv_device_bytes_ - bytes;
-  if (t == Tier::Device) {
-    int k = seg.kind == PoolKind::Small ? kSmall : kLarge;
-    for (int i : {int(kAggregate), k}) {
-      if (add) {
-        stats_.torch.reserved_bytes[i].increase(n);
-        stats_.torch.segment[i].increase(1);
-      } else {
-        stats_.torch.reserved_bytes[i].decrease(n);
-        stats_.torch.segment[i].decrease(1);
-      }
-    }
-    if (add)
-      stats_.torch.num_device_alloc++;
-    else
-      stats_.torch.num_device_free++;
-  }
-}
-
-// An extent chunk committed (add) or released: it is both reserved and
-// allocated, on its tier, for the extent's class.
-void DeviceAllocator::account_commit(Segment& seg, Chunk& c, bool add) {
-  auto n = static_cast<int64_t>(c.size);
-  Tier t = c.tier;
-  auto& ts = stats_.tier[int(t)];
-  if (add) {
-    ts.reserved_bytes.increase(n);
-    ts.allocated_bytes.increase(n);
-    stats_.class_bytes[int(seg.cls)][int(t)].increase(n);
-    seg.allocated += c.size;
-  } else {
-    ts.reserved_bytes.decrease(n);
-    ts.allocated_bytes.decrease(n);
-    stats_.class_bytes[int(seg.cls)][int(t)].decrease(n);
-    seg.allocated -= c.size;
-  }
-  if (seg.cls == AllocClass::KV && t == Tier::Device) kv_device_bytes_ = add ? kv_device_bytes_ + c.size : kv_device_bytes_ - c.size;
-  if (t == Tier::Device) {
-    for (int i : {int(kAggregate), int(kLarge)}) {
-      if (add) {
-        stats_.torch.reserved_bytes[i].increase(n);
-        stats_.torch.allocated_bytes[i].increase(n);
-        stats_.torch.active_bytes[i].increase(n);
-      } else {
-        stats_.torch.reserved_bytes[i].decrease(n);
-        stats_.torch.allocated_bytes[i].decrease(n);
-        stats_.torch.active_bytes[i].decrease(n);
-      }
-    }
-  }
-}
-
 Stats DeviceAllocator::stats() const {
   std::lock_guard<std::mutex> lk(mu_);
   Stats s = stats_;
-  // inactive_split: free blocks inside segments that also hold other blocks
-  // (torch's fragmentation measure), computed on demand for the device tier.
-  for (int i = 0; i < 3; ++i) s.torch.inactive_split[i] = Stat{}, s.torch.inactive_split_bytes[i] = Stat{};
+  s.clear_inactive_split();
   for (const auto& [base, seg] : segments_) {
     if (seg->extent || seg->tier() != Tier::Device) continue;
-    int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
     for (Block* b = seg->head; b; b = b->next) {
       if (b->allocated || b->event_count > 0 || (b->prev == nullptr && b->next == nullptr)) continue;
-      for (int i : {int(kAggregate), k}) {
-        s.torch.inactive_split[i].increase(1);
-        s.torch.inactive_split_bytes[i].increase(static_cast<int64_t>(b->size));
-      }
+      s.add_inactive_split(seg->kind, b->size);
     }
   }
   return s;
@@ -129,36 +24,12 @@ Stats DeviceAllocator::stats() const {
 
 void DeviceAllocator::reset_peak_stats() {
   std::lock_guard<std::mutex> lk(mu_);
-  for (auto& t : stats_.tier) {
-    t.allocated_bytes.reset_peak();
-    t.reserved_bytes.reset_peak();
-    t.segments.reset_peak();
-  }
-  for (auto& c : stats_.class_bytes)
-    for (auto& t : c) t.reset_peak();
-  auto& T = stats_.torch;
-  for (int i = 0; i < 3; ++i)
-    for (Stat* st : {&T.allocation[i], &T.segment[i], &T.active[i], &T.inactive_split[i], &T.allocated_bytes[i],
-                     &T.reserved_bytes[i], &T.active_bytes[i], &T.inactive_split_bytes[i], &T.requested_bytes[i]})
-      st->reset_peak();
+  stats_.reset_peaks();
 }
 
 void DeviceAllocator::reset_accumulated_stats() {
   std::lock_guard<std::mutex> lk(mu_);
-  for (auto& t : stats_.tier) {
-    t.allocated_bytes.reset_accumulated();
-    t.reserved_bytes.reset_accumulated();
-    t.segments.reset_accumulated();
-  }
-  for (auto& c : stats_.class_bytes)
-    for (auto& t : c) t.reset_accumulated();
-  auto& T = stats_.torch;
-  for (int i = 0; i < 3; ++i)
-    for (Stat* st : {&T.allocation[i], &T.segment[i], &T.active[i], &T.inactive_split[i], &T.allocated_bytes[i],
-                     &T.reserved_bytes[i], &T.active_bytes[i], &T.inactive_split_bytes[i], &T.requested_bytes[i]})
-      st->reset_accumulated();
-  T.num_alloc_retries = T.num_ooms = T.num_sync_all_streams = T.num_device_alloc = T.num_device_free = 0;
-  stats_.counters = Counters{};
+  stats_.reset_accumulated();
 }
 
 std::vector<SegmentSnapshot> DeviceAllocator::snapshot() const {
@@ -272,7 +143,7 @@ void DeviceAllocator::check_invariants() const {
     for (int c = 0; c < kNumClasses; ++c)
       if (cls_bytes[c][t] != stats_.class_bytes[c][t].current) fail("class bytes mismatch");
   }
-  if (kv_dev != kv_device_bytes_) fail("KV device bytes mismatch");
+  if (kv_dev != stats_.kv_device_bytes) fail("KV device bytes mismatch");
   if (stats_.torch.allocated_bytes[kAggregate].current != allocated[0]) fail("torch allocated_bytes != device allocated");
   if (stats_.torch.reserved_bytes[kAggregate].current != reserved[0]) fail("torch reserved_bytes != device reserved");
 }
