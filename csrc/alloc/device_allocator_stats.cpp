@@ -3,7 +3,6 @@
 #include <set>
 
 #include "alloc/device_allocator.h"
-#include "alloc/sizes.h"
 #include "common/error.h"
 
 namespace cxl::alloc {
