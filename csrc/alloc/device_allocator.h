@@ -30,12 +30,13 @@
 
 #include "alloc/block.h"
 #include "alloc/segment.h"
-#include "alloc/segment_factory.h"
 #include "alloc/stats.h"
 #include "backend/backends.h"
+#include "backend/placement.h"
+#include "backend/segment_factory.h"
+#include "backend/selection.h"
 #include "driver/resources.h"
 #include "policy/policy.h"
-#include "topology/placement.h"
 
 namespace cxl::alloc {
 
@@ -100,7 +101,7 @@ class DeviceAllocator {
  public:
   using Filter = std::function<bool(CUstream)>;
 
-  DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std::shared_ptr<topology::NumaOps> numa);
+  DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std::shared_ptr<backend::NumaOps> numa);
   ~DeviceAllocator();
   DeviceAllocator(const DeviceAllocator&) = delete;
   DeviceAllocator& operator=(const DeviceAllocator&) = delete;
@@ -199,18 +200,36 @@ class DeviceAllocator {
     Filter filter;
   };
 
+  // device_allocator.cpp: budgets and shared helpers
   policy::TierBudget budget() const;
   size_t device_limit_eff() const;
-  size_t segment_size(size_t rounded) const;
   bool capturing(CUstream s) const;
-  Block* find_free(const FreeListKey& key, CUstream stream, size_t size);
-  Block* take_block(Block* b, size_t size, size_t requested, CUstream stream);
+  void sync_device();
+  double now_s() const;
+  [[noreturn]] void throw_oom(size_t requested, AllocClass cls, const std::string& why);
+  Segment* segment_of(CUdeviceptr p) const;
+
+  // device_allocator_malloc.cpp: the allocation path
   Block* alloc_in(Tier tier, const FreeListKey& key, size_t size, size_t requested, CUstream stream,
                   bool allow_new_segment);
   Segment* new_segment(Tier tier, const FreeListKey& key, size_t size, CUstream stream);
-  void free_block(Block* b);
+  Block* take_block(Block* b, size_t size, size_t requested, CUstream stream);
+  size_t segment_size(size_t rounded) const;
+
+  // device_allocator_pools.cpp: free lists, private pools, cached segments
+  Block* find_free(const FreeListKey& key, CUstream stream, size_t size);
   void insert_free(Block* b);
   void erase_free(Block* b);
+  // Return a block to its free list, merging with free neighbours.
+  void free_block(Block* b);
+  // The pool a request on `stream` allocates from (default: no route claims it).
+  PoolId pool_for(CUstream stream) const;
+  size_t release_free_segments(Tier tier, size_t want, bool include_private);
+  void release_segment(Segment* seg);
+
+  // device_allocator_free.cpp: frees and stream-ordered reuse
+  void free_block_of(void* ptr, bool by_owner);
+  std::string diagnose_bad_free(CUdeviceptr p) const;
   // Retire completed pending frees; with `wait`, wait for them.  only_tier
   // >= 0 restricts the pass to blocks on that tier.
   void process_events(bool wait, int only_tier = -1);
@@ -219,12 +238,10 @@ class DeviceAllocator {
   // Order `b`'s reuse after the streams that used it (events); retire it
   // at once if there are none left to wait for.
   void wait_for_uses(Block* b);
-  void free_block_of(void* ptr, bool by_owner);
   // A freed block whose uses are complete joins its free list.
   void retire(Block* b);
-  void count_active(Block* b, bool add);
-  size_t release_free_segments(Tier tier, size_t want, bool include_private);
-  void release_segment(Segment* seg);
+
+  // device_allocator_migration.cpp: demotion and promotion
   // A movable unit of KV: one extent chunk, or one whole block segment.
   struct KvUnit {
     Segment* seg;
@@ -235,23 +252,14 @@ class DeviceAllocator {
   size_t demote_for(size_t need, bool budgeted);
   void migrate_segment(Segment& seg, Tier target);
   void migrate_chunk(Segment& seg, Chunk& c, Tier target);
-  void sync_device();
-  double now_s() const;
-  [[noreturn]] void throw_oom(size_t requested, AllocClass cls, const std::string& why);
-  void account_alloc(Block* b, Tier t);
-  void account_free(Block* b, Tier t);
-  void account_segment(const Segment& seg, Tier t, size_t bytes, bool add);
-  void account_commit(Segment& seg, Chunk& c, bool add);
-  Segment* segment_of(CUdeviceptr p) const;
-  std::string diagnose_bad_free(CUdeviceptr p) const;
 
   driver::DriverPtr drv_;
   AllocatorConfig cfg_;
-  std::shared_ptr<topology::NumaOps> numa_;
+  std::shared_ptr<backend::NumaOps> numa_;
   driver::PrimaryContext ctx_;
   backend::DeviceFacts facts_;
   std::map<std::string, backend::Support> support_;
-  std::unique_ptr<SegmentFactory> factory_;
+  std::unique_ptr<backend::SegmentFactory> factory_;
   bool host_enabled_ = false;
 
   mutable std::mutex mu_;
@@ -265,9 +273,8 @@ class DeviceAllocator {
   std::vector<Route> routes_;
   std::map<uint64_t, Segment*> extents_;
 
-  Stats stats_;
+  Stats stats_;  // every counter; its operations are the accounting rules (stats.cpp)
   size_t external_device_bytes_ = 0;
-  size_t kv_device_bytes_ = 0;  // device bytes of KV segments and extent chunks
   uint64_t seq_ = 0;            // allocation / commit sequence
   uint64_t step_start_seq_ = 0;
   bool steps_marked_ = false;

@@ -20,8 +20,8 @@ std::atomic<int64_t> g_in_flight[2];
 
 Engine::Engine(const std::string& driver_path, bool simulated)
     : drv_(driver::Driver::open(driver_path, simulated)),
-      numa_(simulated ? std::shared_ptr<topology::NumaOps>(topology::sim_numa_ops(drv_))
-                      : std::shared_ptr<topology::NumaOps>(topology::linux_numa_ops())) {}
+      numa_(simulated ? std::shared_ptr<backend::NumaOps>(backend::sim_numa_ops(drv_))
+                      : std::shared_ptr<backend::NumaOps>(backend::linux_numa_ops())) {}
 
 Engine::~Engine() = default;
 

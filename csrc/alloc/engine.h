@@ -14,8 +14,8 @@
 #include <string>
 
 #include "alloc/device_allocator.h"
+#include "backend/placement.h"
 #include "driver/driver.h"
-#include "topology/placement.h"
 
 namespace cxl::alloc {
 
@@ -35,7 +35,7 @@ class Engine {
   DeviceAllocator& device(int d);
   // Existing allocator or nullptr (stats of a device never used).
   DeviceAllocator* existing(int d) const;
-  std::shared_ptr<topology::NumaOps> numa() const { return numa_; }
+  std::shared_ptr<backend::NumaOps> numa() const { return numa_; }
   // (free, total) VRAM of device `d` now, via its primary context.
   std::pair<size_t, size_t> mem_info(int d) const;
   // A device attribute (CU_DEVICE_ATTRIBUTE_*); `fallback` if the driver rejects it.
@@ -67,7 +67,7 @@ class Engine {
 
  private:
   std::shared_ptr<const driver::Driver> drv_;
-  std::shared_ptr<topology::NumaOps> numa_;
+  std::shared_ptr<backend::NumaOps> numa_;
   static constexpr int kMaxDevices = 256;
   mutable std::mutex mu_;  // creation and configuration; lookups are lock-free
   std::map<int, AllocatorConfig> configs_;

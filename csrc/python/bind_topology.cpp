@@ -7,13 +7,13 @@
 
 #include <cstdint>
 
+#include "backend/placement.h"
 #include "common/error.h"
 #include "driver/driver.h"
 #include "python/bindings.h"
 #include "topology/choose.h"
 #include "topology/gpu.h"
 #include "topology/numa.h"
-#include "topology/placement.h"
 
 namespace py = pybind11;
 
@@ -135,10 +135,10 @@ std::string requested_arg(const py::object& o) {
   return o.cast<std::string>();
 }
 
-std::unique_ptr<topology::NumaOps> ops_for(const py::object& simulated_driver) {
-  if (simulated_driver.is_none()) return topology::linux_numa_ops();
+std::unique_ptr<backend::NumaOps> ops_for(const py::object& simulated_driver) {
+  if (simulated_driver.is_none()) return backend::linux_numa_ops();
   auto drv = driver::Driver::open(py::str(simulated_driver).cast<std::string>(), true);
-  return topology::sim_numa_ops(drv);
+  return backend::sim_numa_ops(drv);
 }
 
 py::dict gpu_to_dict(const GpuCaps& g) {
@@ -248,7 +248,7 @@ void bind_topology(py::module_& m) {
       "check_placement",
       [](uintptr_t ptr, size_t length, int node, const py::object& simulated_driver) {
         auto ops = ops_for(simulated_driver);
-        auto c = topology::check_placement(*ops, reinterpret_cast<const void*>(ptr), length, node);
+        auto c = backend::check_placement(*ops, reinterpret_cast<const void*>(ptr), length, node);
         py::dict d;
         d["ok"] = c.ok;
         d["on_node"] = c.on_node;

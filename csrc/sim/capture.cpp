@@ -1,6 +1,6 @@
 // Stream capture (global mode): begin/end, the rules that make calls illegal
 // while a capture is active, and the violation count (see cxlsim.h).
-#include "sim/engine_impl.h"
+#include "sim/stream_executor_impl.h"
 #include "sim/errors.h"
 #include "sim/memory.h"
 
@@ -8,7 +8,7 @@ namespace cxlsim {
 
 // An illegal call during capture: count it and invalidate that capture
 // (origin 0: every active capture, for the global-mode unsafe calls).
-void violation_locked(Engine& e, uint64_t origin) {
+void violation_locked(StreamExecutor& e, uint64_t origin) {
   ++e.violations;
   for (auto& [id, s] : e.streams)
     if (s->capture != Capture::None && (origin == 0 || s->capture_origin == origin))
@@ -16,7 +16,7 @@ void violation_locked(Engine& e, uint64_t origin) {
 }
 
 // Capture rules shared by synchronize and query of a stream.
-CUresult capture_check_locked(Engine& e, const std::shared_ptr<Stream>& s) {
+CUresult capture_check_locked(StreamExecutor& e, const std::shared_ptr<Stream>& s) {
   if (s->capture != Capture::None) {
     violation_locked(e, s->capture_origin);
     return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
@@ -28,7 +28,7 @@ CUresult capture_check_locked(Engine& e, const std::shared_ptr<Stream>& s) {
   return CUDA_SUCCESS;
 }
 
-void end_capture_locked(Engine& e, uint64_t origin) {
+void end_capture_locked(StreamExecutor& e, uint64_t origin) {
   for (auto& [id, s] : e.streams)
     if (s->capture_origin == origin) {
       s->capture = Capture::None;
@@ -45,7 +45,7 @@ void end_capture_locked(Engine& e, uint64_t origin) {
 }
 
 CUresult stream_is_capturing(const std::shared_ptr<Stream>& s, CUstreamCaptureStatus* status) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   if (s->legacy) {
     if (blocking_capture_locked(e, s->device)) {
@@ -62,7 +62,7 @@ CUresult stream_is_capturing(const std::shared_ptr<Stream>& s, CUstreamCaptureSt
 }
 
 CUresult check_capture_safe() {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   for (const auto& [id, s] : e.streams)
     if (s->capture != Capture::None) {
@@ -73,7 +73,7 @@ CUresult check_capture_safe() {
 }
 
 int capture_begin(CUstream h) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   auto v = reinterpret_cast<uint64_t>(h);
   auto it = (v & ~kIdMask) == kStreamTag ? e.streams.find(v & kIdMask) : e.streams.end();
@@ -93,7 +93,7 @@ int capture_begin(CUstream h) {
 }
 
 int capture_end(CUstream h) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   auto v = reinterpret_cast<uint64_t>(h);
   auto it = (v & ~kIdMask) == kStreamTag ? e.streams.find(v & kIdMask) : e.streams.end();
@@ -106,7 +106,7 @@ int capture_end(CUstream h) {
 }
 
 uint64_t capture_violations() {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   return e.violations;
 }

@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "sim/config.h"
-#include "sim/engine.h"
+#include "sim/stream_executor.h"
 #include "sim/faults.h"
 #include "sim/state.h"
 
@@ -124,7 +124,7 @@ int attribute(int dev, int attr) {
 CUresult api_cuInit(unsigned int flags) {
   return guarded(Fn::cuInit, [&] {
     if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
-    if (engine_shut_down()) return engine_forked() ? CUDA_ERROR_NOT_INITIALIZED : CUDA_ERROR_DEINITIALIZED;
+    if (executor_shut_down()) return executor_forked() ? CUDA_ERROR_NOT_INITIALIZED : CUDA_ERROR_DEINITIALIZED;
     if (device_count() == 0) return CUDA_ERROR_NO_DEVICE;
     set_initialized(true);
     return CUDA_SUCCESS;

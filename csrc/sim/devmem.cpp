@@ -3,7 +3,7 @@
 #include <cstring>
 
 #include "sim/config.h"
-#include "sim/engine.h"
+#include "sim/stream_executor.h"
 #include "sim/faults.h"
 #include "sim/memory.h"
 #include "sim/numa.h"

@@ -1,10 +1,10 @@
 // Events: create, record (or capture), query, synchronize, destroy.
 // An event is a position (stream, sequence number) in a stream's queue.
-#include "sim/engine_impl.h"
+#include "sim/stream_executor_impl.h"
 
 namespace cxlsim {
 
-std::shared_ptr<Event> find_event_locked(Engine& e, CUevent h) {
+std::shared_ptr<Event> find_event_locked(StreamExecutor& e, CUevent h) {
   auto v = reinterpret_cast<uint64_t>(h);
   if ((v & ~kIdMask) != kEventTag) return nullptr;
   auto it = e.events.find(v & kIdMask);
@@ -12,7 +12,7 @@ std::shared_ptr<Event> find_event_locked(Engine& e, CUevent h) {
 }
 
 CUresult event_create(int device, unsigned flags, CUevent* out) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   if (e.shutdown) return CUDA_ERROR_DEINITIALIZED;
   auto ev = std::make_shared<Event>();
@@ -25,7 +25,7 @@ CUresult event_create(int device, unsigned flags, CUevent* out) {
 }
 
 CUresult event_destroy(CUevent h) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   auto ev = find_event_locked(e, h);
   if (!ev) return CUDA_ERROR_INVALID_HANDLE;
@@ -34,7 +34,7 @@ CUresult event_destroy(CUevent h) {
 }
 
 CUresult event_record(CUevent h, const std::shared_ptr<Stream>& s) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   auto ev = find_event_locked(e, h);
   if (!ev) return CUDA_ERROR_INVALID_HANDLE;
@@ -63,7 +63,7 @@ namespace {
 // What query and synchronize both check first: the handle, whether there is
 // anything to wait for (*out stays null if not), and that the event was not
 // recorded inside a capture.  Caller holds e.mu.
-CUresult waitable_event_locked(Engine& e, CUevent h, std::shared_ptr<Event>* out) {
+CUresult waitable_event_locked(StreamExecutor& e, CUevent h, std::shared_ptr<Event>* out) {
   auto ev = find_event_locked(e, h);
   if (!ev) return CUDA_ERROR_INVALID_HANDLE;
   if (!ev->recorded) return CUDA_SUCCESS;
@@ -77,7 +77,7 @@ CUresult waitable_event_locked(Engine& e, CUevent h, std::shared_ptr<Event>* out
 }  // namespace
 
 CUresult event_query(CUevent h) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   std::shared_ptr<Event> ev;
   CUresult r = waitable_event_locked(e, h, &ev);
@@ -87,7 +87,7 @@ CUresult event_query(CUevent h) {
 }
 
 CUresult event_synchronize(CUevent h) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::unique_lock<std::mutex> lk(e.mu);
   std::shared_ptr<Event> ev;
   CUresult r = waitable_event_locked(e, h, &ev);

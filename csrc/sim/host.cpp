@@ -9,7 +9,7 @@
 #include <sys/mman.h>
 
 #include "sim/config.h"
-#include "sim/engine.h"
+#include "sim/stream_executor.h"
 #include "sim/faults.h"
 #include "sim/memory.h"
 #include "sim/numa.h"

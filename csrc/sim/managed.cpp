@@ -16,7 +16,7 @@
 #include <algorithm>
 
 #include "sim/config.h"
-#include "sim/engine.h"
+#include "sim/stream_executor.h"
 #include "sim/faults.h"
 #include "sim/memory.h"
 #include "sim/numa.h"
@@ -192,7 +192,7 @@ CUresult api_cuMemPrefetchAsync(CUdeviceptr dev_ptr, size_t count, CUmemLocation
       if (r != CUDA_SUCCESS) return r;
       host_node = loc.type == CU_MEM_LOCATION_TYPE_HOST_NUMA ? loc.id : current_sim_node();
     }
-    // Lock order: registry, then the engine inside submit().
+    // Lock order: registry, then the executor inside submit().
     Registry& reg = registry();
     std::lock_guard<std::mutex> lk(reg.mu);
     uint64_t b, e;

@@ -20,10 +20,10 @@
 //    moment the work runs, so stream work that outlives cuMemUnmap or lacks
 //    cuMemSetAccess is reported, not silently performed.
 //
-// Locking: Registry::mu guards everything in the registry.  The engine
+// Locking: Registry::mu guards everything in the registry.  The executor
 // mutex may be taken while holding it (cuMemPrefetchAsync enqueues under it
 // so the residency it records and the stream operation agree), never the
-// reverse: stream workers drop the engine mutex before touching memory.
+// reverse: stream workers drop the executor mutex before touching memory.
 // numa.cpp's record lock is only taken after releasing it.  Backings are
 // shared_ptr so stream work keeps pages alive while it copies without
 // holding the lock.

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "sim/config.h"
-#include "sim/engine.h"
+#include "sim/stream_executor.h"
 #include "sim/errors.h"
 #include "sim/faults.h"
 #include "sim/memory.h"
@@ -32,7 +32,7 @@ thread_local CUcontext t_current = nullptr;
 }  // namespace
 
 CUresult check_init() {
-  if (engine_shut_down()) return engine_forked() ? CUDA_ERROR_NOT_INITIALIZED : CUDA_ERROR_DEINITIALIZED;
+  if (executor_shut_down()) return executor_forked() ? CUDA_ERROR_NOT_INITIALIZED : CUDA_ERROR_DEINITIALIZED;
   return g_initialized.load(std::memory_order_acquire) ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
 }
 
@@ -176,7 +176,7 @@ CXLSIM_API int cxlsim_configure(const char* spec) {
                      "); release them before reconfiguring");
       return -1;
     }
-    engine_reset();
+    executor_reset();
     reset_memory();
     reset_contexts();
     clear_bindings();
@@ -196,7 +196,7 @@ CXLSIM_API int cxlsim_live(cxlsim_live_t* out) {
   try {
     *out = cxlsim_live_t{};
     live_memory(out);
-    live_engine(&out->streams, &out->events);
+    live_streams_and_events(&out->streams, &out->events);
     out->context_refs = context_refs();
     return 0;
   } catch (...) {

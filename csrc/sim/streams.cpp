@@ -1,9 +1,10 @@
 // Stream, event and copy entry points, and the cxlsim_* stream controls.
-// The execution model lives in engine.cpp; this file validates arguments and
-// contexts the way the driver does and turns calls into engine operations.
+// The execution model lives in stream_executor.cpp; this file validates
+// arguments and contexts the way the driver does and turns calls into
+// executor operations.
 #include <string>
 
-#include "sim/engine.h"
+#include "sim/stream_executor.h"
 #include "sim/errors.h"
 #include "sim/faults.h"
 #include "sim/memory.h"

@@ -12,7 +12,7 @@ run.
 What counts as managed memory (bytes), conservatively:
 
 * ``backend="managed"``: cxlalloc puts KV segments and extents in managed
-  memory on *both* tiers (``csrc/alloc/segment_factory.cpp``: "KV segments use
+  memory on *both* tiers (``csrc/backend/segment_factory.cpp``: "KV segments use
   managed memory under the managed backend even on the device tier") and
   other host-tier segments too, bounded by ``host_limit``.  So a cell may
   request up to ``kv_bytes + host_limit``.

@@ -16,11 +16,11 @@
 #include <cstring>
 #include <vector>
 
+#include "backend/placement.h"
 #include "common/error.h"
 #include "common/units.h"
-#include "topology/placement.h"
 
-namespace cxl::topology {
+namespace cxl::backend {
 
 namespace {
 
@@ -153,4 +153,4 @@ class LinuxNumaOps final : public NumaOps {
 
 std::unique_ptr<NumaOps> linux_numa_ops() { return std::make_unique<LinuxNumaOps>(); }
 
-}  // namespace cxl::topology
+}  // namespace cxl::backend

@@ -3,9 +3,7 @@
 #include <algorithm>
 
 #include "alloc/device_allocator.h"
-#include "alloc/sizes.h"
 #include "common/error.h"
-#include "common/units.h"
 
 namespace cxl::alloc {
 
@@ -17,6 +15,12 @@ bool has_waiting_blocks(const Segment& seg) {
 }
 }  // namespace
 
+void DeviceAllocator::mark_step() {
+  std::lock_guard<std::mutex> lk(mu_);
+  steps_marked_ = true;
+  step_start_seq_ = ++seq_;
+}
+
 void DeviceAllocator::migrate_segment(Segment& seg, Tier target) {
   const Tier from = seg.tier();
   if (from == target) return;
@@ -25,32 +29,34 @@ void DeviceAllocator::migrate_segment(Segment& seg, Tier target) {
   std::vector<Block*> frees, live;
   for (Block* b = seg.head; b; b = b->next) (b->allocated ? live : frees).push_back(b);
   for (Block* b : frees) erase_free(b);
-  for (Block* b : live) account_free(b, from);
-  account_segment(seg, from, seg.size, false);
+  for (Block* b : live) stats_.remove_block(from, seg.cls, seg.kind, b->size, b->requested);
+  stats_.remove_segment(from, seg.cls, seg.kind, seg.size);
   try {
     factory_->migrate_chunk(seg, seg.chunks.front(), target);
   } catch (...) {
-    account_segment(seg, from, seg.size, true);
-    for (Block* b : live) account_alloc(b, from);
+    stats_.add_segment(from, seg.cls, seg.kind, seg.size);
+    for (Block* b : live) stats_.add_block(from, seg.cls, seg.kind, b->size, b->requested);
     for (Block* b : frees) insert_free(b);
     throw;
   }
-  account_segment(seg, target, seg.size, true);
-  for (Block* b : live) account_alloc(b, target);
+  stats_.add_segment(target, seg.cls, seg.kind, seg.size);
+  for (Block* b : live) stats_.add_block(target, seg.cls, seg.kind, b->size, b->requested);
   for (Block* b : frees) insert_free(b);
   seg.touches = 0;
 }
 
 void DeviceAllocator::migrate_chunk(Segment& seg, Chunk& c, Tier target) {
   if (c.tier == target) return;
-  account_commit(seg, c, false);
+  // The bytes leave the chunk's tier and join the one it is on afterwards
+  // (the old one again if the move failed); the extent's size is unchanged.
+  stats_.remove_chunk(c.tier, seg.cls, c.size);
   try {
     factory_->migrate_chunk(seg, c, target);
   } catch (...) {
-    account_commit(seg, c, true);
+    stats_.add_chunk(c.tier, seg.cls, c.size);
     throw;
   }
-  account_commit(seg, c, true);
+  stats_.add_chunk(c.tier, seg.cls, c.size);
 }
 
 std::vector<DeviceAllocator::KvUnit> DeviceAllocator::kv_units(Tier tier) {
@@ -96,10 +102,10 @@ size_t DeviceAllocator::demote_for(size_t need, bool budgeted) {
   if (total < need) return 0;
   const double now = now_s();
   size_t allowed = budgeted ? migration_budget_.available(now) : SIZE_MAX;
-  size_t host_room = cfg_.host_limit - std::min(cfg_.host_limit, size_t(stats_.tier[1].reserved_bytes.current));
+  size_t host_room = cfg_.host_limit - std::min(cfg_.host_limit, stats_.reserved(Tier::Host));
   auto victims = policy::choose_victims(need, cands, std::min(allowed, host_room));
   if (victims.empty()) {
-    if (budgeted && allowed < need) stats_.counters.migration_budget_denials++;
+    if (budgeted && allowed < need) stats_.on_migration_budget_denied();
     return 0;
   }
   sync_device();
@@ -108,9 +114,9 @@ size_t DeviceAllocator::demote_for(size_t need, bool budgeted) {
     size_t bytes = move_unit(units[id], Tier::Host);
     if (budgeted) migration_budget_.consume(bytes, now);
     moved += bytes;
-    stats_.counters.demotions++;
+    stats_.on_moved_unit(Tier::Host);
   }
-  stats_.counters.demoted_bytes += moved;
+  stats_.on_moved_bytes(Tier::Host, moved);
   return moved;
 }
 
@@ -139,7 +145,7 @@ size_t DeviceAllocator::migrate(const void* ptr, size_t len, Tier target) {
   }
   if (bytes == 0) return 0;
   size_t limit = target == Tier::Device ? device_limit_eff() : cfg_.host_limit;
-  size_t used = static_cast<size_t>(stats_.tier[int(target)].reserved_bytes.current);
+  size_t used = stats_.reserved(target);
   if (used + bytes > limit)
     throw_oom(bytes, seg->cls, std::string("no room to migrate to the ") + tier_name(target) + " tier");
   sync_device();
@@ -147,13 +153,8 @@ size_t DeviceAllocator::migrate(const void* ptr, size_t len, Tier target) {
     for (Chunk* c : chunks) migrate_chunk(*seg, *c, target);
   else
     migrate_segment(*seg, target);
-  if (target == Tier::Host) {
-    stats_.counters.demoted_bytes += bytes;
-    stats_.counters.demotions++;
-  } else {
-    stats_.counters.promoted_bytes += bytes;
-    stats_.counters.promotions++;
-  }
+  stats_.on_moved_bytes(target, bytes);
+  stats_.on_moved_unit(target);
   return bytes;
 }
 
@@ -180,9 +181,9 @@ size_t DeviceAllocator::rebalance() {
     size_t bytes = move_unit(units[id], Tier::Device);
     migration_budget_.consume(bytes, now);
     moved += bytes;
-    stats_.counters.promotions++;
+    stats_.on_moved_unit(Tier::Device);
   }
-  stats_.counters.promoted_bytes += moved;
+  stats_.on_moved_bytes(Tier::Device, moved);
   return moved;
 }
 

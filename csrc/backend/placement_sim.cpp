@@ -12,12 +12,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "backend/placement.h"
 #include "common/error.h"
 #include "common/units.h"
 #include "driver/driver.h"
-#include "topology/placement.h"
 
-namespace cxl::topology {
+namespace cxl::backend {
 
 namespace {
 
@@ -93,4 +93,4 @@ std::unique_ptr<NumaOps> sim_numa_ops(std::shared_ptr<const driver::Driver> drv)
   return std::make_unique<SimNumaOps>(std::move(drv), bind, node_of, last_error);
 }
 
-}  // namespace cxl::topology
+}  // namespace cxl::backend

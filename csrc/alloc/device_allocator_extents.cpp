@@ -8,7 +8,6 @@
 // at will, arXiv 2405.04437).  Where the backend cannot remap (pinned), an
 // extent is committed whole at creation on one tier instead.
 #include "alloc/device_allocator.h"
-#include "alloc/sizes.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/units.h"
@@ -28,7 +27,8 @@ ExtentInfo DeviceAllocator::extent_create(size_t capacity, AllocClass cls) {
   std::unique_ptr<Segment> seg;
   bool lazy = factory_->lazy_extents();
   if (lazy) {
-    seg = factory_->create_extent(cap, chunk, cls);
+    seg = std::make_unique<Segment>();
+    factory_->create_extent(*seg, cap, chunk);
   } else {
     // Fixed backends: commit the whole capacity now on the tier the policy
     // picks for it, falling back to the other tier.
@@ -37,26 +37,30 @@ ExtentInfo DeviceAllocator::extent_create(size_t capacity, AllocClass cls) {
     for (Tier t : {first, first == Tier::Device ? Tier::Host : Tier::Device}) {
       if (t == Tier::Host && !host_enabled_) continue;
       size_t limit = t == Tier::Device ? device_limit_eff() : cfg_.host_limit;
-      if (size_t(stats_.tier[int(t)].reserved_bytes.current) + cap > limit) continue;
+      if (stats_.reserved(t) + cap > limit) continue;
       try {
-        seg = factory_->create_block_segment(cap, t, cls, PoolKind::Large);
+        auto fresh = std::make_unique<Segment>();
+        factory_->create_block_segment(*fresh, cap, t, cls);
+        seg = std::move(fresh);
         break;
       } catch (const Error& e) {
         if (!is_out_of_memory(e)) throw;
       }
     }
     if (!seg) throw_oom(cap, cls, "no tier can hold the extent (this backend commits extents whole)");
-    seg->extent = true;
     seg->chunks.front().seq = ++seq_;
   }
+  seg->cls = cls;
+  seg->kind = PoolKind::Large;
+  seg->extent = true;
   seg->id = next_segment_id_++;
   Segment* raw = seg.get();
   segments_[seg->base] = std::move(seg);
   extents_[raw->id] = raw;
   if (!lazy) {
-    account_commit(*raw, raw->chunks.front(), true);
-    if (raw->tier() == Tier::Host) stats_.counters.spilled_bytes += raw->size;
-    stats_.counters.new_segments[int(raw->tier())]++;
+    const Chunk& c = raw->chunks.front();
+    stats_.on_fixed_extent_created(c.tier, raw->cls, c.size);
+    raw->allocated += c.size;
   }
   return ExtentInfo{raw->id, raw->base, raw->size, raw->chunks.front().size, lazy};
 }
@@ -100,7 +104,7 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
   }
   const double now = now_s();
   size_t allowed = can_demote ? migration_budget_.available(now) : 0;
-  size_t host_room = host_enabled_ ? cfg_.host_limit - std::min(cfg_.host_limit, size_t(stats_.tier[1].reserved_bytes.current)) : 0;
+  size_t host_room = host_enabled_ ? cfg_.host_limit - std::min(cfg_.host_limit, stats_.reserved(Tier::Host)) : 0;
   // Demoted chunks and host-placed new chunks share the host room; the
   // commit loop below re-checks every chunk against the limits.
   policy::GrowthPlan plan;
@@ -123,9 +127,9 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
       migrate_chunk(*s, *c, Tier::Host);
       migration_budget_.consume(c->size, now);
       moved += c->size;
-      stats_.counters.demotions++;
+      stats_.on_moved_unit(Tier::Host);
     }
-    stats_.counters.demoted_bytes += moved;
+    stats_.on_moved_bytes(Tier::Host, moved);
   }
   // Commit: the oldest positions of the growth on the host, the newest on
   // the device; each falls back to the other tier rather than fail.
@@ -136,7 +140,7 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
     for (Tier t : {first, first == Tier::Device ? Tier::Host : Tier::Device}) {
       if (t == Tier::Host && !host_enabled_) continue;
       size_t limit = t == Tier::Device ? device_limit_eff() : cfg_.host_limit;
-      if (size_t(stats_.tier[int(t)].reserved_bytes.current) + c.size > limit) continue;
+      if (stats_.reserved(t) + c.size > limit) continue;
       try {
         factory_->commit_chunk(*seg, c, t);
       } catch (const Error& e) {
@@ -144,8 +148,8 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
         throw;
       }
       c.seq = ++seq_;
-      account_commit(*seg, c, true);
-      if (t == Tier::Host) stats_.counters.spilled_bytes += c.size;
+      stats_.on_chunk_committed(c.tier, seg->cls, c.size);
+      seg->allocated += c.size;
       done = true;
       break;
     }
@@ -169,7 +173,8 @@ void DeviceAllocator::extent_trim(uint64_t id, size_t bytes) {
       sync_device();  // in-flight kernels may still read the chunk
       synced = true;
     }
-    account_commit(*seg, c, false);
+    stats_.remove_chunk(c.tier, seg->cls, c.size);
+    seg->allocated -= c.size;
     factory_->decommit_chunk(*seg, c);
   }
 }
@@ -198,8 +203,11 @@ void DeviceAllocator::extent_free(uint64_t id) {
     note_cleanup_failure(std::string("extent release: ") + e.what());
   }
   for (Chunk& c : seg->chunks)
-    if (c.committed) account_commit(*seg, c, false);
-  if (!factory_->lazy_extents()) stats_.counters.released_segments[int(seg->tier())]++;
+    if (c.committed) {
+      stats_.remove_chunk(c.tier, seg->cls, c.size);
+      seg->allocated -= c.size;
+    }
+  if (!factory_->lazy_extents()) stats_.on_fixed_extent_released(seg->tier());
   extents_.erase(id);
   segments_.erase(seg->base);
 }

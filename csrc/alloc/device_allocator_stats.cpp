@@ -1,28 +1,21 @@
-// DeviceAllocator: statistics, snapshots, placement queries, invariants.
+// DeviceAllocator: statistics, snapshots, placement queries and the
+// invariant check.
 #include <set>
 
 #include "alloc/device_allocator.h"
-#include "alloc/sizes.h"
 #include "common/error.h"
-#include "common/units.h"
 
 namespace cxl::alloc {
 
 Stats DeviceAllocator::stats() const {
   std::lock_guard<std::mutex> lk(mu_);
   Stats s = stats_;
-  // inactive_split: free blocks inside segments that also hold other blocks
-  // (torch's fragmentation measure), computed on demand for the device tier.
-  for (int i = 0; i < 3; ++i) s.torch.inactive_split[i] = Stat{}, s.torch.inactive_split_bytes[i] = Stat{};
+  s.clear_inactive_split();
   for (const auto& [base, seg] : segments_) {
     if (seg->extent || seg->tier() != Tier::Device) continue;
-    int k = seg->kind == PoolKind::Small ? kSmall : kLarge;
     for (Block* b = seg->head; b; b = b->next) {
       if (b->allocated || b->event_count > 0 || (b->prev == nullptr && b->next == nullptr)) continue;
-      for (int i : {int(kAggregate), k}) {
-        s.torch.inactive_split[i].increase(1);
-        s.torch.inactive_split_bytes[i].increase(static_cast<int64_t>(b->size));
-      }
+      s.add_inactive_split(seg->kind, b->size);
     }
   }
   return s;
@@ -30,36 +23,12 @@ Stats DeviceAllocator::stats() const {
 
 void DeviceAllocator::reset_peak_stats() {
   std::lock_guard<std::mutex> lk(mu_);
-  for (auto& t : stats_.tier) {
-    t.allocated_bytes.reset_peak();
-    t.reserved_bytes.reset_peak();
-    t.segments.reset_peak();
-  }
-  for (auto& c : stats_.class_bytes)
-    for (auto& t : c) t.reset_peak();
-  auto& T = stats_.torch;
-  for (int i = 0; i < 3; ++i)
-    for (Stat* st : {&T.allocation[i], &T.segment[i], &T.active[i], &T.inactive_split[i], &T.allocated_bytes[i],
-                     &T.reserved_bytes[i], &T.active_bytes[i], &T.inactive_split_bytes[i], &T.requested_bytes[i]})
-      st->reset_peak();
+  stats_.reset_peaks();
 }
 
 void DeviceAllocator::reset_accumulated_stats() {
   std::lock_guard<std::mutex> lk(mu_);
-  for (auto& t : stats_.tier) {
-    t.allocated_bytes.reset_accumulated();
-    t.reserved_bytes.reset_accumulated();
-    t.segments.reset_accumulated();
-  }
-  for (auto& c : stats_.class_bytes)
-    for (auto& t : c) t.reset_accumulated();
-  auto& T = stats_.torch;
-  for (int i = 0; i < 3; ++i)
-    for (Stat* st : {&T.allocation[i], &T.segment[i], &T.active[i], &T.inactive_split[i], &T.allocated_bytes[i],
-                     &T.reserved_bytes[i], &T.active_bytes[i], &T.inactive_split_bytes[i], &T.requested_bytes[i]})
-      st->reset_accumulated();
-  T.num_alloc_retries = T.num_ooms = T.num_sync_all_streams = T.num_device_alloc = T.num_device_free = 0;
-  stats_.counters = Counters{};
+  stats_.reset_accumulated();
 }
 
 std::vector<SegmentSnapshot> DeviceAllocator::snapshot() const {
@@ -173,7 +142,7 @@ void DeviceAllocator::check_invariants() const {
     for (int c = 0; c < kNumClasses; ++c)
       if (cls_bytes[c][t] != stats_.class_bytes[c][t].current) fail("class bytes mismatch");
   }
-  if (kv_dev != kv_device_bytes_) fail("KV device bytes mismatch");
+  if (kv_dev != stats_.kv_device_bytes) fail("KV device bytes mismatch");
   if (stats_.torch.allocated_bytes[kAggregate].current != allocated[0]) fail("torch allocated_bytes != device allocated");
   if (stats_.torch.reserved_bytes[kAggregate].current != reserved[0]) fail("torch reserved_bytes != device reserved");
 }

@@ -1,4 +1,4 @@
-#include "alloc/segment_factory.h"
+#include "backend/segment_factory.h"
 
 #include <numeric>
 #include <string>
@@ -7,11 +7,9 @@
 #include "common/log.h"
 #include "common/units.h"
 
-namespace cxl::alloc {
+namespace cxl::backend {
 
-using backend::HostBackend;
-
-SegmentFactory::SegmentFactory(driver::DriverPtr drv, FactoryConfig cfg, topology::NumaOps* numa)
+SegmentFactory::SegmentFactory(driver::DriverPtr drv, FactoryConfig cfg, NumaOps* numa)
     : drv_(std::move(drv)), cfg_(cfg), numa_(numa) {
   size_t d = cfg_.device_granularity ? cfg_.device_granularity : (2u << 20);
   size_t h = cfg_.host_granularity ? cfg_.host_granularity : d;
@@ -28,7 +26,7 @@ CUstream SegmentFactory::stream() {
   return stream_.get();
 }
 
-void SegmentFactory::verify_host_placement(const Segment& seg, Chunk& c) {
+void SegmentFactory::verify_host_placement(const SegmentMemory& seg, Chunk& c) {
   c.placed_ok = c.placed_wrong = c.placed_unknown = 0;
   if (c.tier != Tier::Host || !c.committed) return;
   if (numa_ == nullptr) {
@@ -58,12 +56,9 @@ void SegmentFactory::verify_host_placement(const Segment& seg, Chunk& c) {
 }
 
 // ------------------------------------------------------------------ block segments
-std::unique_ptr<Segment> SegmentFactory::create_block_segment(size_t size, Tier tier, AllocClass cls, PoolKind kind) {
-  auto seg = std::make_unique<Segment>();
-  seg->device = cfg_.device;
-  seg->cls = cls;
-  seg->kind = kind;
-  seg->size = size;
+void SegmentFactory::create_block_segment(SegmentMemory& seg, size_t size, Tier tier, AllocClass cls) {
+  seg.device = cfg_.device;
+  seg.size = size;
   Chunk c;
   c.offset = 0;
   c.size = size;
@@ -73,57 +68,56 @@ std::unique_ptr<Segment> SegmentFactory::create_block_segment(size_t size, Tier 
   bool managed_kv = cfg_.host_enabled && cfg_.host_backend == HostBackend::Managed && cls == AllocClass::KV;
   if (tier == Tier::Device && !managed_kv) {
     if (cfg_.device_vmm) {
-      seg->backing = Backing::Vmm;
-      seg->va = driver::VaRange(drv_, size, cfg_.device_granularity);
-      seg->base = seg->va.base();
+      seg.backing = Backing::Vmm;
+      seg.va = driver::VaRange(drv_, size, cfg_.device_granularity);
+      seg.base = seg.va.base();
       c.phys = driver::PhysicalMemory(drv_, size, location(Tier::Device));
-      c.map = driver::Mapping(drv_, seg->base, c.phys, cfg_.device, false, -1);
+      c.map = driver::Mapping(drv_, seg.base, c.phys, cfg_.device, false, -1);
     } else {
-      seg->backing = Backing::DeviceMem;
-      seg->devmem = driver::DeviceMemory(drv_, size);
-      seg->base = seg->devmem.ptr();
+      seg.backing = Backing::DeviceMem;
+      seg.devmem = driver::DeviceMemory(drv_, size);
+      seg.base = seg.devmem.ptr();
     }
     c.committed = true;
-    seg->chunks.push_back(std::move(c));
-    return seg;
+    seg.chunks.push_back(std::move(c));
+    return;
   }
   if (tier == Tier::Host && !cfg_.host_enabled)
     throw Error(ErrorKind::Internal, "host tier requested while disabled");
   HostBackend hb = managed_kv ? HostBackend::Managed : cfg_.host_backend;
   switch (hb) {
     case HostBackend::HostVmm:
-      seg->backing = Backing::Vmm;
-      seg->va = driver::VaRange(drv_, size, align_);
-      seg->base = seg->va.base();
+      seg.backing = Backing::Vmm;
+      seg.va = driver::VaRange(drv_, size, align_);
+      seg.base = seg.va.base();
       c.phys = driver::PhysicalMemory(drv_, size, location(Tier::Host));
-      c.map = driver::Mapping(drv_, seg->base, c.phys, cfg_.device, true, cfg_.host_node);
+      c.map = driver::Mapping(drv_, seg.base, c.phys, cfg_.device, true, cfg_.host_node);
       break;
     case HostBackend::Managed:
-      seg->backing = Backing::Managed;
-      seg->managed = driver::ManagedMemory(drv_, size);
-      seg->base = seg->managed.ptr();
-      advise_managed(*seg, c, tier);
+      seg.backing = Backing::Managed;
+      seg.managed = driver::ManagedMemory(drv_, size);
+      seg.base = seg.managed.ptr();
+      advise_managed(seg, c, tier);
       break;
     case HostBackend::Pinned: {
-      seg->backing = Backing::Pinned;
-      seg->pages = backend::HostPages(size);
-      if (numa_) numa_->bind(seg->pages.get(), size, cfg_.host_node);
+      seg.backing = Backing::Pinned;
+      seg.pages = HostPages(size);
+      if (numa_) numa_->bind(seg.pages.get(), size, cfg_.host_node);
       // Fault the pages in under the binding before the driver pins them.
-      backend::touch_pages(seg->pages.get(), size);
-      seg->reg = driver::HostRegistration(drv_, seg->pages.get(), size,
-                                          CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_PORTABLE);
-      seg->base = seg->reg.device_ptr();
+      touch_pages(seg.pages.get(), size);
+      seg.reg = driver::HostRegistration(drv_, seg.pages.get(), size,
+                                         CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_PORTABLE);
+      seg.base = seg.reg.device_ptr();
       break;
     }
   }
   c.committed = true;
-  seg->chunks.push_back(std::move(c));
-  if (tier == Tier::Host) verify_host_placement(*seg, seg->chunks.back());
-  return seg;
+  seg.chunks.push_back(std::move(c));
+  if (tier == Tier::Host) verify_host_placement(seg, seg.chunks.back());
 }
 
 // ------------------------------------------------------------------ managed advice
-void SegmentFactory::advise_managed(const Segment& seg, const Chunk& c, Tier t) {
+void SegmentFactory::advise_managed(const SegmentMemory& seg, const Chunk& c, Tier t) {
   CUdeviceptr p = seg.base + c.offset;
   CUmemLocation dev{CU_MEM_LOCATION_TYPE_DEVICE, cfg_.device};
   CUmemLocation where = location(t);
@@ -144,33 +138,29 @@ bool SegmentFactory::lazy_extents() const {
   return cfg_.device_vmm && cfg_.host_backend == HostBackend::HostVmm;
 }
 
-std::unique_ptr<Segment> SegmentFactory::create_extent(size_t capacity, size_t chunk_bytes, AllocClass cls) {
+void SegmentFactory::create_extent(SegmentMemory& seg, size_t capacity, size_t chunk_bytes) {
   CXL_CHECK(lazy_extents(), "create_extent without lazy extent support");
   CXL_CHECK(chunk_bytes > 0 && capacity % chunk_bytes == 0, "extent capacity not a multiple of its chunk size");
-  auto seg = std::make_unique<Segment>();
-  seg->device = cfg_.device;
-  seg->cls = cls;
-  seg->extent = true;
-  seg->size = capacity;
+  seg.device = cfg_.device;
+  seg.size = capacity;
   if (cfg_.host_enabled && cfg_.host_backend == HostBackend::Managed) {
-    seg->backing = Backing::Managed;
-    seg->managed = driver::ManagedMemory(drv_, capacity);
-    seg->base = seg->managed.ptr();
+    seg.backing = Backing::Managed;
+    seg.managed = driver::ManagedMemory(drv_, capacity);
+    seg.base = seg.managed.ptr();
   } else {
-    seg->backing = Backing::Vmm;
-    seg->va = driver::VaRange(drv_, capacity, align_);
-    seg->base = seg->va.base();
+    seg.backing = Backing::Vmm;
+    seg.va = driver::VaRange(drv_, capacity, align_);
+    seg.base = seg.va.base();
   }
   size_t n = capacity / chunk_bytes;
-  seg->chunks.resize(n);
+  seg.chunks.resize(n);
   for (size_t i = 0; i < n; ++i) {
-    seg->chunks[i].offset = i * chunk_bytes;
-    seg->chunks[i].size = chunk_bytes;
+    seg.chunks[i].offset = i * chunk_bytes;
+    seg.chunks[i].size = chunk_bytes;
   }
-  return seg;
 }
 
-void SegmentFactory::commit_chunk(Segment& seg, Chunk& c, Tier tier) {
+void SegmentFactory::commit_chunk(SegmentMemory& seg, Chunk& c, Tier tier) {
   CXL_CHECK(!c.committed, "commit of a committed chunk");
   if (seg.backing == Backing::Vmm) {
     driver::PhysicalMemory phys(drv_, c.size, location(tier));
@@ -188,7 +178,7 @@ void SegmentFactory::commit_chunk(Segment& seg, Chunk& c, Tier tier) {
   if (tier == Tier::Host) verify_host_placement(seg, c);
 }
 
-void SegmentFactory::decommit_chunk(Segment& seg, Chunk& c) {
+void SegmentFactory::decommit_chunk(SegmentMemory& seg, Chunk& c) {
   CXL_CHECK(c.committed, "decommit of an uncommitted chunk");
   if (seg.backing == Backing::Vmm) {
     c.map = driver::Mapping();  // unmap first, then release the handle
@@ -203,13 +193,18 @@ void SegmentFactory::decommit_chunk(Segment& seg, Chunk& c) {
 }
 
 // ------------------------------------------------------------------ migration
-bool SegmentFactory::can_migrate(const Segment& seg) const {
+bool SegmentFactory::can_move_between_tiers() const {
+  if (!cfg_.host_enabled) return false;
+  return cfg_.host_backend == HostBackend::Managed || (cfg_.device_vmm && cfg_.host_backend == HostBackend::HostVmm);
+}
+
+bool SegmentFactory::can_migrate(const SegmentMemory& seg) const {
   if (!cfg_.host_enabled) return false;
   if (seg.backing == Backing::Managed) return true;
   return seg.backing == Backing::Vmm && cfg_.device_vmm && cfg_.host_backend == HostBackend::HostVmm;
 }
 
-void SegmentFactory::migrate_chunk(Segment& seg, Chunk& c, Tier target) {
+void SegmentFactory::migrate_chunk(SegmentMemory& seg, Chunk& c, Tier target) {
   CXL_CHECK(c.committed, "migrate of an uncommitted chunk");
   if (c.tier == target) return;
   CXL_CHECK(can_migrate(seg), "migrate of a fixed segment");
@@ -251,4 +246,4 @@ void SegmentFactory::migrate_chunk(Segment& seg, Chunk& c, Tier target) {
   else c.placed_ok = c.placed_wrong = c.placed_unknown = 0;
 }
 
-}  // namespace cxl::alloc
+}  // namespace cxl::backend

@@ -16,7 +16,7 @@ namespace cxl::driver {
 class Driver;
 }
 
-namespace cxl::topology {
+namespace cxl::backend {
 
 class NumaOps {
  public:
@@ -72,4 +72,4 @@ struct PlacementCheck {
 // placement is never claimed without this).  Throws what page_nodes() throws.
 PlacementCheck check_placement(NumaOps& ops, const void* p, size_t len, int node);
 
-}  // namespace cxl::topology
+}  // namespace cxl::backend

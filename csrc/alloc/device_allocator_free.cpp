@@ -1,8 +1,8 @@
-// DeviceAllocator: frees, stream-ordered reuse, cache release, private pools.
+// DeviceAllocator: frees and stream-ordered reuse (record_stream uses,
+// events, frees deferred during graph capture).
 #include <cstdio>
 
 #include "alloc/device_allocator.h"
-#include "alloc/sizes.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/units.h"
@@ -53,11 +53,11 @@ void DeviceAllocator::free_block_of(void* ptr, bool by_owner) {
   auto it = allocated_.find(p);
   if (it == allocated_.end()) {
     // Detected before anything is touched: no corruption, just the error.
-    stats_.counters.invalid_frees++;
+    stats_.on_invalid_free();
     throw Error(ErrorKind::InvalidFree, diagnose_bad_free(p));
   }
   if (it->second->owned && !by_owner) {
-    stats_.counters.invalid_frees++;
+    stats_.on_invalid_free();
     throw Error(ErrorKind::InvalidFree, "cxlalloc: free of " + hex(p) +
                                             ", which a live tensor owns (it is freed when the tensor dies: drop "
                                             "the tensor instead)");
@@ -67,10 +67,9 @@ void DeviceAllocator::free_block_of(void* ptr, bool by_owner) {
   b->owned = false;
   allocated_.erase(it);
   Segment* seg = b->segment;
-  account_free(b, seg->tier());
+  stats_.on_block_freed(seg->tier(), seg->cls, seg->kind, b->size, b->requested);
   seg->allocated -= b->size;
   b->allocated = false;
-  stats_.counters.frees++;
   if (b->stream_uses.empty()) {
     // Reusable at once on its own stream: later work on that stream is
     // ordered after the work that used it (torch's semantics).
@@ -82,13 +81,28 @@ void DeviceAllocator::free_block_of(void* ptr, bool by_owner) {
   bool any_capturing = capturing(b->stream);
   for (CUstream s : b->stream_uses) any_capturing = any_capturing || capturing(s);
   // The bytes stay "active" in torch's sense until the events complete.
-  count_active(b, true);
+  stats_.on_block_awaiting_events(seg->tier(), seg->kind, b->size);
   if (any_capturing) {
     b->event_count = 1;  // placeholder until flush_deferred records real events
     deferred_.push_back(b);
     return;
   }
   wait_for_uses(b);
+}
+
+void DeviceAllocator::record_stream(void* ptr, CUstream stream) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = allocated_.find(reinterpret_cast<CUdeviceptr>(ptr));
+  if (it == allocated_.end())
+    throw Error(ErrorKind::InvalidArgument,
+                "record_stream: " + hex(reinterpret_cast<CUdeviceptr>(ptr)) + " is not a live cxlalloc allocation");
+  if (stream != it->second->stream) it->second->stream_uses.insert(stream);
+}
+
+size_t DeviceAllocator::allocation_size(void* ptr) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = allocated_.find(reinterpret_cast<CUdeviceptr>(ptr));
+  return it == allocated_.end() ? 0 : it->second->requested;
 }
 
 driver::Event DeviceAllocator::acquire_event() {
@@ -98,17 +112,6 @@ driver::Event DeviceAllocator::acquire_event() {
     return ev;
   }
   return driver::Event(drv_);
-}
-
-void DeviceAllocator::count_active(Block* b, bool add) {
-  if (b->segment->tier() != Tier::Device) return;
-  int k = b->segment->kind == PoolKind::Small ? kSmall : kLarge;
-  for (int i : {int(kAggregate), k}) {
-    if (add)
-      stats_.torch.active_bytes[i].increase(static_cast<int64_t>(b->size));
-    else
-      stats_.torch.active_bytes[i].decrease(static_cast<int64_t>(b->size));
-  }
 }
 
 void DeviceAllocator::wait_for_uses(Block* b) {
@@ -123,7 +126,7 @@ void DeviceAllocator::wait_for_uses(Block* b) {
       // context then.  The free itself never fails half-way: the block's
       // state was already changed, and a throw here would strand it outside
       // every list.  Counted and reported once: a healthy driver never gets here.
-      if (stats_.counters.event_record_failures++ == 0)
+      if (stats_.on_event_record_failure())
         log_warning("cuEventRecord on a stream that used a freed block failed (" + drv_->describe(r) +
                     "); waiting for that stream instead");
       event_pool_.push_back(std::move(ev));
@@ -141,7 +144,7 @@ void DeviceAllocator::wait_for_uses(Block* b) {
 }
 
 void DeviceAllocator::retire(Block* b) {
-  count_active(b, false);
+  stats_.on_block_events_done(b->segment->tier(), b->segment->kind, b->size);
   free_block(b);
 }
 
@@ -170,137 +173,6 @@ void DeviceAllocator::process_events(bool wait, int only_tier) {
     it = pending_.erase(it);
     if (--b->event_count == 0) retire(b);
   }
-}
-
-// Return a block to its free list, merging with free neighbours.
-void DeviceAllocator::free_block(Block* b) {
-  auto mergeable = [](Block* n) { return n && !n->allocated && n->event_count == 0; };
-  if (mergeable(b->prev)) {
-    Block* p = b->prev;
-    erase_free(p);
-    p->size += b->size;
-    p->next = b->next;
-    if (b->next) b->next->prev = p;
-    p->stream = b->stream;
-    delete b;
-    b = p;
-  }
-  if (mergeable(b->next)) {
-    Block* n = b->next;
-    erase_free(n);
-    b->size += n->size;
-    b->next = n->next;
-    if (n->next) n->next->prev = b;
-    delete n;
-  }
-  insert_free(b);
-}
-
-void DeviceAllocator::record_stream(void* ptr, CUstream stream) {
-  std::lock_guard<std::mutex> lk(mu_);
-  auto it = allocated_.find(reinterpret_cast<CUdeviceptr>(ptr));
-  if (it == allocated_.end())
-    throw Error(ErrorKind::InvalidArgument,
-                "record_stream: " + hex(reinterpret_cast<CUdeviceptr>(ptr)) + " is not a live cxlalloc allocation");
-  if (stream != it->second->stream) it->second->stream_uses.insert(stream);
-}
-
-size_t DeviceAllocator::allocation_size(void* ptr) const {
-  std::lock_guard<std::mutex> lk(mu_);
-  auto it = allocated_.find(reinterpret_cast<CUdeviceptr>(ptr));
-  return it == allocated_.end() ? 0 : it->second->requested;
-}
-
-void DeviceAllocator::release_segment(Segment* seg) {
-  CXL_CHECK(seg->fully_free(), "release of a segment in use");
-  Tier t = seg->tier();
-  erase_free(seg->head);
-  delete seg->head;
-  seg->head = nullptr;
-  account_segment(*seg, t, seg->size, false);
-  stats_.counters.released_segments[int(t)]++;
-  segments_.erase(seg->base);  // RAII: unmap, release, free the VA
-}
-
-size_t DeviceAllocator::release_free_segments(Tier tier, size_t want, bool include_private) {
-  std::vector<Segment*> victims;
-  for (const auto& [base, seg] : segments_) {
-    if (seg->extent || seg->tier() != tier || !seg->fully_free()) continue;
-    if (!seg->pool.is_default()) {
-      auto it = pools_.find(seg->pool);
-      bool in_use = it != pools_.end() && it->second.use_count > 0;
-      if (in_use && !include_private) continue;
-    }
-    victims.push_back(seg.get());
-  }
-  if (victims.empty()) return 0;
-  // Release the smallest set that covers `want`: largest first.
-  std::sort(victims.begin(), victims.end(), [](Segment* a, Segment* b) { return a->size > b->size; });
-  // The GPU may still be using memory freed on its stream: unmapping does
-  // not wait for it (unlike cudaFree), so we do.
-  sync_device();
-  size_t released = 0;
-  for (Segment* s : victims) {
-    if (released >= want) break;
-    released += s->size;
-    release_segment(s);
-  }
-  return released;
-}
-
-size_t DeviceAllocator::empty_cache() {
-  std::lock_guard<std::mutex> lk(mu_);
-  driver::ContextGuard guard(*drv_, ctx_.get());
-  if (!pending_.empty()) process_events(true);
-  size_t n = release_free_segments(Tier::Device, SIZE_MAX, false);
-  n += release_free_segments(Tier::Host, SIZE_MAX, false);
-  return n;
-}
-
-// ------------------------------------------------------------------ private pools
-void DeviceAllocator::create_pool(PoolId id) {
-  std::lock_guard<std::mutex> lk(mu_);
-  pools_[id].use_count++;
-}
-
-int DeviceAllocator::pool_use_count(PoolId id) const {
-  std::lock_guard<std::mutex> lk(mu_);
-  auto it = pools_.find(id);
-  return it == pools_.end() ? -1 : it->second.use_count;
-}
-
-void DeviceAllocator::begin_allocate_to_pool(PoolId id, Filter filter) {
-  std::lock_guard<std::mutex> lk(mu_);
-  // torch's beginAllocateToPool creates or increfs the pool; releasePool
-  // drops that reference (docs/sources.md#torch-allocator-interface).
-  pools_[id].use_count++;
-  routes_.push_back(Route{id, std::move(filter)});
-}
-
-void DeviceAllocator::end_allocate_to_pool(PoolId id) {
-  std::lock_guard<std::mutex> lk(mu_);
-  // Remove the newest route of this pool (routes nest like scopes).
-  for (auto it = routes_.rbegin(); it != routes_.rend(); ++it) {
-    if (it->pool == id) {
-      routes_.erase(std::next(it).base());
-      return;
-    }
-  }
-}
-
-void DeviceAllocator::release_pool(PoolId id) {
-  std::lock_guard<std::mutex> lk(mu_);
-  driver::ContextGuard guard(*drv_, ctx_.get());
-  auto it = pools_.find(id);
-  if (it == pools_.end()) return;
-  if (--it->second.use_count > 0) return;
-  // Free the pool's cached segments now; segments with live blocks are
-  // released by empty_cache once those blocks are freed.
-  std::vector<Segment*> victims;
-  for (const auto& [base, seg] : segments_)
-    if (seg->pool == id && seg->fully_free()) victims.push_back(seg.get());
-  if (!victims.empty()) sync_device();
-  for (Segment* s : victims) release_segment(s);
 }
 
 }  // namespace cxl::alloc

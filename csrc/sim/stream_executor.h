@@ -1,4 +1,4 @@
-// The simulated GPU's execution engine: streams with worker threads, events,
+// The simulated GPU's stream executor: streams with worker threads, events,
 // stream capture state, and the sticky error of an asynchronous fault.
 //
 // Every stream (each cuStreamCreate stream, and one legacy NULL stream per
@@ -10,10 +10,10 @@
 // S.completed >= N.  Because dependencies only ever name work enqueued
 // before them, the graph is acyclic and no worker can deadlock.
 //
-// Locking: one engine mutex guards every stream, event and capture field;
+// Locking: one executor mutex guards every stream, event and capture field;
 // one condition variable is notified on every enqueue and completion.
-// Operations that touch memory run without the engine mutex (the memory
-// registry has its own).  The engine mutex is innermost: it is never held
+// Operations that touch memory run without the executor mutex (the memory
+// registry has its own).  The executor mutex is innermost: it is never held
 // while taking another simulator lock (the registry's may be held around
 // it, see memory.h).
 #pragma once
@@ -82,14 +82,14 @@ CUresult sticky_error(int device);
 void context_destroyed(int device);
 
 // Live user streams and events.
-void live_engine(uint64_t* streams, uint64_t* events);
+void live_streams_and_events(uint64_t* streams, uint64_t* events);
 // Drain and stop the legacy streams and clear counters (cxlsim_configure
 // with nothing live).
-void engine_reset();
+void executor_reset();
 // True once process exit began stopping the workers (or in a fork() child).
-bool engine_shut_down();
+bool executor_shut_down();
 // True in the child of a fork() (the driver is unusable there).
-bool engine_forked();
+bool executor_forked();
 
 }  // namespace cxlsim
 

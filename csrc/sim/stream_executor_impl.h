@@ -1,6 +1,7 @@
-// Internals of the execution engine shared by engine.cpp (workers, streams,
-// synchronization), events.cpp and capture.cpp.  See engine.h for the model
-// and the locking rule: every field below is guarded by Engine::mu.
+// Internals of the stream executor shared by stream_executor.cpp (workers,
+// streams, synchronization), events.cpp and capture.cpp.  See
+// stream_executor.h for the model and the locking rule: every field below is
+// guarded by StreamExecutor::mu.
 #pragma once
 
 #include <atomic>
@@ -15,7 +16,7 @@
 #include <vector>
 
 #include "sim/config.h"
-#include "sim/engine.h"
+#include "sim/stream_executor.h"
 
 namespace cxlsim {
 
@@ -69,7 +70,7 @@ struct Stream {
   bool blocking() const { return !legacy && (flags & CU_STREAM_NON_BLOCKING) == 0; }
 };
 
-struct Engine {
+struct StreamExecutor {
   std::mutex mu;
   std::condition_variable cv;
   std::atomic<bool> shutdown{false};
@@ -78,33 +79,33 @@ struct Engine {
   std::shared_ptr<Stream> legacy[kMaxDevices];
   std::map<uint64_t, std::shared_ptr<Event>> events;
   std::vector<std::pair<std::shared_ptr<Stream>, std::unique_ptr<std::thread>>> workers;
-  bool forked = false;  // this process is a fork() child of one that used the engine
+  bool forked = false;  // this process is a fork() child of one that used the executor
   CUresult sticky[kMaxDevices] = {};
   uint64_t violations = 0;
   uint64_t async_faults = 0;
   std::string last_fault;
 };
 
-// The process-wide engine (never destroyed: workers and late callers may
+// The process-wide executor (never destroyed: workers and late callers may
 // touch it during exit).
-Engine& eng();
+StreamExecutor& executor();
 
 inline CUstream stream_handle(uint64_t id) { return reinterpret_cast<CUstream>(kStreamTag | id); }
 inline CUevent event_handle(uint64_t id) { return reinterpret_cast<CUevent>(kEventTag | id); }
 
-// All *_locked functions expect Engine::mu held.
+// All *_locked functions expect StreamExecutor::mu held.
 bool deps_done(const std::vector<Dep>& deps);
-CUresult submit_locked(Engine& e, const std::shared_ptr<Stream>& s, Op op, std::vector<Dep> deps, uint64_t* seq);
-std::shared_ptr<Event> find_event_locked(Engine& e, CUevent h);
+CUresult submit_locked(StreamExecutor& e, const std::shared_ptr<Stream>& s, Op op, std::vector<Dep> deps, uint64_t* seq);
+std::shared_ptr<Event> find_event_locked(StreamExecutor& e, CUevent h);
 // Whether a blocking stream of `device` is capturing (the legacy stream then
 // may not be used).
-bool blocking_capture_locked(Engine& e, int device);
+bool blocking_capture_locked(StreamExecutor& e, int device);
 // An illegal call during capture: count it and invalidate that capture
 // (origin 0: every active capture, for the global-mode unsafe calls).
-void violation_locked(Engine& e, uint64_t origin);
+void violation_locked(StreamExecutor& e, uint64_t origin);
 // Capture rules shared by synchronize and query of a stream.
-CUresult capture_check_locked(Engine& e, const std::shared_ptr<Stream>& s);
+CUresult capture_check_locked(StreamExecutor& e, const std::shared_ptr<Stream>& s);
 // End the capture begun on stream `origin`, for every stream that joined it.
-void end_capture_locked(Engine& e, uint64_t origin);
+void end_capture_locked(StreamExecutor& e, uint64_t origin);
 
 }  // namespace cxlsim

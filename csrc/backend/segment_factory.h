@@ -1,5 +1,6 @@
-// Creates, commits and migrates segments on one device.  Knows the backends;
-// knows nothing of blocks, budgets or policy (DeviceAllocator decides).
+// Creates, commits and migrates segments' memory on one device, for each
+// backing.  Knows the backends; knows nothing of blocks, budgets or policy
+// (alloc::DeviceAllocator decides).
 //
 // Every method needs the device's primary context current (the caller holds
 // a ContextGuard) and the allocator mutex (no internal locking).
@@ -8,17 +9,17 @@
 #include <cstddef>
 #include <memory>
 
-#include "alloc/segment.h"
 #include "backend/backends.h"
+#include "backend/placement.h"
+#include "backend/segment_memory.h"
 #include "driver/resources.h"
-#include "topology/placement.h"
 
-namespace cxl::alloc {
+namespace cxl::backend {
 
 struct FactoryConfig {
   int device = 0;
   int host_node = 0;                 // the host/CXL NUMA node of the host tier
-  backend::HostBackend host_backend = backend::HostBackend::HostVmm;
+  HostBackend host_backend = HostBackend::HostVmm;
   bool host_enabled = true;          // false: no host tier at all (host_limit 0 or unsupported)
   bool device_vmm = true;            // false: cuMemAlloc device segments
   size_t device_granularity = 2u << 20;
@@ -28,46 +29,53 @@ struct FactoryConfig {
 
 class SegmentFactory {
  public:
-  SegmentFactory(driver::DriverPtr drv, FactoryConfig cfg, topology::NumaOps* numa);
+  SegmentFactory(driver::DriverPtr drv, FactoryConfig cfg, NumaOps* numa);
 
   const FactoryConfig& config() const { return cfg_; }
   // Alignment every segment size is rounded to: a multiple of both tiers'
   // granularity so any VMM segment can migrate.
   size_t segment_alignment() const { return align_; }
 
-  // A block-cache segment of `size` bytes (a multiple of segment_alignment)
-  // fully committed on `tier`.  Throws DriverError / OutOfMemoryError.
-  std::unique_ptr<Segment> create_block_segment(size_t size, Tier tier, AllocClass cls, PoolKind kind);
+  // Fill `seg` (fresh) with a block-cache segment of `size` bytes (a
+  // multiple of segment_alignment) fully committed on `tier`; `cls` picks
+  // the backing (KV is managed under the managed backend).  Throws
+  // DriverError / OutOfMemoryError; what was made is then released with
+  // `seg`.
+  void create_block_segment(SegmentMemory& seg, size_t size, Tier tier, AllocClass cls);
 
   // Whether extents can commit chunks lazily and place each independently
   // (VMM with host-vmm, or managed).  Otherwise an extent is a fixed segment.
   bool lazy_extents() const;
-  // An extent segment: `capacity` bytes of address space in chunks of
-  // `chunk_bytes` (both multiples of segment_alignment), nothing committed.
-  std::unique_ptr<Segment> create_extent(size_t capacity, size_t chunk_bytes, AllocClass cls);
-  void commit_chunk(Segment& seg, Chunk& c, Tier tier);
-  void decommit_chunk(Segment& seg, Chunk& c);
+  // Fill `seg` (fresh) with an extent: `capacity` bytes of address space in
+  // chunks of `chunk_bytes` (both multiples of segment_alignment), nothing
+  // committed.
+  void create_extent(SegmentMemory& seg, size_t capacity, size_t chunk_bytes);
+  void commit_chunk(SegmentMemory& seg, Chunk& c, Tier tier);
+  void decommit_chunk(SegmentMemory& seg, Chunk& c);
 
+  // Whether memory can move between the tiers at a fixed address at all
+  // (demotion, promotion): managed, or host-vmm over device VMM.
+  bool can_move_between_tiers() const;
   // Whether this segment's pages can move between tiers at a fixed address.
-  bool can_migrate(const Segment& seg) const;
+  bool can_migrate(const SegmentMemory& seg) const;
   // Move one committed chunk to `target`, bytes intact, address unchanged.
   // The caller has synchronized the device (no kernel may touch the chunk).
   // On failure the chunk is left as it was and the error is rethrown.
-  void migrate_chunk(Segment& seg, Chunk& c, Tier target);
+  void migrate_chunk(SegmentMemory& seg, Chunk& c, Tier target);
 
   // Re-read where a host chunk's pages are (numa ops) into c.placed_*.
-  void verify_host_placement(const Segment& seg, Chunk& c);
+  void verify_host_placement(const SegmentMemory& seg, Chunk& c);
 
  private:
   CUmemLocation location(Tier t) const;
-  void advise_managed(const Segment& seg, const Chunk& c, Tier t);
+  void advise_managed(const SegmentMemory& seg, const Chunk& c, Tier t);
   CUstream stream();
 
   driver::DriverPtr drv_;
   FactoryConfig cfg_;
-  topology::NumaOps* numa_;
+  NumaOps* numa_;
   size_t align_;
   driver::Stream stream_;  // prefetches; created on first use
 };
 
-}  // namespace cxl::alloc
+}  // namespace cxl::backend

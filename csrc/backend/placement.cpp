@@ -1,8 +1,8 @@
-#include "topology/placement.h"
+#include "backend/placement.h"
 
 #include "common/units.h"
 
-namespace cxl::topology {
+namespace cxl::backend {
 
 // Out of line so the vtable has one home.
 NumaOps::~NumaOps() = default;
@@ -35,4 +35,4 @@ PlacementCheck check_placement(NumaOps& ops, const void* p, size_t len, int node
   return c;
 }
 
-}  // namespace cxl::topology
+}  // namespace cxl::backend

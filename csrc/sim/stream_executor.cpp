@@ -1,19 +1,19 @@
 // Streams and their worker threads, enqueueing with the legacy-stream
 // ordering, synchronization, the sticky error, and the process hooks (exit,
-// fork).  See engine.h for the model and the locking rule.
+// fork).  See stream_executor.h for the model and the locking rule.
 #include <chrono>
 
 #include <pthread.h>
 
-#include "sim/engine_impl.h"
+#include "sim/stream_executor_impl.h"
 #include "sim/errors.h"
 #include "sim/memory.h"
 #include "sim/numa.h"
 
 namespace cxlsim {
 
-Engine& eng() {
-  static Engine* e = new Engine();
+StreamExecutor& executor() {
+  static StreamExecutor* e = new StreamExecutor();
   return *e;
 }
 
@@ -25,7 +25,7 @@ bool deps_done(const std::vector<Dep>& deps) {
 
 namespace {
 
-void record_fault_locked(Engine& e, int device, const std::string& msg) {
+void record_fault_locked(StreamExecutor& e, int device, const std::string& msg) {
   if (e.sticky[device] == CUDA_SUCCESS) e.sticky[device] = CUDA_ERROR_ILLEGAL_ADDRESS;
   ++e.async_faults;
   e.last_fault = msg;
@@ -50,7 +50,7 @@ CUresult execute(const Op& op, int device, std::string* why) {
 }
 
 void run_worker(std::shared_ptr<Stream> s) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::unique_lock<std::mutex> lk(e.mu);
   for (;;) {
     e.cv.wait(lk, [&] { return e.shutdown || !s->queue.empty() || s->closing; });
@@ -85,7 +85,7 @@ void run_worker(std::shared_ptr<Stream> s) {
   e.cv.notify_all();
 }
 
-std::shared_ptr<Stream> start_stream_locked(Engine& e, int device, unsigned flags, bool legacy) {
+std::shared_ptr<Stream> start_stream_locked(StreamExecutor& e, int device, unsigned flags, bool legacy) {
   auto s = std::make_shared<Stream>();
   s->id = e.next_id++;
   s->device = device;
@@ -95,13 +95,13 @@ std::shared_ptr<Stream> start_stream_locked(Engine& e, int device, unsigned flag
   return s;
 }
 
-std::shared_ptr<Stream> legacy_locked(Engine& e, int device) {
+std::shared_ptr<Stream> legacy_locked(StreamExecutor& e, int device) {
   if (!e.legacy[device]) e.legacy[device] = start_stream_locked(e, device, 0, true);
   return e.legacy[device];
 }
 
 // Join workers whose stream was destroyed and has drained.
-void reap_locked(Engine& e) {
+void reap_locked(StreamExecutor& e) {
   for (auto it = e.workers.begin(); it != e.workers.end();) {
     if (it->first->exited) {
       it->second->join();  // the worker holds no lock once `exited` is visible
@@ -114,7 +114,7 @@ void reap_locked(Engine& e) {
 
 // The implicit ordering of the legacy stream: its work waits for all prior
 // work of the device's blocking streams, and theirs for its prior work.
-std::vector<Dep> implicit_deps_locked(Engine& e, const std::shared_ptr<Stream>& s) {
+std::vector<Dep> implicit_deps_locked(StreamExecutor& e, const std::shared_ptr<Stream>& s) {
   std::vector<Dep> deps;
   if (s->legacy) {
     for (const auto& [id, u] : e.streams)
@@ -129,7 +129,7 @@ std::vector<Dep> implicit_deps_locked(Engine& e, const std::shared_ptr<Stream>& 
 
 // Positions a synchronize of `s` must reach: its own tail, and for the
 // legacy stream the tails of the blocking streams it implicitly waits for.
-std::vector<Dep> sync_targets_locked(Engine& e, const std::shared_ptr<Stream>& s) {
+std::vector<Dep> sync_targets_locked(StreamExecutor& e, const std::shared_ptr<Stream>& s) {
   std::vector<Dep> t{Dep{s, s->submitted}};
   if (s->legacy)
     for (const auto& [id, u] : e.streams)
@@ -137,22 +137,22 @@ std::vector<Dep> sync_targets_locked(Engine& e, const std::shared_ptr<Stream>& s
   return t;
 }
 
-// fork(): the child inherits the engine's state but none of its worker
+// fork(): the child inherits the executor's state but none of its worker
 // threads, so it can never run stream work.  As with a real driver, the
-// child cannot use CUDA: the engine is shut down there and the inherited
+// child cannot use CUDA: the executor is shut down there and the inherited
 // thread objects are abandoned (joining threads of another process is
-// undefined).  The registry and engine locks are held across fork() so the
+// undefined).  The registry and executor locks are held across fork() so the
 // child never inherits them locked by a thread that does not exist there.
 void before_fork() {
   registry().mu.lock();
-  eng().mu.lock();
+  executor().mu.lock();
 }
 void after_fork_parent() {
-  eng().mu.unlock();
+  executor().mu.unlock();
   registry().mu.unlock();
 }
 void after_fork_child() {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   e.forked = true;
   e.shutdown = true;
   for (auto& w : e.workers) w.second.release();  // leaked on purpose, see above
@@ -167,7 +167,7 @@ struct ProcessHooks {
   // is when the process dies) and join them, so no thread runs while the
   // process tears down.
   ~ProcessHooks() {
-    Engine& e = eng();
+    StreamExecutor& e = executor();
     std::vector<std::pair<std::shared_ptr<Stream>, std::unique_ptr<std::thread>>> workers;
     {
       std::lock_guard<std::mutex> lk(e.mu);
@@ -182,13 +182,13 @@ struct ProcessHooks {
 
 }  // namespace
 
-bool blocking_capture_locked(Engine& e, int device) {
+bool blocking_capture_locked(StreamExecutor& e, int device) {
   for (const auto& [id, s] : e.streams)
     if (s->device == device && s->blocking() && s->capture != Capture::None) return true;
   return false;
 }
 
-CUresult submit_locked(Engine& e, const std::shared_ptr<Stream>& s, Op op, std::vector<Dep> deps,
+CUresult submit_locked(StreamExecutor& e, const std::shared_ptr<Stream>& s, Op op, std::vector<Dep> deps,
                        uint64_t* seq) {
   *seq = 0;
   if (e.shutdown) return CUDA_ERROR_DEINITIALIZED;
@@ -215,7 +215,7 @@ int stream_device(const Stream& s) { return s.device; }
 bool stream_is_legacy(const Stream& s) { return s.legacy; }
 
 CUresult find_stream(CUstream h, int device, std::shared_ptr<Stream>* out) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   if (e.shutdown) return CUDA_ERROR_DEINITIALIZED;
   auto v = reinterpret_cast<uint64_t>(h);
@@ -234,19 +234,19 @@ CUresult find_stream(CUstream h, int device, std::shared_ptr<Stream>* out) {
 }
 
 CUresult submit(const std::shared_ptr<Stream>& s, Op op, uint64_t* seq) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   return submit_locked(e, s, std::move(op), {}, seq);
 }
 
 void wait_for(const std::shared_ptr<Stream>& s, uint64_t seq) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::unique_lock<std::mutex> lk(e.mu);
   e.cv.wait(lk, [&] { return e.shutdown || s->completed >= seq; });
 }
 
 CUresult stream_create(int device, unsigned flags, CUstream* out) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   if (e.shutdown) return CUDA_ERROR_DEINITIALIZED;
   reap_locked(e);
@@ -257,7 +257,7 @@ CUresult stream_create(int device, unsigned flags, CUstream* out) {
 }
 
 CUresult stream_destroy(CUstream h) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   auto v = reinterpret_cast<uint64_t>(h);
   if ((v & ~kIdMask) != kStreamTag) return CUDA_ERROR_INVALID_HANDLE;
@@ -281,7 +281,7 @@ CUresult stream_destroy(CUstream h) {
 }
 
 CUresult stream_synchronize(const std::shared_ptr<Stream>& s) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::unique_lock<std::mutex> lk(e.mu);
   CUresult r = capture_check_locked(e, s);
   if (r != CUDA_SUCCESS) return r;
@@ -292,7 +292,7 @@ CUresult stream_synchronize(const std::shared_ptr<Stream>& s) {
 }
 
 CUresult stream_query(const std::shared_ptr<Stream>& s) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   CUresult r = capture_check_locked(e, s);
   if (r != CUDA_SUCCESS) return r;
@@ -301,7 +301,7 @@ CUresult stream_query(const std::shared_ptr<Stream>& s) {
 }
 
 CUresult stream_wait_event(const std::shared_ptr<Stream>& s, CUevent h, unsigned flags) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   auto ev = find_event_locked(e, h);
   if (!ev) return CUDA_ERROR_INVALID_HANDLE;
@@ -331,7 +331,7 @@ CUresult stream_wait_event(const std::shared_ptr<Stream>& s, CUevent h, unsigned
 }
 
 CUresult device_synchronize(int device) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::unique_lock<std::mutex> lk(e.mu);
   std::vector<Dep> targets;
   for (const auto& [id, s] : e.streams)
@@ -345,26 +345,26 @@ CUresult device_synchronize(int device) {
 }
 
 CUresult sticky_error(int device) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   return e.sticky[device];
 }
 
 void context_destroyed(int device) {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   e.sticky[device] = CUDA_SUCCESS;
 }
 
-void live_engine(uint64_t* streams, uint64_t* events) {
-  Engine& e = eng();
+void live_streams_and_events(uint64_t* streams, uint64_t* events) {
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   *streams = e.streams.size();
   *events = e.events.size();
 }
 
-void engine_reset() {
-  Engine& e = eng();
+void executor_reset() {
+  StreamExecutor& e = executor();
   std::vector<std::pair<std::shared_ptr<Stream>, std::unique_ptr<std::thread>>> workers;
   {
     std::lock_guard<std::mutex> lk(e.mu);
@@ -383,22 +383,22 @@ void engine_reset() {
   e.last_fault.clear();
 }
 
-bool engine_shut_down() { return eng().shutdown.load(std::memory_order_acquire); }
+bool executor_shut_down() { return executor().shutdown.load(std::memory_order_acquire); }
 
-bool engine_forked() {
-  Engine& e = eng();
+bool executor_forked() {
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   return e.forked;
 }
 
 uint64_t async_fault_count() {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   return e.async_faults;
 }
 
 std::string last_async_fault() {
-  Engine& e = eng();
+  StreamExecutor& e = executor();
   std::lock_guard<std::mutex> lk(e.mu);
   return e.last_fault;
 }
