@@ -32,7 +32,8 @@ import threading
 import warnings
 from typing import Any, Dict, Optional
 
-from cxlalloc import _C, _runtime
+from cxlalloc import _C
+from cxlalloc.engine import configure, device_options, new_engine
 from cxlalloc.config import Config, format_bytes, make_config, resolve_fraction
 
 MODES = ("global", "global-pluggable", "scoped")
@@ -110,13 +111,13 @@ def _device_config(cfg: Config, device: int) -> Config:
 
 
 def _configure_engine(cfg: Config, devices) -> tuple:
-    engine = _runtime.new_engine(cfg)
+    engine = new_engine(cfg)
     resolved = {}
     for d in devices:
         dcfg = _device_config(cfg, d)
-        opts = _runtime.device_options(engine, d, dcfg, default_headroom=0.05)
+        opts = device_options(engine, d, dcfg, default_headroom=0.05)
         resolved[d] = dict(opts)
-        _runtime.configure(engine, d, opts)
+        configure(engine, d, opts)
     return engine, resolved
 
 

@@ -19,6 +19,8 @@ import os
 import sys
 from typing import Dict, List, Optional
 
+from cxlalloc.engine import choose_node, new_engine
+
 # CUDA driver attributes shown by `info` (values from cuda.h): the ones that
 # decide which host-tier backends can work and how fast.
 GPU_ATTRIBUTES = {
@@ -77,14 +79,12 @@ def _torch_section() -> dict:
 
 
 def _device_section(engine, d: int, simulate: bool) -> dict:
-    from cxlalloc import _runtime
-
     free_b, total_b = engine.mem_info(d)
     attrs = {name: engine.attribute(d, code, -1) for name, code in GPU_ATTRIBUTES.items()}
     dev = {"index": d, "name": engine.device_name(d), "total_bytes": int(total_b), "free_bytes": int(free_b),
            "attributes": attrs, "host_numa_id": attrs["host_numa_id"]}
     try:
-        choice = _runtime.choose_node(engine, d, "auto")
+        choice = choose_node(engine, d, "auto")
         dev["auto_node"] = {"node": int(choice["node"]), "reason": choice["reason"]}
     except Exception as e:
         dev["auto_node"] = {"node": None, "reason": f"cannot choose: {e}"}
@@ -113,14 +113,14 @@ def gather_info(simulate: bool = False, libcuda: str = "libcuda.so.1") -> dict:
     pick without a GPU).  Never raises for a missing GPU: that is ``gpu.reason``.
     """
     import cxlalloc
-    from cxlalloc import _C, _runtime
+    from cxlalloc import _C
     from cxlalloc.config import make_config
 
     out = {"cxlalloc": {"version": cxlalloc.__version__, "library": os.path.abspath(_C.__file__)},
            "torch": _torch_section()}
     gpu: Dict[str, object] = {"available": False, "simulated": bool(simulate), "devices": []}
     try:
-        engine = _runtime.new_engine(make_config(simulate=simulate, libcuda=libcuda))
+        engine = new_engine(make_config(simulate=simulate, libcuda=libcuda))
     except Exception as e:
         gpu["reason"] = str(e)
         engine = None

@@ -58,14 +58,14 @@ def fresh_sim(sim, request):
     """A simulated GPU with no faults armed; after a passing test, asserts
     that the test left no simulated driver resource behind (compared with
     what was live before it: a failed earlier test may still hold some)."""
-    import cxlalloc._runtime as rt
+    from cxlalloc import engine
 
     gc.collect()
     sim.clear_faults()
     before = sim.live()
     if _live_total(before) == 0:
         sim.configure("vram=1GiB")
-        rt._sim_vram = 1 << 30
+        engine._sim_vram = 1 << 30
     yield sim
     sim.clear_faults()
     gc.collect()

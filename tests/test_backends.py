@@ -7,7 +7,7 @@ import gc
 import pytest
 
 import cxlalloc
-import cxlalloc._runtime as rt
+from cxlalloc import engine
 
 MiB = 1 << 20
 
@@ -18,7 +18,7 @@ def machine(fresh_sim):
     def configure(spec):
         gc.collect()
         fresh_sim.configure(spec)
-        rt._sim_vram = 1 << 30
+        engine._sim_vram = 1 << 30
     yield configure
     gc.collect()
     if sum(fresh_sim.live().values()) == 0:

@@ -160,13 +160,14 @@ def test_adapter_builds_links_and_installs_with_cuda_torch(tmp_path):
 
 STATS_ON_SIM = r"""
 import ctypes, torch
-from cxlalloc import _C, _runtime, _torch_build
+from cxlalloc import _C, _torch_build
+from cxlalloc.engine import configure, device_options, new_engine
 from cxlalloc.config import make_config
 MiB = 1 << 20
-engine = _runtime.new_engine(make_config(simulate=True))
-opts = _runtime.device_options(engine, 0, make_config(simulate=True, device_limit=64 * MiB, host_limit=256 * MiB,
+engine = new_engine(make_config(simulate=True))
+opts = device_options(engine, 0, make_config(simulate=True, device_limit=64 * MiB, host_limit=256 * MiB,
                                                       device_headroom=0))
-_runtime.configure(engine, 0, opts)
+configure(engine, 0, opts)
 _C.set_current_engine(engine)
 m = _torch_build.load()
 m.install(_C.__file__)

@@ -18,7 +18,8 @@ import gc
 import pytest
 
 import cxlalloc
-from cxlalloc import _C, _runtime, _torch_mode
+from cxlalloc import _C, _torch_mode
+from cxlalloc.engine import configure, device_options, new_engine
 from cxlalloc.config import make_config
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -157,10 +158,10 @@ def _capi():
 def process_engine(fresh_sim):
     """A simulated engine installed as the process engine (what enable() does),
     device 0: 64 MiB device tier, 256 MiB host tier."""
-    engine = _runtime.new_engine(make_config(simulate=True))
-    opts = _runtime.device_options(engine, 0, make_config(simulate=True, device_limit=64 * MiB, host_limit=256 * MiB,
+    engine = new_engine(make_config(simulate=True))
+    opts = device_options(engine, 0, make_config(simulate=True, device_limit=64 * MiB, host_limit=256 * MiB,
                                                           device_headroom=0))
-    _runtime.configure(engine, 0, opts)
+    configure(engine, 0, opts)
     _C.set_current_engine(engine)
     box = [engine, opts]  # cleared below: pytest keeps the fixture value past teardown
     del engine

@@ -1,5 +1,7 @@
-"""Build engines from a Config: driver choice, simulation set-up, per-device
-defaults and host NUMA node choice.  Shared by Allocator, enable() and hf.
+"""Building and configuring engines (``cxlalloc._C.Engine``) from a Config:
+driver choice, simulation set-up, per-device defaults and host NUMA node
+choice.  Shared by :class:`cxlalloc.Allocator`, :func:`cxlalloc.enable`
+(:mod:`cxlalloc.pytorch`), ``cxlalloc info`` and :mod:`cxlalloc.hf`.
 """
 
 from __future__ import annotations
@@ -7,7 +9,8 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
-from cxlalloc import _C
+from cxlalloc import _C, topology
+from cxlalloc import _sim as simulator
 from cxlalloc.config import Config, format_bytes, resolve_fraction
 
 # Defaults (bytes).  The CUDA context, cuBLAS/cuDNN handles and kernels of a
@@ -24,16 +27,10 @@ _sim_lock = threading.Lock()
 _sim_vram: Optional[int] = None  # VRAM the simulator was configured with by us
 
 
-def _sim():
-    from cxlalloc import _sim as sim_mod
-
-    return sim_mod
-
-
 def driver_path(cfg: Config) -> str:
     """Path of the driver library to load: the simulator or libcuda."""
     if cfg.simulate:
-        return _sim().library_path()
+        return simulator.library_path()
     return cfg.libcuda
 
 
@@ -65,7 +62,7 @@ def ensure_sim(cfg: Config) -> None:
             vram = cfg.sim_vram
             why = f"sim_vram={format_bytes(vram)}"
         try:
-            _sim().Sim().configure(f"vram={vram}")
+            simulator.Sim().configure(f"vram={vram}")
         except ValueError as e:
             now = format_bytes(_sim_vram) if _sim_vram is not None else "its default"
             raise ValueError(
@@ -96,8 +93,6 @@ def choose_node(engine: "_C.Engine", device: int, requested) -> dict:
     Raises:
         ValueError: an explicit node that does not exist or has no memory.
     """
-    from cxlalloc import topology
-
     near = engine.attribute(device, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, -1)
     return topology.choose_host_node(None, near, requested)
 
@@ -142,8 +137,6 @@ def device_options(engine: "_C.Engine", device: int, cfg: Config, default_headro
 
 
 def _node_free_bytes(node: int) -> int:
-    from cxlalloc import topology
-
     topo = topology.read_topology()
     for n in topo["nodes"]:
         if n["id"] == node:
