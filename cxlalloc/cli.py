@@ -20,6 +20,7 @@ import sys
 from typing import Dict, List, Optional
 
 from cxlalloc.engine import choose_node, new_engine
+from cxlalloc.pytorch import adapter_build
 
 # CUDA driver attributes shown by `info` (values from cuda.h): the ones that
 # decide which host-tier backends can work and how fast.
@@ -68,11 +69,9 @@ def _torch_section() -> dict:
     out = {"installed": True, "version": torch.__version__, "cuda": getattr(torch.version, "cuda", None),
            "git_version": getattr(torch.version, "git_version", None)}
     try:
-        from cxlalloc import _torch_build
-
-        _torch_build.check_buildable(torch)
-        out["adapter"] = {"buildable": True, "cache": os.path.join(_torch_build.cache_root(), "torch-adapter",
-                                                                    _torch_build.build_tag(torch))}
+        adapter_build.check_buildable(torch)
+        out["adapter"] = {"buildable": True, "cache": os.path.join(adapter_build.cache_root(), "torch-adapter",
+                                                                    adapter_build.build_tag(torch))}
     except Exception as e:
         out["adapter"] = {"buildable": False, "reason": str(e)}
     return out
@@ -217,7 +216,7 @@ def _inherited_error_already_shown() -> bool:
         make_config(**(parse_env(os.environ.get("CXLALLOC", "")) or {}))
         return False
     except ValueError:
-        startup = sys.modules.get("cxlalloc._startup")
+        startup = sys.modules.get("cxlalloc.pytorch.startup")
         return getattr(startup, "reported_error", None) is not None
 
 

@@ -1,4 +1,4 @@
-"""The CXLALLOC start-up hook (cxlalloc-startup.pth + cxlalloc._startup),
+"""The CXLALLOC start-up hook (cxlalloc-startup.pth + cxlalloc.pytorch.startup),
 exercised in fresh interpreters: silent and import-free without the
 variable, one line on stderr for every problem, the program always runs.
 
@@ -48,7 +48,7 @@ def test_without_variable_nothing_is_imported():
 
 
 def test_variable_set_but_torch_never_imported_is_silent():
-    r = run_py(["-c", "import sys; print('torch' in sys.modules, 'cxlalloc._startup' in sys.modules)"],
+    r = run_py(["-c", "import sys; print('torch' in sys.modules, 'cxlalloc.pytorch.startup' in sys.modules)"],
                {"CXLALLOC": "1"})
     assert r.returncode == 0
     assert r.stdout.strip() == "False True"

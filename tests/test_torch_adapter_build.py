@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cxlalloc import _torch_build
+from cxlalloc.pytorch import adapter_build
 
 SHIM = "#define C10_CUDA_BUILD_SHARED_LIBS\n"  # what CUDA wheels of torch 2.11/2.14 ship in that header
 
@@ -49,17 +49,17 @@ def _compile_all(tmp_path, torch_include_dirs=None, include_root=None):
         (shim / "c10" / "cuda" / "impl").mkdir(parents=True)
         (shim / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text(SHIM)
         extra.append(str(shim))
-    extra += _torch_build.cuda_include_dirs()  # fails (does not skip) without CUDA headers
+    extra += adapter_build.cuda_include_dirs()  # fails (does not skip) without CUDA headers
 
     def build(src):
         obj = tmp_path / (os.path.basename(src) + ".o")
-        cmd = _torch_build.compile_command(src, extra, syntax_only=False, output=str(obj),
+        cmd = adapter_build.compile_command(src, extra, syntax_only=False, output=str(obj),
                                            torch_include_dirs=torch_include_dirs)
         r = subprocess.run(cmd, capture_output=True, text=True)
         return src, r.returncode, r.stderr, obj
 
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        results = list(pool.map(build, _torch_build.sources()))
+        results = list(pool.map(build, adapter_build.sources()))
     failures = [f"{os.path.basename(s)}:\n{err[-3000:]}" for s, rc, err, _ in results if rc != 0]
     assert not failures, "adapter does not compile:\n" + "\n".join(failures)
     for _, _, _, obj in results:
@@ -68,10 +68,10 @@ def _compile_all(tmp_path, torch_include_dirs=None, include_root=None):
 
 
 def test_adapter_sources_are_found():
-    names = [os.path.basename(s) for s in _torch_build.sources()]
+    names = [os.path.basename(s) for s in adapter_build.sources()]
     assert names == ["allocator_alloc.cpp", "allocator_misc.cpp", "allocator_pools.cpp", "allocator_snapshot.cpp",
                      "allocator_stats.cpp", "capi_table.cpp", "history.cpp", "module.cpp"]
-    assert _torch_build.source_root().endswith("csrc")
+    assert adapter_build.source_root().endswith("csrc")
 
 
 def test_adapter_compiles_against_installed_torch(tmp_path):
@@ -89,12 +89,12 @@ def test_adapter_compiles_against_other_torch_trees(tmp_path, tree):
 def test_build_tag_and_cache_dir(monkeypatch, tmp_path):
     import torch
 
-    tag = _torch_build.build_tag(torch)
+    tag = adapter_build.build_tag(torch)
     version = torch.__version__.replace("+", "_")
     git = (torch.version.git_version or "nogit")[:12]
     assert tag.startswith(f"torch-{version}-{git}-") and len(tag.rsplit("-", 1)[1]) == 12
     monkeypatch.setenv("CXLALLOC_CACHE_DIR", str(tmp_path))
-    assert _torch_build.cache_root() == str(tmp_path)
+    assert adapter_build.cache_root() == str(tmp_path)
 
 
 def test_cuda_headers_from_cuda_home_or_pip(monkeypatch, tmp_path):
@@ -103,7 +103,7 @@ def test_cuda_headers_from_cuda_home_or_pip(monkeypatch, tmp_path):
     (home / "include" / "cuda_runtime_api.h").write_text("")
     (home / "include" / "crt" / "host_defines.h").write_text("")
     monkeypatch.setenv("CUDA_HOME", str(home))
-    assert _torch_build.cuda_include_dirs(13) == [str(home / "include")]
+    assert adapter_build.cuda_include_dirs(13) == [str(home / "include")]
     # a toolkit without crt/ (pip's nvidia-cuda-runtime alone) is not enough
     (home / "include" / "crt" / "host_defines.h").unlink()
     monkeypatch.setenv("CUDA_PATH", str(home))
@@ -113,10 +113,10 @@ def test_cuda_headers_from_cuda_home_or_pip(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nvidia" else
                         real_find_spec(name, *a))
     if os.path.isfile("/usr/local/cuda/include/crt/host_defines.h"):
-        assert _torch_build.cuda_include_dirs(13) == ["/usr/local/cuda/include"]
+        assert adapter_build.cuda_include_dirs(13) == ["/usr/local/cuda/include"]
     else:
-        with pytest.raises(_torch_build.AdapterBuildError, match="crt/host_defines.h"):
-            _torch_build.cuda_include_dirs(13)
+        with pytest.raises(adapter_build.AdapterBuildError, match="crt/host_defines.h"):
+            adapter_build.cuda_include_dirs(13)
 
 
 def test_cpu_torch_is_not_buildable_with_a_clear_reason():
@@ -124,16 +124,17 @@ def test_cpu_torch_is_not_buildable_with_a_clear_reason():
 
     if torch.version.cuda is not None:
         pytest.skip("torch is a CUDA build")
-    with pytest.raises(_torch_build.AdapterBuildError) as e:
-        _torch_build.check_buildable(torch)
+    with pytest.raises(adapter_build.AdapterBuildError) as e:
+        adapter_build.check_buildable(torch)
     assert str(e.value) == (f"cxlalloc torch adapter: torch {torch.__version__} is a CPU-only build "
                             "(torch.version.cuda is None)")
 
 
 INSTALL_CHECK = r"""
 import torch, cxlalloc
-from cxlalloc import _torch_build, _C
-m = _torch_build.load()
+from cxlalloc import _C
+from cxlalloc.pytorch import adapter_build
+m = adapter_build.load()
 assert m.torch_version == torch.__version__.split("+")[0], (m.torch_version, torch.__version__)
 assert m.current_allocator() == ("native", False), m.current_allocator()
 assert not torch.cuda.is_initialized()
@@ -160,7 +161,8 @@ def test_adapter_builds_links_and_installs_with_cuda_torch(tmp_path):
 
 STATS_ON_SIM = r"""
 import ctypes, torch
-from cxlalloc import _C, _torch_build
+from cxlalloc import _C
+from cxlalloc.pytorch import adapter_build
 from cxlalloc.engine import configure, device_options, new_engine
 from cxlalloc.config import make_config
 MiB = 1 << 20
@@ -169,7 +171,7 @@ opts = device_options(engine, 0, make_config(simulate=True, device_limit=64 * Mi
                                                       device_headroom=0))
 configure(engine, 0, opts)
 _C.set_current_engine(engine)
-m = _torch_build.load()
+m = adapter_build.load()
 m.install(_C.__file__)
 lib = ctypes.CDLL(_C.__file__)
 lib.cxlalloc_malloc.restype = ctypes.c_void_p

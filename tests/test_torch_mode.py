@@ -18,7 +18,8 @@ import gc
 import pytest
 
 import cxlalloc
-from cxlalloc import _C, _torch_mode
+from cxlalloc import _C
+from cxlalloc.pytorch import state
 from cxlalloc.engine import configure, device_options, new_engine
 from cxlalloc.config import make_config
 
@@ -293,10 +294,9 @@ def fake_global_state(process_engine):
     box = [engine, adapter]
     del engine
     cfg = make_config(device_limit=64 * MiB, host_limit=256 * MiB)
-    _torch_mode._state = _torch_mode._State("global", _torch_mode._settings(cfg), "test", cfg, box[0], {0: opts},
-                                            adapter=adapter)
+    state.current = state.State("global", state.settings(cfg), "test", cfg, box[0], {0: opts}, adapter=adapter)
     yield box
-    _torch_mode._state = None
+    state.current = None
     box.clear()
 
 

@@ -23,6 +23,10 @@ from __future__ import annotations
 import importlib.abc
 import os
 import sys
+import warnings
+
+from cxlalloc.config import make_config, parse_env
+from cxlalloc.pytorch.modes import enable_from
 
 _done = False
 # The error line already printed for a bad CXLALLOC (the CLI's `run` then
@@ -51,13 +55,9 @@ def _enable_now(options: dict) -> None:
         _line("warning", _SIMULATE_NOTE)
         return
     try:
-        import warnings
-
-        from cxlalloc import _torch_mode
-
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _torch_mode._enable(options, source="the CXLALLOC environment variable")
+            enable_from(options, source="the CXLALLOC environment variable")
         for w in caught:  # scoped mode / fallback notice: one line each
             _line("warning", w.message)
     except Exception as e:
@@ -103,8 +103,6 @@ class _TorchImportHook(importlib.abc.MetaPathFinder):
 def _main() -> None:
     text = os.environ.get("CXLALLOC", "")
     try:
-        from cxlalloc.config import make_config, parse_env
-
         options = parse_env(text)
         if options is None:
             return

@@ -54,8 +54,8 @@ def source_root() -> str:
     A source checkout (editable install) uses the repository's ``csrc``; an
     installed package uses the copy setup.py puts in ``cxlalloc/_adapter_src``.
     """
-    here = os.path.dirname(os.path.abspath(__file__))
-    for root in (os.path.join(os.path.dirname(here), "csrc"), os.path.join(here, "_adapter_src")):
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # cxlalloc/
+    for root in (os.path.join(os.path.dirname(package), "csrc"), os.path.join(package, "_adapter_src")):
         if os.path.isfile(os.path.join(root, "torch", "allocator.h")) and os.path.isfile(
                 os.path.join(root, "capi", "c_api.h")):
             return root
