@@ -24,7 +24,7 @@ budget, with identical tokens.
 
 from cxlalloc.hf.cache import CxlCache, CxlKVLayer  # noqa: F401
 from cxlalloc.hf.compat import cache_kwarg, returned_cache  # noqa: F401
-from cxlalloc.hf.store import KVCounters  # noqa: F401
+from cxlalloc.hf.storage import KVCounters  # noqa: F401
 from cxlalloc.hf.wrap import (UnwrappedCopyWarning, allocator, generate, is_wrapped, kv_cache, stats,  # noqa: F401
                               unwrap, wrap)
 

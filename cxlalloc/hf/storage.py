@@ -2,7 +2,7 @@
 
 Layout
 ------
-A :class:`KVStore` holds ``n_slots`` cache layers ("slots") that share a batch size,
+A :class:`KVStorage` holds ``n_slots`` cache layers ("slots") that share a batch size,
 head count, head dims, dtype and device.  Its extent is a 2-D array of elements of
 ``dtype``::
 
@@ -120,7 +120,7 @@ class Geometry:
         return self.batch * self.heads * (self.k_dim + self.v_dim)
 
 
-class KVStore:
+class KVStorage:
     """KV storage of ``n_slots`` layers in one cxlalloc extent (class ``kv``).
 
     Args:
@@ -270,13 +270,13 @@ class KVStore:
         self.counters.reorder_rows += int(dst.numel())
 
     def rebuilt(self, batch: int, transform: Callable[[torch.Tensor], torch.Tensor],
-                slots: Optional[List[int]] = None) -> "KVStore":
+                slots: Optional[List[int]] = None) -> "KVStorage":
         """A new store with batch ``batch`` holding ``transform(view)`` of each
         slot's live tokens (repeat_interleave / select on dim 0); same capacity.
         ``slots``: the slots to carry (default all, same slot numbers)."""
         self.apply_pending()
         slots = list(range(self.n_slots)) if slots is None else slots
-        new = KVStore(self.allocator, dataclasses.replace(self.g, batch=int(batch)), len(slots),
+        new = KVStorage(self.allocator, dataclasses.replace(self.g, batch=int(batch)), len(slots),
                       self.capacity_tokens, self.counters)
         n = self.live_tokens
         if n:
@@ -288,11 +288,11 @@ class KVStore:
             self.counters.add_existing(n * new.row_bytes)
         return new
 
-    def clone(self, counters: KVCounters) -> "KVStore":
+    def clone(self, counters: KVCounters) -> "KVStorage":
         """A copy through the same allocator: same capacity (address space only),
         the live rows copied (one contiguous copy)."""
         self.apply_pending()
-        new = KVStore(self.allocator, self.g, self.n_slots, self.capacity_tokens, counters)
+        new = KVStorage(self.allocator, self.g, self.n_slots, self.capacity_tokens, counters)
         n = self.live_tokens
         if n:
             new.ensure(n)
