@@ -136,8 +136,9 @@ setup(
     version="0.1.0",
     description="Tiered PyTorch CUDA allocator: VRAM first, then host/CXL NUMA memory, KV-cache aware",
     license="Apache-2.0",
-    packages=["cxlalloc", "cxlalloc.pytorch", "cxlalloc.hf", "cxlalloc.bench"],
-    package_data={"cxlalloc": ["py.typed"]},
+    packages=["cxlalloc", "cxlalloc.pytorch", "cxlalloc.hf", "cxlalloc.demo", "cxlalloc.bench"],
+    # the main job's default document (cxlalloc/demo/app.py: DEFAULT_DOCUMENT)
+    package_data={"cxlalloc": ["py.typed"], "cxlalloc.demo": ["data/*.txt"]},
     ext_modules=[core] + ([sim] if sim.sources else []),
     cmdclass={"build_py": BuildPyWithStartupHook},
     python_requires=">=3.10",

@@ -4,7 +4,7 @@
                                              the node "auto" picks and why, backends
     cxlalloc run [options] -- CMD ...        run CMD with CXLALLOC set from the options
     cxlalloc bench ...                       benchmarks (cxlalloc.bench.cli)
-    cxlalloc demo ...                        HuggingFace demo (cxlalloc.hf.demo)
+    cxlalloc demo ...                        the main job: HuggingFace generate() past VRAM (cxlalloc.demo)
 
 Exit codes: 0 success; 2 bad usage or options; ``run`` returns CMD's own code
 (127 if CMD cannot be started).
@@ -292,7 +292,7 @@ def cmd_run(args) -> int:
 
 # ----------------------------------------------------------------- bench / demo
 # Subcommands implemented elsewhere, imported only when used.
-DELEGATES = {"bench": ("cxlalloc.bench.cli", "benchmarks"), "demo": ("cxlalloc.hf.demo", "HuggingFace generate() demo")}
+DELEGATES = {"bench": ("cxlalloc.bench.cli", "benchmarks"), "demo": ("cxlalloc.demo", "HuggingFace generate() demo")}
 
 
 def _delegate(module: str, what: str, argv: List[str]) -> int:

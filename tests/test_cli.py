@@ -121,7 +121,7 @@ def test_run_with_a_malformed_inherited_variable_says_why_once():
     assert r.stderr.splitlines()[-1].startswith("cxlalloc run: "), r.stderr
 
 
-@pytest.mark.parametrize("sub,module", [("bench", "cxlalloc.bench.cli"), ("demo", "cxlalloc.hf.demo")])
+@pytest.mark.parametrize("sub,module", [("bench", "cxlalloc.bench.cli"), ("demo", "cxlalloc.demo")])
 def test_bench_and_demo_are_registered(sub, module):
     import importlib.util
 

@@ -50,14 +50,14 @@ def chat(tok, questions):
 
 
 def document_prompt(tok, chars=2500):
-    from cxlalloc.hf.demo import DEFAULT_DOCUMENT
+    from cxlalloc.demo.app import DEFAULT_DOCUMENT
 
     doc = DEFAULT_DOCUMENT.read_text()[:chars]
     return chat(tok, [f"{doc}\n\nQuestion: Where does Station Sill North stand, and when was it installed?"])
 
 
 def test_smollm2_greedy_identical_while_kv_spills(fresh_sim, smollm2):
-    from cxlalloc.hf.demo import weight_footprint
+    from cxlalloc.demo.app import weight_footprint
 
     model, tok = smollm2
     inp = document_prompt(tok)

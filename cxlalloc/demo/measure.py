@@ -1,14 +1,15 @@
-"""Measurements for the demo and benchmarks: generate() timing through a streamer
-(TTFT, prefill/decode tokens/s, TPOT) with a tqdm progress bar, and the bytes
-transformers' own ``DynamicLayer`` copies per step (its ``torch.cat``)."""
+"""Measurements for the demo: generate() timing through a streamer (TTFT,
+prefill/decode tokens/s, TPOT) with a tqdm progress bar, and the bytes
+transformers' own ``DynamicLayer`` copies per step (its ``torch.cat``).
+
+torch, transformers and tqdm are imported where they are used (the demo
+checks its arguments before those imports)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from typing import List, Optional
-
-import torch
 
 
 class Timer:
@@ -103,6 +104,8 @@ def count_dynamic_cache_copies(n_layers: int):
 
 def cache_bytes(cache) -> int:
     """Bytes of the K/V tensors a transformers cache holds now."""
+    import torch
+
     total = 0
     for layer in getattr(cache, "layers", []):
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):

