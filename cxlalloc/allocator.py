@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from cxlalloc import _C
 from cxlalloc.engine import configure, device_options, new_engine
-from cxlalloc.config import TAGS, make_config
+from cxlalloc.config import TAGS, make_config, parse_size
 
 _DL_CPU = 1   # DLPack kDLCPU
 _DL_CUDA = 2  # DLPack kDLCUDA
@@ -241,8 +241,6 @@ class Allocator:
         """Reserve a growable buffer of ``capacity`` bytes at a fixed address
         (see :class:`Extent`).  Nothing is committed until :meth:`Extent.grow`
         (with a remappable backend; ``pinned`` commits it whole now)."""
-        from cxlalloc.config import parse_size
-
         return Extent(self, self._dev.extent(parse_size(capacity, "capacity"), _check_tag(tag)))
 
     # ------------------------------------------------------------ introspection

@@ -19,6 +19,9 @@ import os
 import sys
 from typing import Dict, List, Optional
 
+import cxlalloc
+from cxlalloc import _C, topology
+from cxlalloc.config import format_bytes, make_config, parse_env
 from cxlalloc.engine import choose_node, new_engine
 from cxlalloc.pytorch import adapter_build
 
@@ -52,8 +55,6 @@ RUN_FLAGS = ("device_limit", "host_limit", "numa_node", "backend", "kv_device_li
 # ----------------------------------------------------------------- info
 def _topology_section(gpu_near_node: int = -1) -> dict:
     try:
-        from cxlalloc import topology
-
         topo = topology.read_topology()
         choice = topology.choose_host_node(topo, gpu_near_node, "auto")
         return {"available": True, "topology": topo, "auto_node": choice}
@@ -111,10 +112,6 @@ def gather_info(simulate: bool = False, libcuda: str = "libcuda.so.1") -> dict:
     with CPU-less / CXL marking, tiers, warnings, and the node ``auto`` would
     pick without a GPU).  Never raises for a missing GPU: that is ``gpu.reason``.
     """
-    import cxlalloc
-    from cxlalloc import _C
-    from cxlalloc.config import make_config
-
     out = {"cxlalloc": {"version": cxlalloc.__version__, "library": os.path.abspath(_C.__file__)},
            "torch": _torch_section()}
     gpu: Dict[str, object] = {"available": False, "simulated": bool(simulate), "devices": []}
@@ -139,8 +136,6 @@ def gather_info(simulate: bool = False, libcuda: str = "libcuda.so.1") -> dict:
 
 
 def _fmt_bytes(n) -> str:
-    from cxlalloc.config import format_bytes
-
     return format_bytes(n)
 
 
@@ -178,8 +173,6 @@ def format_info(info: dict, use_rich: Optional[bool] = None) -> str:
                     lines.append(f"  {label}: {state}" + (f" ({b['reason']})" if b["reason"] else ""))
     lines.append("")
     if numa["available"]:
-        from cxlalloc import topology
-
         near = gpu["devices"][0]["host_numa_id"] if gpu["devices"] else -1
         lines.append(topology.format_topology(numa["topology"], gpu_near_node=near, use_rich=use_rich))
         if numa["auto_node"]:
@@ -210,8 +203,6 @@ def _startup_hook_installed() -> bool:
 def _inherited_error_already_shown() -> bool:
     """True when the inherited CXLALLOC is itself invalid and the start-up
     hook of this very interpreter has already printed why."""
-    from cxlalloc.config import make_config, parse_env
-
     try:
         make_config(**(parse_env(os.environ.get("CXLALLOC", "")) or {}))
         return False
@@ -227,8 +218,6 @@ def build_env_value(args) -> str:
     Raises:
         ValueError: a bad key or value (named, as cxlalloc.config words it).
     """
-    from cxlalloc.config import make_config, parse_env
-
     # The inherited CXLALLOC is the base; this command line overrides it.
     # Within the command line one key may be given once: `--device-limit 2GiB
     # --option device_limit=1GiB` is a conflict, not a silent choice.

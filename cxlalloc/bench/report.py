@@ -29,6 +29,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from cxlalloc.bench.meta import BENCHMARKS, load_records
+from cxlalloc.bench.model import SHAPES, ceiling_tokens_per_s
 
 START = "<!-- bench:start -->"
 END = "<!-- bench:end -->"
@@ -252,8 +253,6 @@ def _point_name(m, c, b) -> str:
 
 
 def plot_decode(rec: Dict[str, Any], out_dir: str) -> List[str]:
-    from cxlalloc.bench.model import SHAPES, ceiling_tokens_per_s
-
     plt = _plt()
     rows = [r for r in rec["results"] if r.get("variant")]
     points = sorted({(r["model"], r["context"], r["batch"]) for r in rows})
