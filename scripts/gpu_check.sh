@@ -35,7 +35,7 @@
 # settings.  Safe to run twice (it starts from a clean work folder).
 #
 # ----------------------------------------------------------------------------
-# How to run it on the device machine (the `run` tool; see bench/README.md):
+# How to run it on the device machine (the `run` tool; see benchmarks/README.md):
 #
 #   run(command="CXLALLOC_GIT_COMMIT=<output of git rev-parse HEAD here> bash scripts/gpu_check.sh",
 #       timeout_s=540)
@@ -50,9 +50,9 @@
 #   and add  carry=[".whl"]  to the call: the "wheels" step installs every .whl/*.whl
 #   into /tmp/site (pip --no-index --no-deps --target) and puts it on PYTHONPATH.
 #
-# Then, here: unpack and publish (bench/README.md, "How to run on the device"):
+# Then, here: unpack and publish (benchmarks/README.md, "How to run on the device"):
 #   python -m cxlalloc.bench.report --import <files_at>/results.tar.gz \
-#       --results bench/results --plots bench/results/plots --readme README.md
+#       --results benchmarks/results --plots benchmarks/results/plots --readme README.md
 # ----------------------------------------------------------------------------
 set -u
 

@@ -29,7 +29,7 @@ def _torch_cuda():
 def pytest_collection_modifyitems(config, items):
     if _torch_cuda():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (not yet run on a GPU unless bench/results/ says so)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (not yet run on a GPU unless benchmarks/results/ says so)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -8,7 +8,7 @@ cuDNN, math) and transformers' eager attention, with the KV cache's oldest chunk
 the host tier (read by the kernels over the link through cxlalloc's mappings).
 
 ``CXLALLOC_GPU_RESULTS=DIR`` appends one JSON line per check to
-``DIR/hf_gpu.jsonl`` (copied to bench/results/ after a GPU run).
+``DIR/hf_gpu.jsonl`` (copied to benchmarks/results/ after a GPU run).
 ``CXLALLOC_HF_GPU_DRYRUN=1`` runs the same checks on the CPU simulator (math
 backend and eager only): a check of the tests' own logic, not of a GPU.
 """
@@ -80,7 +80,7 @@ def sync():
 def deterministic_sdpa():
     """Keep SDPA off cuDNN attention, torch 2.11's default on the H200, which is not
     deterministic run to run (measured: two plain-transformers runs of the same
-    greedy generate() differ; scripts/gpu_sdpa_diag.py, bench/results/): an
+    greedy generate() differ; scripts/gpu_sdpa_diag.py, benchmarks/results/): an
     identical-token oracle needs a kernel that is."""
     if DRY:
         yield

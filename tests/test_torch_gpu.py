@@ -1,6 +1,6 @@
 """cxlalloc inside PyTorch on a real GPU (marked `gpu`: skipped without CUDA).
 
-NOT YET RUN ON A GPU unless bench/results/ says otherwise.  Written to be run
+NOT YET RUN ON A GPU unless benchmarks/results/ says otherwise.  Written to be run
 by scripts/gpu_check.sh on an H200 with torch 2.11: a small GPU is emulated
 with `device_limit` (a few hundred MiB), and no test asks for more than a few
 GiB of memory in total (far below half of the card's free memory).

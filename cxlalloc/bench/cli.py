@@ -76,11 +76,11 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cxlalloc bench",
                                 description="Run cxlalloc's benchmarks; each writes one JSON record into --out.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="See bench/README.md for what each benchmark measures and the ceiling model.")
+                                epilog="See benchmarks/README.md for what each benchmark measures and the ceiling model.")
     p.add_argument("--simulate", action="store_true",
                    help="CPU only: run the CPU-able parts on cxlalloc's simulated driver (labelled as simulation)")
-    p.add_argument("--out", default=os.path.join("bench", "out"), help="output folder for the JSON records "
-                   "(default bench/out)")
+    p.add_argument("--out", default=os.path.join("benchmarks", "out"), help="output folder for the JSON records "
+                   "(default benchmarks/out)")
     p.add_argument("--only", type=_csv(str), default=None, metavar="NAMES",
                    help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
     p.add_argument("--quick", action="store_true", help="the small grid of scripts/gpu_check.sh")
