@@ -6,7 +6,7 @@ import contextlib
 import gc
 
 import pytest
-from hf_util import SMOLLM2_GGUF, MiB, assert_same, gen, smollm2_dir, torch
+from tests.helpers.hf_util import SMOLLM2_GGUF, MiB, assert_same, gen, smollm2_dir, torch
 
 import cxlalloc.hf as hf
 from cxlalloc.hf import cache_kwarg, returned_cache

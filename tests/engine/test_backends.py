@@ -117,10 +117,7 @@ def test_pinned_backend_cannot_demote(make_alloc):
 def cxl_machine(machine, tmp_path, monkeypatch):
     """A simulated box with a CPU-less (CXL) node 1: a fake sysfs tree for
     topology, and the simulator's node 1 backed by this machine's node 0."""
-    import sys
-
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from fake_sysfs import FakeSysfs
+    from tests.helpers.fake_sysfs import FakeSysfs
 
     fs = FakeSysfs(tmp_path / "sys")
     fs.node(0, cpus="0-1", mem_gib=16, free_gib=12)

@@ -1,6 +1,6 @@
 """The GPU tests' subprocess scripts are at least valid Python (CPU, no GPU).
 
-tests/test_torch_gpu.py runs each scenario as PRELUDE + a snippet in a fresh
+tests/pytorch/test_torch_gpu.py runs each scenario as PRELUDE + a snippet in a fresh
 interpreter, and only on a GPU.  Two of its tests once failed on the H200 for
 nothing but an indentation slip in how a snippet was assembled: device time
 lost to a syntax error.  Here every snippet that a GPU test would run is
@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-import test_torch_gpu as gpu_tests
+from tests.pytorch import test_torch_gpu as gpu_tests
 
 
 class _Anything:

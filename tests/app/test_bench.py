@@ -13,7 +13,7 @@ import pytest
 from cxlalloc.bench import decode, guard, meta, report, rightsizing
 from cxlalloc.bench.model import SHAPES, ceiling_tokens_per_s
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB = 1 << 30
 MiB = 1 << 20
 STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "decode", "rightsizing",

@@ -3,7 +3,7 @@ exercised in fresh interpreters: silent and import-free without the
 variable, one line on stderr for every problem, the program always runs.
 
 On a machine whose torch can use CUDA, activation itself is covered by
-tests/test_torch_gpu.py::test_env_var_activation_in_subprocess.
+tests/pytorch/test_torch_gpu.py::test_env_var_activation_in_subprocess.
 """
 
 import os

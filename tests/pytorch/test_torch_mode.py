@@ -9,7 +9,7 @@
 - The Python plumbing of the torch mode (stats(), memory_summary(),
   empty_cache(), kv()/weights(), mode()'s truth check) over a simulated engine.
 
-What only a GPU can check is in tests/test_torch_gpu.py.
+What only a GPU can check is in tests/pytorch/test_torch_gpu.py.
 """
 
 import ctypes
@@ -33,7 +33,7 @@ def _torch_cuda() -> bool:
 
 
 # ----------------------------------------------------------------- enable() on CPU
-@pytest.mark.skipif(_torch_cuda(), reason="torch can use CUDA here (tests/test_torch_gpu.py covers enable())")
+@pytest.mark.skipif(_torch_cuda(), reason="torch can use CUDA here (tests/pytorch/test_torch_gpu.py covers enable())")
 def test_enable_without_cuda_raises_and_reports_nothing_enabled():
     import torch
 

@@ -1,6 +1,6 @@
 """Topology layer: sysfs NUMA/CXL discovery, host node choice, page placement, GPU caps.
 
-Most tests build fake sysfs trees (tests/fake_sysfs.py); the "real machine"
+Most tests build fake sysfs trees (tests/helpers/fake_sysfs.py); the "real machine"
 tests read this box's /sys and bind real pages with mbind/move_pages.
 """
 
@@ -20,7 +20,7 @@ import pytest
 import cxlalloc
 from cxlalloc import _C
 from cxlalloc import topology as T
-from fake_sysfs import BIG_BLOCK_BYTES, GiB, FakeSysfs, single_node, two_sockets, two_sockets_cxl
+from tests.helpers.fake_sysfs import BIG_BLOCK_BYTES, GiB, FakeSysfs, single_node, two_sockets, two_sockets_cxl
 
 PAGE = mmap.PAGESIZE
 
@@ -630,12 +630,12 @@ def test_gpu_nearest_node(tmp_path):
 
 @pytest.fixture(scope="module")
 def fake_driver(tmp_path_factory):
-    """Compile tests/fake_libcuda.c: with and without the cxlsim NUMA exports."""
+    """Compile tests/helpers/fake_libcuda.c: with and without the cxlsim NUMA exports."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
     out = tmp_path_factory.mktemp("fakecuda")
-    src = Path(__file__).with_name("fake_libcuda.c")
+    src = Path(__file__).resolve().parents[1] / "helpers" / "fake_libcuda.c"
     paths = {}
     for name, extra in (("sim", []), ("plain", ["-DNO_CXLSIM"])):
         so = out / f"libfakecuda_{name}.so"

@@ -209,7 +209,7 @@ def test_adapter_stats_and_pools_through_torch_on_the_simulator(tmp_path):
     if torch.version.cuda is None:
         pytest.skip("torch is a CPU-only build: the adapter cannot be linked here")
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present: tests/test_torch_gpu.py covers the real thing")
+        pytest.skip("a GPU is present: tests/pytorch/test_torch_gpu.py covers the real thing")
     env = dict(os.environ, CXLALLOC_CACHE_DIR=os.environ.get("CXLALLOC_CACHE_DIR", str(tmp_path)))
     env.pop("CXLALLOC", None)
     r = subprocess.run([sys.executable, "-c", STATS_ON_SIM], env=env, capture_output=True, text=True, timeout=900)
