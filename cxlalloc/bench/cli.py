@@ -76,7 +76,8 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cxlalloc bench",
                                 description="Run cxlalloc's benchmarks; each writes one JSON record into --out.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="See benchmarks/README.md for what each benchmark measures and the ceiling model.")
+                                epilog="See benchmarks/README.md for what each benchmark measures and the ceiling "
+                                       "model.")
     p.add_argument("--simulate", action="store_true",
                    help="CPU only: run the CPU-able parts on cxlalloc's simulated driver (labelled as simulation)")
     p.add_argument("--out", default=os.path.join("benchmarks", "out"), help="output folder for the JSON records "

@@ -147,7 +147,8 @@ def readme_section(latest: Dict[str, Dict[str, Any]], plots: List[str], readme_d
                   "(GPU test runs are summarized under \"Verification\"), so there are no "
                   "measured ratios (cxlalloc vs the link-bound ceiling, vs transformers' offloaded cache, vs "
                   "policy-free spill). Simulation runs (`python -m cxlalloc bench --simulate`) check the plumbing "
-                  "only and are never reported here. See `benchmarks/README.md`, \"How to run on the device\".", "", END]
+                  "only and are never reported here. See `benchmarks/README.md`, \"How to run on the device\".",
+                  "", END]
         return "\n".join(lines)
     lines += ["GPU numbers pending for: " + ", ".join(b for b in ("ceilings", "allocation", "decode", "rightsizing")
                                                        if b not in latest) + ".", ""] \

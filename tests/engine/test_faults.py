@@ -126,7 +126,8 @@ def test_fault_at_every_call_site():
     import subprocess
     import sys
 
-    code = "import json, sys; sys.path.insert(0, '.'); import tests.engine.test_faults as t; print(json.dumps(t.fault_sweep()))"
+    code = ("import json, sys; sys.path.insert(0, '.'); import tests.engine.test_faults as t; "
+            "print(json.dumps(t.fault_sweep()))")
     root = __file__.rsplit("/tests/", 1)[0]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]

@@ -7,8 +7,8 @@ import gc
 
 import pytest
 
-from tests.helpers.hf_util import (MiB, assert_same, assert_same_tokens, gen, kv_bytes_per_token, padded_batch, tiny_gpt2, tiny_llama,
-                     tiny_qwen2_sliding, torch)
+from tests.helpers.hf_util import (MiB, assert_same, assert_same_tokens, gen, kv_bytes_per_token, padded_batch,
+                                   tiny_gpt2, tiny_llama, tiny_qwen2_sliding, torch)
 
 import cxlalloc
 import cxlalloc.hf as hf

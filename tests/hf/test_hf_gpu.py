@@ -18,8 +18,8 @@ import os
 import time
 
 import pytest
-from tests.helpers.hf_util import (MiB, assert_same, gen, kv_bytes_per_token, padded_batch, tiny_gpt2, tiny_gpt_neo, tiny_llama,
-                     torch, weight_footprint)
+from tests.helpers.hf_util import (MiB, assert_same, gen, kv_bytes_per_token, padded_batch, tiny_gpt2, tiny_gpt_neo,
+                                   tiny_llama, torch, weight_footprint)
 
 import cxlalloc.hf as hf
 from cxlalloc.hf import returned_cache
