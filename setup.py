@@ -83,7 +83,7 @@ def _adapter_source_files():
     """(source, path inside the package) of the torch adapter's sources.
 
     The adapter (csrc/torch) is compiled at run time against whatever torch is
-    installed (cxlalloc/_torch_build.py), so an installed package carries its
+    installed (cxlalloc/pytorch/adapter_build.py), so an installed package carries its
     sources in cxlalloc/_adapter_src, laid out like csrc/.
     """
     files = sorted(glob.glob(os.path.join("csrc", "torch", "*.h")) + glob.glob(os.path.join("csrc", "torch", "*.cpp")))
@@ -95,9 +95,9 @@ class BuildPyWithStartupHook(build_py):
     """Also install ``cxlalloc-startup.pth`` at the top of site-packages, and
     the torch adapter's sources into the package.
 
-    The .pth line imports ``cxlalloc._startup`` only when the ``CXLALLOC``
+    The .pth line imports ``cxlalloc.pytorch.startup`` only when the ``CXLALLOC``
     environment variable is set, so processes without it pay one
-    ``os.environ`` lookup (see cxlalloc/_startup.py).
+    ``os.environ`` lookup (see cxlalloc/pytorch/startup.py).
 
     Editable installs (``pip install -e .``, PEP 660): setuptools builds an
     editable wheel whose root is ``install_lib``; files written there (not to
@@ -136,8 +136,9 @@ setup(
     version="0.1.0",
     description="Tiered PyTorch CUDA allocator: VRAM first, then host/CXL NUMA memory, KV-cache aware",
     license="Apache-2.0",
-    packages=["cxlalloc", "cxlalloc.hf", "cxlalloc.bench"],
-    package_data={"cxlalloc": ["py.typed"]},
+    packages=["cxlalloc", "cxlalloc.pytorch", "cxlalloc.hf", "cxlalloc.demo", "cxlalloc.bench"],
+    # the main job's default document (cxlalloc/demo/app.py: DEFAULT_DOCUMENT)
+    package_data={"cxlalloc": ["py.typed"], "cxlalloc.demo": ["data/*.txt"]},
     ext_modules=[core] + ([sim] if sim.sources else []),
     cmdclass={"build_py": BuildPyWithStartupHook},
     python_requires=">=3.10",

@@ -24,7 +24,7 @@ from cxlalloc.allocator import Allocator, Extent  # noqa: F401
 from cxlalloc.config import Config, format_bytes, make_config, parse_size  # noqa: F401
 
 # torch integration (imports torch only when called)
-from cxlalloc._torch_mode import (  # noqa: F401
+from cxlalloc.pytorch import (  # noqa: F401
     CxlallocWarning,
     empty_cache,
     enable,

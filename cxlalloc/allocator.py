@@ -11,8 +11,9 @@ import math
 import operator
 from typing import Optional, Sequence
 
-from cxlalloc import _C, _runtime
-from cxlalloc.config import TAGS, make_config
+from cxlalloc import _C
+from cxlalloc.engine import configure, device_options, new_engine
+from cxlalloc.config import TAGS, make_config, parse_size
 
 _DL_CPU = 1   # DLPack kDLCPU
 _DL_CUDA = 2  # DLPack kDLCUDA
@@ -93,14 +94,14 @@ class Allocator:
                  simulate: bool = False, device: int = 0, **options):
         self.config = make_config(device_limit=device_limit, host_limit=host_limit, numa_node=numa_node,
                                   backend=backend, simulate=simulate, device=device, **options)
-        self._engine = _runtime.new_engine(self.config)
+        self._engine = new_engine(self.config)
         self.device = self.config.device or 0
         if self.device >= self._engine.device_count:
             raise ValueError(f"cxlalloc option 'device': {self.device} is not a CUDA device ordinal here "
                              f"(0..{self._engine.device_count - 1})")
-        opts = _runtime.device_options(self._engine, self.device, self.config)
+        opts = device_options(self._engine, self.device, self.config)
         self.node_reason = opts["node_reason"]
-        _runtime.configure(self._engine, self.device, opts)
+        configure(self._engine, self.device, opts)
         self._dev = self._engine.device(self.device)
         self.simulated = bool(self.config.simulate)
 
@@ -240,8 +241,6 @@ class Allocator:
         """Reserve a growable buffer of ``capacity`` bytes at a fixed address
         (see :class:`Extent`).  Nothing is committed until :meth:`Extent.grow`
         (with a remappable backend; ``pinned`` commits it whole now)."""
-        from cxlalloc.config import parse_size
-
         return Extent(self, self._dev.extent(parse_size(capacity, "capacity"), _check_tag(tag)))
 
     # ------------------------------------------------------------ introspection

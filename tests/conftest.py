@@ -29,7 +29,7 @@ def _torch_cuda():
 def pytest_collection_modifyitems(config, items):
     if _torch_cuda():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (not yet run on a GPU unless bench/results/ says so)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (not yet run on a GPU unless benchmarks/results/ says so)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
@@ -58,14 +58,14 @@ def fresh_sim(sim, request):
     """A simulated GPU with no faults armed; after a passing test, asserts
     that the test left no simulated driver resource behind (compared with
     what was live before it: a failed earlier test may still hold some)."""
-    import cxlalloc._runtime as rt
+    from cxlalloc import engine
 
     gc.collect()
     sim.clear_faults()
     before = sim.live()
     if _live_total(before) == 0:
         sim.configure("vram=1GiB")
-        rt._sim_vram = 1 << 30
+        engine._sim_vram = 1 << 30
     yield sim
     sim.clear_faults()
     gc.collect()

@@ -12,5 +12,5 @@ Modules:
     rightsizing  largest batch and tokens/s at a fixed budget (GPU)
     report       plots and the README results table from the records
 
-See bench/README.md for what each measures and how to run it on a GPU.
+See benchmarks/README.md for what each measures and how to run it on a GPU.
 """

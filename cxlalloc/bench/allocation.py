@@ -32,7 +32,10 @@ import random
 import time
 from typing import Any, Dict, List, Optional
 
+import cxlalloc
+from cxlalloc import _C
 from cxlalloc.bench import guard
+from cxlalloc.bench.meta import RecordWriter, new_record
 from cxlalloc.bench.timing import summarize
 
 MiB = 1 << 20
@@ -53,14 +56,10 @@ def _us(ns: List[int]) -> Dict[str, float]:
 
 
 def _have_cpp() -> bool:
-    from cxlalloc import _C
-
     return all(hasattr(_C, n) for n in ("bench_alloc", "bench_driver_alloc", "bench_alloc_pattern"))
 
 
 def _time_alloc(a, nbytes: int, iters: int, only_host: bool, cold: bool) -> Dict[str, Any]:
-    from cxlalloc import _C
-
     if _have_cpp():
         r = _C.bench_alloc(a._engine, a.device, int(nbytes), int(iters), "other", bool(only_host), bool(cold))
         return {"malloc_us": _us(r["malloc_ns"]), "free_us": _us(r["free_ns"]), "tier": r["tier"],
@@ -111,8 +110,6 @@ def _latency_grid(w, a, label: str, sizes, tiers, iters_cached: int, iters_cold:
 
 
 def _driver_grid(w, a, sizes, iters: int, simulated: bool, dl, free_bytes: Optional[int]) -> None:
-    from cxlalloc import _C
-
     if not _have_cpp():
         w.skip("driver", "raw driver timings need cxlalloc._C.bench_driver_alloc (rebuild the extension)")
         return
@@ -140,8 +137,6 @@ def _driver_grid(w, a, sizes, iters: int, simulated: bool, dl, free_bytes: Optio
 
 
 def _throughput(w, a, rounds: int, simulated: bool, backend: str) -> None:
-    from cxlalloc import _C
-
     sizes = size_mix()
     part = f"throughput:{backend}"
     try:
@@ -174,8 +169,6 @@ def _allocator(**options):
     """An Allocator for one measurement grid, its cache emptied and the
     object collected afterwards (even when the grid fails), so the next
     backend starts from a clean driver."""
-    import cxlalloc
-
     a = cxlalloc.Allocator(**options)
     try:
         yield a
@@ -188,10 +181,6 @@ def _allocator(**options):
         gc.collect()
 
 def run(ctx) -> Dict[str, Any]:
-    from cxlalloc.bench.meta import RecordWriter, new_record
-
-    import cxlalloc
-
     quick = ctx.quick or ctx.simulate
     sizes = [2 * MiB, 64 * MiB] if quick else [2 * MiB, 64 * MiB, 512 * MiB]
     iters_cached, iters_cold, iters_driver = (200, 5, 5) if quick else (1000, 10, 10)

@@ -37,7 +37,10 @@ from __future__ import annotations
 import gc
 from typing import Any, Dict, List, Optional
 
+import cxlalloc
+from cxlalloc import topology
 from cxlalloc.bench import guard
+from cxlalloc.bench.meta import RecordWriter, new_record
 from cxlalloc.bench.timing import cuda_time_ms, gbps, summarize
 
 MiB = 1 << 20
@@ -48,8 +51,6 @@ MAX_NODES = 4
 
 def _memory_nodes() -> List[Dict[str, Any]]:
     try:
-        from cxlalloc import topology
-
         topo = topology.read_topology()
         return [n for n in topo.get("nodes", []) if n.get("has_memory", True) and (n.get("total_bytes") or 0) > 0]
     except Exception:
@@ -57,8 +58,6 @@ def _memory_nodes() -> List[Dict[str, Any]]:
 
 
 def run(ctx) -> Dict[str, Any]:
-    from cxlalloc.bench.meta import RecordWriter, new_record
-
     nbytes = int(ctx.args.ceiling_bytes or ((512 * MiB) if ctx.quick else (2 * GiB)))
     repeat, warmup = (5, 2) if ctx.quick else (10, 3)
     backends = [b for b in BACKENDS if b in (ctx.args.backends or BACKENDS)]
@@ -161,8 +160,6 @@ def run(ctx) -> Dict[str, Any]:
 
 def _host_tier(ctx, w, part, backend, node, nbytes, host_limit, src, dst, warmup, repeat, dl) -> Optional[dict]:
     import torch
-
-    import cxlalloc
 
     a = h = hf = None
     try:

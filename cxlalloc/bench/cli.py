@@ -32,7 +32,9 @@ import sys
 import traceback
 from typing import Callable, Dict, List, Optional, Tuple
 
-from cxlalloc.bench.meta import BENCHMARKS
+from cxlalloc import _C
+from cxlalloc.bench.meta import BENCHMARKS, RecordWriter, new_record
+from cxlalloc.bench.model import SHAPES
 from cxlalloc.bench.timing import Deadline
 
 
@@ -74,19 +76,18 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cxlalloc bench",
                                 description="Run cxlalloc's benchmarks; each writes one JSON record into --out.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="See bench/README.md for what each benchmark measures and the ceiling model.")
+                                epilog="See benchmarks/README.md for what each benchmark measures and the ceiling "
+                                       "model.")
     p.add_argument("--simulate", action="store_true",
                    help="CPU only: run the CPU-able parts on cxlalloc's simulated driver (labelled as simulation)")
-    p.add_argument("--out", default=os.path.join("bench", "out"), help="output folder for the JSON records "
-                   "(default bench/out)")
+    p.add_argument("--out", default=os.path.join("benchmarks", "out"), help="output folder for the JSON records "
+                   "(default benchmarks/out)")
     p.add_argument("--only", type=_csv(str), default=None, metavar="NAMES",
                    help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
     p.add_argument("--quick", action="store_true", help="the small grid of scripts/gpu_check.sh")
     p.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="seconds for the whole run; parts not started in time are recorded as skipped")
-    from cxlalloc.bench.model import SHAPES
-
     p.add_argument("--models", type=_csv(str, choices=tuple(SHAPES)), default=None, help="decode/right-sizing models (llama-1b, llama-3b, "
                    "llama-8b)")
     p.add_argument("--contexts", type=_csv(int, lo=1), default=None, help="decode contexts (tokens)")
@@ -141,8 +142,6 @@ def _probe_gpu(simulate: bool, device: int) -> Tuple[bool, str]:
     if getattr(torch.version, "cuda", None) is None:
         return False, f"no GPU run: torch {torch.__version__} is a CPU-only build"
     try:
-        from cxlalloc import _C
-
         info = _C.probe_driver("libcuda.so.1", False)
         if int(info.get("device_count", 0)) <= device:
             return False, f"no GPU run: the CUDA driver reports {info.get('device_count')} device(s)"
@@ -234,8 +233,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                 records[name] = _runner(name)(ctx)
             except Exception as e:  # the benchmark's own guards failed: record it, keep going
                 rc = 1
-                from cxlalloc.bench.meta import RecordWriter, new_record
-
                 wr = RecordWriter(ctx.out_dir, new_record(name, {}, ctx.simulate, argv, ctx.device))
                 wr.error(name, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
                 records[name] = wr.finish("error")

@@ -35,7 +35,7 @@ row says which mode ran.
 The budget: the native run of each point (model, context, batch) measures
 its peak reserved device memory P (prefill chunked so that activations stay
 small next to the KV cache); the budget that forces a fraction f of the final
-KV bytes K to the host is ``P + 256 MiB - f * K`` (:func:`budget_from_peak`).
+KV bytes K to the host is ``P + 256 MiB - f * K`` (:func:`cxlalloc.bench.worker.budget_from_peak`).
 The fraction actually on the host during decode is measured from cxlalloc's
 per-class statistics and reported (``measured_host_fraction``).
 
@@ -62,11 +62,15 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from cxlalloc.bench import guard
+from cxlalloc.bench.meta import RecordWriter, new_record
 from cxlalloc.bench.model import GiB, MiB, SHAPES, ceiling_tokens_per_s
+# The budget rule lives in the worker, the lower module: it also applies it to
+# cells whose native peak it measured itself (budget_bytes None).
+from cxlalloc.bench.worker import BUDGET_SLACK, Worker, budget_from_peak  # noqa: F401
+from cxlalloc.config import OPTION_NAMES
 
 BACKENDS = ("host-vmm", "managed", "pinned")
 FRACTIONS = (0.0, 0.25, 0.5, 0.75)
-BUDGET_SLACK = 256 << 20
 HOST_MARGIN = 2 << 30
 PREFILL_TOKENS_PER_CHUNK = 16384  # batch x chunk tokens per prefill forward
 WORKER_GRACE_S = 45.0
@@ -77,12 +81,6 @@ QUICK = {"models": ["llama-1b"], "points": [(4096, 16), (32768, 2)], "new_tokens
 FULL = {"models": ["llama-1b", "llama-3b", "llama-8b"], "contexts": [4096, 8192, 16384, 32768],
         "batches": [1, 8, 32, 64], "new_tokens": 32, "max_kv_bytes": 40 * GiB}
 SIM = {"models": ["tiny"], "points": [(512, 4)], "new_tokens": 8}
-
-
-def budget_from_peak(peak_reserved: int, kv_final_bytes: int, spill: float) -> int:
-    """Device budget (bytes) forcing ``spill`` of the KV cache to the host:
-    native peak reserved + 256 MiB slack - spill x final KV bytes."""
-    return int(peak_reserved + BUDGET_SLACK - spill * kv_final_bytes)
 
 
 def analytic_budget(model: str, context: int, batch: int, new_tokens: int, spill: float) -> int:
@@ -186,8 +184,6 @@ def policy_free_options() -> Dict[str, Any]:
     promotion; VRAM first come, first served, then the host tier), or, on
     builds without that option, the same effect by ``migration_rate=0`` (no
     migration) and ``device_headroom=0``."""
-    from cxlalloc.config import OPTION_NAMES
-
     if "policy" in OPTION_NAMES:
         return {"policy": "first-fit"}
     return {"migration_rate": 0, "device_headroom": 0}
@@ -327,8 +323,6 @@ def run_worker(spec: Dict[str, Any], work_dir: str, timeout_s: float, log=print)
 
 def run_inprocess(spec: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Run a (simulation) worker spec in this process; returns its rows."""
-    from cxlalloc.bench.worker import Worker
-
     buf = io.StringIO()
     w = Worker(spec, buf)
     w.setup()
@@ -451,8 +445,6 @@ def _brief(r: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
 def run(ctx) -> Dict[str, Any]:
     """The decode benchmark (see the module docstring).  ``ctx`` is a
     :class:`cxlalloc.bench.cli.BenchContext`."""
-    from cxlalloc.bench.meta import RecordWriter, new_record
-
     simulate = ctx.simulate
     # The quick grid keeps two spill fractions: its time box holds ~20 cells in 5 worker processes.
     fractions = tuple(ctx.args.fractions or (QUICK["fractions"] if ctx.quick and not simulate else FRACTIONS))

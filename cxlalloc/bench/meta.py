@@ -42,6 +42,9 @@ import sys
 import time
 from typing import Any, Dict, Iterable, List, Optional
 
+import cxlalloc
+from cxlalloc import _C, topology
+
 SCHEMA = "cxlalloc-bench/1"
 BENCHMARKS = ("ceilings", "allocation", "decode", "rightsizing")
 STATUSES = ("ok", "partial", "skipped", "error")
@@ -133,8 +136,6 @@ def numa_nodes() -> List[Dict[str, Any]]:
     """NUMA nodes (id, total/free bytes, CPUs, CPU-less, CXL, memory tier) from
     :func:`cxlalloc.topology.read_topology`; [] when it cannot be read."""
     try:
-        from cxlalloc import topology
-
         topo = topology.read_topology()
     except Exception:
         return []
@@ -185,8 +186,6 @@ def gpu_info(simulated: bool, device: int = 0) -> Dict[str, Any]:
     except Exception as e:  # CPU torch, broken driver
         d["reason"] = f"{type(e).__name__}: {e}"
     try:
-        from cxlalloc import _C
-
         d["cuda_driver_api"] = _C.probe_driver("libcuda.so.1", False).get("version")
     except Exception:
         pass
@@ -212,8 +211,6 @@ def _version(mod: str) -> Optional[str]:
 
 
 def software_info() -> Dict[str, Any]:
-    import cxlalloc
-
     d: Dict[str, Any] = {"python": platform.python_version(), "cxlalloc": getattr(cxlalloc, "__version__", None),
                          "transformers": _version("transformers"), "numpy": _version("numpy")}
     try:

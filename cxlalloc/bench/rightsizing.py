@@ -22,6 +22,7 @@ from typing import Any, Dict, List
 
 from cxlalloc.bench import guard
 from cxlalloc.bench.decode import HOST_MARGIN, WORKER_GRACE_S, gpu_free_bytes, prefill_chunk, run_worker
+from cxlalloc.bench.meta import RecordWriter, new_record
 from cxlalloc.bench.model import GiB, SHAPES
 
 ACTIVATION_ALLOWANCE = 3 * GiB // 2
@@ -30,8 +31,6 @@ NATIVE_SHARE = 0.4  # of the remaining time budget; cxlalloc's worker gets the r
 
 
 def run(ctx) -> Dict[str, Any]:
-    from cxlalloc.bench.meta import RecordWriter, new_record
-
     model = (ctx.args.models or ["llama-1b"])[0]
     shape = SHAPES[model]
     context = 4096 if ctx.quick else 8192

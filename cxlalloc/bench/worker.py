@@ -39,7 +39,22 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional
 
+import cxlalloc
+from cxlalloc.bench.guard import ManagedMemoryGuardError, check_managed
+from cxlalloc.bench.model import SHAPES, build_model
+
+# torch and cxlalloc.hf (which imports torch and transformers) are imported in
+# Worker.setup(), after cxlalloc.enable(): global mode is installed before
+# torch is imported, as the CXLALLOC start-up hook would.
+
 GiB = 1 << 30
+BUDGET_SLACK = 256 << 20
+
+
+def budget_from_peak(peak_reserved: int, kv_final_bytes: int, spill: float) -> int:
+    """Device budget (bytes) forcing ``spill`` of the KV cache to the host:
+    native peak reserved + 256 MiB slack - spill x final KV bytes."""
+    return int(peak_reserved + BUDGET_SLACK - spill * kv_final_bytes)
 
 
 def _emit(fh, obj: Dict[str, Any]) -> None:
@@ -109,8 +124,6 @@ class Worker:
     def setup(self) -> None:
         opts = dict(self.spec.get("cxlalloc_options") or {})
         if self.kind == "cxlalloc" and self.spec.get("global", True):
-            import cxlalloc
-
             enable = getattr(cxlalloc, "enable", None)
             if enable is None:
                 self.enable_error = ("cxlalloc.enable() is not in this build (branch 'torch' not merged): global mode "
@@ -147,8 +160,6 @@ class Worker:
     def load_model(self, name: str) -> None:
         if self.model_name == name:
             return
-        from cxlalloc.bench.model import SHAPES, build_model
-
         self.model = None
         self.model_name = None  # until the new model is built and warmed up
         gc.collect()
@@ -158,8 +169,6 @@ class Worker:
         dtype = torch.bfloat16 if self.device_type == "cuda" else torch.float32
         scope = None
         if self._global():
-            import cxlalloc
-
             scope = getattr(cxlalloc, "weights", None)
         if scope is not None:
             with scope():
@@ -205,8 +214,6 @@ class Worker:
         alloc = self._allocator(model)
         cxl_stats = None
         if alloc is None and self._global():
-            import cxlalloc
-
             cxl_stats = getattr(cxlalloc, "stats", None)
         t0 = time.perf_counter()
 
@@ -261,8 +268,6 @@ class Worker:
             _emit(self.out, row)
 
     def _guard(self, cell) -> Optional[str]:
-        from cxlalloc.bench.guard import ManagedMemoryGuardError, check_managed
-
         free = int(self.spec.get("free_bytes_at_start") or 0)
         if int(cell.get("managed_bytes") or 0) == 0:
             return None
@@ -341,8 +346,6 @@ class Worker:
         return res
 
     def _budget_from_native(self, cell) -> Optional[int]:
-        from cxlalloc.bench.decode import budget_from_peak
-
         peak = self.native_peaks.get(_point_key(cell))
         if not peak:
             return None
@@ -428,8 +431,6 @@ class Worker:
             except Exception as e:
                 res["hf"] = {"error": str(e)}
         elif self._global():
-            import cxlalloc
-
             if hasattr(cxlalloc, "stats"):
                 try:
                     res["cxlalloc"] = _summary_stats(cxlalloc.stats())
@@ -447,7 +448,6 @@ def _tag_dynamic_cache_as_kv() -> None:
     """Make transformers' DynamicLayer.update allocate under ``cxlalloc.kv()``,
     so the KV cache's torch.cat allocations are class kv for cxlalloc's policy
     and statistics (the fallback when cxlalloc.hf is not available)."""
-    import cxlalloc
     from transformers.cache_utils import DynamicLayer
 
     if getattr(DynamicLayer.update, "_cxlalloc_kv", False):

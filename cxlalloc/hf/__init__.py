@@ -18,13 +18,19 @@ copy.deepcopy / pickle / torch.save of a wrapped model give an unwrapped copy
 (UnwrappedCopyWarning); a CxlCache can be deep-copied but not pickled.
 
 Requires transformers >= 5.17 (tested on 5.17 and 5.24).  ``python -m cxlalloc demo``
-(:mod:`cxlalloc.hf.demo`) is the main job: a real model's generate() past the VRAM
+(:mod:`cxlalloc.demo`) is the main job: a real model's generate() past the VRAM
 budget, with identical tokens.
+
+Modules:
+    wrap      wrap()/unwrap()/stats(): the generate() hook, weights placed in the allocator, copies
+    cache     CxlCache / CxlKVLayer: a transformers DynamicCache whose full-attention K/V live in cxlalloc
+    storage   KVStorage: token-major K/V of all layers in one cxlalloc extent; KVCounters
+    compat    the differences between the transformers versions supported
 """
 
 from cxlalloc.hf.cache import CxlCache, CxlKVLayer  # noqa: F401
 from cxlalloc.hf.compat import cache_kwarg, returned_cache  # noqa: F401
-from cxlalloc.hf.store import KVCounters  # noqa: F401
+from cxlalloc.hf.storage import KVCounters  # noqa: F401
 from cxlalloc.hf.wrap import (UnwrappedCopyWarning, allocator, generate, is_wrapped, kv_cache, stats,  # noqa: F401
                               unwrap, wrap)
 

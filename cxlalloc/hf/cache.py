@@ -9,7 +9,7 @@ sampling, beam search (``reorder_cache``), ``num_return_sequences``, padded batc
 assisted decoding (``crop``), continuing from a returned cache and prompt-cache
 reuse (``copy.deepcopy``) all work as with ``DynamicCache``.
 
-Storage (:mod:`cxlalloc.hf.store`): the K/V of all full-attention layers of a
+Storage (:mod:`cxlalloc.hf.storage`): the K/V of all full-attention layers of a
 cache live token-major in one cxlalloc extent of class ``kv``; each layer's K/V are
 ``(B, H_kv, L, D)`` strided views at the live length ``L`` (never the capacity,
 which attention would read as garbage tokens).  ``update()`` writes only the new
@@ -34,7 +34,9 @@ from typing import Optional, Tuple
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from cxlalloc.hf.store import Geometry, KVCounters, KVStore, grown_capacity
+from cxlalloc import _C
+from cxlalloc.allocator import Allocator
+from cxlalloc.hf.storage import Geometry, KVCounters, KVStorage, grown_capacity
 
 
 PICKLE_ERROR = ("cxlalloc.hf: a {what} cannot be pickled or torch.save'd: its K/V live in cxlalloc memory of "
@@ -47,6 +49,20 @@ def _shallow_copy(obj):
     new = obj.__class__.__new__(obj.__class__)
     new.__dict__.update(obj.__dict__)
     return new
+
+
+def default_allocator(device: int = 0):
+    """The process-wide engine's allocator for ``device`` (``cxlalloc.enable()``).
+
+    Raises:
+        ValueError: there is no process-wide engine (create a
+            ``cxlalloc.Allocator(...)`` and pass it as ``allocator=``).
+    """
+    engine = _C.current_engine()
+    if engine is None or not engine.has_config(device):
+        raise ValueError("cxlalloc.hf: no allocator given and no process-wide cxlalloc engine (cxlalloc.enable()); "
+                         "pass allocator=cxlalloc.Allocator(...) (simulate=True without a GPU)")
+    return Allocator.from_engine(engine, device)
 
 
 def _allocator_device(allocator) -> torch.device:
@@ -66,8 +82,8 @@ class KVPool:
         self.growth = float(growth)
         self.round_tokens = int(round_tokens)
         self.counters = KVCounters()
-        self.shared: Optional[KVStore] = None
-        self.stores: "weakref.WeakSet[KVStore]" = weakref.WeakSet()
+        self.shared: Optional[KVStorage] = None
+        self.stores: "weakref.WeakSet[KVStorage]" = weakref.WeakSet()
         st = allocator.stats()
         self._demoted_at_start = (int(st["demoted_bytes"]), int(st["demotions"]))
 
@@ -78,14 +94,14 @@ class KVPool:
             return grown_capacity(need, 0, self.growth, self.round_tokens)
         return grown_capacity(need, current, self.growth, self.round_tokens)
 
-    def new_store(self, g: Geometry, n_slots: int, need: int) -> KVStore:
+    def new_store(self, g: Geometry, n_slots: int, need: int) -> KVStorage:
         if g.device != self.device:
             raise ValueError(
                 f"cxlalloc.hf: this cache's allocator serves {self.device} but the model's key/value states are on "
                 f"{g.device}; wrap the model on the device it runs on (one device per wrapped model), or pass "
                 f"simulate=True for a CPU model")
-        s = KVStore(self.allocator, g, n_slots, self.clamp(self.capacity_for(need), need, n_slots * g.slot_elems * g.elem),
-                    self.counters)
+        s = KVStorage(self.allocator, g, n_slots,
+                      self.clamp(self.capacity_for(need), need, n_slots * g.slot_elems * g.elem), self.counters)
         self.stores.add(s)
         return s
 
@@ -98,7 +114,7 @@ class KVPool:
         most = (int(st["device"]["limit_bytes"]) + int(st["host"]["limit_bytes"])) // max(1, row_bytes)
         return max(int(need), min(int(tokens), most))
 
-    def bind(self, layer: "CxlKVLayer", key_states: torch.Tensor, value_states: torch.Tensor) -> Tuple[KVStore, int]:
+    def bind(self, layer: "CxlKVLayer", key_states: torch.Tensor, value_states: torch.Tensor) -> Tuple[KVStorage, int]:
         """The (store, slot) an empty layer writes to, creating storage as needed."""
         g = Geometry.of(key_states, value_states)
         need = key_states.shape[-2]
@@ -133,7 +149,7 @@ class KVPool:
 
 
 class CxlKVLayer(DynamicLayer):
-    """A full-attention cache layer whose K/V live in a cxlalloc :class:`KVStore`.
+    """A full-attention cache layer whose K/V live in a cxlalloc :class:`KVStorage`.
 
     Drop-in for transformers' ``DynamicLayer``: ``update(key_states, value_states)``
     takes ``(B, H_kv, q, D)`` tensors (any strides) of the model's dtype, writes
@@ -158,7 +174,7 @@ class CxlKVLayer(DynamicLayer):
     def __init__(self, pool: KVPool, share_slot: Optional[int] = None):
         self._pool = pool
         self._share_slot = share_slot
-        self._store: Optional[KVStore] = None
+        self._store: Optional[KVStorage] = None
         self._slot = 0
         self._len = 0
         super().__init__()
@@ -298,7 +314,7 @@ class CxlKVLayer(DynamicLayer):
         if self._len:
             src = self._store
             src.apply_pending()
-            new._store = KVStore(src.allocator, src.g, 1, src.capacity_tokens, self._pool.counters)
+            new._store = KVStorage(src.allocator, src.g, 1, src.capacity_tokens, self._pool.counters)
             self._pool.stores.add(new._store)
             new._store.ensure(self._len)
             new._store.key_view(0, 0, self._len).copy_(src.key_view(self._slot, 0, self._len))
@@ -337,8 +353,6 @@ class CxlCache(DynamicCache):
     def __init__(self, config=None, *, allocator=None, max_cache_len: Optional[int] = None, growth: float = 2.0,
                  round_tokens: int = 256, share_storage: bool = True):
         if allocator is None:
-            from cxlalloc.hf.wrap import default_allocator
-
             allocator = default_allocator()
         if not growth > 1.0:
             raise ValueError(f"cxlalloc.hf: growth must be > 1, got {growth}")

@@ -49,7 +49,11 @@ import weakref
 from typing import Any, List, Optional
 
 import torch
+from transformers.cache_utils import DynamicCache
 
+from cxlalloc import _C
+from cxlalloc.allocator import Allocator
+from cxlalloc.config import format_bytes, make_config
 from cxlalloc.hf.cache import CxlCache
 from cxlalloc.hf.compat import TRANSFORMERS_VERSION, cache_kwarg
 
@@ -161,8 +165,6 @@ def _options_config(options: dict, device: torch.device):
     Raises:
         ValueError: an unknown option or a bad value (naming it).
     """
-    from cxlalloc.config import make_config
-
     eff = dict(options)
     if eff.get("simulate") is None:
         eff["simulate"] = device.type == "cpu"
@@ -177,8 +179,6 @@ _SIZE_FIELDS = ("device_limit", "host_limit", "kv_device_limit", "device_headroo
 
 
 def _show_option(name: str, value) -> str:
-    from cxlalloc.config import format_bytes
-
     if value is None:
         return "default"
     if name in _SIZE_FIELDS and isinstance(value, int) and not isinstance(value, bool):
@@ -211,27 +211,7 @@ def _model_device(model) -> torch.device:
     return devices.pop()
 
 
-def default_allocator(device: int = 0):
-    """The process-wide engine's allocator for ``device`` (``cxlalloc.enable()``).
-
-    Raises:
-        ValueError: there is no process-wide engine (create a
-            ``cxlalloc.Allocator(...)`` and pass it as ``allocator=``).
-    """
-    from cxlalloc import _C
-    from cxlalloc.allocator import Allocator
-
-    engine = _C.current_engine()
-    if engine is None or not engine.has_config(device):
-        raise ValueError("cxlalloc.hf: no allocator given and no process-wide cxlalloc engine (cxlalloc.enable()); "
-                         "pass allocator=cxlalloc.Allocator(...) (simulate=True without a GPU)")
-    return Allocator.from_engine(engine, device)
-
-
 def _global_allocator(device: torch.device, simulate: bool):
-    from cxlalloc import _C
-    from cxlalloc.allocator import Allocator
-
     try:
         engine = _C.current_engine()
     except Exception:
@@ -352,8 +332,6 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
         if place_weights is None:
             place_weights = False
     else:
-        from cxlalloc.allocator import Allocator
-
         mode = "scoped"
         if place_weights is None:
             place_weights = True
@@ -389,8 +367,6 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
 
 
 def _make_prepare_hook(model, st: WrapState):
-    from transformers.cache_utils import DynamicCache
-
     def _prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
                                       *args, **kwargs):
         name = st.cache_kw

@@ -1,0 +1,14 @@
+"""The main job: a real model's generate() past the VRAM budget, with identical output.
+
+    python examples/generate.py [--compare]      (= python -m cxlalloc demo ...)
+
+Modules:
+    app       the command line, the model and prompt, the runs (cxlalloc vs plain transformers), main()
+    measure   generate() timing (TTFT, tokens/s, TPOT) and the bytes transformers' DynamicCache copies
+    report    the report: rich tables on stdout, the same numbers as JSON
+    data/     the default document (package data: a non-editable install ships it)
+"""
+
+from cxlalloc.demo.app import main  # noqa: F401
+
+__all__ = ["main"]

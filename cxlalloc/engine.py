@@ -1,0 +1,151 @@
+"""Building and configuring engines (``cxlalloc._C.Engine``) from a Config:
+driver choice, simulation set-up, per-device defaults and host NUMA node
+choice.  Shared by :class:`cxlalloc.Allocator`, :func:`cxlalloc.enable`
+(:mod:`cxlalloc.pytorch`), ``cxlalloc info`` and :mod:`cxlalloc.hf`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from cxlalloc import _C, topology
+from cxlalloc import _sim as simulator
+from cxlalloc.config import Config, format_bytes, resolve_fraction
+
+# Defaults (bytes).  The CUDA context, cuBLAS/cuDNN handles and kernels of a
+# process take a few hundred MiB of VRAM outside any allocator; 256 MiB is
+# what the default device_limit leaves for them (measured on a GPU: pending,
+# README "Limits").
+CONTEXT_RESERVE = 256 << 20
+DEFAULT_SIM_VRAM = 16 << 30
+MAX_SIM_VRAM = 1 << 50
+HOST_LIMIT_FRACTION = 0.8
+CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID = 134
+
+_sim_lock = threading.Lock()
+_sim_vram: Optional[int] = None  # VRAM the simulator was configured with by us
+
+
+def driver_path(cfg: Config) -> str:
+    """Path of the driver library to load: the simulator or libcuda."""
+    if cfg.simulate:
+        return simulator.library_path()
+    return cfg.libcuda
+
+
+def ensure_sim(cfg: Config) -> None:
+    """Configure the process-wide simulated GPU for `cfg` (simulation only).
+
+    The simulated VRAM is ``sim_vram`` when given; otherwise a simulator
+    already configured is kept if ``device_limit`` fits in it, else it is
+    configured with max(16 GiB, device_limit).  VRAM is lazily backed: only
+    touched bytes cost RAM.
+
+    Raises:
+        ValueError: the simulator must change size while in use (live resources).
+    """
+    global _sim_vram
+    need = cfg.device_limit if isinstance(cfg.device_limit, int) else 0
+    if need > MAX_SIM_VRAM:
+        raise ValueError(f"cxlalloc option 'device_limit': {format_bytes(need)} is more than the simulated GPU can "
+                         f"model ({format_bytes(MAX_SIM_VRAM)})")
+    with _sim_lock:
+        if cfg.sim_vram is None:
+            if _sim_vram is not None and need <= _sim_vram:
+                return
+            vram = max(DEFAULT_SIM_VRAM, need)
+            why = f"device_limit={format_bytes(need)}" if need > DEFAULT_SIM_VRAM else "the default"
+        else:
+            if cfg.sim_vram == _sim_vram:
+                return
+            vram = cfg.sim_vram
+            why = f"sim_vram={format_bytes(vram)}"
+        try:
+            simulator.Sim().configure(f"vram={vram}")
+        except ValueError as e:
+            now = format_bytes(_sim_vram) if _sim_vram is not None else "its default"
+            raise ValueError(
+                f"cxlalloc: the simulated GPU is one per process ({now} of VRAM now) and {why} needs it resized to "
+                f"{format_bytes(vram)}, which is impossible while simulated resources are alive ({e}); free the "
+                "other simulated Allocators/models first, or ask for no more than its current size") from None
+        _sim_vram = vram
+
+
+def new_engine(cfg: Config) -> "_C.Engine":
+    """Load the driver named by `cfg` into a fresh engine.
+
+    Raises:
+        cxlalloc.CudaUnavailableError: no usable driver (the message says
+            why and points to ``simulate=True``).
+    """
+    if cfg.simulate:
+        ensure_sim(cfg)
+    return _C.Engine(driver_path(cfg), bool(cfg.simulate))
+
+
+def choose_node(engine: "_C.Engine", device: int, requested) -> dict:
+    """Pick the host NUMA node of `device`'s host tier.
+
+    Returns ``{"node": int, "reason": str}``.  ``requested`` is "auto" or an
+    int; see :func:`cxlalloc.topology.choose_host_node` for the rule.
+
+    Raises:
+        ValueError: an explicit node that does not exist or has no memory.
+    """
+    near = engine.attribute(device, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, -1)
+    return topology.choose_host_node(None, near, requested)
+
+
+def device_options(engine: "_C.Engine", device: int, cfg: Config, default_headroom: float = 0.0) -> dict:
+    """Resolve `cfg` into the engine's per-device configuration dict.
+
+    Fractions become bytes (device_limit of the GPU's total VRAM;
+    kv_device_limit and device_headroom of device_limit), defaults are
+    filled in, and the host node is chosen.  The dict also carries
+    ``"node_reason"`` (popped before it reaches the engine).
+    """
+    free_b, total = engine.mem_info(device)
+    if cfg.device_limit is None:
+        device_limit = max(free_b - CONTEXT_RESERVE, 0)
+    else:
+        device_limit = resolve_fraction(cfg.device_limit, total)
+    if device_limit <= 0:
+        raise ValueError(f"cxlalloc option 'device_limit': resolves to {device_limit} bytes on cuda:{device} "
+                         f"({format_bytes(free_b)} free of {format_bytes(total)}); it must be > 0")
+    choice = choose_node(engine, device, cfg.numa_node)
+    host_limit = cfg.host_limit
+    if host_limit is None:
+        host_limit = int(HOST_LIMIT_FRACTION * _node_free_bytes(choice["node"]))
+    opts = {
+        "device_limit": int(device_limit),
+        "host_limit": int(host_limit),
+        "host_node": int(choice["node"]),
+        "backend": cfg.backend,
+        "kv_device_limit": resolve_fraction(cfg.kv_device_limit, device_limit),
+        "device_headroom": resolve_fraction(
+            cfg.device_headroom if cfg.device_headroom is not None else default_headroom, device_limit) or 0,
+        "migration_rate": float(cfg.migration_rate),
+        "migration_burst": int(max(1 << 30, cfg.migration_rate / 2)),
+        "promote_after": int(cfg.promote_after),
+        "extent_chunk": int(cfg.extent_chunk or 0),
+        "strict_placement": bool(cfg.strict_placement),
+        "kv_aware": cfg.policy == "kv-aware",
+        "node_reason": choice["reason"],
+    }
+    return opts
+
+
+def _node_free_bytes(node: int) -> int:
+    topo = topology.read_topology()
+    for n in topo["nodes"]:
+        if n["id"] == node:
+            return int(n["free_bytes"])
+    return 0
+
+
+def configure(engine: "_C.Engine", device: int, opts: dict) -> None:
+    """Hand resolved per-device options to the engine (before first use)."""
+    opts = dict(opts)
+    opts.pop("node_reason", None)
+    engine.configure_device(device, opts)

@@ -1,0 +1,84 @@
+"""What cxlalloc's engine holds for torch, and giving it back: ``stats()``,
+``tier_of()``, ``empty_cache()``."""
+
+from __future__ import annotations
+
+import sys
+
+from cxlalloc.pytorch.devices import current_device
+from cxlalloc.pytorch.modes import mode
+from cxlalloc.pytorch.state import require_enabled
+
+
+def stats(device=None) -> dict:
+    """Per-tier statistics of ``device`` (default: torch's current device) from
+    the process's cxlalloc engine.
+
+    Returns the dict of :meth:`cxlalloc.Allocator.stats` (bytes: ``device``
+    and ``host`` tiers with allocated/reserved/peak/limit, ``kv``/``weight``/
+    ``other`` classes per tier, ``spilled_bytes``, ``demoted_bytes``,
+    ``promoted_bytes``, ..., ``torch``: the device tier in
+    ``torch.cuda.memory_stats()`` keys) plus ``mode``, ``numa_node_reason``
+    and, in scoped mode, ``spill_reserved_bytes``.
+
+    Raises:
+        RuntimeError: cxlalloc is not enabled.
+        ValueError: a bad device, or a GPU cxlalloc does not serve.
+    """
+    st = require_enabled()
+    d = current_device(device)
+    if d not in st.devices:
+        raise ValueError(f"cxlalloc option 'device': cuda:{d} is not served by cxlalloc "
+                         f"(served: {', '.join(f'cuda:{k}' for k in sorted(st.devices))})")
+    out = dict(st.engine.device(d).stats())
+    out["mode"] = mode()
+    out["numa_node_reason"] = st.devices[d].get("node_reason", "")
+    if st.mode == "scoped":
+        out["spill_reserved_bytes"] = st.spill_reserved.get(d, 0)
+    return out
+
+
+def empty_cache() -> int:
+    """Return cached free memory of both tiers to the driver (every GPU).
+
+    In global mode this is what ``torch.cuda.empty_cache()`` does too; in
+    scoped mode torch's own cache is emptied first.  Returns the bytes cxlalloc
+    released.
+
+    Raises:
+        RuntimeError: cxlalloc is not enabled.
+    """
+    st = require_enabled()
+    torch = sys.modules.get("torch")
+    if st.mode == "scoped" and torch is not None:
+        torch.cuda.empty_cache()
+    released = 0
+    for d in st.devices:
+        a = st.engine.existing(d)
+        if a is not None:
+            released += int(a.empty_cache())
+    return released
+
+
+def tier_of(tensor, device=None) -> str:
+    """Which cxlalloc tier holds ``tensor``'s storage: ``"device"`` (VRAM) or
+    ``"host"`` (host memory on the chosen NUMA node).  ``tensor`` may also be
+    an address (int), with ``device`` its GPU (default: current).
+
+    A tensor on the host tier still reports ``device == cuda:N``: the GPU
+    reads its bytes across the link.
+
+    Raises:
+        RuntimeError: cxlalloc is not enabled.
+        ValueError: the memory is not cxlalloc's (in scoped mode, everything
+            outside ``cxlalloc.kv()`` and the spill pool belongs to torch).
+    """
+    st = require_enabled()
+    if hasattr(tensor, "data_ptr"):
+        ptr = int(tensor.untyped_storage().data_ptr())
+        d = tensor.device.index if device is None else current_device(device)
+    else:
+        ptr, d = int(tensor), current_device(device)
+    if d not in st.devices:
+        raise ValueError(f"cxlalloc option 'device': cuda:{d} is not served by cxlalloc")
+    return st.engine.device(d).tier_of(ptr)

@@ -1,0 +1,476 @@
+"""CPU tests of the benchmark harness: records, skips, dry run,
+report, managed-memory guard, worker protocol.  No timing is asserted: the
+benchmarks produce numbers, the tests check plumbing."""
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from cxlalloc.bench import decode, guard, meta, report, rightsizing
+from cxlalloc.bench.model import SHAPES, ceiling_tokens_per_s
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GiB = 1 << 30
+MiB = 1 << 20
+STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "decode", "rightsizing",
+         "report", "pack")
+
+
+def _env():
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("CXLALLOC", None)
+    return env
+
+
+def _bench(args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "cxlalloc", "bench", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _has_cuda():
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+# ----------------------------------------------------------------- bench --simulate
+def test_simulate_writes_valid_records_and_skips_gpu_parts(tmp_path):
+    out = tmp_path / "sim"
+    p = _bench(["--simulate", "--out", str(out), "--no-progress", "--fractions", "0,0.5", "--backends", "host-vmm"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    for name in meta.BENCHMARKS:
+        rec = json.loads((out / f"{name}.json").read_text())
+        assert meta.validate_record(rec) == [], name
+        assert rec["simulated"] is True
+        assert rec["command"].startswith("python -m cxlalloc bench --simulate")
+        assert rec["date_utc"].endswith("Z")
+        hw, sw = rec["hardware"], rec["software"]
+        assert hw["gpu"]["simulated"] is True and hw["gpu"]["available"] is False
+        assert "model" in hw["cpu"] and isinstance(hw["numa_nodes"], list)
+        for k in ("torch", "transformers", "cxlalloc", "git_commit", "source_digest", "python"):
+            assert k in sw
+        assert sw["source_digest"] == meta.source_digest(ROOT)
+        assert isinstance(rec["parameters"], dict) and rec["parameters"]
+    for name in ("ceilings", "rightsizing"):
+        rec = json.loads((out / f"{name}.json").read_text())
+        assert rec["status"] == "skipped" and rec["results"] == []
+        assert "--simulate" in rec["skipped"][0]["reason"]
+    alloc = json.loads((out / "allocation.json").read_text())
+    assert alloc["status"] == "ok"
+    assert any(s["part"] == "gpu" and "--simulate" in s["reason"] for s in alloc["skipped"])
+    assert alloc["results"] and all(r["simulated"] for r in alloc["results"])
+    assert {r["kind"] for r in alloc["results"]} >= {"cxlalloc", "driver", "throughput"}
+    assert all(r["method"].startswith("SIMULATED driver") for r in alloc["results"])
+    dec = json.loads((out / "decode.json").read_text())
+    assert dec["status"] in ("ok", "partial")
+    assert any("SIMULATION" in n for n in dec["notes"])
+    assert dec["results"] and all(r["simulated"] and "SIMULATION" in r["method"] for r in dec["results"])
+    native = [r for r in dec["results"] if r["variant"] == "native"]
+    assert native and native[0]["status"] == "ok" and native[0]["decode_tokens_per_s"] > 0
+    try:
+        import cxlalloc.hf as hf
+        have_wrap = hasattr(hf, "wrap")
+    except Exception:
+        have_wrap = False
+    cxl = [r for r in dec["results"] if r["variant"] in ("cxlalloc", "policy_free")]
+    if have_wrap:
+        assert cxl and all(r["status"] == "ok" for r in cxl)
+        spilled = [r for r in cxl if r["spill"] == 0.5]
+        assert spilled and all(r["measured_host_fraction"] > 0.25 for r in spilled)
+    else:
+        assert not cxl and any("cxlalloc.hf.wrap" in s["reason"] for s in dec["skipped"])
+
+
+@pytest.mark.skipif(_has_cuda(), reason="checks the no-GPU path")
+def test_without_gpu_the_gpu_benchmarks_are_recorded_as_skipped(tmp_path):
+    from cxlalloc.bench import cli
+
+    assert cli.main(["--out", str(tmp_path), "--no-progress", "--only", "ceilings,rightsizing,decode"]) == 0
+    for name in ("ceilings", "rightsizing", "decode"):
+        rec = json.loads((tmp_path / f"{name}.json").read_text())
+        assert meta.validate_record(rec) == []
+        assert rec["status"] == "skipped" and rec["simulated"] is False
+        assert rec["skipped"][0]["reason"].startswith("no GPU run")
+
+
+def test_bad_benchmark_name_is_a_usage_error(tmp_path):
+    p = _bench(["--out", str(tmp_path), "--only", "nonsense"])
+    assert p.returncode == 2 and "unknown benchmark" in p.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--fractions", "nan"], "nan is not a finite number"),
+    (["--fractions", "0.5,inf"], "inf is not a finite number"),
+    (["--new-tokens", "-1"], "-1 is below 2"),
+    (["--new-tokens", "1"], "1 is below 2"),
+    (["--time-budget", "0"], "--time-budget: 0.0 must be a positive number of seconds"),
+    (["--ceiling-bytes", "100"], "--ceiling-bytes: 100 is below 1 MiB"),
+])
+def test_bad_bench_arguments_are_usage_errors(tmp_path, args, message):
+    p = _bench(["--simulate", "--out", str(tmp_path), "--only", "allocation"] + args)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "allocation.json").exists()
+
+
+def test_unwritable_out_folder_is_a_usage_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    p = _bench(["--simulate", "--out", str(blocker / "sub"), "--only", "allocation"])
+    assert p.returncode == 2 and "--out: cannot write to" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+# ----------------------------------------------------------------- gpu_check.sh
+def test_gpu_check_dry_run_lists_every_step(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "out"))
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    lines = [l for l in p.stdout.splitlines() if l[:3].strip().rstrip(".").isdigit()]
+    assert [l.split()[1] for l in lines] == list(STEPS)
+    text = p.stdout
+    assert "pytest -m gpu -q" in text and "--timeout=" in text
+    assert "python3 -m cxlalloc info --json" in text or "-m cxlalloc info --json" in text
+    assert "--only decode" in text and "--quick" in text
+    assert "cxlalloc.bench.report" in text
+    assert "results.tar.gz" in text and "summary.json" in text and "log.txt" in text
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+    p2 = subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", "gpu_check.sh")], capture_output=True, text=True)
+    assert p2.returncode == 0, p2.stderr
+
+
+def test_gpu_check_rejects_unknown_arguments():
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--bogus"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "unknown argument" in p.stderr
+
+
+# ----------------------------------------------------------------- managed-memory guard
+def test_managed_guard_refuses_over_budget_grid():
+    free = 10 * GiB
+    assert guard.managed_cap(free) == 5 * GiB
+    assert guard.managed_request("managed", kv_bytes=2 * GiB, host_limit=3 * GiB) == 5 * GiB
+    assert guard.managed_request("auto", kv_bytes=GiB, host_limit=GiB) == 2 * GiB
+    assert guard.managed_request("host-vmm", kv_bytes=GiB, host_limit=GiB) == 0
+    guard.check_managed(5 * GiB, free)  # exactly half: allowed
+    with pytest.raises(guard.ManagedMemoryGuardError, match="half of the card's free memory"):
+        guard.check_managed(5 * GiB + 1, free)
+    # A real grid: at 40 GiB free, the 32k x 64 point's managed request is far over the 20 GiB cap.
+    pts = [("llama-1b", 32768, 64), ("llama-1b", 4096, 1)]
+    groups = decode.plan(pts, (0.0, 0.5), ("host-vmm", "managed"), 16)
+    cells = [c for g in groups.values() for c in g["cells"]]
+    with pytest.raises(guard.ManagedMemoryGuardError, match="grid is refused"):
+        guard.check_grid(cells, 40 * GiB)
+    ok, refused = guard.split_grid(cells, 40 * GiB)
+    assert refused and all(c["backend"] == "managed" for c in refused)
+    assert all("managed-memory guard" in c["refused"] for c in refused)
+    assert all(c["managed_bytes"] <= 20 * GiB for c in ok)
+    assert any(c["backend"] == "host-vmm" and c["context"] == 32768 for c in ok)  # host-vmm requests no managed memory
+    # The host tier's limit is per worker process (the largest cell's KV + margin), so a grid of only the small
+    # point passes.
+    small = [c for g in decode.plan(pts[1:], (0.0, 0.5), ("managed",), 16).values() for c in g["cells"]]
+    assert guard.check_grid(small, 40 * GiB) == small
+
+
+def test_worker_refuses_a_managed_cell_over_the_cap():
+    from cxlalloc.bench.worker import Worker
+
+    w = Worker({"cells": [], "free_bytes_at_start": 8 * GiB}, None)
+    assert w._guard({"id": "x", "managed_bytes": 0}) is None
+    assert w._guard({"id": "x", "managed_bytes": 4 * GiB}) is None
+    assert "managed-memory guard" in w._guard({"id": "x", "managed_bytes": 4 * GiB + 1})
+    w2 = Worker({"cells": [], "free_bytes_at_start": None}, None)
+    assert "unknown" in w2._guard({"id": "x", "managed_bytes": 1})
+
+
+# ----------------------------------------------------------------- model, plan, analysis
+def test_ceiling_model_and_budgets():
+    s = SHAPES["llama-1b"]
+    assert 1.0e9 < s.params() < 1.3e9
+    assert s.kv_bytes_per_token() == 2 * 16 * 8 * 64 * 2
+    w, kv = 2 * 10**9, 2 * 10**9
+    # No spill: (w + kv) bytes at 1000 GB/s -> 4 ms per step -> 250 steps/s x batch 4.
+    assert ceiling_tokens_per_s(4, w, kv, 0.0, 1000.0, None) == pytest.approx(1000.0)
+    # Half on the host at 50 GB/s: 3 ms + 20 ms per step.
+    assert ceiling_tokens_per_s(4, w, kv, 0.5, 1000.0, 50.0) == pytest.approx(4 / 0.023)
+    assert ceiling_tokens_per_s(4, w, kv, 0.5, 1000.0, None) is None
+    assert decode.budget_from_peak(10 * GiB, 4 * GiB, 0.25) == 10 * GiB + decode.BUDGET_SLACK - GiB
+    pts = decode.grid_points(True, False)
+    assert {c for _, c, _ in pts} == {4096, 32768}
+    groups = decode.plan(pts, decode.FRACTIONS, decode.BACKENDS, 12)
+    assert list(groups)[0] == "native" and "policy_free:host-vmm" in groups
+    variants = {c["variant"] for g in groups.values() for c in g["cells"]}
+    assert variants == {"native", "native_limit", "hf_offloaded", "policy_free", "cxlalloc"}
+    assert groups["policy_free:host-vmm"]["options"].get("policy") == "first-fit" or \
+        groups["policy_free:host-vmm"]["options"].get("migration_rate") == 0
+    ids = [c["id"] for g in groups.values() for c in g["cells"]]
+    assert len(ids) == len(set(ids))
+
+
+def _synthetic_decode_rows():
+    rows = []
+    for (m, c, b) in (("llama-1b", 4096, 16),):
+        kv = SHAPES[m].kv_bytes(b, c + 12)
+        base = dict(model=m, context=c, batch=b, new_tokens=12, kv_final_bytes=kv, status="ok", backend=None,
+                    method="synthetic", simulated=False)
+        rows.append(dict(base, id="n", variant="native", spill=0.0, decode_tokens_per_s=900.0, ttft_s=0.3,
+                         peak_reserved_bytes=6 * GiB, tokens_digest="aa"))
+        rows.append(dict(base, id="o", variant="hf_offloaded", spill=0.75, decode_tokens_per_s=120.0, ttft_s=0.9))
+        for f, tps in ((0.0, 880.0), (0.25, 600.0), (0.5, 420.0), (0.75, 300.0)):
+            tl = [{"put": i, "device_bytes": 4 * GiB, "host_bytes": int(f * kv), "kv_device_bytes": int((1 - f) * kv),
+                   "kv_host_bytes": int(f * kv)} for i in range(4)]
+            rows.append(dict(base, id=f"c{f}", variant="cxlalloc", backend="host-vmm", spill=f,
+                             decode_tokens_per_s=tps, ttft_s=0.4, measured_host_fraction=f, timeline=tl,
+                             tokens_digest="aa"))
+            if f:
+                rows.append(dict(base, id=f"p{f}", variant="policy_free", backend="host-vmm", spill=f,
+                                 decode_tokens_per_s=tps * 0.8, measured_host_fraction=f))
+                rows.append(dict(base, id=f"l{f}", variant="native_limit", spill=f, status="oom",
+                                 error="torch.OutOfMemoryError: CUDA out of memory"))
+    return rows
+
+
+def test_record_status_is_judged_by_its_rows(tmp_path):
+    def status(*row_statuses):
+        w = meta.RecordWriter(str(tmp_path), meta.new_record("decode", {}, simulated=False, argv=[]))
+        w.record["summary"] = {}
+        for i, st in enumerate(row_statuses):
+            w.add({"id": str(i), "status": st, "method": "synthetic"})
+        return w.finish(w.status_from_rows()), w.record["summary"]["row_status_counts"]
+
+    assert status("error", "error")[0]["status"] == "error"           # no ok row: never "ok"
+    assert status("not_run", "oom")[0]["status"] == "error"
+    assert status("ok", "not_run")[0]["status"] == "partial"          # killed or out of time
+    assert status("ok", "error")[0]["status"] == "partial"
+    rec, counts = status("ok", "oom", "refused")                        # measured OOM, guard refusal
+    assert rec["status"] == "ok" and counts == {"ok": 1, "oom": 1, "refused": 1}
+
+
+def test_rightsizing_capacity_only_from_a_memory_stop():
+    def rows(variant, statuses):
+        return [{"variant": variant, "batch": b, "status": st, "decode_tokens_per_s": 10.0 * b}
+                for b, st in zip((4, 8, 16, 32), statuses)]
+
+    lb = rightsizing.largest_batch
+    assert lb(rows("cxlalloc", ["ok", "ok", "oom", "not_run"]), "cxlalloc", [4, 8, 16, 32]) == {
+        "largest_batch": 8, "tokens_per_s": 80.0, "mode": None, "stopped_by": "oom", "failed_batch": 16}
+    cut = lb(rows("cxlalloc", ["ok", "not_run", "not_run", "not_run"]), "cxlalloc", [4, 8, 16, 32])
+    assert cut["stopped_by"] == "time" and cut["largest_batch"] == 4
+    assert lb(rows("cxlalloc", ["ok", "ok"]), "cxlalloc", [4, 8, 16, 32])["stopped_by"] == "time"  # worker killed
+    assert lb(rows("cxlalloc", ["ok"] * 4), "cxlalloc", [4, 8, 16, 32])["stopped_by"] == "all_ran"
+    assert lb(rows("cxlalloc", ["ok", "refused"]), "cxlalloc", [4, 8, 16, 32])["stopped_by"] == "refused"
+    assert lb([], "cxlalloc", [4])["stopped_by"] == "none"
+
+
+def test_native_limit_ceiling_puts_nothing_on_the_host():
+    kv = SHAPES["llama-1b"].kv_bytes(16, 4096 + 12)
+    base = dict(model="llama-1b", context=4096, batch=16, new_tokens=12, kv_final_bytes=kv, status="ok",
+                backend=None, method="synthetic", decode_tokens_per_s=500.0)
+    rows = [dict(base, id="n", variant="native", spill=0.0),
+            dict(base, id="l", variant="native_limit", spill=0.5),   # fit after all: plain torch spills nothing
+            dict(base, id="c", variant="cxlalloc", backend="host-vmm", spill=0.5)]
+    ceil = {"hbm_read_gbps": 3500.0, "link": {"host-vmm": {"zero_copy_read_gbps": 45.0}}}
+    decode.analyse(rows, ceil)
+    by = {r["id"]: r for r in rows}
+    assert by["l"]["ceiling_host_fraction"] == 0.0 and by["c"]["ceiling_host_fraction"] == 0.5
+    assert by["l"]["ceiling_tokens_per_s"] == by["n"]["ceiling_tokens_per_s"] > by["c"]["ceiling_tokens_per_s"]
+
+
+def _gpu_record(name, results, summary, tmpdir):
+    rec = meta.new_record(name, {"synthetic": True}, simulated=False, argv=["--quick"])
+    rec["hardware"]["gpu"] = {"available": True, "simulated": False, "name": "Synthetic GPU", "driver_version": "0"}
+    rec["results"] = results
+    rec["summary"] = summary
+    rec["status"] = "ok"
+    meta.write_json(os.path.join(tmpdir, f"{name}.json"), rec)
+    return rec
+
+
+def test_report_builds_plots_and_readme_table_from_synthetic_records(tmp_path):
+    res = tmp_path / "results" / "run1"
+    res.mkdir(parents=True)
+    ceil = {"hbm_read_gbps": 3500.0, "device_copy_gbps": 4200.0, "torch_pinned_h2d_gbps": 50.0,
+            "torch_pinned_d2h_gbps": 52.0,
+            "link": {"host-vmm": {"numa_node": 0, "zero_copy_read_gbps": 45.0, "h2d_gbps": 50.0, "d2h_gbps": 51.0}}}
+    _gpu_record("ceilings", [{"part": "device_copy", "method": "synthetic", "gbps": 4200.0}], ceil, str(res))
+    rows = _synthetic_decode_rows()
+    summary = decode.analyse(rows, ceil)
+    _gpu_record("decode", rows, summary, str(res))
+    rs_rows = [dict(id=f"r{b}", variant=v, batch=b, status="ok" if (v == "cxlalloc" or b <= 8) else "oom",
+                    decode_tokens_per_s=100.0 * b, method="synthetic")
+               for v in ("native_limit", "cxlalloc") for b in (4, 8, 16)]
+    _gpu_record("rightsizing", rs_rows, {"budget_bytes": 5 * GiB, "native_limit": {"largest_batch": 8,
+                "tokens_per_s": 800.0}, "cxlalloc": {"largest_batch": 16, "tokens_per_s": 1600.0},
+                "batch_ratio": 2.0, "tokens_per_s_ratio": 2.0}, str(res))
+    _gpu_record("allocation", [{"kind": "driver", "call": "cuMemAlloc", "bytes": 2 * MiB, "alloc_us": {"median": 50.0},
+                                "free_us": {"median": 30.0}, "simulated": False, "method": "synthetic"}], {}, str(res))
+    # A simulation record beside them must never reach the table.
+    sim = meta.new_record("decode", {}, simulated=True, argv=["--simulate"])
+    sim["status"] = "ok"
+    sim["results"] = [{"method": "SIMULATION", "decode_tokens_per_s": 12345.0}]
+    meta.write_json(str(tmp_path / "results" / "sim" / "decode.json"), sim)
+    readme = tmp_path / "README.md"
+    readme.write_text("# Project\n\nintro\n\n<!-- bench:start -->\nold\n<!-- bench:end -->\n\nfooter\n")
+    plots = tmp_path / "plots"
+    rc = report.main(["--results", str(tmp_path / "results"), "--plots", str(plots), "--readme", str(readme)])
+    assert rc == 0
+    pngs = sorted(p.name for p in plots.iterdir())
+    for name in ("ceilings.png", "rightsizing.png", "allocation.png", "decode_llama-1b_ctx4096_b16.png",
+                 "tiers_llama-1b_ctx4096_b16.png"):
+        assert name in pngs
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = readme.read_text()
+    assert text.startswith("# Project\n\nintro\n") and text.rstrip().endswith("footer")
+    assert "old" not in text and text.count("<!-- bench:start -->") == 1
+    assert "Synthetic GPU" in text and "pending" not in text.lower().split("### benchmark results")[1][:200]
+    assert "12345" not in text  # simulation numbers never appear
+    row = next(l for l in text.splitlines() if l.startswith("| llama-1b | 4096 | 16 | 50 %"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[4].startswith("420.0")
+    assert cells[6] == f"{420.0 / 120.0:.2f}×"  # vs offloaded
+    assert cells[7] == "1.25×"  # vs policy-free (0.8x)
+    assert cells[9] == "oom"
+    assert cells[5].endswith("×")  # vs ceiling, from the synthetic bandwidths
+
+
+def test_report_says_pending_without_gpu_records(tmp_path):
+    (tmp_path / "results").mkdir()
+    sim = meta.new_record("decode", {}, simulated=True, argv=["--simulate"])
+    sim["status"] = "ok"
+    sim["results"] = [{"method": "SIMULATION"}]
+    meta.write_json(str(tmp_path / "results" / "decode.json"), sim)
+    readme = tmp_path / "README.md"
+    readme.write_text("# P\n")
+    assert report.main(["--results", str(tmp_path / "results"), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "<!-- bench:start -->" in text and "<!-- bench:end -->" in text
+    assert "GPU numbers pending" in text
+    assert report.main(["--results", str(tmp_path / "results"), "--readme", str(readme)]) == 0
+    assert readme.read_text() == text  # idempotent
+
+
+def test_report_imports_a_gpu_check_tarball(tmp_path):
+    work = tmp_path / "work"
+    (work / "results").mkdir(parents=True)
+    (work / "logs").mkdir()
+    rows = _synthetic_decode_rows()
+    _gpu_record("decode", rows, decode.analyse(rows, None), str(work / "results"))
+    sim = meta.new_record("ceilings", {}, simulated=True, argv=["--simulate"])
+    sim["skipped"] = [{"part": "all", "reason": "sim"}]
+    sim["status"] = "skipped"
+    meta.write_json(str(work / "results" / "ceilings.json"), sim)
+    (work / "results" / "info.json").write_text("{}")
+    tb = tmp_path / "results.tar.gz"
+    with tarfile.open(tb, "w:gz") as tf:
+        tf.add(work / "results", arcname="results")
+        tf.add(work / "logs", arcname="logs")
+    dest = report.import_tarball(str(tb), str(tmp_path / "bench_results"))
+    assert dest and sorted(os.listdir(dest)) == ["decode.json", "info.json"]
+    assert "synthetic-gpu" in os.path.basename(dest)
+    assert meta.validate_record(json.load(open(os.path.join(dest, "decode.json")))) == []
+
+
+# ----------------------------------------------------------------- worker protocol (CPU)
+def test_worker_process_protocol_on_cpu(tmp_path):
+    cell = {"variant": "native", "model": "tiny", "context": 32, "batch": 2, "new_tokens": 4, "spill": 0.0,
+            "budget_bytes": None, "budget_rule": None, "backend": None, "managed_bytes": 0,
+            "cache_implementation": None, "prefill_chunk": 16, "timeline": True, "kv_final_bytes": 1,
+            "weight_bytes": 1}
+    cells = [dict(cell, id="a"), dict(cell, id="b", model="no-such-model"), dict(cell, id="c"),
+             dict(cell, id="d", managed_bytes=1)]
+    spec = {"group": "native", "kind": "native", "device": 0, "device_type": "cpu", "deadline_unix": None,
+            "free_bytes_at_start": None, "stop_after_failure": False, "cells": cells}
+    rows = decode.run_worker(spec, str(tmp_path), timeout_s=120, log=lambda *_: None)
+    by = {r["id"]: r for r in rows}
+    a = by["a"]
+    assert a["status"] == "ok", a
+    assert a["ttft_s"] > 0 and a["decode_tokens_per_s"] > 0 and a["decode_steps"] == 3
+    assert a["generated_tokens"] == 8 and len(a["tokens_digest"]) == 16 and len(a["timeline"]) == 5
+    assert by["b"]["status"] == "error" and "no-such-model" in by["b"]["error"]
+    assert by["c"]["status"] == "ok" and by["c"]["tokens_digest"] == a["tokens_digest"]
+    assert by["d"]["status"] == "refused" and "managed-memory guard" in by["d"]["reason"]
+    assert all(r["group"] == "native" for r in rows)
+    # A worker past its deadline starts nothing; one that is killed leaves its unfinished cells as not_run.
+    import io
+
+    from cxlalloc.bench.worker import Worker
+
+    buf = io.StringIO()
+    Worker(dict(spec, deadline_unix=1.0, cells=[dict(cell, id="z")]), buf).run()
+    z = json.loads(buf.getvalue())
+    assert z["status"] == "not_run" and "time budget" in z["reason"]
+    (k,) = decode.run_worker(dict(spec, cells=[dict(cell, id="k")]), str(tmp_path), timeout_s=0.2,
+                             log=lambda *_: None)
+    assert k["status"] == "not_run" and "killed" in k["reason"]
+
+
+# ----------------------------------------------------------------- decode orchestration (GPU path, faked workers)
+def test_decode_orchestration_budgets_guard_and_ratios(tmp_path, monkeypatch):
+    """decode.run's GPU path with the worker processes replaced by a fake: the
+    native group runs first, cxlalloc groups get budgets from its peaks,
+    managed cells over the guard are refused, rows reach the record as they
+    come, and the summary holds the ratios."""
+    from cxlalloc.bench import cli
+
+    specs = []
+
+    def fake_worker(spec, work_dir, timeout_s, log=print):
+        specs.append(spec)
+        rows = []
+        for c in spec["cells"]:
+            r = dict(c, group=spec["group"], status="ok", ttft_s=0.5, tokens_digest="x")
+            if c["variant"] == "native":
+                r.update(decode_tokens_per_s=1000.0, peak_reserved_bytes=8 * GiB)
+            elif c["variant"] == "native_limit" and c["spill"] > 0:
+                r.update(status="oom", error="torch.OutOfMemoryError: CUDA out of memory")
+            elif c["variant"] == "hf_offloaded":
+                r.update(decode_tokens_per_s=100.0)
+            else:
+                r.update(decode_tokens_per_s=1000.0 * (1 - c["spill"]) + 50, measured_host_fraction=c["spill"])
+            rows.append(r)
+        return rows
+
+    monkeypatch.setattr(decode, "run_worker", fake_worker)
+    monkeypatch.setattr(decode, "gpu_free_bytes", lambda device=0: 40 * GiB)
+    ceil = {"hbm_read_gbps": 3000.0, "link": {"host-vmm": {"zero_copy_read_gbps": 40.0},
+                                              "pinned": {"zero_copy_read_gbps": 30.0}}}
+    monkeypatch.setattr(decode, "load_ceilings", lambda out_dir: ceil)
+    args = cli.make_parser().parse_args(["--quick", "--out", str(tmp_path), "--contexts", "4096,32768",
+                                         "--batches", "16"])
+    ctx = cli.BenchContext(args, ["--quick"])
+    monkeypatch.setattr(ctx, "gpu_ready", lambda: (True, ""))
+    rec = decode.run(ctx)
+    assert meta.validate_record(rec) == []
+    assert [s["group"] for s in specs][0] == "native"
+    by_group = {s["group"]: s for s in specs}
+    assert set(by_group) >= {"native", "cxlalloc:host-vmm", "policy_free:host-vmm", "cxlalloc:pinned"}
+    cx = by_group["cxlalloc:host-vmm"]
+    for c in cx["cells"]:
+        assert c["budget_rule"] == "native_peak"
+        assert c["budget_bytes"] == decode.budget_from_peak(8 * GiB, c["kv_final_bytes"], c["spill"])
+    assert cx["cxlalloc_options"]["device_limit"] == cx["cells"][0]["budget_bytes"]
+    assert cx["cxlalloc_options"]["host_limit"] >= max(c["kv_final_bytes"] for c in cx["cells"])
+    assert by_group["policy_free:host-vmm"]["cxlalloc_options"].get("policy") == "first-fit" or \
+        by_group["policy_free:host-vmm"]["cxlalloc_options"].get("migration_rate") == 0
+    # 40 GiB free -> 20 GiB managed cap: the 32k x 16 point's managed cells (16 GiB KV + host limit) are refused.
+    refused = [r for r in rec["results"] if r["status"] == "refused"]
+    assert refused and all(r["backend"] == "managed" for r in refused)
+    assert all("managed-memory guard" in r["reason"] for r in refused)
+    assert all(c["managed_bytes"] <= 20 * GiB for c in by_group.get("cxlalloc:managed", {"cells": []})["cells"])
+    pts = rec["summary"]["points"]
+    e = next(p for p in pts if p["context"] == 4096 and p["spill"] == 0.5)
+    assert e["best_cxlalloc"]["backend"] == "host-vmm"
+    assert e["cxlalloc_vs_offloaded"] == pytest.approx(550.0 / 100.0)
+    assert e["cxlalloc_vs_policy_free"] == pytest.approx(1.0)
+    assert e["cxlalloc_vs_native"] == pytest.approx(0.55)
+    assert 0 < e["cxlalloc_vs_ceiling"] < 10
+    assert e["native_limit"]["status"] == "oom"
+    on_disk = json.loads((tmp_path / "decode.json").read_text())
+    assert on_disk["status"] == "ok" and len(on_disk["results"]) == len(rec["results"])

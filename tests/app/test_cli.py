@@ -1,0 +1,139 @@
+"""`python -m cxlalloc` (and the `cxlalloc` console script): info, run, bench,
+demo, in subprocesses, as a user runs them."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+NO_DRIVER = "/nonexistent/libcuda.so.1"  # forces the no-GPU path on any machine
+
+
+def cli(*args, env_extra=None, timeout=240):
+    env = {k: v for k, v in os.environ.items() if k != "CXLALLOC"}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "cxlalloc", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def sysfs_nodes():
+    return sorted(int(os.path.basename(p)[4:]) for p in glob.glob("/sys/devices/system/node/node[0-9]*"))
+
+
+def test_info_json_without_gpu_lists_numa_and_reason():
+    r = cli("info", "--json", "--libcuda", NO_DRIVER)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    gpu = info["gpu"]
+    assert gpu["available"] is False and gpu["devices"] == [] and gpu["simulated"] is False
+    assert gpu["reason"].startswith(f"CUDA unavailable: cannot load the CUDA driver library '{NO_DRIVER}'")
+    numa = info["numa"]
+    assert numa["available"] is True, numa.get("reason")
+    nodes = numa["topology"]["nodes"]
+    assert [n["id"] for n in nodes] == sysfs_nodes()
+    for n in nodes:
+        assert set(n) >= {"id", "has_cpu", "has_memory", "cxl", "total_bytes", "free_bytes", "memory_tier"}
+        assert n["has_cpu"] == bool(n["cpus"])
+    auto = numa["auto_node"]
+    assert auto["node"] in [n["id"] for n in nodes if n["has_memory"]]
+    assert auto["reason"].startswith(f"node {auto['node']}: ")
+    assert info["cxlalloc"]["version"] == "0.1.0"
+    assert info["torch"]["installed"] is True
+
+
+def test_info_text_without_gpu():
+    r = cli("info", "--libcuda", NO_DRIVER)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert any(line.startswith(f"no GPU: CUDA unavailable: cannot load the CUDA driver library '{NO_DRIVER}'")
+               for line in lines)
+    assert "NUMA topology (sysfs: /sys)" in r.stdout
+    assert any(line.startswith("numa_node auto -> ") for line in lines)
+
+
+def test_info_simulate_json():
+    r = cli("info", "--simulate", "--json")
+    assert r.returncode == 0, r.stderr
+    gpu = json.loads(r.stdout)["gpu"]
+    assert gpu["available"] is True and gpu["simulated"] is True and gpu["reason"] is None
+    assert gpu["numa_method"] == "simulated"
+    (dev,) = gpu["devices"]
+    assert dev["index"] == 0 and dev["name"] == "cxlalloc simulated GPU 0"
+    assert dev["total_bytes"] == 16 << 30  # the simulator's default VRAM
+    assert dev["attributes"]["virtual_memory_management_supported"] == 1
+    assert dev["attributes"]["host_numa_id"] == dev["host_numa_id"]
+    assert set(dev["backends"]) == {"device", "host-vmm", "managed", "pinned"}
+    assert all(isinstance(b["supported"], bool) and isinstance(b["reason"], str) for b in dev["backends"].values())
+    assert dev["auto_node"]["node"] in sysfs_nodes()
+    assert dev["auto_node"]["reason"].startswith(f"node {dev['auto_node']['node']}: ")
+
+
+def test_run_propagates_variable_and_exit_code():
+    code = "import os, sys; print(os.environ['CXLALLOC']); sys.exit(7)"
+    r = cli("run", "--device-limit", "2GiB", "--numa-node", "0", "--option", "promote_after=3", "--",
+            sys.executable, "-c", code)
+    assert r.returncode == 7, r.stderr
+    assert r.stdout == "device_limit:2GiB,numa_node:0,promote_after:3\n"
+
+
+def test_run_defaults_to_1_and_merges_existing_variable():
+    code = "import os; print(os.environ['CXLALLOC'])"
+    r = cli("run", "--", sys.executable, "-c", code)
+    assert (r.returncode, r.stdout) == (0, "1\n")
+    r = cli("run", "--host-limit", "8GiB", "--", sys.executable, "-c", code, env_extra={"CXLALLOC": "backend:managed"})
+    assert (r.returncode, r.stdout) == (0, "backend:managed,host_limit:8GiB\n")
+
+
+def test_run_rejects_bad_options_before_starting():
+    r = cli("run", "--backend", "cuda", "--", sys.executable, "-c", "print('started')")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        "cxlalloc run: cxlalloc option 'backend': 'cuda' is not allowed; allowed: auto, host-vmm, managed, pinned"]
+    r = cli("run", "--option", "bogus", "--", "true")
+    assert r.returncode == 2 and "--option 'bogus': use KEY=VALUE" in r.stderr
+    r = cli("run")
+    assert r.returncode == 2 and "no command given" in r.stderr
+    r = cli("run", "--", "/nonexistent/command")
+    assert r.returncode == 127 and "cannot run '/nonexistent/command'" in r.stderr
+
+
+def test_run_refuses_an_option_given_twice_on_its_command_line():
+    for args in (["--option", "device_limit=1GiB", "--device-limit", "2GiB"],
+                 ["--option", "device_limit=1GiB", "--option", "device_limit=2GiB"]):
+        r = cli("run", *args, "--", sys.executable, "-c", "print('started')")
+        assert r.returncode == 2 and r.stdout == ""
+        assert "cxlalloc option 'device_limit' is given twice on the command line" in r.stderr, r.stderr
+    # The inherited variable is a base that the command line overrides.
+    r = cli("run", "--device-limit", "2GiB", "--", sys.executable, "-c", "import os; print(os.environ['CXLALLOC'])",
+            env_extra={"CXLALLOC": "device_limit:1GiB"})
+    assert (r.returncode, r.stdout) == (0, "device_limit:2GiB\n")
+
+
+def test_run_with_a_malformed_inherited_variable_says_why_once():
+    r = cli("run", "--", sys.executable, "-c", "print('started')", env_extra={"CXLALLOC": "device_limit:banana"})
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("'device_limit': 'banana' is not a size or fraction") == 1, r.stderr
+    # Whether the start-up hook printed the error (installed .pth) or `run`
+    # did, the last line is run's own.
+    assert r.stderr.splitlines()[-1].startswith("cxlalloc run: "), r.stderr
+
+
+@pytest.mark.parametrize("sub,module", [("bench", "cxlalloc.bench.cli"), ("demo", "cxlalloc.demo")])
+def test_bench_and_demo_are_registered(sub, module):
+    import importlib.util
+
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} exists: its own tests cover it")
+    r = cli(sub, "--help")
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"cxlalloc {sub}: not available in this installation ({module} could not be imported")
+
+
+def test_console_script_and_help():
+    script = os.path.join(os.path.dirname(sys.executable), "cxlalloc")
+    assert os.path.isfile(script), "console script 'cxlalloc' not installed (pip install -e .)"
+    r = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "{info,run,bench,demo}" in r.stdout
