@@ -1,5 +1,5 @@
 // Placement and migration policy: pure decision code, no driver calls, so it
-// is unit-tested directly (tests/test_policy.py through _C.policy_*).
+// is unit-tested directly (tests/engine/test_policy.py through _C.policy_*).
 //
 // The rules, and where they come from:
 //  * VRAM first for everything while it has room; KV cache is what spills:

@@ -1,4 +1,4 @@
-// The pure policy, exposed for direct unit tests (tests/test_policy.py).
+// The pure policy, exposed for direct unit tests (tests/engine/test_policy.py).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

@@ -1,4 +1,4 @@
-// Python entry points of the torch adapter (built by cxlalloc/_torch_build.py
+// Python entry points of the torch adapter (built by cxlalloc/pytorch/adapter_build.py
 // with torch.utils.cpp_extension against the installed torch).
 //
 // install() is the whole of global mode's C++ side: resolve the engine's C
