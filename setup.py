@@ -54,7 +54,7 @@ if cuda_inc and os.environ.get("CXLALLOC_NO_CUDA_H") != "1":
 
 core = Pybind11Extension(
     "cxlalloc._C",
-    _sources("common", "driver", "topology", "backend", "policy", "alloc", "capi", "python"),
+    _sources("common", "driver", "topology", "backend", "policy", "alloc", "kvstore", "capi", "python"),
     include_dirs=include_dirs,
     define_macros=macros,
     extra_compile_args=CXXFLAGS,
