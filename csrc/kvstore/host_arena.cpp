@@ -34,6 +34,7 @@ HostArena::HostArena(driver::DriverPtr drv, std::shared_ptr<topology::NumaOps> n
   // server's.
   if (numa_) numa_->bind(map_.base(), map_.size(), cfg_.node);
   if (cfg_.register_chunk > 0) {
+    if (!drv_) throw_error(ErrorKind::InvalidArgument, "kv store: GPU registration needs a CUDA driver");
     ctx_ = driver::PrimaryContext(drv_, cfg_.device);
     regs_.resize((map_.size() + cfg_.register_chunk - 1) / cfg_.register_chunk);
   }

@@ -44,7 +44,8 @@ struct ArenaStats {
 class HostArena {
  public:
   // Maps the arena and binds all of it to `cfg.node` (MPOL_BIND) before any
-  // page is touched.  `numa` may be null (placement then unverified).
+  // page is touched.  `numa` may be null (placement then unverified); `drv`
+  // may be null when register_chunk is 0 (a kv-server with no GPU).
   // Throws Error(InvalidArgument) for a register_chunk above 64 GiB or not
   // page-aligned, and what ArenaMapping and NumaOps::bind throw.
   HostArena(driver::DriverPtr drv, std::shared_ptr<topology::NumaOps> numa, const ArenaConfig& cfg);

@@ -83,9 +83,12 @@ void bind_kvstore(py::module_& m) {
              c.register_chunk = register_chunk;
              c.device = device;
              py::gil_scoped_release nogil;
+             // No engine: a process with no GPU (the kv-server) places pages
+             // with the kernel's own mbind/move_pages and never registers.
+             if (!engine) return std::make_shared<kvstore::HostArena>(nullptr, topology::linux_numa_ops(), c);
              return std::make_shared<kvstore::HostArena>(engine->driver(), engine->numa(), c);
            }),
-           py::arg("engine"), py::arg("size"), py::arg("node"), py::arg("shared") = false, py::arg("attach_fd") = -1,
+           py::arg("engine").none(true), py::arg("size"), py::arg("node"), py::arg("shared") = false, py::arg("attach_fd") = -1,
            py::arg("register_chunk") = 0, py::arg("device") = 0)
       .def_property_readonly("base", [](const kvstore::HostArena& a) { return reinterpret_cast<uint64_t>(a.base()); })
       .def_property_readonly("size", &kvstore::HostArena::size)
