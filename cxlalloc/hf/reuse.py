@@ -97,11 +97,13 @@ def parse_reuse_options(options: dict) -> Optional[ReuseOptions]:
             raise ValueError(f"cxlalloc.hf.wrap: {', '.join(extra)} given without kv_store; pass kv_store=True (or "
                              "'local', 'unix:///path/kv.sock', 'redis://host:port/db', or a store object)")
         return None
-    bt = check_block_tokens(got.get("block_tokens") or DEFAULT_BLOCK_TOKENS)
+    bt = got.get("block_tokens")
+    bt = DEFAULT_BLOCK_TOKENS if bt is None else check_block_tokens(bt)
     salt = got.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise ValueError(f"cxlalloc option 'cache_salt': {salt!r} is not a string (a namespace such as a tenant id)")
-    fp = got.get("kv_store_fingerprint") or "sampled"
+    fp = got.get("kv_store_fingerprint")
+    fp = "sampled" if fp is None else fp
     if fp not in kvkeys.WEIGHT_MODES:
         raise ValueError(f"cxlalloc option 'kv_store_fingerprint': {fp!r} is not allowed; allowed: "
                          f"{', '.join(kvkeys.WEIGHT_MODES)}")
