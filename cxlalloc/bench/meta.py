@@ -46,7 +46,7 @@ import cxlalloc
 from cxlalloc import _C, topology
 
 SCHEMA = "cxlalloc-bench/1"
-BENCHMARKS = ("ceilings", "allocation", "decode", "rightsizing")
+BENCHMARKS = ("ceilings", "allocation", "decode", "rightsizing", "reuse")
 STATUSES = ("ok", "partial", "skipped", "error")
 REQUIRED_FIELDS = ("schema", "benchmark", "status", "simulated", "date_utc", "duration_s", "command", "argv",
                    "parameters", "hardware", "software", "results", "skipped", "errors", "notes")

@@ -82,7 +82,8 @@ def _tensor_bytes(t, mode: str) -> bytes:
     if mode == "full" or n <= 2 * _EDGE + _POINTS:
         sample = flat
     else:
-        idx = torch.linspace(0, n - 1, _POINTS, device=flat.device).long()
+        # Integer spacing: a float linspace rounds past the end of large tensors.
+        idx = torch.arange(_POINTS, device=flat.device, dtype=torch.long) * (n - 1) // (_POINTS - 1)
         sample = torch.cat([flat[:_EDGE], flat.index_select(0, idx), flat[-_EDGE:]])
     sample = sample.cpu().contiguous()
     return sample.view(torch.uint8).numpy().tobytes() if sample.element_size() else b""
