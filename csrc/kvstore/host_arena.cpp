@@ -16,7 +16,7 @@ namespace {
 constexpr size_t kMaxRegisterChunk = size_t(64) << 30;
 }  // namespace
 
-HostArena::HostArena(driver::DriverPtr drv, std::shared_ptr<topology::NumaOps> numa, const ArenaConfig& cfg)
+HostArena::HostArena(driver::DriverPtr drv, std::shared_ptr<backend::NumaOps> numa, const ArenaConfig& cfg)
     : drv_(std::move(drv)), numa_(std::move(numa)), cfg_(cfg) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   if (cfg_.register_chunk > kMaxRegisterChunk || cfg_.register_chunk % page != 0)
@@ -82,10 +82,10 @@ size_t HostArena::ensure_registered(size_t off, size_t len) {
   return added;
 }
 
-topology::PlacementCheck HostArena::verify(size_t off, size_t len) const {
+backend::PlacementCheck HostArena::verify(size_t off, size_t len) const {
   check_range(off, len);
   if (!numa_) throw_error(ErrorKind::Unavailable, "kv store: no NUMA support here: placement cannot be verified");
-  return topology::check_placement(*numa_, base() + off, len, cfg_.node);
+  return backend::check_placement(*numa_, base() + off, len, cfg_.node);
 }
 
 ArenaStats HostArena::stats() const {

@@ -21,7 +21,7 @@
 #include "driver/driver.h"
 #include "driver/resources.h"
 #include "kvstore/arena_mapping.h"
-#include "topology/placement.h"
+#include "backend/placement.h"
 
 namespace cxl::kvstore {
 
@@ -48,7 +48,7 @@ class HostArena {
   // may be null when register_chunk is 0 (a kv-server with no GPU).
   // Throws Error(InvalidArgument) for a register_chunk above 64 GiB or not
   // page-aligned, and what ArenaMapping and NumaOps::bind throw.
-  HostArena(driver::DriverPtr drv, std::shared_ptr<topology::NumaOps> numa, const ArenaConfig& cfg);
+  HostArena(driver::DriverPtr drv, std::shared_ptr<backend::NumaOps> numa, const ArenaConfig& cfg);
   ~HostArena();
   HostArena(const HostArena&) = delete;
   HostArena& operator=(const HostArena&) = delete;
@@ -72,7 +72,7 @@ class HostArena {
   // Where the pages of [off, off+len) are now (populated bytes per node;
   // never faults anything in).  Throws Error(InvalidArgument) for a range
   // outside the arena, and Unavailable without NUMA support.
-  topology::PlacementCheck verify(size_t off, size_t len) const;
+  backend::PlacementCheck verify(size_t off, size_t len) const;
   std::string numa_method() const { return numa_ ? numa_->method() : "none"; }
 
   ArenaStats stats() const;
@@ -81,7 +81,7 @@ class HostArena {
   void check_range(size_t off, size_t len) const;
 
   driver::DriverPtr drv_;
-  std::shared_ptr<topology::NumaOps> numa_;
+  std::shared_ptr<backend::NumaOps> numa_;
   ArenaConfig cfg_;
   ArenaMapping map_;
   driver::PrimaryContext ctx_;  // retained only when registration is on

@@ -55,7 +55,7 @@ py::capsule arena_capsule(std::shared_ptr<kvstore::HostArena> a) {
   return py::reinterpret_steal<py::capsule>(cap);
 }
 
-py::dict placement_dict(const topology::PlacementCheck& c) {
+py::dict placement_dict(const backend::PlacementCheck& c) {
   py::dict d;
   d["ok"] = c.ok;
   d["on_node"] = c.on_node;
@@ -85,7 +85,7 @@ void bind_kvstore(py::module_& m) {
              py::gil_scoped_release nogil;
              // No engine: a process with no GPU (the kv-server) places pages
              // with the kernel's own mbind/move_pages and never registers.
-             if (!engine) return std::make_shared<kvstore::HostArena>(nullptr, topology::linux_numa_ops(), c);
+             if (!engine) return std::make_shared<kvstore::HostArena>(nullptr, backend::linux_numa_ops(), c);
              return std::make_shared<kvstore::HostArena>(engine->driver(), engine->numa(), c);
            }),
            py::arg("engine").none(true), py::arg("size"), py::arg("node"), py::arg("shared") = false, py::arg("attach_fd") = -1,
@@ -103,7 +103,7 @@ void bind_kvstore(py::module_& m) {
       .def(
           "verify",
           [](const kvstore::HostArena& a, size_t off, size_t len) {
-            topology::PlacementCheck c;
+            backend::PlacementCheck c;
             {
               py::gil_scoped_release nogil;
               c = a.verify(off, len);
