@@ -118,7 +118,7 @@ class KVPool:
         """The (store, slot) an empty layer writes to, creating storage as needed."""
         return self.bind_geometry(layer, Geometry.of(key_states, value_states), key_states.shape[-2])
 
-    def bind_geometry(self, layer: "CxlKVLayer", g: Geometry, need: int) -> Tuple[KVStore, int]:
+    def bind_geometry(self, layer: "CxlKVLayer", g: Geometry, need: int) -> Tuple[KVStorage, int]:
         """:meth:`bind` for a layer of geometry ``g`` about to hold ``need`` tokens."""
         if layer._share_slot is not None and self.n_shared > 0:
             s = self.shared
@@ -481,7 +481,7 @@ class CxlCache(DynamicCache):
         wrapper with ``max_length - 1`` when this cache is passed in)."""
         self._pool.reserve(tokens)
 
-    def open_prefix(self, geometries, batch: int, tokens: int) -> List[Tuple[KVStore, int]]:
+    def open_prefix(self, geometries, batch: int, tokens: int) -> List[Tuple[KVStorage, int]]:
         """Make this empty cache hold ``tokens`` tokens in every full-attention
         layer, with storage committed but **not written**: the caller writes
         the K/V (a prefix hit loaded by :mod:`cxlalloc.hf.reuse`).

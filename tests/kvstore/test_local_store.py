@@ -33,27 +33,6 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.fixture
-def cxl_node(fresh_sim, tmp_path, monkeypatch):
-    """A simulated machine whose node 1 is a CPU-less CXL node (as in test_backends)."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from fake_sysfs import FakeSysfs
-
-    fs = FakeSysfs(tmp_path / "sys")
-    fs.node(0, cpus="0-1", mem_gib=16, free_gib=12)
-    fs.node(1, cpus="", mem_gib=64, free_gib=60, zone="Normal")
-    fs.distances({0: {0: 10, 1: 20}, 1: {0: 20, 1: 10}})
-    fs.cxl_region(0, target_node=1, size_gib=64)
-    fs.finish()
-    monkeypatch.setenv("CXLALLOC_SYSFS_ROOT", str(tmp_path / "sys"))
-
-    def configure(extra=""):
-        fresh_sim.configure("vram=1GiB,numa=0;1:0,gpu_numa=0" + extra)
-    return configure
-
-
 def test_store_is_exact_size_lazily_committed_and_starts_at_once(make_alloc):
     a = make_alloc()
     before = rss_bytes()
@@ -122,8 +101,8 @@ def test_aborted_or_failed_writes_are_never_visible(make_alloc):
     assert s.stats()["used_bytes"] == 0 and s.stats()["aborted_blocks"] == 2
 
 
-def test_placement_on_the_cxl_node_is_verified(cxl_node, make_alloc):
-    cxl_node()
+def test_placement_on_the_cxl_machine_is_verified(cxl_machine, make_alloc):
+    cxl_machine()
     a = make_alloc(device_limit=16 * MiB)
     assert a.info()["host_node"] == 1
     s = LocalBlockStore(a, 8 * MiB)
@@ -133,8 +112,8 @@ def test_placement_on_the_cxl_node_is_verified(cxl_node, make_alloc):
     assert st["placement_verified_bytes"] == 4 * 64 * KiB and st["placement_misplaced_bytes"] == 0
 
 
-def test_misplaced_pages_are_reported_or_refused(cxl_node, make_alloc):
-    cxl_node(",relocate=1:0")
+def test_misplaced_pages_are_reported_or_refused(cxl_machine, make_alloc):
+    cxl_machine(",relocate=1:0")
     a = make_alloc(device_limit=16 * MiB, numa_node=1)
     s = LocalBlockStore(a, 8 * MiB)
     with pytest.warns(KVStoreWarning, match="outside NUMA node 1"):

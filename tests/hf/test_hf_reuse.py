@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from hf_util import MiB, assert_same_tokens, gen, padded_batch, tiny_gpt2, tiny_llama, tiny_qwen2_sliding, torch
+from tests.helpers.hf_util import MiB, assert_same_tokens, gen, padded_batch, tiny_gpt2, tiny_llama, tiny_qwen2_sliding, torch
 
 import cxlalloc.hf as hf
 from cxlalloc.hf.reuse import KVReuseWarning
