@@ -12,13 +12,39 @@ Modules:
     index      key -> block bookkeeping: slabs, LRU eviction, pins, write-then-publish
     local      LocalBlockStore: the in-process store over a HostArena
     open       kv_store=... option values -> a store
+    protocol   the kv-server's wire format (length-prefixed msgpack over a unix socket)
+    server     ``cxlalloc kv-server``: one shared pool for every process of a machine
+    client     RemoteBlockStore: a kv-server as a store (kv_store="unix:///path/kv.sock")
+    redis_tier RedisTier: a Redis/Valkey tier below a pool (kv_store="redis://...", --redis)
+    metrics    the kv-server's Prometheus metrics
 """
 
-from cxlalloc.kvstore.index import BlockIndex  # noqa: F401
-from cxlalloc.kvstore.keys import chain_keys, model_fingerprint, root_key  # noqa: F401
-from cxlalloc.kvstore.layout import BlockLayout  # noqa: F401
-from cxlalloc.kvstore.local import KVStoreWarning, LocalBlockStore, resolve_limit  # noqa: F401
-from cxlalloc.kvstore.open import open_store  # noqa: F401
+# Imported when first used (PEP 562): the kv-server process needs neither torch
+# nor the in-process store, only the index, the keys and the protocol.
+_EXPORTS = {
+    "BlockIndex": "cxlalloc.kvstore.index",
+    "chain_keys": "cxlalloc.kvstore.keys",
+    "model_fingerprint": "cxlalloc.kvstore.keys",
+    "root_key": "cxlalloc.kvstore.keys",
+    "BlockLayout": "cxlalloc.kvstore.layout",
+    "KVStoreWarning": "cxlalloc.kvstore.local",
+    "LocalBlockStore": "cxlalloc.kvstore.local",
+    "resolve_limit": "cxlalloc.kvstore.local",
+    "open_store": "cxlalloc.kvstore.open",
+    "RemoteBlockStore": "cxlalloc.kvstore.client",
+    "RedisTier": "cxlalloc.kvstore.redis_tier",
+    "KVServer": "cxlalloc.kvstore.server",
+}
 
-__all__ = ["BlockIndex", "BlockLayout", "KVStoreWarning", "LocalBlockStore", "chain_keys", "model_fingerprint",
-           "open_store", "resolve_limit", "root_key"]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'cxlalloc.kvstore' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value

@@ -221,7 +221,7 @@ class LocalBlockStore:
 
     def _from_lower(self, ns: str, keys: List[bytes], owner) -> List[Entry]:
         got = []
-        for data in self.lower.get_many(keys):
+        for data in self.lower.get_many(keys, ns=ns):
             if data is None:
                 break
             got.append(data)
