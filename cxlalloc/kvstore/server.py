@@ -279,7 +279,7 @@ class KVServer:
             with self._lock:
                 if self.allow_uids is not None and uid not in self.allow_uids:
                     self.c["refused_denied"] += 1
-                    refuse = ("denied", f"uid {uid} may not attach to this kv-server (--allow-uid)")
+                    refuse = ("denied", f"uid {uid} may not attach to this kv-server (--allow-user)")
                 elif len(self._clients) >= self.max_clients:
                     self.c["refused_full"] += 1
                     refuse = ("limit", f"the kv-server serves {self.max_clients} clients already (--max-clients)")
@@ -289,8 +289,12 @@ class KVServer:
                     self.c["peak_clients"] = max(self.c["peak_clients"], len(self._clients))
             if refuse is not None:
                 log.warning("refused %r: %s", client, refuse[1])
-                try:
+                try:  # answer its hello, so the client reads why (instead of a broken pipe)
                     sock.settimeout(1.0)
+                    try:
+                        P.recv_msg(sock)
+                    except (P.ProtocolError, OSError):
+                        pass
                     P.send_msg(sock, {"ok": False, "code": refuse[0], "error": refuse[1]})
                 except OSError:
                     pass
