@@ -38,5 +38,5 @@ def open_store(spec, allocator, limit=None):
     if isinstance(spec, str) and spec.startswith(("redis://", "rediss://")):
         from cxlalloc.kvstore.redis_tier import RedisTier
 
-        return LocalBlockStore(allocator, limit, lower=RedisTier(spec))
+        return LocalBlockStore(allocator, limit, lower=RedisTier(spec, option="kv_store"))
     raise ValueError(f"cxlalloc option 'kv_store': {spec!r} is not allowed; use {SPEC_HELP}")

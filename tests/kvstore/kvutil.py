@@ -6,18 +6,16 @@ from __future__ import annotations
 import os
 import socket
 
-import torch
-
-torch.set_num_threads(1)  # tiny models gain nothing from threads; a 2-core box slows down with them
-
 MiB = 1 << 20
 
 
 def tiny_llama(layers=3, seed=0, hidden=64, heads=4, kv_heads=2, vocab=1000):
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    torch.set_num_threads(1)  # tiny models gain nothing from threads; a 2-core box slows down with them
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
@@ -29,6 +27,8 @@ def tiny_llama(layers=3, seed=0, hidden=64, heads=4, kv_heads=2, vocab=1000):
 
 def prompts(doc_tokens=70, n=2, seed=1):
     """``n`` prompts sharing one document of ``doc_tokens`` tokens, each with its own question."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     doc = torch.randint(3, 1000, (1, doc_tokens), generator=g)
     return [torch.cat([doc, torch.randint(3, 1000, (1, 5 + i), generator=g)], 1) for i in range(n)]
