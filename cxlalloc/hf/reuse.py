@@ -90,6 +90,10 @@ def parse_reuse_options(options: dict) -> Optional[ReuseOptions]:
             reuse option given without ``kv_store``.
     """
     got = {k: options.pop(k) for k in REUSE_OPTIONS if k in options}
+    if "kv_store" not in got:  # CXLALLOC=kv_store:unix:///run/cxlalloc/kv.sock (one setting for every process)
+        env = _env_kv_store()
+        if env is not None:
+            got["kv_store"] = env
     store = got.get("kv_store")
     if store is None or store is False:
         extra = [k for k, v in got.items() if k != "kv_store" and v is not None]
@@ -109,6 +113,18 @@ def parse_reuse_options(options: dict) -> Optional[ReuseOptions]:
                          f"{', '.join(kvkeys.WEIGHT_MODES)}")
     return ReuseOptions(kv_store=store, kv_store_limit=got.get("kv_store_limit"), block_tokens=bt, cache_salt=salt,
                         kv_store_fingerprint=fp)
+
+
+def _env_kv_store() -> Optional[str]:
+    """The ``kv_store`` key of the CXLALLOC environment variable, or None
+    (an invalid CXLALLOC was already reported by the start-up hook)."""
+    from cxlalloc.config import make_config, parse_env
+
+    try:
+        opts = parse_env() or {}
+        return make_config(kv_store=opts["kv_store"]).kv_store if "kv_store" in opts else None
+    except ValueError:
+        return None
 
 
 @dataclasses.dataclass

@@ -830,8 +830,8 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
                    "memory ('50%%'); exact, committed only as blocks are written")
     p.add_argument("--numa-node", default="auto", help="NUMA node of the pool: auto (a CPU-less/CXL node if any) or "
                    "a node id (default auto)")
-    p.add_argument("--chunk", default="256MiB", help="slab and client GPU-registration unit (default 256MiB; at "
-                   "most 64GiB; a block is at most one chunk)")
+    p.add_argument("--chunk", default=None, help="slab and client GPU-registration unit (default 256MiB, or the "
+                   "pool when smaller; at most 64GiB; a block is at most one chunk)")
     p.add_argument("--socket-mode", default="0660", help="permission bits of the socket file: who may attach "
                    "(default 0660: owner and group)")
     p.add_argument("--group", default=None, help="group of the socket file (name or gid)")
@@ -908,7 +908,11 @@ def server_from_args(args) -> KVServer:
     size = parse_size_or_fraction(args.size, "--size")
     if isinstance(size, float):
         size = int(size * node_total_bytes(node))
-    chunk = parse_size(args.chunk, "--chunk")
+    if args.chunk is None:  # 256 MiB, or the whole pool when it is smaller
+        page = os.sysconf("SC_PAGESIZE")
+        chunk = max(page, min(DEFAULT_CHUNK, size) // page * page)
+    else:
+        chunk = parse_size(args.chunk, "--chunk")
     if args.max_clients < 1:
         raise ValueError(f"cxlalloc option '--max-clients': {args.max_clients} must be at least 1")
     quotas, default_quota = {}, None
@@ -922,15 +926,27 @@ def server_from_args(args) -> KVServer:
     if mode & 0o002:
         log.warning("--socket-mode %s lets every local user attach and read every namespace's blocks", oct(mode))
     allow = [resolve_user(u) for u in args.allow_user] if args.allow_user else None
+    gid = resolve_group(args.group) if args.group is not None else None
+    if size < chunk:
+        raise ValueError(f"cxlalloc option '--size': {format_bytes(size)} is below one chunk "
+                         f"({format_bytes(chunk)}, --chunk); use --size of at least {format_bytes(chunk)} or a "
+                         "smaller --chunk")
+    ropts = redis_options(args)
+    if not args.redis:
+        given = [f for f, v in (("--redis-option", args.redis_option), ("--redis-password-file",
+                                                                        args.redis_password_file),
+                                ("--redis-ttl", args.redis_ttl)) if v]
+        if given:
+            raise ValueError(f"cxlalloc option '{given[0]}': given without --redis URL")
     redis = None
     if args.redis:
         from cxlalloc.kvstore.redis_tier import RedisTier
 
         redis = RedisTier(args.redis, prefix=args.redis_prefix, ttl=args.redis_ttl,
                           queue_bytes=parse_size(args.redis_queue, "--redis-queue"), timeout=args.redis_timeout,
-                          **redis_options(args))
+                          **ropts)
     try:
-        return KVServer(size, node, args.socket, chunk_bytes=chunk, socket_mode=mode, group=args.group,
+        return KVServer(size, node, args.socket, chunk_bytes=chunk, socket_mode=mode, group=gid,
                         quotas=quotas, default_quota=default_quota, redis=redis, redis_mode=args.redis_mode,
                         strict_placement=args.strict_placement, max_clients=args.max_clients, allow_uids=allow,
                         node_reason=reason)
