@@ -34,6 +34,11 @@ def open_store(spec, allocator, limit=None):
     if isinstance(spec, str) and spec.startswith("unix://"):
         from cxlalloc.kvstore.client import RemoteBlockStore
 
+        if limit is not None:
+            raise ValueError(f"cxlalloc option 'kv_store_limit': {limit!r} has no effect with a kv-server (its --size "
+                             f"sets the pool); drop it, or add '?fallback=SIZE' to {spec!r} for a local tier used "
+                             "while the server is away")
+
         return RemoteBlockStore(spec, allocator)
     if isinstance(spec, str) and spec.startswith(("redis://", "rediss://")):
         from cxlalloc.kvstore.redis_tier import RedisTier

@@ -136,6 +136,12 @@ def test_bad_urls_name_the_option(alloc):
         RemoteBlockStore("unix:///tmp/x.sock?timeout=-3", a)
     with pytest.raises(ValueError, match="fallback"):
         RemoteBlockStore("unix:///tmp/x.sock?fallback=lots", a)
+    from cxlalloc.kvstore.open import open_store
+
+    with pytest.raises(ValueError, match="'kv_store_limit'.*--size.*fallback=SIZE"):
+        open_store("unix:///tmp/x.sock", a, limit="8MiB")
+    with pytest.raises(ValueError, match="'kv_store'.*not allowed"):
+        open_store("tcp://127.0.0.1:1", a)
 
 
 def test_views_are_cpu_uint8_of_the_block_size(kv_server, alloc):
