@@ -23,24 +23,12 @@ import time
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 MiB = 1 << 20
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("CXLALLOC", None)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+from kvutil import ROOT, free_port, subprocess_env as _env  # noqa: E402,F401
 
 
 @pytest.fixture

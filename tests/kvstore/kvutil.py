@@ -7,6 +7,22 @@ import os
 import socket
 
 MiB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env():
+    """The environment of a child process: this checkout first on the path, no CXLALLOC."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("CXLALLOC", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
 def tiny_llama(layers=3, seed=0, hidden=64, heads=4, kv_heads=2, vocab=1000):

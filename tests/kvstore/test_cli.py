@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, _env
+from kvutil import ROOT, subprocess_env as _env
 
 
 def _run(*args, timeout=30):

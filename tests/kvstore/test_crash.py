@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import cxlalloc.hf as hf
-from conftest import ROOT, _env
+from kvutil import ROOT, subprocess_env as _env
 from kvutil import RawClient, generate, key, prompts, tiny_llama
 
 BLOCK = 256 << 10

@@ -35,7 +35,7 @@ PROCESS_A = textwrap.dedent("""
 
 
 def test_a_hit_from_another_process_loads_into_vram_with_identical_tokens(server_proc):
-    from conftest import ROOT, _env
+    from kvutil import ROOT, subprocess_env as _env
     from kvutil import prompts, tiny_llama
 
     import cxlalloc.hf as hf

@@ -331,7 +331,7 @@ def test_remote_reservation_left_unwritten_is_aborted(kv_server, alloc):
 def test_status_text_and_metrics(kv_server, tmp_path):
     from cxlalloc.kvstore.metrics import MetricsExporter, render
 
-    from conftest import free_port
+    from kvutil import free_port
 
     srv = kv_server(quotas={"t": 8 * MiB})
     c = RawClient(srv.socket_path)
