@@ -98,7 +98,7 @@ STEPS=(
   "ceilings|40|$BENCH --only ceilings --time-budget \$STEP_BUDGET"
   "allocation|35|$BENCH --only allocation --time-budget \$STEP_BUDGET"
   "pytest-gpu|170|$PY -m pytest -m gpu -q -ra --timeout=60 -p no:cacheprovider --junitxml=$RES/pytest.xml --ignore=tests/kvstore tests; rc=\$?; if [ \$rc -eq 5 ]; then echo 'no GPU-marked tests collected'; exit 0; fi; exit \$rc"
-  "kvserver|60|$PY -c 'import msgpack' || { echo 'msgpack is missing on this machine: carry its wheel in .whl/ (see the header)'; exit 1; }; $PY -m pytest -m gpu -q -ra --timeout=50 -p no:cacheprovider --junitxml=$RES/pytest-kvserver.xml tests/kvstore/test_gpu.py"
+  "kvserver|60|$PY -c 'import msgpack' || { echo 'msgpack is missing on this machine: carry its wheel in .whl/ (see the header)'; exit 1; }; $PY -m pytest -m gpu -q -ra --timeout=50 -p no:cacheprovider --junitxml=$RES/pytest-kvserver.xml tests/kvstore/test_kv_gpu.py"
   "decode|130|$BENCH --only decode --time-budget \$STEP_BUDGET"
   "rightsizing|90|$BENCH --only rightsizing --time-budget \$STEP_BUDGET"
   "report|40|$PY -m cxlalloc.bench.report --results $RES --plots $RES/plots --readme $RES/README_section.md"
