@@ -22,13 +22,11 @@ import time
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
 MiB = 1 << 20
 
 
-from kvutil import ROOT, free_port, subprocess_env as _env  # noqa: E402,F401
+from tests.kvstore.kvutil import ROOT, free_port, subprocess_env as _env  # noqa: E402,F401
 
 
 @pytest.fixture
@@ -265,6 +263,6 @@ def redis_server(tmp_path):
 # ----------------------------------------------------------------- models
 @pytest.fixture(scope="session")
 def tiny_model_factory():
-    from kvutil import tiny_llama
+    from tests.kvstore.kvutil import tiny_llama
 
     return tiny_llama

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvutil import ROOT, subprocess_env as _env
+from tests.kvstore.kvutil import ROOT, subprocess_env as _env
 
 
 def _run(*args, timeout=30):
@@ -71,7 +71,7 @@ def test_start_status_metrics_file_and_sigterm(server_proc, sockdir):
 def test_cxlalloc_key_points_wrap_at_the_server(server_proc, monkeypatch):
     import cxlalloc.hf as hf
     from cxlalloc.config import make_config, parse_env
-    from kvutil import generate, prompts, tiny_llama
+    from tests.kvstore.kvutil import generate, prompts, tiny_llama
 
     sp = server_proc()
     monkeypatch.setenv("CXLALLOC", f"kv_store:{sp.url}")

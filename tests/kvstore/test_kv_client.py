@@ -10,7 +10,7 @@ import torch
 
 from cxlalloc.kvstore.client import RemoteBlockStore
 from cxlalloc.kvstore.local import KVStoreWarning
-from kvutil import key
+from tests.kvstore.kvutil import key
 
 MiB = 1 << 20
 BLOCK = 64 << 10

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import cxlalloc.hf as hf
-from kvutil import ROOT, subprocess_env as _env
-from kvutil import RawClient, generate, key, prompts, tiny_llama
+from tests.kvstore.kvutil import ROOT, subprocess_env as _env
+from tests.kvstore.kvutil import RawClient, generate, key, prompts, tiny_llama
 
 BLOCK = 256 << 10
 
@@ -35,7 +35,7 @@ def _pattern(k: bytes, n: int) -> bytes:
 WRITER = textwrap.dedent("""
     import hashlib, mmap, os, sys, time
     sys.path.insert(0, {here!r})
-    from kvutil import RawClient, key
+    from tests.kvstore.kvutil import RawClient, key
     c = RawClient({path!r})
     m = mmap.mmap(c.fd, c.hello["mapped"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     B = {block}
@@ -64,7 +64,7 @@ WRITER = textwrap.dedent("""
 
 
 def _writer(path, start=0, stop_half=False):
-    code = WRITER.format(here=os.path.dirname(os.path.abspath(__file__)), path=path, block=BLOCK, start=start,
+    code = WRITER.format(here=ROOT, path=path, block=BLOCK, start=start,
                          stop_half=stop_half)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=_env(), cwd=ROOT, text=True)
     assert p.stdout.readline().strip() == "READY"
@@ -124,7 +124,7 @@ CLIENT_A = textwrap.dedent("""
     import json, sys, warnings
     sys.path.insert(0, {here!r})
     import torch, cxlalloc.hf as hf
-    from kvutil import tiny_llama, prompts, generate
+    from tests.kvstore.kvutil import tiny_llama, prompts, generate
     m = tiny_llama()
     hf.wrap(m, device_limit="256MiB", host_limit="512MiB", kv_store={url!r}, block_tokens=8)
     out, r = generate(m, prompts()[0])
@@ -137,7 +137,7 @@ CLIENT_A = textwrap.dedent("""
 
 def test_a_prefix_prefilled_by_process_a_is_a_hit_for_process_b(server_proc):
     sp = server_proc()
-    code = CLIENT_A.format(here=os.path.dirname(os.path.abspath(__file__)), url=sp.url)
+    code = CLIENT_A.format(here=ROOT, url=sp.url)
     a = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), cwd=ROOT,
                        timeout=120)
     assert a.returncode == 0, a.stderr[-3000:]

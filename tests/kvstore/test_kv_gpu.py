@@ -14,6 +14,8 @@ import textwrap
 
 import pytest
 
+from tests.kvstore.kvutil import ROOT
+
 torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +24,7 @@ PROCESS_A = textwrap.dedent("""
     import json, os, sys
     sys.path.insert(0, {here!r})
     import torch, cxlalloc.hf as hf
-    from kvutil import tiny_llama, prompts
+    from tests.kvstore.kvutil import tiny_llama, prompts
     m = tiny_llama().cuda()
     hf.wrap(m, device_limit="1GiB", host_limit="1GiB", kv_store={url!r}, block_tokens=8)
     p = prompts()[0].cuda()
@@ -35,13 +37,13 @@ PROCESS_A = textwrap.dedent("""
 
 
 def test_a_hit_from_another_process_loads_into_vram_with_identical_tokens(server_proc):
-    from kvutil import ROOT, subprocess_env as _env
-    from kvutil import prompts, tiny_llama
+    from tests.kvstore.kvutil import ROOT, subprocess_env as _env
+    from tests.kvstore.kvutil import prompts, tiny_llama
 
     import cxlalloc.hf as hf
 
     sp = server_proc("--size", "256MiB", "--chunk", "64MiB")
-    code = PROCESS_A.format(here=os.path.dirname(os.path.abspath(__file__)), url=sp.url)
+    code = PROCESS_A.format(here=ROOT, url=sp.url)
     a = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
     assert a.returncode == 0, a.stderr[-3000:]
     ra = json.loads(a.stdout.strip().splitlines()[-1])

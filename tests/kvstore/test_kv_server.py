@@ -14,7 +14,7 @@ import torch
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.client import RemoteBlockStore
 from cxlalloc.kvstore.server import KVServer, format_status, query_status
-from kvutil import RawClient, key
+from tests.kvstore.kvutil import RawClient, key
 
 MiB = 1 << 20
 BLOCK = 64 << 10
@@ -331,7 +331,7 @@ def test_remote_reservation_left_unwritten_is_aborted(kv_server, alloc):
 def test_status_text_and_metrics(kv_server, tmp_path):
     from cxlalloc.kvstore.metrics import MetricsExporter, render
 
-    from kvutil import free_port
+    from tests.kvstore.kvutil import free_port
 
     srv = kv_server(quotas={"t": 8 * MiB})
     c = RawClient(srv.socket_path)
