@@ -54,7 +54,7 @@ if cuda_inc and os.environ.get("CXLALLOC_NO_CUDA_H") != "1":
 
 core = Pybind11Extension(
     "cxlalloc._C",
-    _sources("common", "driver", "topology", "backend", "policy", "alloc", "capi", "python"),
+    _sources("common", "driver", "topology", "backend", "policy", "alloc", "kvstore", "capi", "python"),
     include_dirs=include_dirs,
     define_macros=macros,
     extra_compile_args=CXXFLAGS,
@@ -136,7 +136,7 @@ setup(
     version="0.1.0",
     description="Tiered PyTorch CUDA allocator: VRAM first, then host/CXL NUMA memory, KV-cache aware",
     license="Apache-2.0",
-    packages=["cxlalloc", "cxlalloc.pytorch", "cxlalloc.hf", "cxlalloc.demo", "cxlalloc.bench"],
+    packages=["cxlalloc", "cxlalloc.pytorch", "cxlalloc.hf", "cxlalloc.demo", "cxlalloc.bench", "cxlalloc.kvstore"],
     # the main job's default document (cxlalloc/demo/app.py: DEFAULT_DOCUMENT)
     package_data={"cxlalloc": ["py.typed"], "cxlalloc.demo": ["data/*.txt"]},
     ext_modules=[core] + ([sim] if sim.sources else []),
@@ -144,9 +144,12 @@ setup(
     python_requires=">=3.10",
     install_requires=["numpy"],
     extras_require={
-        "hf": ["transformers>=5.0", "accelerate", "gguf"],
+        "hf": ["transformers>=5.0", "accelerate", "gguf", "msgpack>=1.0"],
+        # cxlalloc kv-server (msgpack: the protocol, also for its clients; redis: the Redis/Valkey tier;
+        # prometheus_client: --metrics-port/--metrics-file; rich: --status tables)
+        "kvserver": ["msgpack>=1.0", "redis>=5.0", "prometheus_client>=0.17", "rich"],
         "bench": ["matplotlib", "rich", "tqdm"],
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "msgpack>=1.0", "redis>=5.0", "prometheus_client>=0.17"],
         # building the torch adapter at run time (global mode)
         "torch": ["ninja"],
     },

@@ -1,10 +1,11 @@
-"""``python -m cxlalloc`` / ``cxlalloc``: info, run, bench, demo.
+"""``python -m cxlalloc`` / ``cxlalloc``: info, run, bench, demo, kv-server.
 
     cxlalloc info [--json] [--simulate]      GPUs, driver, capabilities, NUMA nodes,
                                              the node "auto" picks and why, backends
     cxlalloc run [options] -- CMD ...        run CMD with CXLALLOC set from the options
     cxlalloc bench ...                       benchmarks (cxlalloc.bench.cli)
     cxlalloc demo ...                        the main job: HuggingFace generate() past VRAM (cxlalloc.demo)
+    cxlalloc kv-server ...                   shared KV cache server (cxlalloc.kvstore.server)
 
 Exit codes: 0 success; 2 bad usage or options; ``run`` returns CMD's own code
 (127 if CMD cannot be started).
@@ -281,7 +282,8 @@ def cmd_run(args) -> int:
 
 # ----------------------------------------------------------------- bench / demo
 # Subcommands implemented elsewhere, imported only when used.
-DELEGATES = {"bench": ("cxlalloc.bench.cli", "benchmarks"), "demo": ("cxlalloc.demo", "HuggingFace generate() demo")}
+DELEGATES = {"bench": ("cxlalloc.bench.cli", "benchmarks"), "demo": ("cxlalloc.demo", "HuggingFace generate() demo"),
+             "kv-server": ("cxlalloc.kvstore.server", "shared KV cache server")}
 
 
 def _delegate(module: str, what: str, argv: List[str]) -> int:
@@ -309,7 +311,7 @@ def what_name(module: str) -> str:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cxlalloc", description="Tiered PyTorch CUDA allocator: VRAM, then host/CXL "
                                 "NUMA memory. See docs/pytorch-integration.md.")
-    sub = p.add_subparsers(dest="command", metavar="{info,run,bench,demo}")
+    sub = p.add_subparsers(dest="command", metavar="{info,run,bench,demo,kv-server}")
     sub.required = True
 
     pi = sub.add_parser("info", help="GPUs, driver, capabilities, NUMA nodes, node choice, backends")

@@ -194,6 +194,19 @@ def _parse_sim_vram(value: Any, option: str) -> Optional[int]:
     return n
 
 
+def _parse_kv_store(value: Any, option: str) -> Optional[str]:
+    """``kv_store`` in CXLALLOC: where ``cxlalloc.hf.wrap`` keeps reusable KV
+    (``local``, ``unix:///path/kv.sock``, ``redis://host:port/db``); False/off: none."""
+    text = str(value).strip()
+    if text.lower() in ("0", "false", "off", "no", "none", ""):
+        return None
+    if text.lower() in ("1", "true", "on", "yes", "local") or text.startswith(("unix://", "redis://", "rediss://")):
+        return text
+    raise ValueError(f"cxlalloc option '{option}': {value!r} is not allowed; use local, unix:///path/kv.sock (a "
+                     "cxlalloc kv-server), redis://host:port/db or rediss://... (a Redis tier below a local store), "
+                     "or off")
+
+
 def _parse_path(value: Any, option: str) -> str:
     if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
         raise ValueError(f"cxlalloc option '{option}': {value!r} is not a file path (e.g. 'libcuda.so.1')")
@@ -235,6 +248,9 @@ class Config:
             (or a fraction of VRAM) of host memory pre-reserved for torch's
             use-on-OOM spill pool; None = min(host_limit, 25% of VRAM);
             0 = no spill pool.
+        kv_store: where ``cxlalloc.hf.wrap`` keeps reusable KV blocks when
+            its own ``kv_store`` is not given (``local``, ``unix:///path``,
+            ``redis://...``); None = no reuse.  The engine ignores it.
     """
 
     device_limit: Union[int, float, None] = None
@@ -253,6 +269,7 @@ class Config:
     libcuda: str = "libcuda.so.1"
     device: Optional[int] = None
     spill_reserve: Union[int, float, None] = None
+    kv_store: Optional[str] = None
 
 
 def _opt_size(v, name):
@@ -281,6 +298,7 @@ _PARSERS = {
     "libcuda": _parse_path,
     "device": _parse_device,
     "spill_reserve": _opt_size_or_fraction,
+    "kv_store": _parse_kv_store,
 }
 
 OPTION_NAMES = tuple(_PARSERS)

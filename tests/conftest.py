@@ -10,6 +10,8 @@ import os
 
 import pytest
 
+import cxlalloc.engine
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -155,3 +157,35 @@ def streams(fresh_sim):
     s = SimStreams(fresh_sim)
     yield s
     s.close()
+
+
+@pytest.fixture
+def machine(fresh_sim):
+    """Reconfigure the simulated machine (needs nothing live); restore after."""
+    def configure(spec):
+        gc.collect()
+        fresh_sim.configure(spec)
+        cxlalloc.engine._sim_vram = 1 << 30
+    yield configure
+    gc.collect()
+    if sum(fresh_sim.live().values()) == 0:
+        fresh_sim.configure("vram=1GiB")
+
+
+@pytest.fixture
+def cxl_machine(machine, tmp_path, monkeypatch):
+    """A simulated box with a CPU-less (CXL) node 1: a fake sysfs tree for
+    topology, and the simulator's node 1 backed by this machine's node 0."""
+    from tests.helpers.fake_sysfs import FakeSysfs
+
+    fs = FakeSysfs(tmp_path / "sys")
+    fs.node(0, cpus="0-1", mem_gib=16, free_gib=12)
+    fs.node(1, cpus="", mem_gib=64, free_gib=60, zone="Normal")
+    fs.distances({0: {0: 10, 1: 20}, 1: {0: 20, 1: 10}})
+    fs.cxl_region(0, target_node=1, size_gib=64)
+    fs.finish()
+    monkeypatch.setenv("CXLALLOC_SYSFS_ROOT", str(tmp_path / "sys"))
+
+    def configure(extra=""):
+        machine("vram=1GiB,numa=0;1:0,gpu_numa=0" + extra)
+    return configure

@@ -12,4 +12,5 @@ PYBIND11_MODULE(_C, m) {
   cxl::python::bind_policy(m);
   cxl::python::bind_topology(m);
   cxl::python::bind_bench(m);
+  cxl::python::bind_kvstore(m);
 }

@@ -13,6 +13,8 @@ Benchmarks (``--only ceilings,allocation,decode,rightsizing``; default all):
                transformers offloading vs policy-free vs cxlalloc per backend
                (:mod:`.decode`); --simulate: a tiny model on the simulator
   rightsizing  GPU: largest batch and tokens/s at a fixed budget (:mod:`.rightsizing`)
+  kvserver     CPU/simulation, only with --only: the shared KV server's TTFT across
+               processes, N concurrent clients, the Redis tier, kill -9 (:mod:`.kvserver`)
 
 Each writes ``DIR/<name>.json`` (:mod:`.meta` describes the record).  Parts
 that need a GPU are recorded as skipped, with the reason, when there is none
@@ -33,7 +35,7 @@ import traceback
 from typing import Callable, Dict, List, Optional, Tuple
 
 from cxlalloc import _C
-from cxlalloc.bench.meta import BENCHMARKS, RecordWriter, new_record
+from cxlalloc.bench.meta import BENCHMARKS, OPT_IN, RecordWriter, new_record
 from cxlalloc.bench.model import SHAPES
 from cxlalloc.bench.timing import Deadline
 
@@ -83,7 +85,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=os.path.join("benchmarks", "out"), help="output folder for the JSON records "
                    "(default benchmarks/out)")
     p.add_argument("--only", type=_csv(str), default=None, metavar="NAMES",
-                   help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
+                   help=f"comma-separated subset of: {', '.join(BENCHMARKS)} (default: all of them); also "
+                        f"{', '.join(OPT_IN)} (only when named)")
     p.add_argument("--quick", action="store_true", help="the small grid of scripts/gpu_check.sh")
     p.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
@@ -190,9 +193,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     names = list(BENCHMARKS) if not args.only else args.only
-    bad = [n for n in names if n not in BENCHMARKS]
+    bad = [n for n in names if n not in BENCHMARKS + OPT_IN]
     if bad:
-        parser.error(f"--only: unknown benchmark(s) {', '.join(bad)}; known: {', '.join(BENCHMARKS)}")
+        parser.error(f"--only: unknown benchmark(s) {', '.join(bad)}; known: {', '.join(BENCHMARKS + OPT_IN)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if args.time_budget is not None and not (math.isfinite(args.time_budget) and args.time_budget > 0):

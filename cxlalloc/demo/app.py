@@ -97,6 +97,17 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="model dtype (auto: float32 in simulation, bfloat16 on a GPU)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--reuse", action="store_true",
+                   help="KV reuse across requests: ask the default document several questions in a row, then "
+                        "continue as a chat, once without and once with a KV store; report TTFT cold vs warm, hit "
+                        "tokens, bytes loaded and identical tokens")
+    p.add_argument("--kv-store", default="local", metavar="SPEC",
+                   help="with --reuse: 'local' (in this process, default), 'unix:///path/kv.sock' (a cxlalloc "
+                        "kv-server) or 'redis://host:port/db'")
+    p.add_argument("--block-tokens", type=int, default=None, help="with --reuse: tokens per stored KV block "
+                                                                   "(default: cxlalloc.hf.reuse's)")
+    p.add_argument("--kv-store-limit", default=None, help="with --reuse: bytes of the KV store (default: 25%% of "
+                                                          "the host tier)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every number of the report to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -258,6 +269,22 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--model: {args.model} is not a local model directory (the demo loads offline)")
     if args.gguf_file is not None:
         _check_gguf(parser, args)
+    if args.reuse:
+        from cxlalloc.hf.reuse import parse_reuse_options
+
+        opts = {"kv_store": args.kv_store, "block_tokens": args.block_tokens, "kv_store_limit": args.kv_store_limit}
+        try:
+            parse_reuse_options({k: v for k, v in opts.items() if v is not None})
+            if args.kv_store_limit is not None:
+                parse_size_or_fraction(args.kv_store_limit, "kv_store_limit")
+        except ValueError as e:
+            flag = next((f"--{k.replace('_', '-')}" for k in opts if f"'{k}'" in str(e)), "--reuse")
+            parser.error(f"{flag}: {e}")
+        if args.prompt_file is not None or args.batch_size != 1:
+            parser.error("--reuse: runs the default document's questions and a chat, one request at a time; "
+                         "drop --prompt-file/--batch-size")
+    elif any(v is not None for v in (args.block_tokens, args.kv_store_limit)) or args.kv_store != "local":
+        parser.error("--kv-store, --block-tokens and --kv-store-limit need --reuse")
     if args.json is not None:
         d = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(d):
@@ -413,6 +440,8 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         run["sdpa_backends"] = "flash, efficient, math (cuDNN excluded: not deterministic run to run)"
     else:
         run["sdpa_backends"] = "torch's default choice"
+    if args.reuse:
+        return _main_reuse(args, model, tok, run, limit, host_limit, simulate, pad_id, device, weights, kv_need_est)
     report = Report(run)
     warm_up(model, tok, device, pad_id)
 
@@ -476,6 +505,56 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         Path(args.json).write_text(json.dumps(report.as_json(), indent=1, default=str))
     del out, cache
     return 0 if identical in (None, True) else 1
+
+
+def _main_reuse(args, model, tok, run, limit, host_limit, simulate, pad_id, device, weights, kv_need_est) -> int:
+    """``--reuse``: the same requests without and with a KV store (:mod:`cxlalloc.demo.reuse`)."""
+    import cxlalloc.hf as hf
+    from cxlalloc.demo import reuse as demo_reuse
+
+    opts = {"device_limit": limit, "kv_store": args.kv_store}
+    for k in ("host_limit", "block_tokens", "kv_store_limit"):
+        v = host_limit if k == "host_limit" else getattr(args, k)
+        if v is not None:
+            opts[k] = v
+    if args.kv_device_limit is not None:
+        opts["kv_device_limit"] = args.kv_device_limit
+    if simulate:
+        opts["simulate"] = True
+    try:
+        hf.wrap(model, **opts)
+    except cxlalloc.OutOfMemoryError:
+        print(_too_small("placing the weights", limit, host_limit, weights, weight_footprint(model), kv_need_est),
+              file=sys.stderr)
+        return 1
+    import torch
+
+    ids = torch.tensor([[pad_id or 0] * 8], device=device)
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, pad_token_id=pad_id,
+                   kv_reuse=False)
+    reuse = hf.stats(model)["hf"]["reuse"]
+    run["block_tokens"] = reuse["block_tokens"]
+    run["kv_layout"] = reuse["layout"]
+    plan = demo_reuse._plan(DEFAULT_DOCUMENT.read_text(), QUESTIONS)
+    try:
+        cold = demo_reuse.run_requests(model, tok, plan, args, pad_id, device, reuse=False)
+        warm = demo_reuse.run_requests(model, tok, plan, args, pad_id, device, reuse=True)
+    except cxlalloc.OutOfMemoryError:
+        print(_too_small("during generate()", limit, host_limit, weights, weight_footprint(model), kv_need_est),
+              file=sys.stderr)
+        return 1
+    summary = demo_reuse.compare(cold, warm)
+    store = hf.stats(model)["hf"]["reuse"]["store"]
+    print(f"Model {run['model']} [{run['dtype']}], device limit {format_bytes(limit)} ({run['device_limit_note']}); "
+          f"KV store {args.kv_store}: {run['kv_layout']}", flush=True)
+    demo_reuse.print_report(run, warm, summary, store)
+    if args.json:
+        drop = ("sequences", "scores")
+        Path(args.json).write_text(json.dumps({
+            "run": run, "summary": summary, "store": store,
+            "no_reuse": [{k: v for k, v in r.items() if k not in drop} for r in cold],
+            "reuse": [{k: v for k, v in r.items() if k not in drop} for r in warm]}, indent=1, default=str))
+    return 0 if summary["identical_tokens"] else 1
 
 
 def _host_token_ranges(cache):

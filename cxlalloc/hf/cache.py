@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
@@ -116,8 +116,10 @@ class KVPool:
 
     def bind(self, layer: "CxlKVLayer", key_states: torch.Tensor, value_states: torch.Tensor) -> Tuple[KVStorage, int]:
         """The (store, slot) an empty layer writes to, creating storage as needed."""
-        g = Geometry.of(key_states, value_states)
-        need = key_states.shape[-2]
+        return self.bind_geometry(layer, Geometry.of(key_states, value_states), key_states.shape[-2])
+
+    def bind_geometry(self, layer: "CxlKVLayer", g: Geometry, need: int) -> Tuple[KVStorage, int]:
+        """:meth:`bind` for a layer of geometry ``g`` about to hold ``need`` tokens."""
         if layer._share_slot is not None and self.n_shared > 0:
             s = self.shared
             if s is not None and s.g == g:
@@ -478,6 +480,41 @@ class CxlCache(DynamicCache):
         """Reserve capacity for ``tokens`` tokens (generate() calls it through the
         wrapper with ``max_length - 1`` when this cache is passed in)."""
         self._pool.reserve(tokens)
+
+    def open_prefix(self, geometries, batch: int, tokens: int) -> List[Tuple[KVStorage, int]]:
+        """Make this empty cache hold ``tokens`` tokens in every full-attention
+        layer, with storage committed but **not written**: the caller writes
+        the K/V (a prefix hit loaded by :mod:`cxlalloc.hf.reuse`).
+
+        Args:
+            geometries: ``(heads, k_dim, v_dim, dtype)`` per :class:`CxlKVLayer`,
+                in layer order.
+            batch: rows of the cache.
+            tokens: tokens to hold (>= 1).
+
+        Returns:
+            ``(storage, slot)`` per CxlKVLayer, in layer order.
+
+        Raises:
+            ValueError: the cache is not empty, or ``geometries`` does not have
+                one entry per CxlKVLayer.
+            cxlalloc.OutOfMemoryError: neither tier has room for the tokens.
+        """
+        layers = self._cxl_layers()
+        if len(geometries) != len(layers):
+            raise ValueError(f"cxlalloc.hf: {len(geometries)} layer geometries for {len(layers)} cache layers")
+        if any(layer._len or layer.is_initialized for layer in layers):
+            raise ValueError("cxlalloc.hf: open_prefix() needs an empty cache")
+        out = []
+        for layer, (heads, k_dim, v_dim, dtype) in zip(layers, geometries):
+            g = Geometry(int(batch), int(heads), int(k_dim), int(v_dim), dtype, self._pool.device)
+            store, slot = self._pool.bind_geometry(layer, g, int(tokens))
+            store.ensure(int(tokens))
+            layer.device, layer.dtype, layer.is_initialized = g.device, dtype, True
+            layer._store, layer._slot, layer._len = store, slot, int(tokens)
+            store.live_tokens = max(store.live_tokens, int(tokens))
+            out.append((store, slot))
+        return out
 
     def release(self) -> None:
         """Free all storage now (the cache is empty afterwards)."""

@@ -202,6 +202,12 @@ class KVStorage:
     def touch(self) -> None:
         self.extent.touch()
 
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Token rows ``[start, stop)`` as one contiguous ``(stop-start, row_elems)``
+        view: for a batch-1 store this is the byte format of a stored KV block
+        (:mod:`cxlalloc.kvstore.layout`)."""
+        return self.flat[start * self.row_elems:stop * self.row_elems].view(stop - start, self.row_elems)
+
     # ------------------------------------------------------------------ views
     def _base(self) -> int:
         return self.flat.storage_offset()

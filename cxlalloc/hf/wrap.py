@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import inspect
 import sys
+import threading
 import warnings
 import weakref
 from typing import Any, List, Optional
@@ -56,6 +57,7 @@ from cxlalloc.allocator import Allocator
 from cxlalloc.config import format_bytes, make_config
 from cxlalloc.hf.cache import CxlCache
 from cxlalloc.hf.compat import TRANSFORMERS_VERSION, cache_kwarg
+from cxlalloc.hf.reuse import PrefixReuse, parse_reuse_options
 
 STATE_ATTR = "_cxlalloc_hf"
 # Instance attributes wrap() sets on the model (unwrap() and copies drop them).
@@ -128,8 +130,17 @@ class WrapState:
     last_stats: Optional[dict] = None
     orig_prepare: Any = None
     orig_generate: Any = None
-    _live: List[Any] = dataclasses.field(default_factory=list)  # caches of the running generate() call
+    reuse: Any = None  # cxlalloc.hf.reuse.PrefixReuse when kv_store is set
+    reuse_options: Any = None
+    _tls: Any = dataclasses.field(default_factory=threading.local)  # per thread: caches of its running generate()
     _last: Any = None  # weakref to the last cache
+
+    @property
+    def _live(self) -> List[Any]:
+        live = getattr(self._tls, "live", None)
+        if live is None:
+            live = self._tls.live = []
+        return live
 
     def new_cache(self, model, max_cache_len: Optional[int]) -> CxlCache:
         self.caches_created += 1
@@ -296,10 +307,13 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
     if hook not in ("auto", "prepare", "generate"):
         raise ValueError(f"cxlalloc.hf.wrap: hook must be 'auto', 'prepare' or 'generate', not {hook!r}")
     given = dict(options)
+    reuse_opts = parse_reuse_options(options)  # pops kv_store, block_tokens, ... (validated)
     if is_wrapped(model):
         st = _state(model)
         if given:
-            diff = _option_differences(st.config, _options_config(given, st.device))
+            diff = _option_differences(st.config, _options_config(options, st.device))
+            if reuse_opts != st.reuse_options:
+                diff.append(f"kv reuse: {st.reuse_options} (wrapped) vs {reuse_opts} (asked)")
             if diff:
                 raise ValueError(f"cxlalloc.hf.wrap: the model is already wrapped with {st.options} and other "
                                  f"values are asked ({'; '.join(diff)}); call cxlalloc.hf.unwrap(model) first to "
@@ -355,6 +369,9 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
     if place_weights:
         st.weight_bytes, st.weight_params = _place_weights(model, allocator, device)
         st.weights_placed = True
+    if reuse_opts is not None:
+        st.reuse_options = reuse_opts
+        st.reuse = PrefixReuse(model, allocator, reuse_opts, st.cache_kw)
 
     st.orig_generate = model.generate
     if st.hook == "prepare":
@@ -378,7 +395,12 @@ def _make_prepare_hook(model, st: WrapState):
         made = model_kwargs.get(name)
         if (user is None and type(made) is DynamicCache and not getattr(made, "offloading", False)
                 and getattr(generation_config, "cache_implementation", None) in (None, "dynamic")):
-            model_kwargs[name] = st.new_cache(model, int(max_cache_length) if max_cache_length else None)
+            cache = model_kwargs[name] = st.new_cache(model, int(max_cache_length) if max_cache_length else None)
+            if st.reuse is not None:
+                st.reuse.load(cache, generation_config, batch_size)
+        elif st.reuse is not None:
+            st.reuse.skip("a cache was passed in" if user is not None else
+                          "generate() uses another cache (cache_implementation, use_cache=False or offloading)")
         st.note(model_kwargs.get(name))
         return out
 
@@ -390,6 +412,7 @@ def _make_generate(model, st: WrapState):
 
     @functools.wraps(orig)
     def generate(*args, **kwargs):
+        began = False
         if st.hook == "generate":
             name = st.cache_kw
             gcfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
@@ -399,16 +422,46 @@ def _make_generate(model, st: WrapState):
             if (kwargs.get(name) is None and impl is None and use_cache is not False and supports
                     and not getattr(model.config, "is_encoder_decoder", False)):
                 kwargs[name] = st.new_cache(model, None)
+                if st.reuse is not None:
+                    st.reuse.begin(args, kwargs)
+                    began = True
+                    st.reuse.load(kwargs[name], _merged_generation_config(model, kwargs), _batch_of(args, kwargs))
             st.note(kwargs.get(name))
+        elif st.reuse is not None:
+            st.reuse.begin(args, kwargs)
+            began = True
         outer = len(st._live)
+        out, ok = None, False
         try:
-            return orig(*args, **kwargs)
+            out = orig(*args, **kwargs)
+            ok = True
+            return out
         finally:
-            mine, st._live[outer:] = st._live[outer:], []
+            live = st._live
+            mine, live[outer:] = live[outer:], []
             if mine:
                 st.last_stats = mine[-1].kv_stats()
+            if began:
+                st.reuse.finish(out, error=not ok)
 
     return generate
+
+
+def _merged_generation_config(model, kwargs):
+    """generate()'s generation config with this call's keyword overrides (the
+    ``hook="generate"`` path only; the prepare hook gets transformers' own)."""
+    import copy
+
+    cfg = copy.deepcopy(kwargs.get("generation_config") or getattr(model, "generation_config", None))
+    for k in ("num_beams", "num_return_sequences", "eos_token_id"):
+        if k in kwargs and cfg is not None:
+            setattr(cfg, k, kwargs[k])
+    return cfg
+
+
+def _batch_of(args, kwargs) -> int:
+    ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    return int(ids.shape[0]) if torch.is_tensor(ids) else 0
 
 
 def unwrap(model):
@@ -472,5 +525,6 @@ def stats(model) -> dict:
         "weight_params": st.weight_params,
         "caches_created": st.caches_created,
         "cache": live.kv_stats() if live is not None else st.last_stats,
+        "reuse": st.reuse.stats() if st.reuse is not None else {"enabled": False, "off_reason": "kv_store not set"},
     }
     return d

@@ -16,8 +16,8 @@ from cxlalloc.bench.model import SHAPES, ceiling_tokens_per_s
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB = 1 << 30
 MiB = 1 << 20
-STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "decode", "rightsizing",
-         "report", "pack")
+STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "kvserver", "decode",
+         "rightsizing", "report", "pack")
 
 
 def _env():

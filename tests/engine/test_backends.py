@@ -7,22 +7,8 @@ import gc
 import pytest
 
 import cxlalloc
-from cxlalloc import engine
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def machine(fresh_sim):
-    """Reconfigure the simulated machine (needs nothing live); restore after."""
-    def configure(spec):
-        gc.collect()
-        fresh_sim.configure(spec)
-        engine._sim_vram = 1 << 30
-    yield configure
-    gc.collect()
-    if sum(fresh_sim.live().values()) == 0:
-        fresh_sim.configure("vram=1GiB")
 
 
 def test_auto_prefers_host_vmm(make_alloc):
@@ -111,25 +97,6 @@ def test_pinned_backend_cannot_demote(make_alloc):
     with pytest.raises(cxlalloc.UnsupportedError, match="cannot move between tiers"):
         a.demote(p)
     a.free(p)
-
-
-@pytest.fixture
-def cxl_machine(machine, tmp_path, monkeypatch):
-    """A simulated box with a CPU-less (CXL) node 1: a fake sysfs tree for
-    topology, and the simulator's node 1 backed by this machine's node 0."""
-    from tests.helpers.fake_sysfs import FakeSysfs
-
-    fs = FakeSysfs(tmp_path / "sys")
-    fs.node(0, cpus="0-1", mem_gib=16, free_gib=12)
-    fs.node(1, cpus="", mem_gib=64, free_gib=60, zone="Normal")
-    fs.distances({0: {0: 10, 1: 20}, 1: {0: 20, 1: 10}})
-    fs.cxl_region(0, target_node=1, size_gib=64)
-    fs.finish()
-    monkeypatch.setenv("CXLALLOC_SYSFS_ROOT", str(tmp_path / "sys"))
-
-    def configure(extra=""):
-        machine("vram=1GiB,numa=0;1:0,gpu_numa=0" + extra)
-    return configure
 
 
 def test_auto_chooses_the_cpu_less_cxl_node_and_places_spill_there(cxl_machine, make_alloc, sim):

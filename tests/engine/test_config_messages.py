@@ -15,7 +15,8 @@ KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 SIZE_HELP = "bytes (int) or a size string like '512MiB', '8GiB', '1.5TiB', '8GB'"
 FRACTION_HELP = f"{SIZE_HELP}, or a fraction of VRAM: a float in (0, 1] or a percentage like '50%'"
 KEYS = ("device_limit, host_limit, numa_node, backend, kv_device_limit, device_headroom, migration_rate, "
-        "promote_after, extent_chunk, policy, strict_placement, simulate, sim_vram, libcuda, device, spill_reserve")
+        "promote_after, extent_chunk, policy, strict_placement, simulate, sim_vram, libcuda, device, spill_reserve, "
+        "kv_store")
 
 
 def test_option_names_are_the_documented_set():

@@ -1,0 +1,128 @@
+// Python bindings of the KV reuse store's host memory: _C.HostArena.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "alloc/engine.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "kvstore/host_arena.h"
+#include "python/bindings.h"
+#include "python/dlpack.h"
+
+namespace py = pybind11;
+using namespace cxl;
+
+namespace cxl::python {
+
+namespace {
+
+// A CPU tensor over the whole arena keeps the arena alive until torch drops it.
+struct ArenaView {
+  std::shared_ptr<kvstore::HostArena> arena;
+  int64_t shape[1];
+  int64_t strides[1];
+};
+
+void arena_view_deleter(DLManagedTensor* self) {
+  delete static_cast<ArenaView*>(self->manager_ctx);
+  delete self;
+}
+
+void arena_capsule_destructor(PyObject* cap) {
+  if (PyCapsule_IsValid(cap, "dltensor")) {
+    auto* t = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
+    if (t && t->deleter) t->deleter(t);
+  }
+}
+
+py::capsule arena_capsule(std::shared_ptr<kvstore::HostArena> a) {
+  auto* ctx = new ArenaView{a, {static_cast<int64_t>(a->size())}, {1}};
+  auto* t = new DLManagedTensor();
+  t->dl_tensor.data = a->base();
+  t->dl_tensor.device = DLDevice{kDLCPU, 0};
+  t->dl_tensor.ndim = 1;
+  t->dl_tensor.dtype = DLDataType{kDLUInt, 8, 1};
+  t->dl_tensor.shape = ctx->shape;
+  t->dl_tensor.strides = ctx->strides;
+  t->dl_tensor.byte_offset = 0;
+  t->manager_ctx = ctx;
+  t->deleter = arena_view_deleter;
+  PyObject* cap = PyCapsule_New(t, "dltensor", arena_capsule_destructor);
+  if (!cap) {
+    arena_view_deleter(t);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::capsule>(cap);
+}
+
+py::dict placement_dict(const backend::PlacementCheck& c) {
+  py::dict d;
+  d["ok"] = c.ok;
+  d["on_node"] = c.on_node;
+  d["elsewhere"] = c.elsewhere;
+  d["unpopulated"] = c.unpopulated;
+  d["method"] = c.method;
+  d["detail"] = c.detail;
+  return d;
+}
+
+}  // namespace
+
+void bind_kvstore(py::module_& m) {
+  py::class_<kvstore::HostArena, std::shared_ptr<kvstore::HostArena>>(
+      m, "HostArena",
+      "Host memory of the KV reuse store on one NUMA node: bound before first touch, committed as it is written, "
+      "registered for the GPU chunk by chunk (csrc/kvstore/host_arena.h).")
+      .def(py::init([](const std::shared_ptr<alloc::Engine>& engine, size_t size, int node, bool shared, int attach_fd,
+                       size_t register_chunk, int device) {
+             kvstore::ArenaConfig c;
+             c.size = size;
+             c.node = node;
+             c.shared = shared;
+             c.attach_fd = attach_fd;
+             c.register_chunk = register_chunk;
+             c.device = device;
+             py::gil_scoped_release nogil;
+             // No engine: a process with no GPU (the kv-server) places pages
+             // with the kernel's own mbind/move_pages and never registers.
+             if (!engine) return std::make_shared<kvstore::HostArena>(nullptr, backend::linux_numa_ops(), c);
+             return std::make_shared<kvstore::HostArena>(engine->driver(), engine->numa(), c);
+           }),
+           py::arg("engine").none(true), py::arg("size"), py::arg("node"), py::arg("shared") = false, py::arg("attach_fd") = -1,
+           py::arg("register_chunk") = 0, py::arg("device") = 0)
+      .def_property_readonly("base", [](const kvstore::HostArena& a) { return reinterpret_cast<uint64_t>(a.base()); })
+      .def_property_readonly("size", &kvstore::HostArena::size)
+      .def_property_readonly("fd", &kvstore::HostArena::fd)
+      .def_property_readonly("node", &kvstore::HostArena::node)
+      .def_property_readonly("shared", &kvstore::HostArena::shared)
+      .def_property_readonly("register_chunk", &kvstore::HostArena::register_chunk)
+      .def_property_readonly("numa_method", &kvstore::HostArena::numa_method)
+      .def("ensure_registered", &kvstore::HostArena::ensure_registered, py::arg("offset"), py::arg("length"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Register the chunks overlapping [offset, offset+length) for the GPU; returns bytes newly registered.")
+      .def(
+          "verify",
+          [](const kvstore::HostArena& a, size_t off, size_t len) {
+            backend::PlacementCheck c;
+            {
+              py::gil_scoped_release nogil;
+              c = a.verify(off, len);
+            }
+            return placement_dict(c);
+          },
+          py::arg("offset"), py::arg("length"))
+      .def("stats",
+           [](const kvstore::HostArena& a) {
+             auto s = a.stats();
+             py::dict d;
+             d["size"] = s.size;
+             d["registered_bytes"] = s.registered_bytes;
+             d["registered_chunks"] = s.registered_chunks;
+             d["register_failures"] = s.register_failures;
+             return d;
+           })
+      .def("dlpack", [](std::shared_ptr<kvstore::HostArena> a) { return arena_capsule(std::move(a)); },
+           "A DLPack capsule of the whole arena as a 1-D uint8 CPU tensor (keeps the arena alive).");
+}
+
+}  // namespace cxl::python

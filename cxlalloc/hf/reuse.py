@@ -1,0 +1,541 @@
+"""KV that outlives a request: prefix and session reuse for a wrapped ``generate()``.
+
+With ``cxlalloc.hf.wrap(model, kv_store=...)`` every ``generate()`` call
+
+1. looks up, for each prompt row, the longest stored block-aligned prefix of its
+   tokens (:mod:`cxlalloc.kvstore.keys`: chained keys that include the model's
+   fingerprint and the namespace ``cache_salt``), keeping at least the last
+   prompt token to prefill (its logits start decoding);
+2. builds the :class:`~cxlalloc.hf.CxlCache` with those tokens' K/V already in
+   place: loaded in bulk from the store into the KV extent, whose chunks the
+   KV policy places (VRAM while it has room, the host tier otherwise) — one
+   contiguous copy per block for a batch-1 cache;
+3. lets transformers prefill only the rest (``generate()``'s own
+   restart-from-cache path: it slices the prompt by ``cache.get_seq_length()``);
+4. after the call, stores the full blocks of the prompt and of the generated
+   tokens (up to each row's first EOS), so the next turn of a chat — whose
+   prompt contains this answer — hits too.
+
+What each generation mode reuses and stores:
+
+* greedy, sampling, assisted decoding, ``num_return_sequences``: each row's
+  prompt and generated tokens (rows with the same prompt share blocks);
+* beam search: the prompt only ("store before the beams fork": the beams'
+  final cache rows are not the returned sequences);
+* a batch: each row is looked up; the cache is one length ``C`` for all rows,
+  so a row reuses ``C - pad`` of its hit tokens, where ``C`` is the smallest
+  ``pad + hit`` over the rows (left padding ``pad``; the pad positions get zero
+  K/V, which the attention mask hides).  A right-padded or otherwise
+  non-left-padded batch reuses nothing (counted as ``skipped``);
+* a cache passed in by the caller, ``inputs_embeds``, ``use_cache=False``, a
+  static/quantized/offloaded cache: no lookup and no store (counted);
+* per call: ``generate(..., cache_salt="tenant")`` overrides the namespace and
+  ``generate(..., kv_reuse=False)`` turns reuse off for that call.
+
+Correctness: a load that fails (out of memory, a block whose size does not
+match) empties the cache and the call recomputes the whole prompt, counted in
+``load_failures``; a hit is never partially applied.  K/V of generated tokens
+were computed one token at a time; a later prefill of the same tokens computes
+them in one matrix product, which may differ in the last bits (floating point),
+so a hit on generated tokens can change logits slightly against a full
+recompute (the tests measure the largest difference).
+
+Which models: every cache layer must be a full-attention :class:`CxlKVLayer`
+(per-token K/V in cxlalloc).  Sliding-window, linear-attention/SSM and other
+layer kinds keep state that is not a per-token K/V of the whole prefix; for such
+a model reuse is off and :func:`cxlalloc.hf.wrap` says so once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import warnings
+from typing import Any, List, Optional
+
+import torch
+
+from cxlalloc.hf.cache import CxlCache, CxlKVLayer
+from cxlalloc.kvstore import keys as kvkeys
+from cxlalloc.kvstore.layout import BlockLayout, check_block_tokens
+from cxlalloc.kvstore.open import open_store
+
+DEFAULT_BLOCK_TOKENS = 64
+REUSE_OPTIONS = ("kv_store", "kv_store_limit", "block_tokens", "cache_salt", "kv_store_fingerprint")
+
+
+class KVReuseWarning(UserWarning):
+    """KV reuse cannot apply to this model or call (said once per model/reason)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReuseOptions:
+    """The KV reuse options of :func:`cxlalloc.hf.wrap` (validated)."""
+
+    kv_store: Any
+    kv_store_limit: Any = None
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    cache_salt: Optional[str] = None
+    kv_store_fingerprint: str = "sampled"
+
+
+def parse_reuse_options(options: dict) -> Optional[ReuseOptions]:
+    """Pop the reuse options out of ``options`` (wrap()'s keyword arguments).
+
+    Returns None when ``kv_store`` is absent, None or False (reuse off).
+
+    Raises:
+        ValueError: a bad value, naming the option and its allowed values; or a
+            reuse option given without ``kv_store``.
+    """
+    got = {k: options.pop(k) for k in REUSE_OPTIONS if k in options}
+    if "kv_store" not in got:  # CXLALLOC=kv_store:unix:///run/cxlalloc/kv.sock (one setting for every process)
+        env = _env_kv_store()
+        if env is not None:
+            got["kv_store"] = env
+    store = got.get("kv_store")
+    if store is None or store is False:
+        extra = [k for k, v in got.items() if k != "kv_store" and v is not None]
+        if extra:
+            raise ValueError(f"cxlalloc.hf.wrap: {', '.join(extra)} given without kv_store; pass kv_store=True (or "
+                             "'local', 'unix:///path/kv.sock', 'redis://host:port/db', or a store object)")
+        return None
+    bt = got.get("block_tokens")
+    bt = DEFAULT_BLOCK_TOKENS if bt is None else check_block_tokens(bt)
+    salt = got.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"cxlalloc option 'cache_salt': {salt!r} is not a string (a namespace such as a tenant id)")
+    fp = got.get("kv_store_fingerprint")
+    fp = "sampled" if fp is None else fp
+    if fp not in kvkeys.WEIGHT_MODES:
+        raise ValueError(f"cxlalloc option 'kv_store_fingerprint': {fp!r} is not allowed; allowed: "
+                         f"{', '.join(kvkeys.WEIGHT_MODES)}")
+    return ReuseOptions(kv_store=store, kv_store_limit=got.get("kv_store_limit"), block_tokens=bt, cache_salt=salt,
+                        kv_store_fingerprint=fp)
+
+
+def _env_kv_store() -> Optional[str]:
+    """The ``kv_store`` key of the CXLALLOC environment variable, or None
+    (an invalid CXLALLOC was already reported by the start-up hook)."""
+    from cxlalloc.config import make_config, parse_env
+
+    try:
+        opts = parse_env() or {}
+        return make_config(kv_store=opts["kv_store"]).kv_store if "kv_store" in opts else None
+    except ValueError:
+        return None
+
+
+@dataclasses.dataclass
+class CallRecord:
+    """What one generate() call reused and stored (``hf.stats(model)["reuse"]["last"]``)."""
+
+    rows: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0          # cache positions filled from the store (the cache length C before prefill)
+    reused_tokens: int = 0       # real tokens loaded, summed over the cache's rows
+    row_hit_tokens: List[int] = dataclasses.field(default_factory=list)  # per prompt row, before the batch min
+    bytes_loaded: int = 0
+    load_ms: float = 0.0
+    stored_blocks: int = 0
+    bytes_stored: int = 0
+    store_ms: float = 0.0
+    skipped: Optional[str] = None   # why no lookup was made
+    fallback: Optional[str] = None  # why a load failed (then the prompt was recomputed)
+    namespace: Optional[str] = None
+
+
+class _Call:
+    """Per-call state between the generate() wrapper and the cache hook."""
+
+    def __init__(self, input_ids, attention_mask, salt, enabled):
+        self.input_ids = input_ids
+        self.attention_mask = attention_mask
+        self.salt = salt
+        self.enabled = enabled
+        self.cache: Optional[CxlCache] = None
+        self.expand = 1
+        self.beam = False
+        self.eos: List[int] = []
+        self.pads: List[int] = []
+        self.record = CallRecord()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class PrefixReuse:
+    """The reuse state of one wrapped model: its store, fingerprint, layout and counters.
+
+    Args:
+        model: the wrapped model.
+        allocator: its :class:`cxlalloc.Allocator` (the store's node and device).
+        opts: :class:`ReuseOptions`.
+        cache_kw: the forward() keyword of the cache (``cache``/``past_key_values``).
+
+    Raises:
+        ValueError: a store smaller than one block (names ``kv_store_limit``),
+            or a bad store spec.
+    """
+
+    def __init__(self, model, allocator, opts: ReuseOptions, cache_kw: str):
+        self.model = model
+        self.allocator = allocator
+        self.opts = opts
+        self.cache_kw = cache_kw
+        self.store = open_store(opts.kv_store, allocator, limit=opts.kv_store_limit)
+        self.block_tokens = opts.block_tokens
+        self.layout: Optional[BlockLayout] = None
+        self.off_reason: Optional[str] = None
+        self._fingerprint: Optional[bytes] = None
+        self._weights_version = None
+        self._roots = {}
+        self._tls = threading.local()
+        self._lock = threading.Lock()
+        self.counters = {"calls": 0, "calls_with_hit": 0, "hit_tokens": 0, "prompt_tokens": 0, "stored_blocks": 0,
+                         "skipped_calls": 0, "load_failures": 0}
+        self.last: Optional[CallRecord] = None
+        self._probe()
+
+    # ------------------------------------------------------------ model facts
+    def _probe(self) -> None:
+        """Learn the cache layout with one 1-token forward (the geometry of each
+        full-attention layer, and whether any layer is of another kind)."""
+        model = self.model
+        device = next(p.device for p in model.parameters())
+        cache = CxlCache(config=model.config.get_text_config(decoder=True), allocator=self.allocator, max_cache_len=1)
+        try:
+            with torch.no_grad():
+                model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True,
+                      **{self.cache_kw: cache})
+            layers = list(cache.layers)
+            others = sorted({type(layer).__name__ for layer in layers if not isinstance(layer, CxlKVLayer)})
+            kv = [layer for layer in layers if isinstance(layer, CxlKVLayer)]
+            if others or not kv:
+                what = ", ".join(others) if others else "no cache layers"
+                self.off_reason = (f"prefix reuse needs every cache layer to be full attention with its K/V in "
+                                   f"cxlalloc; {type(model).__name__} has {what}")
+                warnings.warn(f"cxlalloc.hf.wrap: kv_store: {self.off_reason}; KV reuse is off for this model "
+                              "(generate() works as without kv_store)", KVReuseWarning, stacklevel=4)
+                return
+            slots = []
+            for layer in kv:
+                g = layer._store.g
+                slots.append((g.heads, g.k_dim, g.v_dim))
+            self.layout = BlockLayout(self.block_tokens, kv[0]._store.g.dtype, tuple(slots))
+            self._dtypes = [layer._store.g.dtype for layer in kv]
+        finally:
+            cache.release()
+        check = getattr(self.store, "check_block_bytes", None)
+        if check is not None:
+            check(self.layout.block_bytes)
+
+    def fingerprint(self) -> bytes:
+        """The model fingerprint, recomputed when a parameter changed since."""
+        ver = kvkeys.weights_version(self.model)
+        if self._fingerprint is None or ver != self._weights_version:
+            self._fingerprint = kvkeys.model_fingerprint(self.model, self.opts.kv_store_fingerprint)
+            self._weights_version = ver
+            self._roots = {}
+        return self._fingerprint
+
+    def root(self, salt: Optional[str]) -> bytes:
+        fp = self.fingerprint()
+        r = self._roots.get(salt)
+        if r is None:
+            r = self._roots[salt] = kvkeys.root_key(fp, self.layout.signature(), self.block_tokens, salt)
+        return r
+
+    # ------------------------------------------------------------ per call
+    def begin(self, args, kwargs) -> None:
+        """Called by the generate() wrapper before transformers' generate():
+        pops ``cache_salt``/``kv_reuse`` from ``kwargs`` and remembers the
+        prompt for the cache hook."""
+        salt = kwargs.pop("cache_salt", self.opts.cache_salt)
+        enabled = kwargs.pop("kv_reuse", True)
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"cxlalloc: generate(cache_salt=...): {salt!r} is not a string")
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = kwargs.get("inputs", args[0] if args else None)
+        call = _Call(ids, kwargs.get("attention_mask"), salt, bool(enabled) and self.layout is not None)
+        call.record.namespace = salt
+        if ids is None or not torch.is_tensor(ids) or ids.dim() != 2 or ids.dtype not in (torch.long, torch.int):
+            call.enabled = False
+            call.record.skipped = "no input_ids tensor (inputs_embeds or another input)"
+        if not enabled:
+            call.record.skipped = "kv_reuse=False"
+        elif self.layout is None:
+            call.record.skipped = self.off_reason
+        stack = getattr(self._tls, "calls", None)
+        if stack is None:
+            stack = self._tls.calls = []
+        stack.append(call)
+
+    def skip(self, reason: str) -> None:
+        """This call does no lookup and no store (``reason`` is recorded)."""
+        call = self._current()
+        if call is not None and call.cache is None:
+            call.enabled = False
+            call.record.skipped = call.record.skipped or reason
+
+    def _current(self) -> Optional[_Call]:
+        stack = getattr(self._tls, "calls", None)
+        return stack[-1] if stack else None
+
+    def load(self, cache: CxlCache, generation_config, batch_size: int) -> None:
+        """Called by the cache hook with the fresh cache of this call: load the
+        hit into it (or leave it empty)."""
+        call = self._current()
+        if call is None or call.cache is not None:
+            return
+        call.cache = cache
+        expand = max(int(getattr(generation_config, "num_beams", 1) or 1),
+                     int(getattr(generation_config, "num_return_sequences", 1) or 1))
+        call.expand = expand
+        call.beam = int(getattr(generation_config, "num_beams", 1) or 1) > 1
+        eos = getattr(generation_config, "eos_token_id", None)
+        call.eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        if not call.enabled:
+            return
+        ids = call.input_ids.detach().to("cpu", torch.long)
+        rec = call.record
+        rec.rows, rec.prompt_tokens = int(ids.shape[0]), int(ids.shape[1])
+        if ids.shape[0] != batch_size:
+            call.enabled = False
+            rec.skipped = f"the prompt has {ids.shape[0]} rows but generate() prepared {batch_size}"
+            return
+        pads = self._left_pads(call.attention_mask, ids.shape)
+        if pads is None:
+            call.enabled = False
+            rec.skipped = "the attention mask is not left padding"
+            return
+        call.pads = pads
+        try:
+            self._load(call, cache, ids, pads, expand)
+        except Exception as exc:  # never a wrong token: recompute the whole prompt
+            cache.reset()
+            rec.fallback = f"{type(exc).__name__}: {exc}"
+            rec.hit_tokens = rec.bytes_loaded = 0
+            with self._lock:
+                self.counters["load_failures"] += 1
+            record_failure = getattr(self.store, "record_failure", None)
+            if record_failure is not None:
+                record_failure()
+
+    @staticmethod
+    def _left_pads(mask, shape) -> Optional[List[int]]:
+        if mask is None:
+            return [0] * int(shape[0])
+        m = mask.detach().to("cpu")
+        if tuple(m.shape) != tuple(shape):
+            return None
+        m = m != 0
+        pads = (~m).long().argmin(dim=1) if m.shape[1] else torch.zeros(m.shape[0], dtype=torch.long)
+        pads = [int(p) if bool(m[r].any()) else int(shape[1]) for r, p in enumerate(pads)]
+        for r, p in enumerate(pads):
+            if not bool(m[r, p:].all()):
+                return None
+        return pads
+
+    def _load(self, call: _Call, cache: CxlCache, ids: torch.Tensor, pads: List[int], expand: int) -> None:
+        layout, bt, rec = self.layout, self.block_tokens, call.record
+        root = self.root(call.salt)
+        ns = call.salt or ""
+        L = int(ids.shape[1])
+        leases, hits = [], []
+        try:
+            for r in range(ids.shape[0]):
+                tokens = ids[r, pads[r]:]
+                max_blocks = max(0, (L - 1 - pads[r]) // bt)
+                keys = kvkeys.chain_keys(root, tokens, bt, max_blocks=max_blocks)
+                lease = self.store.lookup(ns, keys)
+                leases.append(lease)
+                hits.append(lease.blocks * bt)
+            rec.row_hit_tokens = list(hits)
+            C = min(min(p + h for p, h in zip(pads, hits)), L - 1)
+            if C <= 0 or not any(min(h, C - p) > 0 for p, h in zip(pads, hits)):
+                return
+            for lease in leases:
+                for v in lease.views:
+                    if v.numel() != layout.block_bytes:
+                        raise ValueError(f"a stored block of {v.numel()} bytes, expected {layout.block_bytes}")
+            t0 = time.perf_counter()
+            geoms = [(h, dk, dv, dt) for (h, dk, dv), dt in zip(layout.slots, self._dtypes)]
+            places = cache.open_prefix(geoms, ids.shape[0] * expand, C)
+            nbytes = self._copy_in(places, leases, pads, C, expand)
+            device = places[0][0].g.device
+            _sync(device)
+            dt = time.perf_counter() - t0
+        finally:
+            for lease in leases:
+                lease.close()
+        rec.hit_tokens = C
+        rec.reused_tokens = sum(max(0, min(h, C - p)) for p, h in zip(pads, hits)) * expand
+        rec.bytes_loaded = nbytes
+        rec.load_ms = dt * 1e3
+        record_load = getattr(self.store, "record_load", None)
+        if record_load is not None:
+            record_load(nbytes, dt)
+
+    def _copy_in(self, places, leases, pads, C, expand) -> int:
+        """Write the hit K/V into the cache's storage; returns bytes copied from the store."""
+        layout, bt = self.layout, self.block_tokens
+        stores = {id(s): s for s, _ in places}
+        bulk = (len(stores) == 1 and len(leases) == 1 and expand == 1 and pads[0] == 0
+                and places[0][0].g.batch == 1 and places[0][0].n_slots == len(places)
+                and [slot for _, slot in places] == list(range(len(places))))
+        nbytes = 0
+        if bulk:  # one contiguous copy per block: the block format is a batch-1 storage row
+            storage = places[0][0]
+            for j, view in enumerate(leases[0].views):
+                t0 = j * bt
+                if t0 >= C:
+                    break
+                n = min(bt, C - t0)
+                storage.rows(t0, t0 + n).copy_(layout.rows(view)[:n], non_blocking=True)
+                nbytes += n * layout.row_bytes
+            return nbytes
+        for r, lease in enumerate(leases):
+            pad = pads[r]
+            real = max(0, C - pad)
+            for e in range(r * expand, (r + 1) * expand):
+                for s, (storage, slot) in enumerate(places):
+                    if pad:
+                        storage.key_view(slot, 0, min(pad, C))[e].zero_()
+                        storage.value_view(slot, 0, min(pad, C))[e].zero_()
+            for j, view in enumerate(lease.views):
+                t0 = j * bt
+                if t0 >= real:
+                    break
+                n = min(bt, real - t0)
+                rows = layout.rows(view)[:n]
+                for s, (storage, slot) in enumerate(places):
+                    k_src = layout.key_part(rows, s).permute(1, 0, 2)   # (H, n, Dk)
+                    v_src = layout.value_part(rows, s).permute(1, 0, 2)
+                    a, b = pad + t0, pad + t0 + n
+                    for e in range(r * expand, (r + 1) * expand):
+                        storage.key_view(slot, a, b)[e].copy_(k_src, non_blocking=True)
+                        storage.value_view(slot, a, b)[e].copy_(v_src, non_blocking=True)
+                nbytes += n * layout.row_bytes
+        return nbytes
+
+    def finish(self, output, error: bool) -> None:
+        """Called by the generate() wrapper after transformers' generate():
+        store the new full blocks, update the counters."""
+        stack = getattr(self._tls, "calls", None)
+        call = stack.pop() if stack else None
+        if call is None:
+            return
+        rec = call.record
+        with self._lock:
+            self.counters["calls"] += 1
+            if rec.skipped:
+                self.counters["skipped_calls"] += 1
+        if call.enabled and not error and call.cache is not None:
+            try:
+                self._store_call(call, output)
+            except Exception as exc:  # storing is best effort: the answer is already right
+                rec.fallback = rec.fallback or f"store failed: {type(exc).__name__}: {exc}"
+        with self._lock:
+            if rec.hit_tokens:
+                self.counters["calls_with_hit"] += 1
+            self.counters["hit_tokens"] += rec.reused_tokens
+            self.counters["prompt_tokens"] += rec.prompt_tokens * max(1, rec.rows)
+            self.counters["stored_blocks"] += rec.stored_blocks
+            self.last = rec
+
+    def _store_call(self, call: _Call, output) -> None:
+        cache = call.cache
+        seqs = output if torch.is_tensor(output) else getattr(output, "sequences", None)
+        if seqs is None or not cache._cxl_layers():
+            return
+        layers = cache._cxl_layers()
+        places = [(layer._store, layer._slot) for layer in layers]
+        if any(s is None for s, _ in places):
+            return
+        cache_len = min(layer._len for layer in layers)
+        batch = places[0][0].g.batch
+        L = int(call.input_ids.shape[1])
+        seqs = seqs.detach().to("cpu", torch.long)
+        layout, bt = self.layout, self.block_tokens
+        root = self.root(call.salt)
+        ns = call.salt or ""
+        # (cache row, that row's token ids, tokens of it to store)
+        if call.beam:  # the prompt only: beams' cache rows are not the returned sequences
+            ids = call.input_ids.detach().to("cpu", torch.long)
+            rows = [(g * call.expand, ids[g], min(L, cache_len)) for g in range(ids.shape[0])]
+        elif seqs.shape[0] == batch:
+            rows = [(r, seqs[r], cache_len) for r in range(batch)]
+        else:
+            rows = []
+        t0 = time.perf_counter()
+        stored = nbytes = 0
+        seen = set()
+        for r, row_ids, end in rows:
+            pad = call.pads[r // call.expand]
+            tokens = row_ids[pad:end]
+            if call.eos and tokens.numel() > L - pad:
+                gen = tokens[L - pad:]
+                hit = [i for i, t in enumerate(gen.tolist()) if t in call.eos]
+                if hit:
+                    tokens = tokens[:L - pad + hit[0] + 1]
+            keys = kvkeys.chain_keys(root, tokens, bt)
+            new = [(j, k) for j, k in enumerate(keys) if k not in seen]
+            seen.update(k for _, k in new)
+            if not new:
+                continue
+            res = self.store.reserve(ns, [k for _, k in new], layout.block_bytes, bt)
+            try:
+                for (j, _), view in zip(new, res.views):
+                    if view is None:
+                        continue
+                    self._copy_out(places, r, pad + j * bt, view)
+                    nbytes += layout.block_bytes
+                _sync(places[0][0].g.device)
+                stored += res.commit()
+            finally:
+                res.abort()
+        dt = time.perf_counter() - t0
+        call.record.stored_blocks = stored
+        call.record.bytes_stored = nbytes
+        call.record.store_ms = dt * 1e3
+        record_store = getattr(self.store, "record_store", None)
+        if record_store is not None and nbytes:
+            record_store(nbytes, dt)
+
+    def _copy_out(self, places, row: int, start: int, view: torch.Tensor) -> None:
+        layout, bt = self.layout, self.block_tokens
+        rows = layout.rows(view)
+        storage = places[0][0]
+        if (storage.g.batch == 1 and len({id(s) for s, _ in places}) == 1 and storage.n_slots == len(places)
+                and [slot for _, slot in places] == list(range(len(places)))):
+            rows.copy_(storage.rows(start, start + bt), non_blocking=True)
+            return
+        for s, (st, slot) in enumerate(places):
+            layout.key_part(rows, s).copy_(st.key_view(slot, start, start + bt)[row].permute(1, 0, 2),
+                                           non_blocking=True)
+            layout.value_part(rows, s).copy_(st.value_view(slot, start, start + bt)[row].permute(1, 0, 2),
+                                             non_blocking=True)
+
+    # ------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        """``{"enabled", "off_reason", "block_tokens", "layout", "namespace",
+        "counters", "last" (CallRecord of the latest call), "store" (its stats)}``."""
+        with self._lock:
+            counters = dict(self.counters)
+            last = dataclasses.asdict(self.last) if self.last is not None else None
+        return {
+            "enabled": self.layout is not None,
+            "off_reason": self.off_reason,
+            "block_tokens": self.block_tokens,
+            "layout": self.layout.describe() if self.layout is not None else None,
+            "bytes_per_token": self.layout.row_bytes if self.layout is not None else None,
+            "namespace": self.opts.cache_salt,
+            "counters": counters,
+            "last": last,
+            "store": self.store.stats(),
+        }

@@ -1,0 +1,50 @@
+"""The KV reuse store: KV cache blocks kept across requests for prefix hits.
+
+A document, system prompt or chat history prefilled once is kept as KV blocks
+in host memory on the chosen NUMA node (a CXL node where one is chosen) and
+loaded in bulk by the next request that shares the prefix, instead of being
+prefilled again.  :mod:`cxlalloc.hf.reuse` does this for ``generate()``
+(``cxlalloc.hf.wrap(model, kv_store=True)``).
+
+Modules:
+    keys       model fingerprint, chained block keys (BLAKE2b-256)
+    layout     the byte format of a block (token-major rows of all KV layers)
+    index      key -> block bookkeeping: slabs, LRU eviction, pins, write-then-publish
+    local      LocalBlockStore: the in-process store over a HostArena
+    open       kv_store=... option values -> a store
+    protocol   the kv-server's wire format (length-prefixed msgpack over a unix socket)
+    server     ``cxlalloc kv-server``: one shared pool for every process of a machine
+    client     RemoteBlockStore: a kv-server as a store (kv_store="unix:///path/kv.sock")
+    redis_tier RedisTier: a Redis/Valkey tier below a pool (kv_store="redis://...", --redis)
+    metrics    the kv-server's Prometheus metrics
+"""
+
+# Imported when first used (PEP 562): the kv-server process needs neither torch
+# nor the in-process store, only the index, the keys and the protocol.
+_EXPORTS = {
+    "BlockIndex": "cxlalloc.kvstore.index",
+    "chain_keys": "cxlalloc.kvstore.keys",
+    "model_fingerprint": "cxlalloc.kvstore.keys",
+    "root_key": "cxlalloc.kvstore.keys",
+    "BlockLayout": "cxlalloc.kvstore.layout",
+    "KVStoreWarning": "cxlalloc.kvstore.local",
+    "LocalBlockStore": "cxlalloc.kvstore.local",
+    "resolve_limit": "cxlalloc.kvstore.local",
+    "open_store": "cxlalloc.kvstore.open",
+    "RemoteBlockStore": "cxlalloc.kvstore.client",
+    "RedisTier": "cxlalloc.kvstore.redis_tier",
+    "KVServer": "cxlalloc.kvstore.server",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'cxlalloc.kvstore' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,570 @@
+"""A client of a ``cxlalloc kv-server``: the machine's shared KV pool as a block store.
+
+``RemoteBlockStore("unix:///run/cxlalloc/kv.sock", allocator)`` is what
+``hf.wrap(model, kv_store="unix:///run/cxlalloc/kv.sock")`` (or
+``CXLALLOC=kv_store:unix:///run/cxlalloc/kv.sock``) opens.  It has the
+interface of :class:`~cxlalloc.kvstore.local.LocalBlockStore`: ``lookup``
+returns a lease whose ``views`` are 1-D uint8 CPU tensors *into the server's
+pool*, mapped into this process (the pool's memfd arrives over the socket by
+SCM_RIGHTS), so a hit is copied once, pool -> KV cache; on a GPU the pool is
+registered for the device chunk by chunk when first used, so that copy is a
+DMA over the link with no staging copy.  ``reserve`` returns slots in the pool
+to write, then ``commit`` publishes them to every process of the machine.
+
+Failures never cost a token: when the server cannot be reached, dies or
+hangs (every socket operation has a timeout), lookups return no blocks and
+reservations no slots, so ``generate()`` recomputes (or uses the optional
+local ``fallback`` tier); the store warns once, counts it (``server_errors``,
+``timeouts``), and reconnects with exponential backoff.  A restarted server
+has a new pool (``pool_id``): the client maps the new one, and leases on the
+old one stay valid (their memory lives while a view refers to it).
+
+A connection that failed is closed only once no lease or reservation of it is
+still open: closing it makes the server drop those pins and abort those
+slots, and a slot the server reused while this process still read or wrote it
+would be a wrong token.
+
+URL options (``unix:///path/kv.sock?timeout=5&fallback=256MiB``):
+    timeout   seconds for each request (default 5)
+    fallback  bytes of an in-process LocalBlockStore used while the server is away
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import warnings
+from typing import List, Optional, Sequence
+
+import torch
+
+from cxlalloc.config import format_bytes, parse_size
+from cxlalloc.kvstore import protocol as P
+from cxlalloc.kvstore.local import KVStoreWarning
+
+DEFAULT_TIMEOUT_S = 5.0
+_BACKOFF_MIN_S = 0.2
+_BACKOFF_MAX_S = 10.0
+
+
+class _Broken(Exception):
+    """The connection failed (its state is unknown): it is abandoned."""
+
+
+class _Pool:
+    """One server pool mapped into this process."""
+
+    def __init__(self, arena, hello: dict):
+        self.arena = arena
+        self.pool_id = hello["pool_id"]
+        self.size = int(hello["size"])
+        self.chunk_bytes = int(hello["chunk_bytes"])
+        self.node = int(hello["node"])
+        self.bytes = torch.from_dlpack(arena.dlpack())
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket, pool: _Pool, hello: dict):
+        self.sock, self.pool, self.hello = sock, pool, hello
+        self.lock = threading.Lock()       # one request/response at a time
+        self._held = threading.Lock()      # outstanding and closed
+        self.outstanding = 0               # open leases + reservations
+        self.broken = False
+        self.closed = False
+
+    def request(self, msg: dict) -> dict:
+        with self.lock:
+            if self.broken:
+                raise _Broken("the connection failed earlier")
+            try:
+                P.send_msg(self.sock, msg)
+                reply, _ = P.recv_msg(self.sock)
+            except (OSError, P.ProtocolError) as e:  # socket.timeout is an OSError
+                self.broken = True
+                self._close_if_idle()
+                raise _Broken(f"{type(e).__name__}: {e}") from None
+        if not reply.get("ok"):
+            raise P.RemoteError(str(reply.get("code", "?")), str(reply.get("error", "")))
+        return reply
+
+    def hold(self) -> None:
+        with self._held:
+            self.outstanding += 1
+
+    def unhold(self) -> None:
+        with self._held:
+            self.outstanding -= 1
+        if self.broken:
+            self._close_if_idle()
+
+    def _close_if_idle(self) -> None:
+        with self._held:
+            if self.closed or self.outstanding > 0:
+                return
+            self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def abandon(self) -> None:
+        """Stop using this connection; it closes once nothing of it is open."""
+        self.broken = True
+        self._close_if_idle()
+
+
+class RemoteLease:
+    """Blocks found on the server, pinned there until :meth:`close`."""
+
+    def __init__(self, store, conn: Optional[_Conn], lease_id: int, views: List[torch.Tensor]):
+        self._store, self._conn, self._id, self.views = store, conn, lease_id, views
+
+    @property
+    def blocks(self) -> int:
+        return len(self.views)
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        self.views = []
+        if conn is None:
+            return
+        try:
+            if not conn.broken:
+                conn.request({"op": "release", "leases": [self._id]})
+        except (_Broken, P.RemoteError) as e:
+            self._store._failed(e, conn)
+        finally:
+            conn.unhold()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class RemoteReservation:
+    """Slots in the server's pool: write ``views[i]`` (None = skip), then :meth:`commit`."""
+
+    def __init__(self, store, conn: Optional[_Conn], res_id: int, views: List[Optional[torch.Tensor]]):
+        self._store, self._conn, self._id, self.views = store, conn, res_id, views
+
+    @property
+    def slots(self) -> int:
+        return sum(1 for v in self.views if v is not None)
+
+    def _finish(self, op: str) -> int:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return 0
+        try:
+            if conn.broken:
+                return 0
+            reply = conn.request({"op": op, "res": self._id})
+            return int(reply.get("published", 0))
+        except (_Broken, P.RemoteError) as e:
+            self._store._failed(e, conn)
+            return 0
+        finally:
+            conn.unhold()
+
+    def commit(self) -> int:
+        """Publish the written blocks to every client; returns how many became visible
+        (0 when the server went away: nothing half-written is ever visible)."""
+        n = self._finish("commit")
+        self._store._count("committed_blocks", n)
+        return n
+
+    def abort(self) -> None:
+        self._finish("abort")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.abort()
+
+    def __del__(self):
+        try:
+            self.abort()
+        except Exception:
+            pass
+
+
+class _Nothing:
+    """An empty lease / a reservation with no slots."""
+
+    def __init__(self, n: int = 0):
+        self.views = [None] * n
+        self.blocks = 0
+        self.slots = 0
+
+    def close(self):
+        pass
+
+    def commit(self):
+        return 0
+
+    def abort(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+class RemoteBlockStore:
+    """The kv-server at ``url`` as a block store (see the module docstring).
+
+    Args:
+        url: ``unix:///path/kv.sock`` (``?timeout=S&fallback=SIZE``).
+        allocator: the :class:`cxlalloc.Allocator` whose GPU (or simulated
+            GPU) the pool is registered for.
+        timeout: seconds per request (overrides the URL's).
+        fallback: bytes of a local store used while the server is away (overrides the URL's).
+        name: shown in the server's client list (default: the program's name).
+
+    Raises:
+        ValueError: not a unix:// URL, a bad timeout or fallback size (naming ``kv_store``).
+
+    Never raises because the server is down: it warns and generates without it.
+    """
+
+    kind = "server"
+
+    def __init__(self, url: str, allocator, *, timeout: Optional[float] = None, fallback=None,
+                 name: Optional[str] = None):
+        self.url = url
+        self.path = P.socket_path_from_url(url)
+        q = P.url_query(url)
+        unknown = sorted(set(q) - {"timeout", "fallback"})
+        if unknown:
+            raise ValueError(f"cxlalloc option 'kv_store': unknown URL option(s) {', '.join(unknown)} in {url!r}; "
+                             "allowed: timeout (seconds), fallback (bytes of a local tier)")
+        if timeout is None:
+            try:
+                timeout = float(q.get("timeout", DEFAULT_TIMEOUT_S))
+            except ValueError:
+                timeout = -1.0
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"cxlalloc option 'kv_store': timeout={q.get('timeout', timeout)!r} must be a positive "
+                             "number of seconds")
+        self.timeout = float(timeout)
+        if fallback is None and q.get("fallback"):
+            fallback = parse_size(q["fallback"], "kv_store fallback")
+        self.allocator = allocator
+        self.name = (name or os.path.basename((sys.argv or [""])[0]) or "python")[:64]
+        self.simulated = bool(getattr(allocator, "simulated", False))
+        self.fallback = None
+        if fallback:
+            from cxlalloc.kvstore.local import LocalBlockStore
+
+            self.fallback = LocalBlockStore(allocator, fallback)
+        self._lock = threading.Lock()      # the connection state
+        self._clock = threading.Lock()     # counters
+        self._conn: Optional[_Conn] = None
+        self._pool: Optional[_Pool] = None
+        self._down_until = 0.0
+        self._backoff = _BACKOFF_MIN_S
+        self._ever_connected = False
+        self._warned = set()
+        self.last_error: Optional[str] = None
+        self.counters = {
+            "lookups": 0, "lookup_blocks": 0, "hit_blocks": 0, "reserves": 0, "reserved_blocks": 0,
+            "committed_blocks": 0, "server_errors": 0, "timeouts": 0, "remote_errors": 0, "reconnects": 0,
+            "server_restarts": 0, "skipped_down": 0, "fallback_lookups": 0, "register_failures": 0,
+            "bytes_loaded": 0, "load_seconds": 0.0, "loads": 0, "bytes_stored": 0, "store_seconds": 0.0,
+            "load_failures": 0,
+        }
+        self._get_conn()  # connect now if the server is up (a warning if not)
+
+    # ------------------------------------------------------------ connection
+    def _count(self, key: str, n=1) -> None:
+        with self._clock:
+            self.counters[key] += n
+
+    def _warn_once(self, what: str, msg: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(msg, KVStoreWarning, stacklevel=4)
+
+    def _failed(self, exc: BaseException, conn: Optional[_Conn] = None) -> None:
+        """A request failed: count it; a broken connection puts the server 'down' for the backoff."""
+        text = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, P.RemoteError):
+            self._count("remote_errors")
+            self._warn_once("remote:" + exc.code, f"cxlalloc kv store: the kv-server at {self.path} refused a "
+                                                  f"request ({exc.code}: {exc}); continuing without it")
+            return
+        self._count("server_errors")
+        if "timed out" in text or "timeout" in type(exc).__name__.lower():
+            self._count("timeouts")
+        with self._lock:
+            self.last_error = text
+            if conn is not None:
+                conn.abandon()
+            if conn is None or self._conn is conn:
+                self._conn = None
+                self._down_until = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
+        self._warn_once("down", f"cxlalloc kv store: the kv-server at {self.path} is not available ({text}); "
+                                "generating without it (prompts are recomputed"
+                                + (", the local fallback tier is used" if self.fallback is not None else "")
+                                + ") and reconnecting in the background of later calls")
+
+    def _get_conn(self) -> Optional[_Conn]:
+        with self._lock:
+            c = self._conn
+            if c is not None and not c.broken:
+                return c
+            if time.monotonic() < self._down_until:
+                self._count("skipped_down")
+                return None
+        try:
+            c = self._dial()
+        except Exception as e:
+            self._failed(e if isinstance(e, (OSError, _Broken, P.ProtocolError)) else _Broken(f"{type(e).__name__}: {e}"))
+            return None
+        with self._lock:
+            if self._conn is not None and not self._conn.broken:  # another thread won
+                other = self._conn
+            else:
+                other = None
+                if self._ever_connected:
+                    self._count("reconnects")
+                self._ever_connected = True
+                self._conn = c
+                self._backoff = _BACKOFF_MIN_S
+                self._down_until = 0.0
+        if other is not None:
+            c.abandon()
+            return other
+        return c
+
+    def _dial(self) -> _Conn:
+        from cxlalloc import _C
+
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        fds: List[int] = []
+        try:
+            s.connect(self.path)
+            P.send_msg(s, {"op": "hello", "v": P.PROTOCOL_VERSION, "pid": os.getpid(), "want_fd": True,
+                           "name": self.name})
+            reply, fds = P.recv_msg(s, max_fds=4)
+            if not reply.get("ok"):
+                raise P.RemoteError(str(reply.get("code", "?")), str(reply.get("error", "refused")))
+            pool = self._pool
+            if pool is not None and pool.pool_id == reply["pool_id"]:
+                for fd in fds:  # the same pool, already mapped
+                    os.close(fd)
+            else:
+                if not fds or not P.fd_is_shared_memory(fds[0]):
+                    raise P.ProtocolError("the server sent no pool file descriptor")
+                fd = fds.pop(0)
+                for extra in fds:
+                    os.close(extra)
+                fds = []
+                chunk = int(reply["chunk_bytes"])
+                arena = _C.HostArena(self.allocator._engine, 0, int(reply["node"]), False, fd, chunk,
+                                     int(self.allocator.device))
+                if arena.size < int(reply["size"]):
+                    raise P.ProtocolError(f"the pool maps {arena.size} bytes, the server says {reply['size']}")
+                if pool is not None:
+                    self._count("server_restarts")
+                pool = self._pool = _Pool(arena, reply)
+            return _Conn(s, pool, reply)
+        except BaseException:
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            s.close()
+            raise
+
+    # ------------------------------------------------------------ blocks
+    def _register(self, pool: _Pool, off: int, n: int) -> None:
+        try:
+            pool.arena.ensure_registered(off, n)
+        except Exception as exc:  # pageable copies still work, slower
+            self._count("register_failures")
+            self._warn_once("register", f"cxlalloc kv store: registering a chunk of the kv-server's pool for the GPU "
+                                        f"failed ({exc}); blocks in it are copied through pageable memory (slower)")
+
+    def lookup(self, ns: str, keys: Sequence[bytes]):
+        """The longest prefix of ``keys`` stored on the server, pinned there until the lease closes."""
+        keys = list(keys)
+        self._count("lookups")
+        self._count("lookup_blocks", len(keys))
+        if not keys:
+            return _Nothing()
+        c = self._get_conn()
+        if c is None:
+            return self._fallback_lookup(ns, keys)
+        c.hold()  # before the request: the connection must not close while its pins are in use
+        try:
+            reply = c.request({"op": "lookup", "ns": ns, "keys": keys})
+        except (_Broken, P.RemoteError) as e:
+            c.unhold()
+            self._failed(e, c if isinstance(e, _Broken) else None)
+            return self._fallback_lookup(ns, keys) if isinstance(e, _Broken) else _Nothing()
+        blocks = reply.get("blocks") or []
+        if not blocks:
+            c.unhold()
+            return _Nothing()
+        views = []
+        for off, n, _tokens in blocks:
+            self._register(c.pool, int(off), int(n))
+            views.append(c.pool.bytes[int(off):int(off) + int(n)])
+        self._count("hit_blocks", len(views))
+        return RemoteLease(self, c, int(reply["lease"]), views)
+
+    def _fallback_lookup(self, ns, keys):
+        if self.fallback is None:
+            return _Nothing()
+        self._count("fallback_lookups")
+        return self.fallback.lookup(ns, keys)
+
+    def reserve(self, ns: str, keys: Sequence[bytes], nbytes: int, tokens: int):
+        """Slots of ``nbytes`` in the server's pool for each key not stored yet.
+
+        Raises:
+            ValueError: a block larger than one chunk of the server (naming its ``--chunk``).
+        """
+        keys = list(keys)
+        self._count("reserves")
+        c = self._get_conn()
+        if c is None:
+            if self.fallback is not None:
+                return self.fallback.reserve(ns, keys, nbytes, tokens)
+            return _Nothing(len(keys))
+        self.check_block_bytes(nbytes)
+        c.hold()
+        try:
+            reply = c.request({"op": "reserve", "ns": ns, "keys": keys, "nbytes": int(nbytes), "tokens": int(tokens)})
+        except _Broken as e:
+            c.unhold()
+            self._failed(e, c)
+            return _Nothing(len(keys))
+        except P.RemoteError as e:
+            c.unhold()
+            if e.code == "too_large":
+                raise ValueError(f"cxlalloc option 'kv_store': {e}") from None
+            self._failed(e)
+            return _Nothing(len(keys))
+        rid = int(reply.get("res") or 0)
+        slots = reply.get("slots") or []
+        if not rid:
+            c.unhold()
+            return _Nothing(len(keys))
+        views: List[Optional[torch.Tensor]] = []
+        for off in slots:
+            if off is None:
+                views.append(None)
+                continue
+            self._register(c.pool, int(off), int(nbytes))
+            views.append(c.pool.bytes[int(off):int(off) + int(nbytes)])
+        self._count("reserved_blocks", sum(1 for v in views if v is not None))
+        return RemoteReservation(self, c, rid, views)
+
+    def check_block_bytes(self, nbytes: int) -> None:
+        """Raise ValueError naming ``kv_store`` if a block of ``nbytes`` can never fit
+        (larger than one chunk of the server; unknown while it is away)."""
+        pool = self._pool
+        if pool is not None and nbytes > pool.chunk_bytes:
+            raise ValueError(f"cxlalloc option 'kv_store': a block of {nbytes} bytes is larger than one chunk of the "
+                             f"kv-server at {self.path} ({pool.chunk_bytes} bytes, its --chunk); restart it with a "
+                             "larger --chunk or lower 'block_tokens'")
+        if self.fallback is not None:
+            self.fallback.check_block_bytes(nbytes)
+
+    # ------------------------------------------------------------ accounting
+    def record_load(self, nbytes: int, seconds: float) -> None:
+        with self._clock:
+            self.counters["bytes_loaded"] += int(nbytes)
+            self.counters["load_seconds"] += float(seconds)
+            self.counters["loads"] += 1
+
+    def record_store(self, nbytes: int, seconds: float) -> None:
+        with self._clock:
+            self.counters["bytes_stored"] += int(nbytes)
+            self.counters["store_seconds"] += float(seconds)
+
+    def record_failure(self) -> None:
+        self._count("load_failures")
+
+    def connected(self) -> bool:
+        c = self._conn
+        return c is not None and not c.broken
+
+    def server_stats(self) -> Optional[dict]:
+        """The server's own stats (None while it is away)."""
+        c = self._get_conn()
+        if c is None:
+            return None
+        try:
+            return c.request({"op": "stats"})["stats"]
+        except (_Broken, P.RemoteError) as e:
+            self._failed(e, c if isinstance(e, _Broken) else None)
+            return None
+
+    def stats(self) -> dict:
+        """This client's counters, its mapping of the pool, and the server's pool stats.
+
+        Keys: ``kind`` ("server"), ``url``, ``connected``, ``last_error``,
+        ``pool_id``, ``node``, ``capacity_bytes``/``used_bytes``/``blocks``/
+        ``hit_rate`` (the server's pool, all clients), ``registered_bytes``
+        (of the pool, by this process), the client counters (``lookups``,
+        ``hit_blocks``, ``server_errors``, ``timeouts``, ``reconnects``,
+        ``server_restarts``, ``bytes_loaded``, ``load_GBps``, ...), ``server``
+        (the server's full stats, None while away), ``fallback`` (its stats).
+        """
+        with self._clock:
+            c = dict(self.counters)
+        srv = self.server_stats()
+        pool = self._pool
+        c.update(kind=self.kind, url=self.url, connected=self.connected(), last_error=self.last_error,
+                 simulated=self.simulated, pool_id=pool.pool_id if pool else None, node=pool.node if pool else None,
+                 chunk_bytes=pool.chunk_bytes if pool else None)
+        if pool is not None:
+            a = pool.arena.stats()
+            c["registered_bytes"] = a["registered_bytes"]
+            c["register_failures"] += a["register_failures"]
+        else:
+            c["registered_bytes"] = 0
+        sp = (srv or {}).get("pool") or {}
+        c.update(capacity_bytes=sp.get("capacity_bytes"), used_bytes=sp.get("used_bytes"), blocks=sp.get("blocks"),
+                 stored_blocks=sp.get("stored_blocks"), evicted_blocks=sp.get("evicted_blocks"),
+                 hit_rate=sp.get("hit_rate"), client_hit_rate=(c["hit_blocks"] / c["lookup_blocks"]
+                                                               if c["lookup_blocks"] else 0.0))
+        c["load_GBps"] = c["bytes_loaded"] / c["load_seconds"] / 1e9 if c["load_seconds"] > 0 else None
+        c["store_GBps"] = c["bytes_stored"] / c["store_seconds"] / 1e9 if c["store_seconds"] > 0 else None
+        c["server"] = srv
+        if self.fallback is not None:
+            c["fallback"] = self.fallback.stats()
+        return c
+
+    def close(self) -> None:
+        """Stop using the server (the connection closes once no lease or reservation is open)."""
+        with self._lock:
+            c, self._conn = self._conn, None
+            self._down_until = float("inf")
+        if c is not None:
+            c.abandon()
+
+    def __repr__(self) -> str:
+        pool = self._pool
+        where = f"pool {pool.pool_id}, {format_bytes(pool.size)} on node {pool.node}" if pool else "not connected"
+        return f"<cxlalloc RemoteBlockStore {self.path}: {where}>"

@@ -1,0 +1,265 @@
+"""The kv-server's wire protocol: length-prefixed msgpack over a unix stream socket.
+
+One frame = a 4-byte big-endian length, then that many bytes of one msgpack
+map.  Every request carries ``op`` and is answered by exactly one reply, in
+order, on the same connection::
+
+    request  {"op": "lookup", "ns": "tenant", "keys": [b"<32 bytes>", ...]}
+    reply    {"ok": True, "lease": 7, "blocks": [[offset, nbytes, tokens], ...]}
+    error    {"ok": False, "code": "bad_request", "error": "text"}
+
+Operations (docs/kv-server.md has the states and the crash rules):
+
+==========  =====================================================  ===========================================
+op          request fields                                          reply fields
+==========  =====================================================  ===========================================
+hello       v, pid, want_fd (bool), name                            v, pool_id, size, chunk_bytes, node, pid,
+                                                                    numa_method, max_keys (+ the pool's fd
+                                                                    by SCM_RIGHTS when want_fd)
+lookup      ns, keys                                                lease (0 = none), blocks [[off, n, tokens]]
+release     leases [ids]                                            released
+reserve     ns, keys, nbytes, tokens                                res (0 = none), slots [off | None]
+commit      res                                                     published
+abort       res                                                     (nothing)
+stats       (nothing)                                               stats (the server's counters)
+ping        (nothing)                                               (nothing)
+==========  =====================================================  ===========================================
+
+The connection is the owner of its leases (pinned READY blocks) and
+reservations (WRITING blocks): when it closes, for any reason, the server
+drops its pins and aborts its reservations, so a client killed at any point
+never leaves a half-written block visible nor a block pinned forever.
+
+Nothing here unpickles: msgpack decodes only maps, lists, ints, floats,
+strings, bytes, bools and None, with size limits on each (a hostile or broken
+peer gets an error, never code execution).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+from typing import Any, Dict, List, Optional, Tuple
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 64 << 20           # bytes of one message (a lookup of 65536 keys is ~2.4 MiB)
+MAX_KEYS = 65536               # keys in one lookup/reserve
+MAX_NS_CHARS = 256             # a namespace (cache_salt) name
+DEFAULT_SOCKET = "/run/cxlalloc/kv.sock"
+SUN_PATH_MAX = 107             # bytes of a unix socket path (sockaddr_un.sun_path minus the NUL)
+_LEN = struct.Struct("!I")
+
+OPS = ("hello", "lookup", "release", "reserve", "commit", "abort", "stats", "ping")
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not this protocol (the connection is closed)."""
+
+
+class ConnectionClosed(ProtocolError):
+    """The peer closed the connection (EOF)."""
+
+
+class RemoteError(Exception):
+    """The server answered a request with an error.
+
+    Attributes:
+        code: ``bad_request``, ``too_large``, ``limit``, ``unknown_op``, ``denied``, ``internal``.
+    """
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _msgpack():
+    try:
+        import msgpack
+    except ImportError as e:  # pragma: no cover - msgpack is a dependency of the kvserver extra
+        raise ImportError("cxlalloc kv-server protocol needs msgpack: pip install 'cxlalloc[kvserver]' "
+                          "(or pip install msgpack)") from e
+    return msgpack
+
+
+def encode(msg: Dict[str, Any]) -> bytes:
+    """One frame: the length prefix and the msgpack body of ``msg``."""
+    body = _msgpack().packb(msg, use_bin_type=True)
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(f"a message of {len(body)} bytes exceeds the protocol's {MAX_FRAME} bytes")
+    return _LEN.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Dict[str, Any]:
+    """The message in a frame body; ProtocolError when it is not a msgpack map."""
+    try:
+        msg = _msgpack().unpackb(body, raw=False, use_list=True, strict_map_key=True, max_bin_len=MAX_FRAME,
+                                 max_str_len=1 << 20, max_array_len=MAX_KEYS + 16, max_map_len=4096,
+                                 max_ext_len=0)
+    except Exception as e:
+        raise ProtocolError(f"not a msgpack message: {type(e).__name__}: {e}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"a message must be a map, not {type(msg).__name__}")
+    return msg
+
+
+def send_msg(sock: socket.socket, msg: Dict[str, Any], fds: Optional[List[int]] = None) -> None:
+    """Send one message (and ``fds`` with its first byte, by SCM_RIGHTS)."""
+    frame = encode(msg)
+    if fds:
+        sent = socket.send_fds(sock, [frame], list(fds))
+        if sent < len(frame):
+            sock.sendall(frame[sent:])
+    else:
+        sock.sendall(frame)
+
+
+def _recv_into(sock: socket.socket, buf: bytearray, got: int = 0) -> None:
+    """Fill ``buf[got:]`` from the socket."""
+    view = memoryview(buf)
+    while got < len(buf):
+        k = sock.recv_into(view[got:], len(buf) - got)
+        if k == 0:
+            raise ConnectionClosed("the peer closed the connection")
+        got += k
+
+
+_NO_WAIT = object()
+
+
+def recv_msg(sock: socket.socket, max_fds: int = 0, wait=_NO_WAIT) -> Tuple[Dict[str, Any], List[int]]:
+    """Receive one message; returns ``(msg, fds)`` (fds only when ``max_fds``).
+
+    Args:
+        wait: seconds to wait for the message's first byte (None: for ever;
+            default: the socket's timeout); the rest of the message must come
+            within the socket's own timeout.
+
+    Raises:
+        ConnectionClosed: EOF before a whole message.
+        ProtocolError: a frame larger than MAX_FRAME, or a body that is not a map.
+        socket.timeout / OSError: from the socket.
+    """
+    fds: List[int] = []
+    head = bytearray()
+    own = sock.gettimeout()
+    if wait is not _NO_WAIT:
+        sock.settimeout(wait)
+    try:
+        if max_fds:
+            data, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size, max_fds)
+        else:
+            data = sock.recv(_LEN.size)
+    finally:
+        if wait is not _NO_WAIT:
+            sock.settimeout(own)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionClosed("the peer closed the connection")
+    head += data
+    try:
+        if len(head) < _LEN.size:
+            have = len(head)
+            head += bytearray(_LEN.size - have)
+            _recv_into(sock, head, have)
+        (n,) = _LEN.unpack(bytes(head))
+        if n > MAX_FRAME:
+            raise ProtocolError(f"a frame of {n} bytes exceeds the protocol's {MAX_FRAME} bytes")
+        body = bytearray(n)
+        if n:
+            _recv_into(sock, body)
+        return decode(bytes(body)), fds
+    except BaseException:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        raise
+
+
+def peer_credentials(sock: socket.socket) -> Tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a unix socket (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)
+
+
+def socket_path_from_url(url: str, option: str = "kv_store") -> str:
+    """The socket path of ``unix:///path/kv.sock`` (or ``unix://relative/kv.sock``).
+
+    Raises:
+        ValueError: not a unix:// URL, an empty path, or a path longer than a
+            unix socket address allows (107 bytes), naming ``option``.
+    """
+    if not isinstance(url, str) or not url.startswith("unix://"):
+        raise ValueError(f"cxlalloc option '{option}': {url!r} is not a kv-server address; use "
+                         "'unix:///path/to/kv.sock' (the --socket of `cxlalloc kv-server`)")
+    path = url[len("unix://"):].split("?", 1)[0]
+    return check_socket_path(path, option)
+
+
+def check_socket_path(path: str, option: str = "--socket") -> str:
+    """Validate a unix socket path (non-empty, no NUL, at most 107 bytes)."""
+    if not path:
+        raise ValueError(f"cxlalloc option '{option}': the socket path is empty; use e.g. '{DEFAULT_SOCKET}'")
+    if "\0" in path:
+        raise ValueError(f"cxlalloc option '{option}': {path!r} contains a NUL byte")
+    if len(os.fsencode(path)) > SUN_PATH_MAX:
+        raise ValueError(f"cxlalloc option '{option}': {path!r} is {len(os.fsencode(path))} bytes; a unix socket "
+                         f"path holds at most {SUN_PATH_MAX} bytes (use a shorter directory, e.g. /run/cxlalloc)")
+    return path
+
+
+def url_query(url: str) -> Dict[str, str]:
+    """``?a=1&b=2`` of a URL as a dict (last value wins)."""
+    if "?" not in url:
+        return {}
+    out = {}
+    for part in url.split("?", 1)[1].split("&"):
+        if part:
+            k, _, v = part.partition("=")
+            out[k] = v
+    return out
+
+
+# ----------------------------------------------------------------- request checks (server side)
+def check_ns(v) -> str:
+    if not isinstance(v, str) or len(v) > MAX_NS_CHARS:
+        raise RemoteError("bad_request", f"'ns' must be a string of at most {MAX_NS_CHARS} characters")
+    return v
+
+
+def check_keys(v) -> List[bytes]:
+    if not isinstance(v, list) or len(v) > MAX_KEYS:
+        raise RemoteError("bad_request", f"'keys' must be a list of at most {MAX_KEYS} keys")
+    for k in v:
+        if not isinstance(k, bytes) or len(k) != 32:
+            raise RemoteError("bad_request", "each key must be 32 bytes (cxlalloc.kvstore.keys)")
+    return v
+
+
+def check_int(msg: dict, name: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    v = msg.get(name)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise RemoteError("bad_request", f"'{name}' must be an int in [{lo}, {hi}], not {v!r}")
+    return v
+
+
+def fd_is_shared_memory(fd: int) -> bool:
+    """True when ``fd`` is a non-empty regular file (what a pool fd must be)."""
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        if e.errno == errno.EBADF:
+            return False
+        raise
+    import stat
+
+    return stat.S_ISREG(st.st_mode) and st.st_size > 0
+
+
+__all__ = ["PROTOCOL_VERSION", "MAX_FRAME", "MAX_KEYS", "OPS", "ProtocolError", "ConnectionClosed", "RemoteError",
+           "encode", "decode", "send_msg", "recv_msg", "peer_credentials", "socket_path_from_url",
+           "check_socket_path", "url_query"]

@@ -1,0 +1,153 @@
+"""BlockIndex: slabs, LRU eviction, pins, write-then-publish, quotas, dead owners.
+
+Pure bookkeeping, so the randomized test checks the invariants after every one
+of thousands of operations."""
+
+import random
+
+import pytest
+
+from cxlalloc.kvstore.index import READY, WRITING, BlockIndex
+
+KiB = 1 << 10
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "little")
+
+
+def put(ix, keys, nbytes=4 * KiB, ns="", owner="w"):
+    es = ix.reserve([key(k) for k in keys], nbytes, ns, owner, tokens=16)
+    ix.publish(es, owner)
+    return es
+
+
+def test_write_then_publish_hides_unfinished_blocks():
+    ix = BlockIndex(64 * KiB, 16 * KiB)
+    (e,) = ix.reserve([key(1)], 4 * KiB, "", "w")
+    assert e.state == WRITING
+    assert ix.match([key(1)], "r") == []  # invisible while written
+    assert ix.publish([e], "someone-else") == 0  # only the writer publishes
+    assert ix.publish([e], "w") == 1 and e.state == READY
+    assert [x.key for x in ix.match([key(1)], "r")] == [key(1)]
+    ix.check()
+
+
+def test_match_is_the_longest_ready_prefix_and_pins_it():
+    ix = BlockIndex(64 * KiB, 16 * KiB)
+    put(ix, [1, 2, 4])
+    got = ix.match([key(1), key(2), key(3), key(4)], "r")
+    assert [e.key for e in got] == [key(1), key(2)]  # key 4 is after the first miss
+    assert ix.c.hit_blocks == 2 and ix.c.miss_blocks == 2 and ix.c.hit_tokens == 32
+    assert all(e.pins == 1 for e in got)
+    ix.check()
+    ix.unpin(got, "r")
+    assert all(e.pins == 0 for e in got)
+    with pytest.raises(ValueError, match="did not pin"):
+        ix.unpin(got, "r")
+    ix.check()
+
+
+def test_lru_eviction_holds_the_capacity_and_spares_pinned_and_writing_blocks():
+    ix = BlockIndex(16 * KiB, 16 * KiB)  # 4 slots of 4 KiB
+    put(ix, [1, 2, 3, 4])
+    ix.match([key(1)], "r")  # 1 is used (pinned) -> never evicted; 2 is now the oldest
+    (w,) = ix.reserve([key(5)], 4 * KiB, "", "w2")  # evicts 2
+    assert w is not None and not ix.contains(key(2))
+    put(ix, [6])  # evicts 3 (1 pinned, 5 writing)
+    assert not ix.contains(key(3)) and ix.contains(key(1)) and ix.contains(key(4))
+    assert ix.used_bytes == 16 * KiB == ix.capacity_bytes
+    # Everything left is pinned or being written: no room, the insert is dropped.
+    ix.match([key(4)], "r")
+    ix.match([key(6)], "r")
+    assert ix.reserve([key(7)], 4 * KiB, "", "w3") == [None]
+    assert ix.c.dropped_blocks == 1 and ix.c.evicted_blocks == 2
+    ix.check()
+
+
+def test_a_hit_refreshes_lru_order():
+    ix = BlockIndex(12 * KiB, 12 * KiB)
+    put(ix, [1, 2, 3])
+    ix.unpin(ix.match([key(1)], "r"), "r")  # 1 becomes the newest
+    put(ix, [4])
+    assert not ix.contains(key(2)) and ix.contains(key(1))
+
+
+def test_dead_owner_aborts_its_writes_and_drops_its_pins():
+    ix = BlockIndex(64 * KiB, 16 * KiB)
+    put(ix, [1, 2])
+    ix.match([key(1), key(2)], "client-a")
+    ix.reserve([key(3)], 4 * KiB, "", "client-a")
+    ix.drop_owner("client-a")
+    assert not ix.contains(key(3)) and key(3) not in ix.entries
+    assert all(ix.entries[key(k)].pins == 0 for k in (1, 2))
+    assert ix.c.aborted_blocks == 1 and ix.c.dropped_pins == 2
+    ix.check()
+
+
+def test_duplicates_are_not_written_twice():
+    ix = BlockIndex(64 * KiB, 16 * KiB)
+    put(ix, [1])
+    a = ix.reserve([key(1), key(2)], 4 * KiB, "", "w")
+    assert a[0] is None and a[1] is not None and ix.c.duplicate_blocks == 1
+    assert ix.reserve([key(2)], 4 * KiB, "", "w2") == [None]  # being written by w
+
+
+def test_namespace_quota_evicts_its_own_blocks_first():
+    ix = BlockIndex(64 * KiB, 16 * KiB, quotas={"tenant-a": 8 * KiB})
+    put(ix, [1, 2], ns="tenant-a")
+    put(ix, [10, 11], ns="tenant-b")
+    put(ix, [3], ns="tenant-a")  # over the quota: evicts a's oldest, never b's
+    assert not ix.contains(key(1)) and ix.contains(key(2)) and ix.contains(key(3))
+    assert ix.contains(key(10)) and ix.contains(key(11))
+    assert ix.ns_bytes["tenant-a"] == 8 * KiB
+    ix.check()
+
+
+def test_block_larger_than_the_store_is_refused_naming_the_option():
+    ix = BlockIndex(8 * KiB, 8 * KiB)
+    with pytest.raises(ValueError, match="kv_store_limit.*block_tokens"):
+        ix.reserve([key(1)], 9 * KiB, "", "w")
+
+
+def test_an_emptied_slab_takes_another_block_size():
+    ix = BlockIndex(16 * KiB, 8 * KiB)  # two slabs
+    put(ix, [1, 2, 3, 4])  # 4 KiB blocks fill both slabs
+    put(ix, [9], nbytes=8 * KiB)  # must empty one slab: evicts the two oldest
+    assert ix.contains(key(9)) and not ix.contains(key(1)) and not ix.contains(key(2))
+    assert ix.contains(key(3)) and ix.contains(key(4))
+    ix.check()
+
+
+def test_randomized_operations_keep_every_invariant():
+    rng = random.Random(7)
+    ix = BlockIndex(256 * KiB, 32 * KiB, quotas={"q": 64 * KiB})
+    owners = [f"o{i}" for i in range(5)]
+    pinned = {o: [] for o in owners}
+    writing = {o: [] for o in owners}
+    for step in range(6000):
+        o = rng.choice(owners)
+        op = rng.random()
+        if op < 0.35:
+            ks = [key(rng.randrange(200)) for _ in range(rng.randint(1, 4))]
+            size = rng.choice([4 * KiB, 8 * KiB, 12 * KiB])
+            writing[o] += [e for e in ix.reserve(ks, size, rng.choice(["", "q", "x"]), o) if e is not None]
+        elif op < 0.55 and writing[o]:
+            rng.shuffle(writing[o])
+            n = rng.randint(1, len(writing[o]))
+            batch, writing[o] = writing[o][:n], writing[o][n:]
+            (ix.publish if rng.random() < 0.8 else ix.abort)(batch, o)
+        elif op < 0.75:
+            ks = [key(rng.randrange(200)) for _ in range(rng.randint(1, 6))]
+            pinned[o] += ix.match(ks, o)
+        elif op < 0.9 and pinned[o]:
+            n = rng.randint(1, len(pinned[o]))
+            ix.unpin(pinned[o][:n], o)
+            pinned[o] = pinned[o][n:]
+        elif op < 0.95:
+            ix.drop_owner(o)
+            pinned[o], writing[o] = [], []
+        else:
+            ix.clear(rng.choice([None, "q"]))
+        ix.check()
+    assert ix.c.evicted_blocks > 0 and ix.c.hit_blocks > 0 and ix.c.dropped_pins > 0

@@ -1,0 +1,154 @@
+"""RemoteBlockStore when the server is away, dies, hangs or restarts: never an
+exception into generate(), never a pin dropped under a reader, reconnects."""
+
+import signal
+import time
+import warnings
+
+import pytest
+import torch
+
+from cxlalloc.kvstore.client import RemoteBlockStore
+from cxlalloc.kvstore.local import KVStoreWarning
+from tests.kvstore.kvutil import key
+
+MiB = 1 << 20
+BLOCK = 64 << 10
+
+
+def _store(store, keys, fill=1):
+    res = store.reserve("", keys, BLOCK, 16)
+    for v in res.views:
+        if v is not None:
+            v.fill_(fill)
+    return res.commit()
+
+
+def _eventually(fn, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.05)
+    return fn()
+
+
+def _state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_no_server_yet_warns_once_then_connects_when_it_comes(server_proc, alloc):
+    sp = server_proc(start=False)
+    with pytest.warns(KVStoreWarning, match="not available"):
+        st = RemoteBlockStore(sp.url + "?timeout=1", alloc())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        assert st.lookup("", [key(1)]).blocks == 0
+        res = st.reserve("", [key(1)], BLOCK, 16)
+        assert res.views == [None] and res.commit() == 0
+    assert st.stats()["connected"] is False
+    sp.start()
+    assert _eventually(lambda: _store(st, [key(1)]) == 1)
+    with st.lookup("", [key(1)]) as lease:
+        assert lease.blocks == 1
+    assert st.counters["server_errors"] >= 1
+    st.close()
+
+
+def test_server_killed_leases_stay_readable_and_a_restarted_server_is_remapped(server_proc, alloc):
+    sp = server_proc()
+    st = RemoteBlockStore(sp.url + "?timeout=2", alloc())
+    assert _store(st, [key(1), key(2)], fill=9) == 2
+    lease = st.lookup("", [key(1), key(2)])
+    assert lease.blocks == 2
+    first_pool = st.stats()["pool_id"]
+    sp.kill()  # SIGKILL while a lease is open
+    assert all(bool((v == 9).all()) for v in lease.views)  # the memory outlives the server
+    with pytest.warns(KVStoreWarning):
+        lease.close()  # no exception
+    assert st.lookup("", [key(1)]).blocks == 0
+    assert st.reserve("", [key(3)], BLOCK, 16).views == [None]
+    sp.start()  # a new server on the same socket: a new, empty pool
+    assert _eventually(lambda: _store(st, [key(1)], fill=3) == 1)
+    s = st.stats()
+    assert s["pool_id"] != first_pool and s["server_restarts"] == 1 and s["reconnects"] >= 1
+    with st.lookup("", [key(1)]) as lease:
+        assert lease.blocks == 1 and bool((lease.views[0] == 3).all())
+    st.close()
+
+
+def test_a_hung_server_costs_one_timeout_then_nothing_until_backoff(server_proc, alloc):
+    sp = server_proc()
+    st = RemoteBlockStore(sp.url + "?timeout=0.5", alloc())
+    assert _store(st, [key(1)]) == 1
+    sp.proc.send_signal(signal.SIGSTOP)
+    assert _eventually(lambda: _state(sp.proc.pid) == "T", timeout=5)  # stopped, not just signalled
+    try:
+        t0 = time.perf_counter()
+        with pytest.warns(KVStoreWarning, match="not available"):
+            assert st.lookup("", [key(1)]).blocks == 0
+        assert time.perf_counter() - t0 < 2.0
+        t0 = time.perf_counter()
+        assert st.lookup("", [key(1)]).blocks == 0  # within the backoff: no wait at all
+        assert time.perf_counter() - t0 < 0.1
+        assert st.counters["timeouts"] == 1
+    finally:
+        sp.proc.send_signal(signal.SIGCONT)
+    assert _eventually(lambda: st.lookup("", [key(1)]).blocks == 1)
+    st.close()
+
+
+def test_a_failed_connection_stays_open_while_its_leases_are_read(kv_server, alloc):
+    srv = kv_server()
+    st = RemoteBlockStore(srv.url, alloc())
+    _store(st, [key(1), key(2)])
+    lease = st.lookup("", [key(1), key(2)])
+    conn = st._conn
+    conn.abandon()  # as after a timeout on another thread's request
+    time.sleep(0.2)
+    assert srv.stats()["pool"]["pinned_blocks"] == 2  # closing now would let the server reuse the slots
+    lease.close()
+    _eventually(lambda: srv.stats()["pool"]["pinned_blocks"] == 0, timeout=5)
+    assert srv.stats()["pool"]["pinned_blocks"] == 0 and srv.stats()["pool"]["dropped_pins"] == 2
+    assert st.lookup("", [key(1)]).blocks in (0, 1)  # a new connection (or the backoff): no exception
+    st.close()
+
+
+def test_local_fallback_tier_while_the_server_is_away(server_proc, alloc):
+    sp = server_proc(start=False)
+    with pytest.warns(KVStoreWarning):
+        st = RemoteBlockStore(sp.url + "?timeout=1&fallback=16MiB", alloc())
+    assert _store(st, [key(5)], fill=4) == 1  # into the local tier
+    with st.lookup("", [key(5)]) as lease:
+        assert lease.blocks == 1 and bool((lease.views[0] == 4).all())
+    assert st.stats()["fallback"]["blocks"] == 1 and st.counters["fallback_lookups"] == 1
+
+
+def test_bad_urls_name_the_option(alloc):
+    a = alloc()
+    with pytest.raises(ValueError, match="'kv_store'.*unix:///path"):
+        RemoteBlockStore("http://localhost/kv", a)
+    with pytest.raises(ValueError, match="unknown URL option"):
+        RemoteBlockStore("unix:///tmp/x.sock?frob=1", a)
+    with pytest.raises(ValueError, match="timeout"):
+        RemoteBlockStore("unix:///tmp/x.sock?timeout=-3", a)
+    with pytest.raises(ValueError, match="fallback"):
+        RemoteBlockStore("unix:///tmp/x.sock?fallback=lots", a)
+    from cxlalloc.kvstore.open import open_store
+
+    with pytest.raises(ValueError, match="'kv_store_limit'.*--size.*fallback=SIZE"):
+        open_store("unix:///tmp/x.sock", a, limit="8MiB")
+    with pytest.raises(ValueError, match="'kv_store'.*not allowed"):
+        open_store("tcp://127.0.0.1:1", a)
+
+
+def test_views_are_cpu_uint8_of_the_block_size(kv_server, alloc):
+    srv = kv_server()
+    st = RemoteBlockStore(srv.url, alloc())
+    res = st.reserve("ns", [key(1)], BLOCK, 16)
+    v = res.views[0]
+    assert v.dtype == torch.uint8 and v.device.type == "cpu" and v.numel() == BLOCK
+    res.abort()
+    st.close()
