@@ -5,7 +5,7 @@
     cxlalloc run [options] -- CMD ...        run CMD with CXLALLOC set from the options
     cxlalloc bench ...                       benchmarks (cxlalloc.bench.cli)
     cxlalloc demo ...                        the main job: HuggingFace generate() past VRAM (cxlalloc.demo)
-    cxlalloc kv-server ...                   shared KV cache server (cxlalloc.kvstore.server)
+    cxlalloc kv-server ...                   shared KV cache server (cxlalloc.kvstore.server_cli)
 
 Exit codes: 0 success; 2 bad usage or options; ``run`` returns CMD's own code
 (127 if CMD cannot be started).
@@ -283,7 +283,7 @@ def cmd_run(args) -> int:
 # ----------------------------------------------------------------- bench / demo
 # Subcommands implemented elsewhere, imported only when used.
 DELEGATES = {"bench": ("cxlalloc.bench.cli", "benchmarks"), "demo": ("cxlalloc.demo", "HuggingFace generate() demo"),
-             "kv-server": ("cxlalloc.kvstore.server", "shared KV cache server")}
+             "kv-server": ("cxlalloc.kvstore.server_cli", "shared KV cache server")}
 
 
 def _delegate(module: str, what: str, argv: List[str]) -> int:

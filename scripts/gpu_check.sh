@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh: every GPU check of cxlalloc in ONE command.
 #
-#   bash scripts/gpu_check.sh             run everything (about 7 minutes on an H200)
+#   bash scripts/gpu_check.sh             run everything (about 8-9 minutes on an H200)
 #   bash scripts/gpu_check.sh --dry-run   list every step with its time box and command; exit 0
 #
 # Steps (each with its own time box; a failure is recorded and the script goes
-# on; the whole run is held under GPU_CHECK_BUDGET_S seconds, default 470, by
+# on; the whole run is held under GPU_CHECK_BUDGET_S seconds, default 520, by
 # shrinking later boxes, with 30 s always kept for the report and packing):
 #   env, wheels, build, adapter (cxlalloc's torch adapter, JIT), info,
 #   ceilings (the bandwidth probe), allocation, pytest-gpu, kvserver (a
 #   kv-server with a client process on the GPU: pool chunks registered, a hit
-#   loaded into VRAM, identical tokens; under a minute), decode, rightsizing,
+#   loaded into VRAM, identical tokens; under a minute), reuse (TTFT of a
+#   prefix hit vs a full prefill up to 32K tokens on an 8B-shaped model, load
+#   GB/s vs the measured H2D rate), decode, rightsizing,
 #   report, pack
 # The two short benchmarks run before the tests (they have never run on a
 # GPU; a minute buys their first numbers); decode takes what the tests leave,
@@ -27,7 +29,7 @@
 # With $OUT set, intermediate files live in ${TMPDIR:-/tmp}/cxlalloc_gpu_check.
 #
 # Environment: OUT (output folder), PYTHON (default python3), GPU_CHECK_BUDGET_S
-# (default 470), GPU_CHECK_SKIP="build adapter ..." (steps to skip, e.g. on a
+# (default 520), GPU_CHECK_SKIP="build adapter ..." (steps to skip, e.g. on a
 # second run in the same machine), CXLALLOC_GIT_COMMIT (recorded when the tree
 # has no .git).
 #
@@ -40,7 +42,7 @@
 # How to run it on the device machine (the `run` tool; see benchmarks/README.md):
 #
 #   run(command="CXLALLOC_GIT_COMMIT=<output of git rev-parse HEAD here> bash scripts/gpu_check.sh",
-#       timeout_s=540)
+#       timeout_s=570)
 #
 #   carry: nothing is needed: the machine's image has torch, transformers,
 #   pybind11, setuptools, matplotlib, rich and pytest-timeout.  Only if a wheel
@@ -71,7 +73,7 @@ done
 cd "$(dirname "$0")/.." || exit 2
 ROOT="$(pwd)"
 PY="${PYTHON:-python3}"
-BUDGET="${GPU_CHECK_BUDGET_S:-470}"
+BUDGET="${GPU_CHECK_BUDGET_S:-520}"
 RESERVE=30
 if [ -n "${OUT:-}" ]; then
   OUTDIR="$OUT"
@@ -99,6 +101,7 @@ STEPS=(
   "allocation|35|$BENCH --only allocation --time-budget \$STEP_BUDGET"
   "pytest-gpu|170|$PY -m pytest -m gpu -q -ra --timeout=60 -p no:cacheprovider --junitxml=$RES/pytest.xml --ignore=tests/kvstore tests; rc=\$?; if [ \$rc -eq 5 ]; then echo 'no GPU-marked tests collected'; exit 0; fi; exit \$rc"
   "kvserver|60|$PY -c 'import msgpack' || { echo 'msgpack is missing on this machine: carry its wheel in .whl/ (see the header)'; exit 1; }; $PY -m pytest -m gpu -q -ra --timeout=50 -p no:cacheprovider --junitxml=$RES/pytest-kvserver.xml tests/kvstore/test_kv_gpu.py"
+  "reuse|90|$BENCH --only reuse --time-budget \$STEP_BUDGET"
   "decode|130|$BENCH --only decode --time-budget \$STEP_BUDGET"
   "rightsizing|90|$BENCH --only rightsizing --time-budget \$STEP_BUDGET"
   "report|40|$PY -m cxlalloc.bench.report --results $RES --plots $RES/plots --readme $RES/README_section.md"
@@ -186,7 +189,7 @@ for line in open(status_path):
     name, st, secs, rc, box = (line.rstrip("\n").split("\t") + ["", "", "", "", ""])[:5]
     steps.append({"step": name, "status": st, "seconds": int(secs or 0), "exit": rc, "time_box_s": box})
 records = {}
-for name in ("ceilings", "allocation", "decode", "rightsizing"):
+for name in ("ceilings", "allocation", "reuse", "decode", "rightsizing"):
     p = os.path.join(res, name + ".json")
     try:
         rec = json.load(open(p))

@@ -13,6 +13,14 @@ Benchmarks (``--only ceilings,allocation,decode,rightsizing``; default all):
                transformers offloading vs policy-free vs cxlalloc per backend
                (:mod:`.decode`); --simulate: a tiny model on the simulator
   rightsizing  GPU: largest batch and tokens/s at a fixed budget (:mod:`.rightsizing`)
+
+Run only when named (``--only reuse``, ``--only kvserver``):
+
+  reuse        TTFT of a KV prefix hit vs a full prefill as the prefix grows, load
+               GB/s vs the measured link rate, a block-size sweep (:mod:`.reuse`;
+               CPU: SmolLM2-135M up to 2,048 tokens; GPU: an 8B shape up to 32K)
+  kvserver     the kv-server across processes, N clients, the Redis tier, kill -9
+               (:mod:`.kvserver`; CPU)
   kvserver     CPU/simulation, only with --only: the shared KV server's TTFT across
                processes, N concurrent clients, the Redis tier, kill -9 (:mod:`.kvserver`)
 

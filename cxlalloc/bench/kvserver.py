@@ -86,7 +86,7 @@ class _Server:
         self.proc = None
 
     def start(self) -> "_Server":
-        from cxlalloc.kvstore.server import query_status
+        from cxlalloc.kvstore.server_cli import query_status
 
         self.proc = subprocess.Popen([sys.executable, "-m", "cxlalloc", "kv-server", "--socket", self.socket,
                                       "--log-level", "warning", *self.args], stdout=self.log,
@@ -104,7 +104,7 @@ class _Server:
         raise RuntimeError("kv-server did not start in 30 s")
 
     def status(self) -> dict:
-        from cxlalloc.kvstore.server import query_status
+        from cxlalloc.kvstore.server_cli import query_status
 
         return query_status(self.socket)
 

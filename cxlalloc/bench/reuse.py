@@ -42,8 +42,9 @@ import importlib.util
 import os
 import statistics
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
+from cxlalloc.bench.meta import RecordWriter, new_record
 from cxlalloc.bench.model import SHAPES, build_model
 
 MiB = 1 << 20
@@ -141,7 +142,6 @@ def run(ctx) -> Dict[str, Any]:
     import torch
 
     import cxlalloc.hf as hf
-    from cxlalloc.bench.meta import RecordWriter, new_record
 
     gpu, why = ctx.gpu_ready()
     on_gpu = gpu and not ctx.simulate
@@ -266,7 +266,7 @@ def run(ctx) -> Dict[str, Any]:
             hf.unwrap(model)
         except Exception:
             pass
-        del model
+        model = None
         gc.collect()
     rec = w.finish()
     try:

@@ -56,6 +56,7 @@ from typing import Any, List, Optional
 
 import torch
 
+from cxlalloc.config import make_config, parse_env
 from cxlalloc.hf.cache import CxlCache, CxlKVLayer
 from cxlalloc.kvstore import keys as kvkeys
 from cxlalloc.kvstore.layout import BlockLayout, check_block_tokens
@@ -118,8 +119,6 @@ def parse_reuse_options(options: dict) -> Optional[ReuseOptions]:
 def _env_kv_store() -> Optional[str]:
     """The ``kv_store`` key of the CXLALLOC environment variable, or None
     (an invalid CXLALLOC was already reported by the start-up hook)."""
-    from cxlalloc.config import make_config, parse_env
-
     try:
         opts = parse_env() or {}
         return make_config(kv_store=opts["kv_store"]).kv_store if "kv_store" in opts else None

@@ -13,7 +13,8 @@ Modules:
     local      LocalBlockStore: the in-process store over a HostArena
     open       kv_store=... option values -> a store
     protocol   the kv-server's wire format (length-prefixed msgpack over a unix socket)
-    server     ``cxlalloc kv-server``: one shared pool for every process of a machine
+    server     KVServer: one shared pool for every process of a machine (the index, owners, quotas)
+    server_cli ``cxlalloc kv-server``: options, start-up, signals, --status
     client     RemoteBlockStore: a kv-server as a store (kv_store="unix:///path/kv.sock")
     redis_tier RedisTier: a Redis/Valkey tier below a pool (kv_store="redis://...", --redis)
     metrics    the kv-server's Prometheus metrics

@@ -41,9 +41,10 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from cxlalloc import _C
 from cxlalloc.config import format_bytes, parse_size
 from cxlalloc.kvstore import protocol as P
-from cxlalloc.kvstore.local import KVStoreWarning
+from cxlalloc.kvstore.local import KVStoreWarning, LocalBlockStore
 
 DEFAULT_TIMEOUT_S = 5.0
 _BACKOFF_MIN_S = 0.2
@@ -268,8 +269,6 @@ class RemoteBlockStore:
         self.simulated = bool(getattr(allocator, "simulated", False))
         self.fallback = None
         if fallback:
-            from cxlalloc.kvstore.local import LocalBlockStore
-
             self.fallback = LocalBlockStore(allocator, fallback)
         self._lock = threading.Lock()      # the connection state
         self._clock = threading.Lock()     # counters
@@ -353,8 +352,6 @@ class RemoteBlockStore:
         return c
 
     def _dial(self) -> _Conn:
-        from cxlalloc import _C
-
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(self.timeout)
         fds: List[int] = []

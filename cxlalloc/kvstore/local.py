@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 import warnings
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from cxlalloc import _C
 from cxlalloc.config import format_bytes, parse_size_or_fraction
 from cxlalloc.kvstore.index import BlockIndex, Entry
 
@@ -164,8 +164,6 @@ class LocalBlockStore:
 
     def __init__(self, allocator, limit=None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  quotas: Optional[Dict[str, int]] = None, strict_placement: bool = False, lower=None):
-        from cxlalloc import _C
-
         st = allocator.stats()
         self.allocator = allocator
         self.node = int(st["host"]["numa_node"])

@@ -16,7 +16,7 @@ from cxlalloc.bench.model import SHAPES, ceiling_tokens_per_s
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB = 1 << 30
 MiB = 1 << 20
-STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "kvserver", "decode",
+STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "kvserver", "reuse", "decode",
          "rightsizing", "report", "pack")
 
 

@@ -2,7 +2,6 @@
 verification, and migration per backend."""
 
 import ctypes
-import gc
 
 import pytest
 

@@ -269,3 +269,44 @@ def test_gpu_default_device_limit_leaves_room_for_torch():
     record("default_limit", limit=lim, free_before=free, total=total)
     reserve = max(2 << 30, total // 10)
     assert lim <= free + (64 << 20) - reserve + 1 and lim > 0
+
+
+# ------------------------------------------------------------------ KV reuse across requests
+def test_gpu_prefix_hit_loads_into_vram_with_identical_tokens(deterministic_sdpa):
+    """A stored document prefix is loaded from the host arena (registered for the
+    GPU, chunk by chunk) into the cache's extent in VRAM, and the tokens equal a
+    full recompute; with a device limit below the prefix, the loaded chunks land
+    on the host tier instead and the tokens are still equal."""
+    g = torch.Generator().manual_seed(7)
+    doc = torch.randint(3, 1000, (1, 1600), generator=g)  # 6.25 MiB of bf16 KV: more than a 2 MiB chunk
+    q1, q2 = (torch.randint(3, 1000, (1, 9), generator=g) for _ in range(2))
+    p1, p2 = (torch.cat([doc, q], 1).to(DEVICE) for q in (q1, q2))
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    for name, limit in (("vram", 64 * MiB), ("host", None)):
+        m = to_dev(tiny_llama(hidden=256, heads=8, kv_heads=8, layers=4), torch.bfloat16)
+        ref = gen(m, input_ids=p2, **kw)
+        fp = weight_footprint(m)
+        wrap(m, device_limit=(fp + limit) if limit else fp + CHUNK, host_limit=1 << 30, kv_store=True,
+             block_tokens=64, kv_store_limit=64 * MiB)
+        gen(m, input_ids=p1, **kw)  # miss: stores the document's blocks
+        t0 = time.perf_counter()
+        out = gen(m, input_ids=p2, **kw)
+        sync()
+        wall = time.perf_counter() - t0
+        r = hf.stats(m)["hf"]["reuse"]
+        last, store = r["last"], r["store"]
+        c = returned_cache(out)
+        st = c.kv_stats()
+        record("reuse_prefix_hit", placement=name, hit_tokens=last["hit_tokens"], bytes_loaded=last["bytes_loaded"],
+               load_ms=last["load_ms"], registered_bytes=store["registered_bytes"], node=store["node"],
+               kv_device_bytes=st["kv_device_bytes"], kv_host_bytes=st["kv_host_bytes"], wall_s=wall,
+               load_gbps=(last["bytes_loaded"] / (last["load_ms"] * 1e-3) / 1e9) if last["load_ms"] else None)
+        assert torch.equal(ref.sequences, out.sequences)
+        assert last["hit_tokens"] == 1600 and last["fallback"] is None
+        assert store["registered_bytes"] > 0 or DRY
+        if name == "vram":
+            assert st["kv_host_bytes"] == 0 and st["kv_device_bytes"] > 0
+        else:
+            assert st["kv_host_bytes"] > 0
+        hf.unwrap(m)
+        del m, ref, out, c

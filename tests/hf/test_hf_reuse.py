@@ -89,6 +89,7 @@ def test_multi_turn_chat_hits_the_previous_answer(fresh_sim):
     wrap(m)
     kw = dict(max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False)
     turn = ids(30, seed=5)
+    prev_len = 0
     for t in range(4):
         out = gen(m, input_ids=turn, **kw).sequences
         rec = last(m)

@@ -62,7 +62,7 @@ class ServerProcess:
         raise RuntimeError(f"kv-server did not come up in {wait} s: {self.log()}")
 
     def ready(self) -> bool:
-        from cxlalloc.kvstore.server import query_status
+        from cxlalloc.kvstore.server_cli import query_status
 
         try:
             query_status(self.socket, timeout=1.0)
@@ -71,7 +71,7 @@ class ServerProcess:
             return False
 
     def status(self) -> dict:
-        from cxlalloc.kvstore.server import query_status
+        from cxlalloc.kvstore.server_cli import query_status
 
         return query_status(self.socket)
 

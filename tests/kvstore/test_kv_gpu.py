@@ -7,7 +7,6 @@ chunks, device_limit 1 GiB, no managed memory.
 """
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -37,7 +36,7 @@ PROCESS_A = textwrap.dedent("""
 
 
 def test_a_hit_from_another_process_loads_into_vram_with_identical_tokens(server_proc):
-    from tests.kvstore.kvutil import ROOT, subprocess_env as _env
+    from tests.kvstore.kvutil import subprocess_env as _env
     from tests.kvstore.kvutil import prompts, tiny_llama
 
     import cxlalloc.hf as hf

@@ -11,7 +11,7 @@ import torch
 import cxlalloc.hf as hf
 from cxlalloc.kvstore.client import RemoteBlockStore
 from cxlalloc.kvstore.redis_tier import HEADER_BYTES, RedisTier, namespaced_key, redact_url
-from tests.kvstore.kvutil import RawClient, generate, key, prompts, tiny_llama
+from tests.kvstore.kvutil import generate, key, prompts, tiny_llama
 
 MiB = 1 << 20
 BLOCK = 64 << 10

@@ -13,7 +13,8 @@ import torch
 
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.client import RemoteBlockStore
-from cxlalloc.kvstore.server import KVServer, format_status, query_status
+from cxlalloc.kvstore.server import KVServer
+from cxlalloc.kvstore.server_cli import format_status, query_status
 from tests.kvstore.kvutil import RawClient, key
 
 MiB = 1 << 20

@@ -9,7 +9,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import cxlalloc  # noqa: E402
 from cxlalloc.kvstore import KVStoreWarning, LocalBlockStore  # noqa: E402
 
 MiB = 1 << 20
