@@ -44,6 +44,7 @@ import torch
 from cxlalloc import _C
 from cxlalloc.config import format_bytes, parse_size
 from cxlalloc.kvstore import protocol as P
+from cxlalloc.kvstore.counters import StoreCounters
 from cxlalloc.kvstore.local import KVStoreWarning, LocalBlockStore
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -271,7 +272,6 @@ class RemoteBlockStore:
         if fallback:
             self.fallback = LocalBlockStore(allocator, fallback)
         self._lock = threading.Lock()      # the connection state
-        self._clock = threading.Lock()     # counters
         self._conn: Optional[_Conn] = None
         self._pool: Optional[_Pool] = None
         self._down_until = 0.0
@@ -279,19 +279,14 @@ class RemoteBlockStore:
         self._ever_connected = False
         self._warned = set()
         self.last_error: Optional[str] = None
-        self.counters = {
-            "lookups": 0, "lookup_blocks": 0, "hit_blocks": 0, "reserves": 0, "reserved_blocks": 0,
-            "committed_blocks": 0, "server_errors": 0, "timeouts": 0, "remote_errors": 0, "reconnects": 0,
-            "server_restarts": 0, "skipped_down": 0, "fallback_lookups": 0, "register_failures": 0,
-            "bytes_loaded": 0, "load_seconds": 0.0, "loads": 0, "bytes_stored": 0, "store_seconds": 0.0,
-            "load_failures": 0,
-        }
+        self.counters = StoreCounters(("lookups", "lookup_blocks", "hit_blocks", "reserves", "reserved_blocks",
+                                       "committed_blocks", "server_errors", "timeouts", "remote_errors", "reconnects",
+                                       "server_restarts", "skipped_down", "fallback_lookups", "register_failures"))
         self._get_conn()  # connect now if the server is up (a warning if not)
 
     # ------------------------------------------------------------ connection
     def _count(self, key: str, n=1) -> None:
-        with self._clock:
-            self.counters[key] += n
+        self.counters.add(key, n)
 
     def _warn_once(self, what: str, msg: str) -> None:
         if what not in self._warned:
@@ -489,18 +484,13 @@ class RemoteBlockStore:
 
     # ------------------------------------------------------------ accounting
     def record_load(self, nbytes: int, seconds: float) -> None:
-        with self._clock:
-            self.counters["bytes_loaded"] += int(nbytes)
-            self.counters["load_seconds"] += float(seconds)
-            self.counters["loads"] += 1
+        self.counters.record_load(nbytes, seconds)
 
     def record_store(self, nbytes: int, seconds: float) -> None:
-        with self._clock:
-            self.counters["bytes_stored"] += int(nbytes)
-            self.counters["store_seconds"] += float(seconds)
+        self.counters.record_store(nbytes, seconds)
 
     def record_failure(self) -> None:
-        self._count("load_failures")
+        self.counters.record_failure()
 
     def connected(self) -> bool:
         c = self._conn
@@ -528,8 +518,7 @@ class RemoteBlockStore:
         ``server_restarts``, ``bytes_loaded``, ``load_GBps``, ...), ``server``
         (the server's full stats, None while away), ``fallback`` (its stats).
         """
-        with self._clock:
-            c = dict(self.counters)
+        c = self.counters.snapshot()
         srv = self.server_stats()
         pool = self._pool
         c.update(kind=self.kind, url=self.url, connected=self.connected(), last_error=self.last_error,
@@ -546,8 +535,6 @@ class RemoteBlockStore:
                  stored_blocks=sp.get("stored_blocks"), evicted_blocks=sp.get("evicted_blocks"),
                  hit_rate=sp.get("hit_rate"), client_hit_rate=(c["hit_blocks"] / c["lookup_blocks"]
                                                                if c["lookup_blocks"] else 0.0))
-        c["load_GBps"] = c["bytes_loaded"] / c["load_seconds"] / 1e9 if c["load_seconds"] > 0 else None
-        c["store_GBps"] = c["bytes_stored"] / c["store_seconds"] / 1e9 if c["store_seconds"] > 0 else None
         c["server"] = srv
         if self.fallback is not None:
             c["fallback"] = self.fallback.stats()

@@ -35,6 +35,7 @@ import torch
 
 from cxlalloc import _C
 from cxlalloc.config import format_bytes, parse_size_or_fraction
+from cxlalloc.kvstore.counters import StoreCounters
 from cxlalloc.kvstore.index import BlockIndex, Entry
 
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -179,11 +180,9 @@ class LocalBlockStore:
         self._owners = itertools.count(1)
         self.index = BlockIndex(self.capacity_bytes, chunk, quotas=quotas,
                                 on_evict=self._evicted if lower is not None else None)
-        self.counters = {
-            "bytes_loaded": 0, "load_seconds": 0.0, "loads": 0, "bytes_stored": 0, "store_seconds": 0.0,
-            "load_failures": 0, "placement_verified_bytes": 0, "placement_misplaced_bytes": 0,
-            "placement_unverified_bytes": 0, "register_failures": 0, "lower_hit_blocks": 0, "lower_put_blocks": 0,
-        }
+        self.counters = StoreCounters(("placement_verified_bytes", "placement_misplaced_bytes",
+                                       "placement_unverified_bytes", "register_failures", "lower_hit_blocks",
+                                       "lower_put_blocks"))
         self._warned = set()
 
     def check_block_bytes(self, nbytes: int) -> None:
@@ -203,7 +202,7 @@ class LocalBlockStore:
         # Under the lock: copy out before the slot is reused (the lower tier
         # sends it asynchronously).
         self.lower.put(e.key, e.ns, self._view(e).numpy().tobytes())
-        self.counters["lower_put_blocks"] += 1
+        self.counters.add("lower_put_blocks", 1)
 
     # ------------------------------------------------------------ reads
     def lookup(self, ns: str, keys: Sequence[bytes]) -> Lease:
@@ -239,7 +238,7 @@ class LocalBlockStore:
             # Re-match so the blocks come back pinned, like local hits.
             pinned = self.index.match([e.key for e in out], owner)
             self.index.c.lookups -= 1  # the inner match is part of this lookup
-        self.counters["lower_hit_blocks"] += len(pinned)
+        self.counters.add("lower_hit_blocks", len(pinned))
         return pinned
 
     def _unpin(self, entries, owner) -> None:
@@ -266,7 +265,7 @@ class LocalBlockStore:
             try:
                 self._arena.ensure_registered(e.offset, e.nbytes)
             except Exception as exc:  # pageable copies still work, slower
-                self.counters["register_failures"] += 1
+                self.counters.add("register_failures", 1)
                 self._warn_once("register", f"cxlalloc kv store: registering a chunk for the GPU failed ({exc}); "
                                             "blocks in it are copied through pageable memory (slower)")
             views.append(self._view(e))
@@ -278,13 +277,13 @@ class LocalBlockStore:
             try:
                 chk = self._arena.verify(e.offset, e.nbytes)
             except Exception:
-                self.counters["placement_unverified_bytes"] += e.nbytes
+                self.counters.add("placement_unverified_bytes", e.nbytes)
                 keep.append(e)
                 continue
-            self.counters["placement_verified_bytes"] += int(chk["on_node"])
+            self.counters.add("placement_verified_bytes", int(chk["on_node"]))
             wrong = int(chk["elsewhere"])
-            self.counters["placement_misplaced_bytes"] += wrong
-            self.counters["placement_unverified_bytes"] += int(chk["unpopulated"])
+            self.counters.add("placement_misplaced_bytes", wrong)
+            self.counters.add("placement_unverified_bytes", int(chk["unpopulated"]))
             if wrong:
                 self._warn_once("placement", f"cxlalloc kv store: {format_bytes(wrong)} of a block landed outside "
                                              f"NUMA node {self.node} ({chk['detail']})"
@@ -302,19 +301,13 @@ class LocalBlockStore:
 
     # ------------------------------------------------------------ accounting
     def record_load(self, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            self.counters["bytes_loaded"] += int(nbytes)
-            self.counters["load_seconds"] += float(seconds)
-            self.counters["loads"] += 1
+        self.counters.record_load(nbytes, seconds)
 
     def record_store(self, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            self.counters["bytes_stored"] += int(nbytes)
-            self.counters["store_seconds"] += float(seconds)
+        self.counters.record_store(nbytes, seconds)
 
     def record_failure(self) -> None:
-        with self._lock:
-            self.counters["load_failures"] += 1
+        self.counters.record_failure()
 
     def clear(self, ns: Optional[str] = None) -> int:
         """Drop every stored block (of namespace ``ns``) not in use; returns blocks dropped."""
@@ -334,17 +327,15 @@ class LocalBlockStore:
         """
         with self._lock:
             c = dict(vars(self.index.c))
-            c.update(self.counters)
             c["used_bytes"] = self.index.used_bytes
             c["blocks"] = self.index.blocks()
             c["namespaces"] = {ns: b for ns, b in self.index.ns_bytes.items() if b}
+        c.update(self.counters.snapshot())
         a = self._arena.stats()
         c.update(kind=self.kind, node=self.node, capacity_bytes=self.capacity_bytes, simulated=self.simulated,
                  registered_bytes=a["registered_bytes"], numa_method=self._arena.numa_method)
         c["register_failures"] += a["register_failures"]
         c["hit_rate"] = c["hit_blocks"] / c["lookup_blocks"] if c["lookup_blocks"] else 0.0
-        c["load_GBps"] = c["bytes_loaded"] / c["load_seconds"] / 1e9 if c["load_seconds"] > 0 else None
-        c["store_GBps"] = c["bytes_stored"] / c["store_seconds"] / 1e9 if c["store_seconds"] > 0 else None
         if self.lower is not None:
             c["lower"] = self.lower.stats()
         return c

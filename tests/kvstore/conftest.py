@@ -10,7 +10,6 @@ with the reason, except under CI (``CI=true``), where that is a failure:
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import signal
@@ -135,34 +134,12 @@ def kv_server(sockdir):
         s.stop(0.5)
 
 
-@pytest.fixture(scope="session")
-def kvsim():
-    from cxlalloc import _sim
-
-    return _sim.Sim()
-
-
 @pytest.fixture
-def alloc(kvsim):
-    """A simulated allocator; after the test no simulated host registration may be left."""
-    import cxlalloc
-
-    gc.collect()
-    before = kvsim.live()["registrations"]
-    made = []
-
-    def make(**kw):
-        kw.setdefault("device_limit", 64 * MiB)
-        kw.setdefault("host_limit", 256 * MiB)
-        kw.setdefault("device_headroom", 0)
-        a = cxlalloc.Allocator(simulate=True, **kw)
-        made.append(a)
-        return a
-
-    yield make
-    made.clear()
-    gc.collect()
-    assert kvsim.live()["registrations"] <= before, "simulated host registrations leaked"
+def alloc(make_alloc):
+    """Simulated allocators (tests/conftest.py's make_alloc); its fresh_sim
+    fixture fails a passing test that leaves any simulated driver resource
+    behind, host registrations of the store's arena included."""
+    return make_alloc
 
 
 # ----------------------------------------------------------------- redis

@@ -291,10 +291,10 @@ def test_max_clients_and_allow_list_refuse_with_a_reason(kv_server):
 
 
 # ----------------------------------------------------------------- RemoteBlockStore on a simulated GPU
-def test_remote_store_cross_client_bytes_and_chunk_registration(kv_server, alloc, kvsim):
+def test_remote_store_cross_client_bytes_and_chunk_registration(kv_server, alloc, sim):
     srv = kv_server()
     a_alloc, b_alloc = alloc(), alloc()
-    regs0 = kvsim.live()["registrations"]
+    regs0 = sim.live()["registrations"]
     a = RemoteBlockStore(srv.url, a_alloc)
     b = RemoteBlockStore(srv.url, b_alloc)
     keys = [key(i) for i in range(3)]
@@ -303,7 +303,7 @@ def test_remote_store_cross_client_bytes_and_chunk_registration(kv_server, alloc
     for i, v in enumerate(res.views):
         v.copy_(torch.full((BLOCK,), i + 1, dtype=torch.uint8))
     assert res.commit() == 3
-    assert kvsim.live()["registrations"] > regs0  # the chunk was registered for the (simulated) GPU
+    assert sim.live()["registrations"] > regs0  # the chunk was registered for the (simulated) GPU
     assert a.stats()["registered_bytes"] == 4 * MiB  # one chunk, not the pool
     with b.lookup("", keys + [key(99)]) as lease:
         assert lease.blocks == 3
