@@ -115,3 +115,38 @@ def test_smollm2_continuation_equals_one_long_generation(fresh_sim, smollm2):
         assert torch.equal(second.sequences, ref.sequences)
         for a, b in zip(ref.scores[8:], second.scores):
             assert torch.equal(a, b)
+
+
+def test_smollm2_prefix_reuse_questions_then_chat_identical(fresh_sim, smollm2):
+    """KV reuse with real weights: two questions about one document, then a chat
+    turn whose prompt holds the previous answer; tokens equal the model without
+    reuse, and the second and third requests hit the stored blocks."""
+    model, tok = smollm2
+    from cxlalloc.demo.app import DEFAULT_DOCUMENT
+
+    doc = DEFAULT_DOCUMENT.read_text()[:1500]
+    qs = ["Where does Station Sill North stand?", "When was the network founded?"]
+    msgs = [[{"role": "user", "content": f"{doc}\n\nQuestion: {q}"}] for q in qs]
+
+    def ids(m):
+        text = tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+        return tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    first = ids(msgs[0])
+    plain = [gen(model, input_ids=first, **kw)]
+    answer = tok.decode(plain[0].sequences[0, first.shape[1]:], skip_special_tokens=True).strip()
+    chat_turn = msgs[0] + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Say it shorter."}]
+    prompts = [first, ids(msgs[1]), ids(chat_turn)]
+    plain += [gen(model, input_ids=p, **kw) for p in prompts[1:]]
+    with wrapped(model, device_limit="640MiB", host_limit=512 * MiB, kv_store=True, block_tokens=32):
+        hits = []
+        for p, ref in zip(prompts, plain):
+            out = gen(model, input_ids=p, **kw)
+            assert torch.equal(out.sequences, ref.sequences)
+            hits.append(hf.stats(model)["hf"]["reuse"]["last"]["hit_tokens"])
+        assert hits[0] == 0
+        a, b = prompts[0][0].tolist(), prompts[1][0].tolist()
+        shared = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert hits[1] == min(shared, len(b) - 1) // 32 * 32 > 300  # the document's blocks
+        assert hits[2] >= len(a) // 32 * 32  # the whole first prompt (and its answer, as far as it re-tokenizes)
