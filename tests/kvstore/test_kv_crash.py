@@ -93,16 +93,23 @@ def test_random_kills_never_leave_a_torn_block_visible(server_proc):
     sp = server_proc("--size", "64MiB", "--chunk", "4MiB")
     rng = random.Random(7)
     tried = []
-    for round_ in range(3):
+    # At least 3 kills, and more until one has landed mid-insert (a kill
+    # between two inserts proves nothing; on a loaded machine it can take a few).
+    for round_ in range(12):
         p = _writer(sp.socket, start=round_ * 100000)
         time.sleep(rng.uniform(0.05, 0.3))
         p.send_signal(signal.SIGKILL)
         out = p.communicate()[0]
         tried.append(4 * (out.count("COMMITTED") + 2))  # committed, and the reservation in flight
+        deadline = time.monotonic() + 5
+        while sp.status()["pool"]["writing_blocks"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if round_ >= 2 and sp.status()["pool"]["aborted_blocks"] > 0:
+            break
     c = RawClient(sp.socket)
     m = c.mapping()
     visible = 0
-    for round_ in range(3):
+    for round_ in range(len(tried)):
         base = round_ * 100000
         for i in range(base, base + tried[round_]):
             k = key(i, b"w")
