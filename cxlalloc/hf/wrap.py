@@ -344,7 +344,7 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
                 weights = sum(p.numel() * p.element_size() for p in model.parameters()) if place_weights else 0
                 reserve = max(ACTIVATION_RESERVE_MIN, int(ACTIVATION_RESERVE_FRACTION * total))
                 kw["device_limit"] = max(256 << 20, free + weights - reserve)
-        allocator = Allocator(simulate=simulate, **kw)
+        allocator = Allocator(simulate=simulate, _made_by='cxlalloc.hf.wrap(model, ..., host_limit="64GiB")', **kw)
 
     st = WrapState(allocator=allocator, mode=mode, device=device, cache_kw=cache_kwarg(model),
                    hook="prepare" if (hook != "generate" and _prepare_hook_ok(model)) else "generate",
