@@ -510,9 +510,9 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     quiet_third_party()  # our own progress says the same (cxlalloc/demo/progress.py)
     warnings.filterwarnings("ignore", category=FutureWarning)
     t_load = time.perf_counter()
-    what = args.model or f"SmolLM2-135M-Instruct ({SMOLLM2_GGUF})"
+    label = args.model or f"SmolLM2-135M-Instruct ({SMOLLM2_GGUF})"
     try:
-        with progress.stage(f"loading {what}"):
+        with progress.stage(f"loading {label}"):
             model, tok, model_name = load(args, device, dtype)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as e:
         if args.model is None:
