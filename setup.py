@@ -14,7 +14,7 @@ import os
 import shutil
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, naive_recompile
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_py import build_py
 
 # Compile the many small C++ files of _C in parallel (CI has 2 cores).  For
@@ -136,7 +136,9 @@ setup(
     version="0.1.0",
     description="Tiered PyTorch CUDA allocator: VRAM first, then host/CXL NUMA memory, KV-cache aware",
     license="Apache-2.0",
-    packages=["cxlalloc", "cxlalloc.pytorch", "cxlalloc.hf", "cxlalloc.demo", "cxlalloc.bench", "cxlalloc.kvstore"],
+    # Every package under cxlalloc/, so a new one (cxlalloc/kvstore/, ...) is in a
+    # non-editable install without a change here (tests/app/test_install.py).
+    packages=find_packages(include=["cxlalloc", "cxlalloc.*"]),
     # the main job's default document (cxlalloc/demo/app.py: DEFAULT_DOCUMENT)
     package_data={"cxlalloc": ["py.typed"], "cxlalloc.demo": ["data/*.txt"]},
     ext_modules=[core] + ([sim] if sim.sources else []),

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 from typing import Optional, Sequence
 
 from cxlalloc import _C
-from cxlalloc.engine import configure, device_options, new_engine
+from cxlalloc.engine import configure, device_options, extent_chunk_message, new_engine
 from cxlalloc.config import TAGS, make_config, parse_size
 
 _DL_CPU = 1   # DLPack kDLCPU
@@ -42,15 +43,28 @@ def _nbytes(n, what: str = "nbytes") -> int:
     return n
 
 
+def _show(x) -> str:
+    """``x`` for an error message: an int as it is, an array or tensor by its
+    type, shape and dtype (never its values), anything else by a short repr."""
+    if isinstance(x, int):
+        return repr(x)
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"a {type(x).__module__.split('.')[0]}.{type(x).__name__} of shape {tuple(shape)} and dtype {dtype}"
+    r = repr(x)
+    return r if len(r) <= 60 else f"a {type(x).__name__} ({r[:40]}...)"
+
+
 def _ptr(p) -> int:
     if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < 1 << 64:
-        raise ValueError(f"cxlalloc: {p!r} is not a pointer (an int address returned by malloc)")
+        hint = " (for a tensor: its .data_ptr())" if hasattr(p, "data_ptr") else ""
+        raise ValueError(f"cxlalloc: {_show(p)} is not a pointer (an int address returned by malloc){hint}")
     return p
 
 
 def _stream(s) -> int:
     if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 1 << 64:
-        raise ValueError(f"cxlalloc: stream {s!r} is not a stream handle (an int CUstream, e.g. "
+        raise ValueError(f"cxlalloc: stream {_show(s)} is not a stream handle (an int CUstream, e.g. "
                          "torch.cuda.current_stream().cuda_stream, or 0 for the default stream)")
     return s
 
@@ -90,8 +104,12 @@ class Allocator:
             (the message lists each backend's support and why).
     """
 
+    # How out-of-memory messages tell the user to raise a limit: where this
+    # Allocator is made (cxlalloc.hf.wrap passes its own call).
+    MADE_BY = 'cxlalloc.Allocator(..., host_limit="64GiB")'
+
     def __init__(self, device_limit=None, host_limit=None, numa_node="auto", backend="auto",
-                 simulate: bool = False, device: int = 0, **options):
+                 simulate: bool = False, device: int = 0, *, _made_by: Optional[str] = None, **options):
         self.config = make_config(device_limit=device_limit, host_limit=host_limit, numa_node=numa_node,
                                   backend=backend, simulate=simulate, device=device, **options)
         self._engine = new_engine(self.config)
@@ -99,11 +117,14 @@ class Allocator:
         if self.device >= self._engine.device_count:
             raise ValueError(f"cxlalloc option 'device': {self.device} is not a CUDA device ordinal here "
                              f"(0..{self._engine.device_count - 1})")
-        opts = device_options(self._engine, self.device, self.config)
+        opts = device_options(self._engine, self.device, self.config, made_by=_made_by or self.MADE_BY)
         self.node_reason = opts["node_reason"]
         configure(self._engine, self.device, opts)
         self._dev = self._engine.device(self.device)
         self.simulated = bool(self.config.simulate)
+        rounded = extent_chunk_message(self.config.extent_chunk, self._dev.info())
+        if rounded:
+            warnings.warn(rounded, UserWarning, stacklevel=2)
 
     @classmethod
     def from_engine(cls, engine, device: int = 0) -> "Allocator":
@@ -157,12 +178,21 @@ class Allocator:
         only once the work queued on ``stream`` so far has completed."""
         self._dev.record_stream(_ptr(ptr), _stream(stream))
 
-    def tier_of(self, ptr: int) -> str:
+    def tier_of(self, ptr) -> str:
         """``"device"`` or ``"host"``: where the byte at ``ptr`` lives now.
+        ``ptr`` may also be a tensor (its storage's first byte).
 
         Raises:
-            ValueError: ``ptr`` is not memory of this allocator.
+            ValueError: ``ptr`` is not memory of this allocator (the message
+                describes a tensor by shape and dtype, never by its values).
         """
+        if hasattr(ptr, "untyped_storage"):
+            addr = int(ptr.untyped_storage().data_ptr())
+            try:
+                return self._dev.tier_of(addr)
+            except ValueError:
+                raise ValueError(f"cxlalloc: the storage of {_show(ptr)} on {ptr.device} (address {addr:#x}) is not "
+                                 "memory of this allocator") from None
         return self._dev.tier_of(_ptr(ptr))
 
     def migrate(self, ptr: int, tier: str, length: int = 1) -> int:

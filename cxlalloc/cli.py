@@ -7,8 +7,9 @@
     cxlalloc demo ...                        the main job: HuggingFace generate() past VRAM (cxlalloc.demo)
     cxlalloc kv-server ...                   shared KV cache server (cxlalloc.kvstore.server_cli)
 
-Exit codes: 0 success; 2 bad usage or options; ``run`` returns CMD's own code
-(127 if CMD cannot be started).
+Exit codes: 0 success (also when the reader of stdout closes it early, as
+``| head`` does: no traceback); 2 bad usage or options; ``run`` returns CMD's
+own code (127 if CMD cannot be started).
 """
 
 from __future__ import annotations
@@ -343,13 +344,21 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``python -m cxlalloc`` and the ``cxlalloc`` script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    # bench/demo own their arguments (argparse's REMAINDER would refuse a
-    # leading option such as --help), so hand them over untouched.
-    if argv and argv[0] in DELEGATES:
-        module = DELEGATES[argv[0]][0]
-        return _delegate(module, argv[0], argv[1:])
-    args = make_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        # bench/demo own their arguments (argparse's REMAINDER would refuse a
+        # leading option such as --help), so hand them over untouched.
+        if argv and argv[0] in DELEGATES:
+            module = DELEGATES[argv[0]][0]
+            return _delegate(module, argv[0], argv[1:])
+        args = make_parser().parse_args(argv)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return rc
+    except BrokenPipeError:
+        # `cxlalloc info --json | head`: the reader has what it wanted; no
+        # traceback, and nothing more for the interpreter to flush at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ choice.  Shared by :class:`cxlalloc.Allocator`, :func:`cxlalloc.enable`
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Optional
 
@@ -97,13 +98,25 @@ def choose_node(engine: "_C.Engine", device: int, requested) -> dict:
     return topology.choose_host_node(None, near, requested)
 
 
-def device_options(engine: "_C.Engine", device: int, cfg: Config, default_headroom: float = 0.0) -> dict:
+def oom_hint(example: str) -> str:
+    """The last sentence of the engine's out-of-memory messages for an allocator
+    made by the call in ``example`` (e.g. ``'cxlalloc.hf.wrap(model, ...,
+    host_limit="64GiB")'``): the limits are raised there, where they were given
+    (the engine's own default names ``CXLALLOC``, which applies only to the
+    process-wide engine it configures)."""
+    return f"Raise host_limit or device_limit where this allocator is made (e.g. {example})."
+
+
+def device_options(engine: "_C.Engine", device: int, cfg: Config, default_headroom: float = 0.0,
+                   made_by: Optional[str] = None) -> dict:
     """Resolve `cfg` into the engine's per-device configuration dict.
 
     Fractions become bytes (device_limit of the GPU's total VRAM;
     kv_device_limit and device_headroom of device_limit), defaults are
     filled in, and the host node is chosen.  The dict also carries
-    ``"node_reason"`` (popped before it reaches the engine).
+    ``"node_reason"`` (popped before it reaches the engine).  ``made_by``: the
+    call that makes this allocator, as an example for out-of-memory messages
+    (:func:`oom_hint`); None keeps the engine's ``CXLALLOC`` wording.
     """
     free_b, total = engine.mem_info(device)
     if cfg.device_limit is None:
@@ -133,6 +146,8 @@ def device_options(engine: "_C.Engine", device: int, cfg: Config, default_headro
         "kv_aware": cfg.policy == "kv-aware",
         "node_reason": choice["reason"],
     }
+    if made_by is not None:
+        opts["oom_hint"] = oom_hint(made_by)
     return opts
 
 
@@ -142,6 +157,24 @@ def _node_free_bytes(node: int) -> int:
         if n["id"] == node:
             return int(n["free_bytes"])
     return 0
+
+
+def extent_chunk_message(extent_chunk: Optional[int], info: dict) -> Optional[str]:
+    """What to tell the user when ``extent_chunk`` is not a multiple of the
+    allocation granularity of both tiers (``info``: ``DeviceAllocator.info()``):
+    the engine rounds it up (csrc/alloc/device_allocator_extents.cpp).  None
+    when it is used as given (or not set)."""
+    if not extent_chunk:
+        return None
+    d = int(info.get("device_granularity") or 2 << 20)
+    h = int(info.get("host_granularity") or d)
+    align = d * h // math.gcd(d, h)
+    rounded = -(-int(extent_chunk) // align) * align
+    if rounded == extent_chunk:
+        return None
+    return (f"cxlalloc option 'extent_chunk': {format_bytes(extent_chunk)} is not a multiple of the allocation "
+            f"granularity ({format_bytes(align)}); KV extents commit chunks of {format_bytes(rounded)} (use a "
+            f"multiple of {format_bytes(align)} to silence this)")
 
 
 def configure(engine: "_C.Engine", device: int, opts: dict) -> None:

@@ -148,7 +148,9 @@ void DeviceAllocator::throw_oom(size_t requested, AllocClass cls, const std::str
   stats_.on_oom();
   std::string msg = "cxlalloc: out of memory: tried to allocate " + format_bytes(requested) + " (class " +
                     class_name(cls) + ") on cuda:" + std::to_string(cfg_.device) + ": " + why + ". " +
-                    describe_tiers() + ". Raise host_limit or device_limit (e.g. CXLALLOC=host_limit:64GiB).";
+                    describe_tiers() + ". " +
+                    (cfg_.oom_hint.empty() ? "Raise host_limit or device_limit (e.g. CXLALLOC=host_limit:64GiB)."
+                                           : cfg_.oom_hint);
   throw OutOfMemoryError(requested, msg);
 }
 

@@ -58,6 +58,11 @@ struct AllocatorConfig {
   // against: everything takes VRAM first-come until it is full, then the
   // host tier; no KV quota or headroom, no demotion, no promotion.
   bool kv_aware = true;
+  // The last sentence of an out-of-memory message: how to raise the limits,
+  // in the words of the call that configured this allocator (Python passes
+  // e.g. "... cxlalloc.hf.wrap(model, ..., host_limit=...)"); empty: the
+  // CXLALLOC form.
+  std::string oom_hint;
 };
 
 // One row of a memory snapshot (segment + its blocks), like torch's SegmentInfo.

@@ -200,6 +200,7 @@ AllocatorConfig config_from(const py::dict& d) {
     else if (k == "strict_placement") c.strict_placement = py::cast<bool>(v);
     else if (k == "check_capture") c.check_capture = py::cast<bool>(v);
     else if (k == "kv_aware") c.kv_aware = py::cast<bool>(v);
+    else if (k == "oom_hint") c.oom_hint = py::cast<std::string>(v);
     else
       throw Error(ErrorKind::InvalidArgument, "unknown allocator option '" + k + "'");
   }

@@ -11,7 +11,9 @@ Benchmarks (``--only ceilings,allocation,decode,rightsizing``; default all):
                allocation throughput (:mod:`.allocation`)
   decode       GPU: generate() under 0/25/50/75 % KV spill, native vs
                transformers offloading vs policy-free vs cxlalloc per backend
-               (:mod:`.decode`); --simulate: a tiny model on the simulator
+               (:mod:`.decode`); --simulate: a tiny model on the simulator,
+               on the --contexts x --batches given (--models: only tiny; a
+               grid a CPU cannot run is refused, exit status 2)
   rightsizing  GPU: largest batch and tokens/s at a fixed budget (:mod:`.rightsizing`)
 
 Run only when named (``--only reuse``, ``--only kvserver``):
@@ -21,10 +23,10 @@ Run only when named (``--only reuse``, ``--only kvserver``):
                CPU: SmolLM2-135M up to 2,048 tokens; GPU: an 8B shape up to 32K)
   kvserver     the kv-server across processes, N clients, the Redis tier, kill -9
                (:mod:`.kvserver`; CPU)
-  kvserver     CPU/simulation, only with --only: the shared KV server's TTFT across
-               processes, N concurrent clients, the Redis tier, kill -9 (:mod:`.kvserver`)
 
-Each writes ``DIR/<name>.json`` (:mod:`.meta` describes the record).  Parts
+Each writes ``DIR/<name>.json`` (:mod:`.meta` describes the record; decode's
+``parameters`` hold the grid that ran: ``points``, ``models``, ``contexts``,
+``batches``, and what was asked under ``requested``).  Parts
 that need a GPU are recorded as skipped, with the reason, when there is none
 or with ``--simulate``.  Run ``ceilings`` before ``decode`` in the same
 ``--out`` folder: decode's ratios to the link-bound ceiling use its numbers.
@@ -46,6 +48,7 @@ from cxlalloc import _C
 from cxlalloc.bench.meta import BENCHMARKS, OPT_IN, RecordWriter, new_record
 from cxlalloc.bench.model import SHAPES
 from cxlalloc.bench.timing import Deadline
+from cxlalloc.usage import OneLineParser
 
 
 def _runner(name: str) -> Callable:
@@ -83,7 +86,7 @@ def _positive_int(text: str) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cxlalloc bench",
+    p = OneLineParser(prog="python -m cxlalloc bench",
                                 description="Run cxlalloc's benchmarks; each writes one JSON record into --out.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="See benchmarks/README.md for what each benchmark measures and the ceiling "
@@ -99,10 +102,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="seconds for the whole run; parts not started in time are recorded as skipped")
-    p.add_argument("--models", type=_csv(str, choices=tuple(SHAPES)), default=None, help="decode/right-sizing models (llama-1b, llama-3b, "
-                   "llama-8b)")
-    p.add_argument("--contexts", type=_csv(int, lo=1), default=None, help="decode contexts (tokens)")
-    p.add_argument("--batches", type=_csv(int, lo=1), default=None, help="decode batch sizes")
+    p.add_argument("--models", type=_csv(str, choices=tuple(SHAPES)), default=None,
+                   help="decode/right-sizing models (llama-1b, llama-3b, llama-8b; with --simulate only tiny)")
+    p.add_argument("--contexts", type=_csv(int, lo=1), default=None,
+                   help="decode contexts (tokens; --simulate runs them on the tiny model, at most "
+                        "16,384 tokens of batch x context per point)")
+    p.add_argument("--batches", type=_csv(int, lo=1), default=None, help="decode batch sizes (also with --simulate)")
     p.add_argument("--fractions", type=_csv(float, lo=0.0, hi=0.95), default=None,
                    help="KV spill fractions in [0, 0.95] (default 0,0.25,0.5,0.75)")
     p.add_argument("--backends", type=_csv(str, choices=("host-vmm", "managed", "pinned")), default=None,
@@ -210,6 +215,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--time-budget: {args.time_budget!r} must be a positive number of seconds")
     if args.ceiling_bytes is not None and args.ceiling_bytes < 1 << 20:
         parser.error(f"--ceiling-bytes: {args.ceiling_bytes} is below 1 MiB ({1 << 20} bytes)")
+    if args.simulate and "decode" in names:
+        from cxlalloc.bench.decode import sim_grid_error
+
+        err = sim_grid_error(args.models, args.contexts, args.batches, args.new_tokens)
+        if err:
+            parser.error(err)
     try:
         os.makedirs(args.out, exist_ok=True)
         probe = os.path.join(args.out, ".cxlalloc-write-test")

@@ -81,6 +81,36 @@ QUICK = {"models": ["llama-1b"], "points": [(4096, 16), (32768, 2)], "new_tokens
 FULL = {"models": ["llama-1b", "llama-3b", "llama-8b"], "contexts": [4096, 8192, 16384, 32768],
         "batches": [1, 8, 32, 64], "new_tokens": 32, "max_kv_bytes": 40 * GiB}
 SIM = {"models": ["tiny"], "points": [(512, 4)], "new_tokens": 8}
+# --simulate runs the toy on the CPU: these models only, and at most this many tokens (batch x (context + new)) per
+# grid point (the tiny model's KV is 8 KiB per token in fp32: 128 MiB; beyond it a CPU takes minutes per point).
+SIM_MODELS = ("tiny",)
+SIM_MAX_TOKENS = 16384
+
+
+def sim_grid_error(models=None, contexts=None, batches=None, new_tokens=None) -> Optional[str]:
+    """Why ``--simulate`` cannot run this grid (``--models``/``--contexts``/
+    ``--batches``/``--new-tokens`` as given, None for the defaults), or None.
+    The simulation honours every value it can run; it refuses the rest rather
+    than run something else under their name."""
+    bad = [m for m in (models or []) if m not in SIM_MODELS]
+    if bad:
+        return (f"--models: {', '.join(bad)} cannot run with --simulate (a CPU runs only {', '.join(SIM_MODELS)}, the "
+                "toy model; the Llama shapes need a GPU)")
+    new = int(new_tokens or SIM["new_tokens"])
+    cs = contexts or [c for c, _ in SIM["points"]]
+    bs = batches or [b for _, b in SIM["points"]]
+    worst = max(bs) * (max(cs) + new)
+    if worst > SIM_MAX_TOKENS:
+        return (f"--contexts/--batches: batch {max(bs)} x (context {max(cs)} + {new} new tokens) = {worst:,} tokens is "
+                f"more than --simulate runs on a CPU (at most {SIM_MAX_TOKENS:,} per point)")
+    return None
+
+
+def effective_grid(points) -> Dict[str, Any]:
+    """What a run's grid really is, for its record: the (model, context, batch)
+    points and the values of each axis."""
+    return {"points": [list(p) for p in points], "models": sorted({p[0] for p in points}),
+            "contexts": sorted({p[1] for p in points}), "batches": sorted({p[2] for p in points})}
 
 
 def analytic_budget(model: str, context: int, batch: int, new_tokens: int, spill: float) -> int:
@@ -105,7 +135,12 @@ def grid_points(quick: bool, simulate: bool, models=None, contexts=None, batches
     VRAM (the native run must fit with room to spare)."""
     if simulate:
         g = SIM
-        pts = [(m, c, b) for m in (models or g["models"]) for c, b in g["points"]]
+        if contexts or batches:  # honoured (sim_grid_error refuses what a CPU cannot run)
+            cs = contexts or sorted({c for c, _ in g["points"]})
+            bs = batches or sorted({b for _, b in g["points"]})
+            pts = [(m, c, b) for m in (models or g["models"]) for c in cs for b in bs]
+        else:
+            pts = [(m, c, b) for m in (models or g["models"]) for c, b in g["points"]]
     elif quick and not (contexts or batches):
         g = QUICK
         pts = [(m, c, b) for m in (models or g["models"]) for c, b in g["points"]]
@@ -452,8 +487,9 @@ def run(ctx) -> Dict[str, Any]:
     g = SIM if simulate else (QUICK if ctx.quick else FULL)
     new_tokens = int(ctx.args.new_tokens or g["new_tokens"])
     params = {"simulate": simulate, "quick": ctx.quick, "fractions": list(fractions), "backends": list(backends),
-              "new_tokens": new_tokens, "models": ctx.args.models or g["models"],
-              "contexts": ctx.args.contexts, "batches": ctx.args.batches,
+              "new_tokens": new_tokens,
+              # as asked (None: the default grid); what ran is points/models/contexts/batches, set below
+              "requested": {"models": ctx.args.models, "contexts": ctx.args.contexts, "batches": ctx.args.batches},
               "policy_free_backend": ctx.args.policy_free_backend, "budget_slack_bytes": BUDGET_SLACK,
               "prefill_tokens_per_chunk": PREFILL_TOKENS_PER_CHUNK, "dtype": "float32 (CPU)" if simulate else "bf16",
               "time_budget_s": ctx.deadline.remaining() if ctx.deadline.t_end else None,
@@ -475,7 +511,7 @@ def run(ctx) -> Dict[str, Any]:
     points = grid_points(ctx.quick, False, ctx.args.models, ctx.args.contexts, ctx.args.batches, free)
     if not points:
         return w.finish_skipped("decode (GPU)", f"no grid point fits 45% of the free VRAM ({free} bytes)")
-    w.record["parameters"]["points"] = [list(p) for p in points]
+    w.record["parameters"].update(effective_grid(points))
     w.record["parameters"]["shapes"] = {m: SHAPES[m].to_dict() for m in {p[0] for p in points}}
     groups = plan(points, fractions, backends, new_tokens, ctx.args.policy_free_backend)
     # Managed-memory guard before anything runs: refuse offending cells (recorded).
@@ -540,8 +576,12 @@ def _run_sim(ctx, w, fractions, backends, new_tokens) -> Dict[str, Any]:
         import transformers  # noqa: F401
     except Exception as e:
         return w.finish_skipped("decode (simulation)", f"transformers is not importable: {e}")
-    points = grid_points(False, True, None, None, None)
-    w.record["parameters"]["points"] = [list(p) for p in points]
+    args = ctx.args
+    err = sim_grid_error(args.models, args.contexts, args.batches, new_tokens)
+    if err:  # the command line refuses it first; a direct call is refused here
+        return w.finish_skipped("decode (simulation)", err)
+    points = grid_points(False, True, args.models, args.contexts, args.batches)
+    w.record["parameters"].update(effective_grid(points))
     w.record["parameters"]["shapes"] = {m: SHAPES[m].to_dict() for m in {p[0] for p in points}}
     groups = plan(points, fractions, backends, new_tokens, ctx.args.policy_free_backend, simulate=True)
     try:

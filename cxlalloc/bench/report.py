@@ -11,6 +11,10 @@
   tokens/s vs KV spill fraction per variant, with the link-bound ceiling
   drawn), ``tiers_<point>.png`` (device/host bytes over a run, per variant),
   ``rightsizing.png``, ``ceilings.png``, ``allocation.png``;
+* plots simulation records too (``bench --simulate``: the most recent one per
+  benchmark), as separate files named ``simulation_*.png`` whose title and
+  background say SIMULATION; a plot holds either GPU numbers or simulation
+  numbers, never both, and simulation plots are never linked from the README;
 * rewrites the part of ``--readme`` between ``<!-- bench:start -->`` and
   ``<!-- bench:end -->`` (appending the markers if absent) with tables made
   from the records.  Without GPU records it says the GPU numbers are pending:
@@ -91,10 +95,16 @@ def is_gpu_record(rec: Dict[str, Any]) -> bool:
             and bool(rec.get("results")))
 
 
-def latest_gpu(records: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+def is_sim_record(rec: Dict[str, Any]) -> bool:
+    """A simulation record with results (``bench --simulate``): plotted, labelled, never tabled."""
+    return bool(rec.get("simulated")) and rec.get("status") in ("ok", "partial") and bool(rec.get("results"))
+
+
+def latest_gpu(records: List[Dict[str, Any]], keep=is_gpu_record) -> Dict[str, Dict[str, Any]]:
+    """The most recent record per benchmark among those ``keep`` accepts (GPU records by default)."""
     out: Dict[str, Dict[str, Any]] = {}
     for r in records:
-        if not is_gpu_record(r):
+        if not keep(r):
             continue
         cur = out.get(r["benchmark"])
         if cur is None or r["date_utc"] > cur["date_utc"]:
@@ -253,9 +263,29 @@ def _point_name(m, c, b) -> str:
     return f"{m}_ctx{c}_b{b}"
 
 
-def plot_decode(rec: Dict[str, Any], out_dir: str) -> List[str]:
+SIM_PREFIX = "simulation_"
+SIM_NOTE = "SIMULATION: cxlalloc's simulated CUDA driver on a CPU; not GPU numbers"
+
+
+def _is_sim_row(rec: Dict[str, Any], row: Dict[str, Any]) -> bool:
+    return bool(row.get("simulated", rec.get("simulated")))
+
+
+def _mark_sim(fig, axes) -> None:
+    """Label a simulation figure: a note under it and SIMULATION across every axes."""
+    for ax in axes:
+        ax.text(0.5, 0.5, "SIMULATION", transform=ax.transAxes, fontsize=28, color="gray", alpha=0.18,
+                rotation=20, ha="center", va="center", zorder=0)
+    fig.text(0.5, 0.005, SIM_NOTE, ha="center", va="bottom", fontsize=7, color="dimgray")
+
+
+def _file(out_dir: str, name: str, sim: bool) -> str:
+    return os.path.join(out_dir, (SIM_PREFIX if sim else "") + name)
+
+
+def plot_decode(rec: Dict[str, Any], out_dir: str, sim: bool = False) -> List[str]:
     plt = _plt()
-    rows = [r for r in rec["results"] if r.get("variant")]
+    rows = [r for r in rec["results"] if r.get("variant") and _is_sim_row(rec, r) == sim]
     points = sorted({(r["model"], r["context"], r["batch"]) for r in rows})
     s = rec.get("summary") or {}
     hbm = s.get("hbm_read_gbps")
@@ -295,13 +325,18 @@ def plot_decode(rec: Dict[str, Any], out_dir: str) -> List[str]:
         ax.set_xlabel("KV cache forced to the host tier (%)")
         ax.set_ylabel("decode tokens/s (all sequences)")
         ax.set_yscale("log")
-        ax.set_title(f"{m}, context {c}, batch {b} — {rec['hardware']['gpu'].get('name', '')}")
+        if sim:
+            ax.set_title(f"SIMULATION — {m}, context {c}, batch {b} (simulated driver, CPU)")
+            _mark_sim(fig, [ax])
+        else:
+            ax.set_title(f"{m}, context {c}, batch {b} — {rec['hardware']['gpu'].get('name', '')}")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-        files.append(_save(fig, os.path.join(out_dir, f"decode_{_point_name(m, c, b)}.png")))
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        files.append(_save(fig, _file(out_dir, f"decode_{_point_name(m, c, b)}.png", sim)))
         tl = [r for r in rs if r.get("timeline") and r.get("status") == "ok"]
         if tl:
-            files.append(plot_tiers(tl, os.path.join(out_dir, f"tiers_{_point_name(m, c, b)}.png"), (m, c, b)))
+            files.append(plot_tiers(tl, _file(out_dir, f"tiers_{_point_name(m, c, b)}.png", sim), (m, c, b), sim))
     return files
 
 
@@ -313,7 +348,7 @@ def _save(fig, path: str, dpi: int = 110) -> str:
     return path
 
 
-def plot_tiers(rows: List[Dict[str, Any]], path: str, point) -> str:
+def plot_tiers(rows: List[Dict[str, Any]], path: str, point, sim: bool = False) -> str:
     plt = _plt()
     rows = sorted(rows, key=lambda r: (r["variant"], r.get("backend") or "", r.get("spill") or 0))[:12]
     n = len(rows)
@@ -335,7 +370,10 @@ def plot_tiers(rows: List[Dict[str, Any]], path: str, point) -> str:
     for ax in [a for row in axes for a in row][n:]:
         ax.axis("off")
     axes[0][0].legend(fontsize=6)
-    fig.suptitle(f"tier usage over a run: {point[0]}, context {point[1]}, batch {point[2]}", fontsize=9)
+    title = f"tier usage over a run: {point[0]}, context {point[1]}, batch {point[2]}"
+    fig.suptitle(f"SIMULATION — {title}" if sim else title, fontsize=9)
+    if sim:
+        _mark_sim(fig, [a for row in axes for a in row][:n])
     return _save(fig, path, dpi=100)
 
 
@@ -382,11 +420,11 @@ def plot_ceilings(rec: Dict[str, Any], out_dir: str) -> List[str]:
     return [_save(fig, os.path.join(out_dir, "ceilings.png"))]
 
 
-def plot_allocation(rec: Dict[str, Any], out_dir: str) -> List[str]:
+def plot_allocation(rec: Dict[str, Any], out_dir: str, sim: bool = False) -> List[str]:
     plt = _plt()
     labels, vals = [], []
     for x in rec["results"]:
-        if x.get("simulated") or x.get("kind") not in ("cxlalloc", "driver"):
+        if bool(x.get("simulated")) != sim or x.get("kind") not in ("cxlalloc", "driver"):
             continue
         if x["kind"] == "driver":
             labels.append(f"{x['call']} {x['bytes'] >> 20} MiB")
@@ -402,19 +440,28 @@ def plot_allocation(rec: Dict[str, Any], out_dir: str) -> List[str]:
     ax.set_xscale("log")
     ax.set_xlabel("malloc / alloc latency, µs (median), log scale")
     ax.tick_params(labelsize=7)
-    return [_save(fig, os.path.join(out_dir, "allocation.png"))]
+    if sim:
+        ax.set_title("SIMULATION — allocation latency on the simulated driver (engine CPU cost only)", fontsize=9)
+        _mark_sim(fig, [ax])
+    return [_save(fig, _file(out_dir, "allocation.png", sim))]
 
 
-def make_plots(latest: Dict[str, Dict[str, Any]], out_dir: str) -> List[str]:
+def make_plots(latest: Dict[str, Dict[str, Any]], out_dir: str, sim: bool = False) -> List[str]:
+    """Plots of GPU records (``sim`` False) or, as ``simulation_*.png``, of
+    simulation records (``sim`` True: decode and allocation, the benchmarks a
+    simulation runs).  Each plot is made from one kind only."""
     os.makedirs(out_dir, exist_ok=True)
     files: List[str] = []
-    for name, fn in (("ceilings", plot_ceilings), ("allocation", plot_allocation), ("decode", plot_decode),
-                     ("rightsizing", plot_rightsizing)):
+    plots = (("allocation", plot_allocation), ("decode", plot_decode)) if sim else (
+        ("ceilings", plot_ceilings), ("allocation", plot_allocation), ("decode", plot_decode),
+        ("rightsizing", plot_rightsizing))
+    for name, fn in plots:
         if name in latest:
             try:
-                files += fn(latest[name], out_dir)
+                files += fn(latest[name], out_dir, sim=True) if sim else fn(latest[name], out_dir)
             except Exception as e:  # a plot must never stop the table
-                print(f"cxlalloc bench report: plot {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+                print(f"cxlalloc bench report: plot {'simulation ' if sim else ''}{name} failed: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr)
     return files
 
 
@@ -433,10 +480,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     records = collect(args.results)
     latest = latest_gpu(records)
     plots = make_plots(latest, plots_dir) if latest else []
-    if args.readme:
+    sims = latest_gpu(records, keep=is_sim_record)
+    sim_plots = make_plots(sims, plots_dir, sim=True) if sims else []
+    if args.readme:  # GPU plots only: simulation plots are never linked from the README
         update_readme(args.readme, readme_section(latest, plots, os.path.dirname(os.path.abspath(args.readme))))
     print(f"cxlalloc bench report: {len(records)} record(s), GPU benchmarks: {', '.join(sorted(latest)) or 'none'}; "
-          f"{len(plots)} plot(s) in {plots_dir}" + (f"; updated {args.readme}" if args.readme else ""))
+          f"{len(plots)} plot(s) in {plots_dir}"
+          + (f"; {len(sim_plots)} SIMULATION plot(s) ({SIM_PREFIX}*.png, from {', '.join(sorted(sims))}; not in the "
+             "README)" if sims else "")
+          + (f"; updated {args.readme}" if args.readme else ""))
     return 0
 
 

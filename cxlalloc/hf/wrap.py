@@ -36,6 +36,11 @@ swaps the ``DynamicCache`` it builds for a ``CxlCache`` sized ``max_cache_length
 changed, the wrapper falls back to injecting a ``CxlCache`` into the generate()
 call (capacity then grows geometrically).  Passing a ``CxlCache`` yourself under
 :func:`cxlalloc.hf.cache_kwarg` is the public path and always works.
+
+A forward pre-hook plans each forward's cache update before the forward runs
+(:meth:`CxlCache.prepare_forward`: the engine calls happen there), so that a
+``torch.compile``'d ``model.forward`` traces the update as tensor operations,
+without a graph break, and compiles no more often than with ``DynamicCache``.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from cxlalloc import _C
 from cxlalloc.allocator import Allocator
 from cxlalloc.config import format_bytes, make_config
 from cxlalloc.hf.cache import CxlCache
+from cxlalloc.hf.storage import Geometry
 from cxlalloc.hf.compat import TRANSFORMERS_VERSION, cache_kwarg
 from cxlalloc.hf.reuse import PrefixReuse, parse_reuse_options
 
@@ -109,6 +115,11 @@ class _GetState:
         state = dict(base(model) if base is not None else model.__dict__)
         for name in INSTANCE_ATTRS:
             state.pop(name, None)
+        st = model.__dict__.get(STATE_ATTR)
+        hook_id = getattr(getattr(st, "pre_hook", None), "id", None)
+        for name in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):  # the copy's dicts, not the model's
+            if hook_id is not None and isinstance(state.get(name), dict) and hook_id in state[name]:
+                state[name] = type(state[name])((k, v) for k, v in state[name].items() if k != hook_id)
         return state
 
 
@@ -133,6 +144,7 @@ class WrapState:
     reuse: Any = None  # cxlalloc.hf.reuse.PrefixReuse when kv_store is set
     reuse_options: Any = None
     _tls: Any = dataclasses.field(default_factory=threading.local)  # per thread: caches of its running generate()
+    pre_hook: Any = None  # handle of the forward pre-hook (_make_pre_forward)
     _last: Any = None  # weakref to the last cache
 
     @property
@@ -358,7 +370,7 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
                 weights = sum(p.numel() * p.element_size() for p in model.parameters()) if place_weights else 0
                 reserve = max(ACTIVATION_RESERVE_MIN, int(ACTIVATION_RESERVE_FRACTION * total))
                 kw["device_limit"] = max(256 << 20, free + weights - reserve)
-        allocator = Allocator(simulate=simulate, **kw)
+        allocator = Allocator(simulate=simulate, _made_by='cxlalloc.hf.wrap(model, ..., host_limit="64GiB")', **kw)
 
     st = WrapState(allocator=allocator, mode=mode, device=device, cache_kw=cache_kwarg(model),
                    hook="prepare" if (hook != "generate" and _prepare_hook_ok(model)) else "generate",
@@ -380,7 +392,47 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
     model.__dict__["generate"] = _make_generate(model, st)
     model.__dict__["__getstate__"] = _GetState(model)
     model.__dict__[STATE_ATTR] = st
+    st.pre_hook = model.register_forward_pre_hook(_make_pre_forward(model, st), with_kwargs=True)
     return model
+
+
+def _kv_geometry(model, device: torch.device) -> Optional[Geometry]:
+    """The K/V state geometry of the model's full-attention layers from its
+    config (batch 1; the batch of each forward replaces it), or None."""
+    try:
+        cfg = model.config.get_text_config(decoder=True)
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    except (AttributeError, StopIteration, TypeError, ZeroDivisionError):
+        return None
+    return Geometry(1, int(heads), int(head_dim), int(head_dim), dtype, device)
+
+
+def _make_pre_forward(model, st: WrapState):
+    """A forward pre-hook that plans a CxlCache's next update before the forward
+    runs (:meth:`CxlCache.prepare_forward`): the engine calls happen here, so
+    that a ``torch.compile``'d ``model.forward`` traces the cache update without
+    a graph break and compiles no more often than with transformers' DynamicCache
+    (a graph break inside the forward makes dynamo compile transformers'
+    decorated module forwards one by one, which share one code object and
+    reach its recompile limit)."""
+    geometry = _kv_geometry(model, torch.device("cpu") if st.device.type == "cpu" else st.device)
+
+    def pre_forward(module, args, kwargs):
+        cache = kwargs.get(st.cache_kw)
+        if not isinstance(cache, CxlCache):
+            return None
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        if x is None and args and isinstance(args[0], torch.Tensor):
+            x = args[0]
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            cache.prepare_forward(int(x.shape[1]), int(x.shape[0]), geometry)
+        return None
+
+    return pre_forward
 
 
 def _make_prepare_hook(model, st: WrapState):
@@ -469,6 +521,8 @@ def unwrap(model):
     own memory.  Caches already created keep their storage until dropped.
     Returns ``model``."""
     st = _state(model)
+    if st.pre_hook is not None:
+        st.pre_hook.remove()
     for name in INSTANCE_ATTRS:
         model.__dict__.pop(name, None)
     if st.weights_placed:

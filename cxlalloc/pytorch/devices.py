@@ -49,12 +49,19 @@ def device_config(cfg: Config, device: int) -> Config:
     return Config(libcuda=cfg.libcuda)
 
 
-def configure_engine(cfg: Config, devices) -> tuple:
+def made_by(source: str) -> Optional[str]:
+    """The call an out-of-memory message names for raising a limit of the
+    process-wide engine enabled by ``source``: ``cxlalloc.enable(...)``, or None
+    (the engine's own ``CXLALLOC=host_limit:...``) for the environment variable."""
+    return 'cxlalloc.enable(..., host_limit="64GiB")' if source == "cxlalloc.enable()" else None
+
+
+def configure_engine(cfg: Config, devices, source: str = "") -> tuple:
     engine = new_engine(cfg)
     resolved = {}
     for d in devices:
         dcfg = device_config(cfg, d)
-        opts = device_options(engine, d, dcfg, default_headroom=0.05)
+        opts = device_options(engine, d, dcfg, default_headroom=0.05, made_by=made_by(source))
         resolved[d] = dict(opts)
         configure(engine, d, opts)
     return engine, resolved

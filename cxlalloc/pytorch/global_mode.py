@@ -33,7 +33,7 @@ def enable_global(torch, cfg: Config, settings, source) -> State:
     # torch's allocator initialise (case C09): ask the allocator itself.
     if adapter is not None and adapter.current_allocator()[1]:
         raise TooLate()
-    engine, resolved = configure_engine(cfg, devices)
+    engine, resolved = configure_engine(cfg, devices, source)
     _C.set_current_engine(engine)
     try:
         if adapter is None:

@@ -74,11 +74,24 @@ def tier_of(tensor, device=None) -> str:
             outside ``cxlalloc.kv()`` and the spill pool belongs to torch).
     """
     st = require_enabled()
-    if hasattr(tensor, "data_ptr"):
+    what = None
+    if hasattr(tensor, "untyped_storage"):
         ptr = int(tensor.untyped_storage().data_ptr())
         d = tensor.device.index if device is None else current_device(device)
+        # described by shape and dtype in messages, never by its values
+        what = f"the storage of a tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} on {tensor.device}"
+    elif isinstance(tensor, int) and not isinstance(tensor, bool):
+        ptr, d = tensor, current_device(device)
     else:
-        ptr, d = int(tensor), current_device(device)
+        raise ValueError(f"cxlalloc.tier_of: a {type(tensor).__name__} is neither a tensor nor an address (int)")
+    if d is None:
+        raise ValueError(f"cxlalloc.tier_of: {what} is not CUDA memory, so not cxlalloc's")
     if d not in st.devices:
         raise ValueError(f"cxlalloc option 'device': cuda:{d} is not served by cxlalloc")
-    return st.engine.device(d).tier_of(ptr)
+    try:
+        return st.engine.device(d).tier_of(ptr)
+    except ValueError:
+        shown = f"{what} (address {ptr:#x})" if what else f"address {ptr:#x}"
+        raise ValueError(f"cxlalloc.tier_of: {shown} is not cxlalloc memory on cuda:{d}"
+                         + (" (in scoped mode, memory outside cxlalloc.kv() and the spill pool is torch's)"
+                            if st.mode == "scoped" else "")) from None

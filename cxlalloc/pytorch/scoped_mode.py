@@ -36,7 +36,7 @@ def enable_scoped(torch, cfg: Config, settings, source) -> State:
     del probe
     devices = [cfg.device] if cfg.device is not None else list(range(count))
     visible_devices(count, cfg)
-    engine, resolved = configure_engine(cfg, devices)
+    engine, resolved = configure_engine(cfg, devices, source)
     _C.set_current_engine(engine)
     try:
         path = c_library_path()

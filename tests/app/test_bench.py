@@ -89,6 +89,40 @@ def test_simulate_writes_valid_records_and_skips_gpu_parts(tmp_path):
         assert not cxl and any("cxlalloc.hf.wrap" in s["reason"] for s in dec["skipped"])
 
 
+@pytest.mark.parametrize("args, flag, message", [
+    (["--models", "llama-1b"], "--models", "llama-1b cannot run with --simulate"),
+    (["--models", "tiny,llama-8b"], "--models", "llama-8b cannot run with --simulate"),
+    (["--contexts", "100000"], "--contexts/--batches", "more than --simulate runs on a CPU"),
+    (["--batches", "64", "--contexts", "512"], "--contexts/--batches", "batch 64 x (context 512 + 8 new tokens)"),
+])
+def test_simulate_refuses_a_grid_it_cannot_run(tmp_path, args, flag, message):
+    """Refused in one line (exit status 2) rather than run something else under the given names."""
+    p = _bench(["--simulate", "--out", str(tmp_path), "--only", "decode"] + args)
+    assert p.returncode == 2, p.stdout + p.stderr
+    (line,) = p.stderr.splitlines()
+    assert line.startswith(f"python -m cxlalloc bench: error: {flag}: ") and message in line, line
+    assert not (tmp_path / "decode.json").exists()
+
+
+def test_simulate_honours_contexts_batches_models_and_records_what_ran(tmp_path):
+    p = _bench(["--simulate", "--out", str(tmp_path), "--only", "decode", "--no-progress", "--models", "tiny",
+                "--contexts", "64,128", "--batches", "1,2", "--fractions", "0", "--backends", "host-vmm",
+                "--new-tokens", "2"], timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rec = json.loads((tmp_path / "decode.json").read_text())
+    prm = rec["parameters"]
+    assert prm["points"] == [["tiny", 64, 1], ["tiny", 64, 2], ["tiny", 128, 1], ["tiny", 128, 2]]
+    assert (prm["models"], prm["contexts"], prm["batches"]) == (["tiny"], [64, 128], [1, 2])
+    assert prm["requested"] == {"models": ["tiny"], "contexts": [64, 128], "batches": [1, 2]}
+    assert prm["new_tokens"] == 2
+    ran = {(r["model"], r["context"], r["batch"]) for r in rec["results"]}
+    assert ran == {tuple(x) for x in prm["points"]}
+    assert all(r["status"] == "ok" and r["simulated"] for r in rec["results"])
+    # Without grid flags: the default simulation point, recorded as such.
+    assert decode.grid_points(False, True) == [("tiny", 512, 4)]
+    assert decode.effective_grid(decode.grid_points(False, True))["contexts"] == [512]
+
+
 @pytest.mark.skipif(_has_cuda(), reason="checks the no-GPU path")
 def test_without_gpu_the_gpu_benchmarks_are_recorded_as_skipped(tmp_path):
     from cxlalloc.bench import cli
@@ -338,6 +372,83 @@ def test_report_builds_plots_and_readme_table_from_synthetic_records(tmp_path):
     assert cells[7] == "1.25×"  # vs policy-free (0.8x)
     assert cells[9] == "oom"
     assert cells[5].endswith("×")  # vs ceiling, from the synthetic bandwidths
+
+
+def _sim_decode_record(tps=12345.0):
+    rec = meta.new_record("decode", {}, simulated=True, argv=["--simulate"])
+    rec["status"] = "ok"
+    rows = []
+    for f in (0.0, 0.5):
+        tl = [{"put": i, "device_bytes": 4 * MiB, "host_bytes": int(f * 8 * MiB), "kv_host_bytes": int(f * 8 * MiB)}
+              for i in range(3)]
+        rows.append(dict(id=f"c{f}", variant="cxlalloc", backend="host-vmm", model="tiny", context=512, batch=4,
+                         new_tokens=8, spill=f, status="ok", decode_tokens_per_s=tps, timeline=tl, simulated=True,
+                         method="SIMULATION"))
+    rows.append(dict(id="n", variant="native", model="tiny", context=512, batch=4, new_tokens=8, spill=0.0,
+                     status="ok", decode_tokens_per_s=tps * 2, simulated=True, method="SIMULATION", timeline=[]))
+    rec["results"] = rows
+    rec["summary"] = {"simulated": True, "points": []}
+    return rec
+
+
+def _figure_texts(fig):
+    out = [t.get_text() for t in fig.texts]
+    if fig._suptitle is not None:
+        out.append(fig._suptitle.get_text())
+    for ax in fig.axes:
+        out.append(ax.get_title())
+        out += [t.get_text() for t in ax.texts]
+    return " | ".join(out)
+
+
+def _figure_values(fig):
+    vals = set()
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            vals.update(float(y) for y in line.get_ydata())
+    return vals
+
+
+def test_report_plots_simulation_records_labelled_and_apart(tmp_path, monkeypatch):
+    """Simulation records get their own plots (simulation_*.png), labelled
+    SIMULATION; no plot holds both kinds of numbers; the README table and its
+    plot links stay GPU-only."""
+    res = tmp_path / "results"
+    (res / "gpu").mkdir(parents=True)
+    rows = _synthetic_decode_rows()
+    _gpu_record("decode", rows, decode.analyse(rows, None), str(res / "gpu"))
+    meta.write_json(str(res / "sim" / "decode.json"), _sim_decode_record())
+    alloc = meta.new_record("allocation", {}, simulated=True, argv=["--simulate"])
+    alloc["status"] = "ok"
+    alloc["results"] = [{"kind": "cxlalloc", "tier_requested": "device", "backend": "host-vmm", "mode": "cached",
+                         "bytes": 2 * MiB, "malloc_us": {"median": 1.5}, "simulated": True, "method": "SIMULATED"}]
+    meta.write_json(str(res / "sim" / "allocation.json"), alloc)
+    saved = {}
+    real_save = report._save
+
+    def save(fig, path, dpi=110):
+        saved[os.path.basename(path)] = (_figure_texts(fig), _figure_values(fig))
+        return real_save(fig, path, dpi)
+
+    monkeypatch.setattr(report, "_save", save)
+    readme = tmp_path / "README.md"
+    readme.write_text("# P\n")
+    plots = tmp_path / "plots"
+    assert report.main(["--results", str(res), "--plots", str(plots), "--readme", str(readme)]) == 0
+    names = sorted(p.name for p in plots.iterdir())
+    for name in ("simulation_decode_tiny_ctx512_b4.png", "simulation_tiers_tiny_ctx512_b4.png",
+                 "simulation_allocation.png", "decode_llama-1b_ctx4096_b16.png"):
+        assert name in names, names
+    for name, (texts, values) in saved.items():
+        if name.startswith("simulation_"):
+            assert "SIMULATION" in texts, name
+            assert not values & {900.0, 880.0, 600.0, 420.0, 300.0}, f"{name} holds GPU numbers"
+        else:
+            assert "SIMULATION" not in texts, name
+            assert not values & {12345.0, 24690.0}, f"{name} holds simulation numbers"
+    assert 12345.0 in saved["simulation_decode_tiny_ctx512_b4.png"][1]
+    text = readme.read_text()
+    assert "simulation_" not in text and "12345" not in text and "Synthetic GPU" in text
 
 
 def test_report_says_pending_without_gpu_records(tmp_path):

@@ -137,3 +137,23 @@ def test_console_script_and_help():
     assert os.path.isfile(script), "console script 'cxlalloc' not installed (pip install -e .)"
     r = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "{info,run,bench,demo,kv-server}" in r.stdout
+
+
+@pytest.mark.parametrize("args", [("info", "--json", "--simulate"), ("info", "--libcuda", NO_DRIVER)])
+def test_info_into_a_closed_pipe_exits_quietly(args):
+    """`cxlalloc info --json | head`: the reader goes away before the output is
+    written (here: at once); no traceback, no 'Exception ignored', status 0."""
+    env = {k: v for k, v in os.environ.items() if k != "CXLALLOC"}
+    p = subprocess.Popen([sys.executable, "-m", "cxlalloc", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=240) == 0, err
+    assert err == ""
+
+
+def test_info_json_piped_to_head():
+    r = subprocess.run(f"{sys.executable} -m cxlalloc info --json --simulate | head -n 2", shell=True,
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.splitlines()[0] == "{"

@@ -93,41 +93,36 @@ def test_demo_default_model_missing_gguf_file(tmp_path):
         f"{smollm2_dir()}, or an absolute path)")
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    """A local HF model directory the demo loads with --model: tiny random Llama
-    weights (789 KiB of fp32 parameters, one 2 MiB segment in the allocator;
-    KV 512 B per token) and a word-level tokenizer."""
-    from tests.helpers.hf_util import tiny_llama
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    d = tmp_path_factory.mktemp("tiny-llama")
-    tiny_llama().save_pretrained(d)
-    words = ["[UNK]", "[PAD]", "</s>"] + [f"w{i}" for i in range(50)]
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]",
-                            eos_token="</s>").save_pretrained(d)
-    return d
-
-
-@pytest.mark.parametrize("limits, what", [
-    (("--device-limit", "1B", "--host-limit", "1KiB"), "for the weights"),  # known after the load: no run at all
-    (("--device-limit", "1B", "--host-limit", "1MiB"), "placing the weights"),  # the tester's flags
-    (("--device-limit", "2MiB", "--host-limit", "0"), "during generate()"),  # the weights fit, the KV cache does not
-])
-def test_demo_limits_too_small_is_one_line_exit_1(tiny_model_dir, tmp_path, limits, what):
-    p = _demo("--model", str(tiny_model_dir), "--max-new-tokens", "4", *limits, cwd=tmp_path)
+def test_demo_limits_too_small_is_one_line_exit_1(tiny_model_dir, tmp_path):
+    """Valid limits that cannot hold this run: the weights fit, the KV cache does not."""
+    p = _demo("--model", str(tiny_model_dir), "--max-new-tokens", "4", "--device-limit", "2MiB", "--host-limit", "0",
+              cwd=tmp_path)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines() == [p.stderr.strip()], "one line"
-    shown = {"1B": "1 B", "2MiB": "2.00 MiB", "1KiB": "1.00 KiB", "1MiB": "1.00 MiB", "0": "0 B"}
     assert p.stderr.strip() == (
-        f"cxlalloc demo: out of memory {what} under --device-limit {shown[limits[1]]} and --host-limit "
-        f"{shown[limits[3]]}: the weights take 789.25 KiB (2.00 MiB as the allocator holds them) and this run's "
-        "KV cache about 695.50 KiB; use larger limits, e.g. --device-limit 3MiB --host-limit 65MiB, or leave "
-        "--device-limit out (default: the weights plus half the KV)")
+        "cxlalloc demo: out of memory during generate() under --device-limit 2.00 MiB and --host-limit 0 B: the "
+        "weights take 789.25 KiB (2.00 MiB as the allocator holds them) and this run's KV cache about 695.50 KiB; "
+        "use larger limits, e.g. --device-limit 3MiB --host-limit 65MiB, or leave --device-limit out (default: the "
+        "weights plus half the KV)")
+
+
+@pytest.mark.parametrize("limits, line", [
+    # the tester's flags: both limits below one allocator segment, reported as bad flags, not as an OOM
+    (("--device-limit", "1B", "--host-limit", "1MiB"),
+     "--device-limit: 1 B is below cuda:0's allocation granularity (2.00 MiB): not one segment would fit in VRAM; "
+     "use at least 2.00 MiB; --host-limit: 1.00 MiB is below the host tier's allocation granularity (2.00 MiB, "
+     "backend host-vmm): use at least 2.00 MiB, or 0 to run without a host tier"),
+    (("--host-limit", "1KiB"),
+     "--host-limit: 1.00 KiB is below the host tier's allocation granularity (2.00 MiB, backend host-vmm): use at "
+     "least 2.00 MiB, or 0 to run without a host tier"),
+    (("--device-limit", "2PiB"), "--device-limit: 2.00 PiB is more than the simulated GPU can model (1.00 PiB)"),
+])
+def test_demo_limit_below_one_segment_is_a_bad_flag_before_the_load(tiny_model_dir, tmp_path, limits, line):
+    p = _demo("--model", str(tiny_model_dir), "--max-new-tokens", "4", *limits, cwd=tmp_path)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.splitlines() == [f"{PROG}: error: {line}"]
+    assert "SIMULATION" not in p.stdout, "checked before the model loads"
 
 
 def test_demo_suggested_limits_work(tiny_model_dir, tmp_path):
@@ -139,12 +134,12 @@ def test_demo_suggested_limits_work(tiny_model_dir, tmp_path):
 
 @needs_smollm2
 def test_demo_smollm2_limits_too_small(tmp_path):
-    """The tester's command on the default model: the weights (513 MiB in fp32)
-    cannot fit in 1 B + 1 MiB; said after the load, before any run."""
-    p = _demo("--device-limit", "1B", "--host-limit", "1MiB", "--max-new-tokens", "2", cwd=tmp_path)
+    """Valid limits on the default model that the weights (513 MiB in fp32)
+    cannot fit in: said after the load, before any run."""
+    p = _demo("--device-limit", "2MiB", "--host-limit", "2MiB", "--max-new-tokens", "2", cwd=tmp_path)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     line = p.stderr.strip().splitlines()[-1]
-    assert line.startswith("cxlalloc demo: out of memory for the weights under --device-limit 1 B and --host-limit "
-                           "1.00 MiB: the weights take 513.13 MiB"), line
+    assert line.startswith("cxlalloc demo: out of memory for the weights under --device-limit 2.00 MiB and "
+                           "--host-limit 2.00 MiB: the weights take 513.13 MiB"), line
     assert "use larger limits, e.g. --device-limit" in line

@@ -1,0 +1,117 @@
+"""The main job's defaults on any model: the device limit below weights + KV with
+the KV cache spilling (or why it cannot be), and its progress display."""
+
+import json
+import os
+import pty
+import subprocess
+import sys
+from pathlib import Path
+
+from cxlalloc.demo.app import default_device_limit
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+
+def _env():
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
+
+
+def _demo_cmd(*args):
+    return [sys.executable, "-m", "cxlalloc", "demo", "--threads", "1", "--max-new-tokens", "4", *args]
+
+
+def _run(tmp_path, *args):
+    out = tmp_path / "report.json"
+    p = subprocess.run(_demo_cmd("--no-progress", "--json", str(out), *args), cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p, json.loads(out.read_text())
+
+
+# ----------------------------------------------------------------- the default device limit
+def test_default_limit_rule():
+    # 22 KV chunks: half of them on the device, below weights + KV
+    limit, note = default_device_limit(footprint=6 * MiB, weights=5 * MiB, kv_need=43 * MiB + 1, chunk=2 * MiB)
+    assert limit == 6 * MiB + 11 * 2 * MiB and limit < 48 * MiB
+    assert "below weights + KV" in note
+    # one chunk of KV: none of it on the device
+    assert default_device_limit(10 * MiB, 9 * MiB, MiB, 2 * MiB)[0] == 10 * MiB
+    # half the chunks would reach weights + KV: fewer on the device
+    limit, _ = default_device_limit(footprint=20 * MiB, weights=10 * MiB, kv_need=14 * MiB, chunk=2 * MiB)
+    assert limit < 24 * MiB and (limit - 20 * MiB) % (2 * MiB) == 0
+    # the segment rounding of the weights alone exceeds weights + KV: said, all KV spills
+    limit, note = default_device_limit(footprint=2 * MiB, weights=800 << 10, kv_need=700 << 10, chunk=2 * MiB)
+    assert limit == 2 * MiB and "cannot be below weights + KV" in note
+
+
+def test_default_limit_is_below_weights_plus_kv_and_kv_spills(kv_model_dir, tmp_path):
+    p, r = _run(tmp_path, "--model", str(kv_model_dir), "--compare")
+    run, c = r["run"], r["cxlalloc"]
+    assert run["device_limit_below_need"] is True
+    assert r["plain"]["need_bytes"] > run["device_limit"], "plain transformers would not fit"
+    assert c["classes"]["kv"]["host_bytes"] > 0 and c["classes"]["kv"]["device_bytes"] > 0
+    assert c["classes"]["weight"]["host_bytes"] == 0
+    assert c["tiers"]["device"]["peak_reserved_bytes"] <= run["device_limit"]
+    assert r["identical_tokens"] is True
+
+
+def test_default_limit_says_why_it_cannot_be_below_weights_plus_kv(tiny_model_dir, tmp_path):
+    """The tiny model's weights and whole KV cache (1.45 MiB) are less than the
+    one 2 MiB segment that holds the weights."""
+    p, r = _run(tmp_path, "--model", str(tiny_model_dir))
+    run, c = r["run"], r["cxlalloc"]
+    assert run["device_limit_below_need"] is False
+    assert "it cannot be below weights + KV (1.45 MiB) for this model" in run["device_limit_note"]
+    assert "cannot be below" in p.stdout  # in the report's table too
+    assert c["classes"]["kv"]["host_bytes"] > 0 and c["classes"]["weight"]["host_bytes"] == 0
+
+
+# ----------------------------------------------------------------- progress
+def test_progress_outside_a_terminal_is_plain_lines(kv_model_dir, tmp_path):
+    p = subprocess.run(_demo_cmd("--model", str(kv_model_dir), "--compare"), cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    err = p.stderr.splitlines()
+    assert err and all(line.startswith("cxlalloc demo: ") for line in err), p.stderr
+    assert "\r" not in p.stderr and "%|" not in p.stderr, "no redrawn (third-party) bar in a log"
+    assert any(line.startswith(f"cxlalloc demo: loading {kv_model_dir} ...") for line in err)
+    assert any("loading" in line and "done in" in line for line in err)
+    for run in ("plain transformers", "cxlalloc"):
+        assert f"cxlalloc demo: {run}: prefill of 1,388 prompt tokens x 1 ..." in err
+        assert any(line.startswith(f"cxlalloc demo: {run}: first token after ") for line in err)
+    assert len(err) <= 12, "a few lines per stage, not a line per token"
+    assert p.stdout.splitlines()[0].startswith("SIMULATION (no GPU):")
+
+
+def test_no_progress_prints_nothing_on_stderr(tiny_model_dir, tmp_path):
+    p, _ = _run(tmp_path, "--model", str(tiny_model_dir))
+    assert p.stderr == ""
+
+
+def test_progress_on_a_terminal(kv_model_dir, tmp_path):
+    """stderr on a pseudo-terminal: a spinner while loading, then the prefill
+    and decode of each generate() (rich redraws them in place)."""
+    master, slave = pty.openpty()
+    env = dict(_env(), TERM="xterm", COLUMNS="120")
+    proc = subprocess.Popen(_demo_cmd("--model", str(kv_model_dir)), cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(timeout=600) == 0
+    text = b"".join(chunks).decode("utf-8", "replace")
+    assert f"loading {kv_model_dir} ..." in text and "done in" in text
+    assert "cxlalloc: prefill of 1,388 prompt tokens x 1" in text
+    assert "cxlalloc: decode (first token after" in text
+    assert "\x1b[" in text, "drawn for a terminal"
