@@ -585,3 +585,17 @@ def test_decode_orchestration_budgets_guard_and_ratios(tmp_path, monkeypatch):
     assert e["native_limit"]["status"] == "oom"
     on_disk = json.loads((tmp_path / "decode.json").read_text())
     assert on_disk["status"] == "ok" and len(on_disk["results"]) == len(rec["results"])
+
+
+def test_bench_switches_off_transformers_progress_bars(tmp_path, monkeypatch):
+    """The bench reports its own progress: transformers' GGUF de-quantization bar
+    (plain tqdm) must not redraw into a log."""
+    import functools
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from cxlalloc.bench import cli
+
+    monkeypatch.setattr(gguf_utils, "tqdm", gguf_utils.tqdm if not isinstance(gguf_utils.tqdm, functools.partial)
+                        else gguf_utils.tqdm.func)
+    assert cli.main(["--out", str(tmp_path), "--no-progress", "--only", "ceilings"]) == 0
+    assert isinstance(gguf_utils.tqdm, functools.partial) and gguf_utils.tqdm.keywords == {"disable": True}
