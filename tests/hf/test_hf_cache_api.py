@@ -1,7 +1,7 @@
 """The Cache API oracle: the same calls on a stock ``DynamicCache`` and on a
 ``CxlCache`` give the same results (transformers' own cache is the reference),
-for a full-attention model (llama), a sliding-window + full hybrid (qwen2 with
-``max_window_layers``) and a linear-attention + full hybrid (lfm2: short-conv
+for a full-attention model (llama), sliding-window + full hybrids (qwen2 with
+``max_window_layers``: full layers first; gemma2: interleaved) and a linear-attention + full hybrid (lfm2: short-conv
 layers, transformers' ``LinearAttentionLayer``).  Also: every index argument
 type, crop's rules and atomicity, tensors kept by the caller, forwards with
 grad, and assisted decoding with wrapped main/assistant models."""
@@ -33,7 +33,20 @@ def tiny_lfm2(attn="sdpa", seed=0):
     return m
 
 
-MODELS = {"llama": tiny_llama, "qwen2-sliding": tiny_qwen2_sliding, "lfm2": tiny_lfm2}
+def tiny_gemma2(attn="eager", seed=0):  # gemma2 soft-caps attention logits: sdpa refuses
+    """Layers [sliding(5), full, sliding(5), full]: interleaved, the full layers share one store."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=512,
+                       sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2)
+    m = Gemma2ForCausalLM(cfg).eval()
+    m.config._attn_implementation = attn
+    return m
+
+
+MODELS = {"llama": tiny_llama, "qwen2-sliding": tiny_qwen2_sliding, "gemma2": tiny_gemma2, "lfm2": tiny_lfm2}
 
 
 @pytest.fixture(autouse=True)
@@ -302,7 +315,7 @@ def test_bad_index_arguments_are_clear_errors_and_change_nothing(fresh_sim, name
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_crop_follows_installed_transformers(fresh_sim, name):
-    p = prefilled(MODELS[name](), batch=2, length=4)  # below the sliding window
+    p = prefilled(MODELS[name](), batch=2, length=2)  # stays below the sliding windows (5, 6)
     if name == "lfm2":  # linear layers refuse crop without past recording: both raise the same
         r = p.call("crop", -1)
         assert r[0] is RuntimeError and "activate_past_recording" in r[1]
@@ -315,11 +328,14 @@ def test_crop_follows_installed_transformers(fresh_sim, name):
     p.assert_same()
     p.call("crop", 0)
     p.assert_same()
-    r = p.call("crop", 3)  # positive: 5.24 raises ValueError (5.17 kept 3)
-    if POSITIVE_CROP_RAISES:  # the first layer that refuses speaks: lfm2's layer 0 is a conv layer
-        assert (r[0], "negative int" if name == "lfm2" else "positive value") in (
-            (RuntimeError, "negative int"), (ValueError, "positive value")) and \
-            ("negative int" if name == "lfm2" else "positive value") in r[1]
+    if POSITIVE_CROP_RAISES:  # positive: 5.24 refuses (5.17 kept 3)
+        with pytest.raises((ValueError, RuntimeError)) as ref_err:
+            p.ref.crop(3)
+        with pytest.raises(ref_err.type) as err:
+            p.cxl.crop(3)
+        assert str(err.value) == str(ref_err.value)  # the first layer that refuses speaks, in both
+    else:
+        p.call("crop", 3)
     p.assert_same()
     p.call("crop", -100)  # past the length: everything goes
     p.assert_same()
