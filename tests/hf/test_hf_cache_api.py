@@ -216,6 +216,32 @@ def test_update_and_queries_match_dynamic_cache(fresh_sim, name):
     p.assert_same()
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2-sliding", "gemma2"])
+def test_direct_update_calls_match_dynamic_cache(fresh_sim, name):
+    """``cache.update(k, v, layer_idx)`` called by hand (no model, no planned
+    forward): the same returned K/V, lengths and mask sizes, step after step,
+    including after early_initialization."""
+    m = MODELS[name]()
+    wrap(m)
+    cfg = m.config
+    heads, dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for early in (False, True):
+        ref, cxl = DynamicCache(config=cfg), CxlCache(config=cfg, allocator=hf.allocator(m))
+        if early:
+            for c in (ref, cxl):
+                c.early_initialization(2, heads, dim, torch.float32, torch.device("cpu"))
+            assert ref.is_initialized and cxl.is_initialized and cxl.get_seq_length() == 0
+        g = torch.Generator().manual_seed(9)
+        for q in (5, 1, 1, 3, 1, 1):
+            for i in range(len(ref.layers)):
+                assert ref.get_mask_sizes(q, i) == cxl.get_mask_sizes(q, i)
+                k = torch.randn(2, heads, q, dim, generator=g)
+                v = torch.randn(2, heads, q, dim, generator=g)
+                a, b = ref.update(k, v, i), cxl.update(k, v, i)
+                assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (q, i)
+            assert_same_state(ref, cxl)
+
+
 @pytest.mark.parametrize("kind", list(INDEX_KINDS))
 @pytest.mark.parametrize("name", list(MODELS))
 def test_reorder_and_select_with_every_index_type(fresh_sim, name, kind):
@@ -534,7 +560,7 @@ def _keep_caches(monkeypatch):
     return made
 
 
-@pytest.mark.parametrize("assistant_name", ["llama", "qwen2-sliding", "lfm2"])
+@pytest.mark.parametrize("assistant_name", ["llama", "qwen2-sliding", "gemma2", "lfm2"])
 def test_assisted_decoding_with_wrapped_models(fresh_sim, assistant_name, monkeypatch):
     """Tokens identical to unwrapped assisted generation and to plain greedy of
     the main model, with the main model wrapped, the assistant wrapped, both,
