@@ -463,6 +463,10 @@ def test_kept_tensors_and_when_they_change(fresh_sim):
     ref = kept.clone()
     p.step()
     assert torch.equal(kept, ref)  # appends land beyond the view
+    p.cxl.reserve(p.cxl.kv_stats()["capacity_tokens"] + 1000)  # a regrowth: new storage, one copy
+    assert p.cxl.kv_stats()["regrowths"] == 1 and torch.equal(kept, ref)
+    p.step()
+    p.assert_same()
     copy.deepcopy(p.cxl)
     p.call("batch_select_indices", [0, 1, 2])  # new storage: the old view keeps its values
     assert torch.equal(kept, ref)
@@ -470,10 +474,12 @@ def test_kept_tensors_and_when_they_change(fresh_sim):
     ref = kept.clone()
     p.call("crop", -3)
     assert torch.equal(kept, ref)  # crop alone changes nothing under a kept view
-    p.step()
+    t = p.cxl.get_seq_length()
+    p.forward(torch.tensor([[11], [12], [13]]))  # another token than the one dropped at position t
     new = p.cxl.layers[0].keys
-    assert torch.equal(kept[:, :, :4], ref[:, :, :4])
-    assert torch.equal(kept[:, :, 4], new[:, :, 4]) and not torch.equal(kept[:, :, 4], ref[:, :, 4])
+    assert torch.equal(kept[:, :, :t], ref[:, :, :t])
+    assert torch.equal(kept[:, :, t], new[:, :, t]) and not torch.equal(kept[:, :, t], ref[:, :, t])
+    assert torch.equal(kept[:, :, t + 1:], ref[:, :, t + 1:])
     kept = p.cxl.layers[0].keys
     ref = kept.clone()
     p.call("reorder_cache", torch.tensor([2, 1, 0]))
@@ -604,3 +610,19 @@ def test_assisted_decoding_generate_hook_keeps_recording(fresh_sim, monkeypatch)
     (model, c), = made
     assert model is assistant and [c.is_recording_past(i) for i in range(4)] == [False, False, True, True]
     assert torch.equal(_greedy(assistant, ids), _greedy(hf.unwrap(assistant), ids))
+
+
+def test_assisted_sampling_equals_unwrapped(fresh_sim):
+    """Speculative sampling (do_sample=True with an assistant): the same seed
+    gives the same tokens and scores wrapped as unwrapped."""
+    main = tiny_llama(seed=1)
+    assistant = tiny_qwen2_sliding(seed=2)
+    ids = torch.randint(3, 60, (1, 10), generator=torch.Generator().manual_seed(6))
+    kw = dict(input_ids=ids, max_new_tokens=14, min_new_tokens=14, do_sample=True, assistant_model=assistant,
+              num_assistant_tokens=3, seed=5)
+    ref = gen(main, **kw)
+    wrap(main)
+    wrap(assistant)
+    out = gen(main, **kw)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ref.scores, out.scores)) and len(ref.scores) == len(out.scores)
