@@ -23,8 +23,9 @@ tier), and records:
 * ``silent``: a layer whose KV grows with the context is untiered and
   cxlalloc said nothing -- the case the matrix exists to rule out.
 
-Each architecture runs in a subprocess of its own (``--jobs N`` at a time,
-``--timeout`` seconds each), so a crash or a hang is one row, not the run.
+Architectures run in worker processes (``--jobs N`` at a time, a fresh
+process every ``--per-process K`` architectures, ``--timeout`` seconds each);
+a crash or a hang kills only that worker and is one row, not the run.
 The JSON (``--out``) is written after every architecture; a rerun skips the
 architectures already in it unless ``--force``.  ``--markdown`` writes the
 table for the docs.
@@ -41,15 +42,16 @@ demotion are the real engine's.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import copy
 import datetime
 import gc
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -92,22 +94,24 @@ SHRINK = (
     (HIDDEN, ("hidden_size", "d_model", "n_embd", "dim", "model_dim", "embed_dim", "hidden_dim", "word_embed_proj_dim",
              "n_embed", "emb_dim")),
     (HEADS, ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads",
-            "n_heads", "decoder_num_attention_heads", "num_decoder_attention_heads")),
+            "n_heads", "decoder_num_attention_heads", "num_decoder_attention_heads", "linear_num_heads")),
     (KV_HEADS, ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num", "num_key_value_groups")),
     (HEAD_DIM, ("head_dim", "attention_head_dim", "d_kv", "v_head_dim", "qk_nope_head_dim", "kv_channels",
-               "index_head_dim", "linear_key_head_dim", "linear_value_head_dim")),
-    (8, ("qk_rope_head_dim",)),
+               "index_head_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_head_dim")),
+    (8, ("qk_rope_head_dim", "rotary_dim")),
     (32, ("kv_lora_rank", "q_lora_rank")),
     (INTERMEDIATE, ("intermediate_size", "ffn_dim", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff",
                    "ffn_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
                    "expert_intermediate_size", "mlp_dim", "decoder_intermediate_size", "moe_ffn_hidden_size",
                    "dense_intermediate_size")),
     (EXPERTS, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")),
-    (2, ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "index_n_heads", "linear_num_key_heads")),
-    (1, ("n_shared_experts", "n_group", "topk_group", "num_shared_experts", "first_k_dense_replace")),
+    (2, ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "index_n_heads", "linear_num_key_heads",
+         "moe_k", "num_experts_per_token")),
+    (1, ("n_shared_experts", "n_group", "topk_group", "num_shared_experts", "first_k_dense_replace",
+         "moe_num_shared_experts", "num_expert_group")),
     (16, ("state_size", "ssm_state_size", "mamba_d_state", "d_state", "index_topk_tokens")),
     (VOCAB, ("vocab_size",)),
-    (WINDOW, ("sliding_window", "attention_chunk_size", "window_size", "index_topk")),
+    (WINDOW, ("sliding_window", "attention_chunk_size", "window_size", "attention_window_size", "index_topk")),
     (2048, ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length")),
     (64, ("max_source_positions",)),
 )
@@ -121,6 +125,10 @@ OVERRIDES: Dict[str, dict] = {
     "mamba": dict(time_step_rank=8),
     "falcon_mamba": dict(time_step_rank=8),
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1),
+    "deepseek_v2": dict(num_experts_per_tok=2),
+    "bamba": dict(attn_layer_indices=[1]),  # the default config has no attention layer
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),  # likewise
+    "recurrent_gemma": dict(num_hidden_layers=3),  # block_types cycles recurrent, recurrent, attention
 }
 
 
@@ -156,6 +164,7 @@ def select(ids: Iterable[str], patterns: Optional[List[str]]) -> List[str]:
 def _shrink_dict(d: dict, depth: int = 0) -> None:
     heads0 = d.get("num_attention_heads")
     mha = heads0 is not None and d.get("num_key_value_heads") == heads0  # keep multi-head (MLA needs it)
+    rope_head = d.get("head_dim") is not None and d.get("head_dim") == d.get("qk_rope_head_dim")  # MLA's rope dim
     for target, keys in SHRINK:
         for k in keys:
             v = d.get(k)
@@ -163,6 +172,8 @@ def _shrink_dict(d: dict, depth: int = 0) -> None:
                 d[k] = target
     if mha:
         d["num_key_value_heads"] = d["num_attention_heads"]
+    if rope_head:
+        d["head_dim"] = d["qk_rope_head_dim"]
     _shrink_layers(d)
     _fix_token_ids(d)
     for k, v in list(d.items()):
@@ -477,7 +488,8 @@ def run_arch(row_id: str) -> dict:
 
     hf_logging.set_verbosity_error()
     kind, arch = row_id.split("/", 1)
-    row: Dict[str, Any] = {"id": row_id, "kind": kind, "arch": arch, "status": "ok", "runs": {}, "notes": []}
+    row: Dict[str, Any] = {"id": row_id, "kind": kind, "arch": arch, "status": "ok", "runs": {}, "notes": [],
+                           "date": _now(), "transformers": versions()["transformers"]}
     t0 = time.perf_counter()
     try:
         cls = model_class(row_id)
@@ -494,8 +506,7 @@ def run_arch(row_id: str) -> dict:
         row["runs"] = {}
         try:
             model.set_attn_implementation(attn)
-        except Exception as e:
-            row["notes"].append(f"attention {attn}: {_err(e)[:120]}")
+        except Exception:  # this model has no such path (no attention, or sdpa unsupported): the next one
             continue
         row["attention"] = attn
         for run in RUNS:
@@ -618,6 +629,10 @@ def run_arch(row_id: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- the driver
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def versions() -> dict:
     import importlib.metadata as md
 
@@ -630,49 +645,108 @@ def versions() -> dict:
     return out
 
 
-def _worker(row_id: str, result: str) -> int:
+def _serve() -> int:
+    """The worker process: one architecture id per stdin line, one JSON row per
+    line on the protocol stream (the original stdout; anything a model prints
+    goes to stderr)."""
     import torch
 
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     torch.set_num_threads(1)  # tiny models gain nothing from intra-op threads on a shared machine
     configure_sim()
-    row = run_arch(row_id)
-    with open(result, "w") as f:
-        json.dump(row, f)
+    for line in sys.stdin:
+        row_id = line.strip()
+        if row_id:
+            proto.write(json.dumps(run_arch(row_id)) + "\n")
+            proto.flush()
     return 0
 
 
-def run_one_subprocess(row_id: str, timeout: float) -> dict:
-    """:func:`run_arch` in a child process (a crash or a hang is this row's
-    status: ``crashed`` / ``timeout``)."""
-    fd, path = tempfile.mkstemp(prefix="cov-", suffix=".json")
-    os.close(fd)
-    t0 = time.perf_counter()
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    kind, arch = row_id.split("/", 1)
-    base = {"id": row_id, "kind": kind, "arch": arch, "runs": {}, "notes": []}
-    try:
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", row_id, "--result", path],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout, env=env,
-                           cwd=REPO)
+class Worker:
+    """A child process running :func:`run_arch` for one architecture after
+    another (``per_process`` of them, then a fresh process).  A crash or a hang
+    is that architecture's row (``crashed`` / ``timeout``, the process is
+    killed) and the next architecture gets a fresh process: no architecture
+    can stop the run or see another's crash."""
+
+    def __init__(self, per_process: int = 1):
+        self.per_process = max(1, int(per_process))
+        self.proc: Optional[subprocess.Popen] = None
+        self.done = 0
+        self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        self.err = None
+
+    def _start(self) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   TOKENIZERS_PARALLELISM="false")
+        self.err = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True, env=env, cwd=REPO)
+        self.lines = queue.Queue()
+        self.done = 0
+        out, lines = self.proc.stdout, self.lines
+
+        def pump():
+            for line in out:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+        if self.err is not None:
+            self.err.close()
+            self.err = None
+
+    def _stderr_tail(self) -> str:
         try:
-            with open(path) as f:
-                text = f.read()
-            if text:
-                return json.loads(text)
-        except (OSError, ValueError):
-            pass
-        tail = (p.stderr or "").strip().splitlines()[-3:]
-        return dict(base, status="crashed", reason=f"exit status {p.returncode}: " + " | ".join(tail)[-400:],
-                    seconds=round(time.perf_counter() - t0, 1))
-    except subprocess.TimeoutExpired:
-        return dict(base, status="timeout", reason=f"no result within {timeout:g} s",
-                    seconds=round(time.perf_counter() - t0, 1))
-    finally:
+            self.err.seek(0)
+            tail = [x for x in self.err.read().strip().splitlines() if x.strip()][-3:]
+        except (OSError, ValueError, AttributeError):
+            tail = []
+        return " | ".join(tail)[-400:]
+
+    def run(self, row_id: str, timeout: float) -> dict:
+        if self.proc is None or self.done >= self.per_process:
+            self.stop()
+            self._start()
+        kind, arch = row_id.split("/", 1)
+        base = {"id": row_id, "kind": kind, "arch": arch, "runs": {}, "notes": []}
+        t0 = time.perf_counter()
         try:
-            os.unlink(path)
+            self.proc.stdin.write(row_id + "\n")
+            self.proc.stdin.flush()
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.stop()
+            return dict(base, status="timeout", reason=f"no result within {timeout:g} s",
+                        seconds=round(time.perf_counter() - t0, 1))
         except OSError:
-            pass
+            line = None
+        if line is None:  # the process died
+            self.proc.wait()
+            reason = f"exit status {self.proc.returncode}: {self._stderr_tail()}"
+            self.stop()
+            return dict(base, status="crashed", reason=reason, seconds=round(time.perf_counter() - t0, 1))
+        self.done += 1
+        return json.loads(line)
+
+
+def run_one_subprocess(row_id: str, timeout: float) -> dict:
+    """:func:`run_arch` in a child process of its own (a crash or a hang is this
+    row's status: ``crashed`` / ``timeout``)."""
+    w = Worker(1)
+    try:
+        return w.run(row_id, timeout)
+    finally:
+        w.stop()
 
 
 def load(path: str) -> dict:
@@ -766,7 +840,8 @@ def markdown(doc: dict) -> str:
         "warning -- it must be 0.",
         "",
         f"transformers {v.get('transformers')}, torch {v.get('torch')}, cxlalloc {v.get('cxlalloc')}, "
-        f"{meta.get('date', '?')}.",
+        f"{meta.get('date', '?')} (last run: {meta.get('archs_last_run', '?')} architectures in "
+        f"{meta.get('elapsed_s_last_run', '?')} s; each row has its own date).",
         "",
         "## Summary",
         "",
@@ -784,7 +859,7 @@ def markdown(doc: dict) -> str:
         f"| tokens differ | {s['mismatch']} |",
         f"| error only when wrapped | {s['wrapped_error']} |",
         f"| not built tiny | {s['not_built']} |",
-        f"| fails in plain transformers | {s['fails_unwrapped']} |",
+        f"| fails in plain transformers (with the tiny config) | {s['fails_unwrapped']} |",
         f"| crashed / timed out | {s['crashed']} / {s['timeout']} |",
         "",
         "## Architectures",
@@ -819,6 +894,12 @@ def markdown(doc: dict) -> str:
             detail = r.get("reason") or "; ".join(f"{k}: {x['error']}" for k, x in r.get("runs", {}).items()
                                                   if "error" in x)
             lines.append(f"| {r['id']} | {r.get('status')} | {_cell(detail)} |")
+    noted = [r for r in rows.values() if r.get("notes")]
+    if noted:
+        lines += ["", "## Notes", "", "| id | note |", "|---|---|"]
+        for r in sorted(noted, key=lambda r: r["id"]):
+            for note in r["notes"]:
+                lines.append(f"| {r['id']} | {_cell(note)} |")
     warned = [r for r in rows.values() if r.get("warnings")]
     if warned:
         lines += ["", "## Warnings", "", "| id | category | message |", "|---|---|---|"]
@@ -850,13 +931,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="markdown table ('' for none)")
     p.add_argument("--force", action="store_true", help="rerun architectures already in the JSON")
     p.add_argument("--list", action="store_true", help="print the architecture ids and exit")
-    p.add_argument("--worker", metavar="ID", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--per-process", type=int, default=8, metavar="K",
+                   help="architectures per worker process before a fresh one (default 8; 1: one each; a crash or "
+                        "a hang always costs only its own row)")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.worker:
-        return _worker(a.worker, a.result)
+    if a.serve:
+        return _serve()
     if a.jobs < 1:
         p.error(f"--jobs must be at least 1, not {a.jobs}")
+    if a.per_process < 1:
+        p.error(f"--per-process must be at least 1, not {a.per_process}")
     if a.timeout <= 0:
         p.error(f"--timeout must be positive seconds, not {a.timeout:g}")
     ids = architectures()
@@ -869,8 +954,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     doc = load(a.out)
     rows = doc.setdefault("archs", {})
     todo = [i for i in chosen if a.force or i not in rows]
-    doc["meta"] = {"versions": versions(), "date": datetime.datetime.now(datetime.timezone.utc).strftime(
-        "%Y-%m-%d %H:%M UTC"), "settings": {"hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "vocab": VOCAB,
+    doc["meta"] = {"versions": versions(), "date": _now(), "archs_last_run": len(todo), "settings": {"hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "vocab": VOCAB,
                                              "window": WINDOW, "prompt": PROMPT, "new_tokens": NEW_TOKENS,
                                              "chunk": CHUNK, "runs": list(RUNS)},
                    "architectures_in_transformers": len(ids)}
@@ -880,19 +964,43 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         bar = tqdm(total=len(todo), unit="arch")
     t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=a.jobs) as pool:
-        futs = {pool.submit(run_one_subprocess, i, a.timeout): i for i in todo}
-        for n, fut in enumerate(concurrent.futures.as_completed(futs), 1):
-            row = fut.result()
-            rows[row["id"]] = row
-            doc["meta"]["elapsed_s_last_run"] = round(time.perf_counter() - t0, 1)
-            save(a.out, doc)
-            msg = f"{row['id']}: {row.get('status')} {row.get('coverage', '')} ({row.get('seconds', '?')} s)"
-            if bar is not None:
-                bar.set_postfix_str(msg[:60])
-                bar.update(1)
-            else:
-                print(f"[{n}/{len(todo)}] {msg}", file=sys.stderr, flush=True)
+    pending: "queue.Queue[str]" = queue.Queue()
+    for i in todo:
+        pending.put(i)
+    results: "queue.Queue[dict]" = queue.Queue()
+
+    def job():
+        w = Worker(a.per_process)
+        try:
+            while True:
+                try:
+                    rid = pending.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    results.put(w.run(rid, a.timeout))
+                except Exception as e:  # a garbled reply: the row says so, the worker starts afresh
+                    w.stop()
+                    kind, arch = rid.split("/", 1)
+                    results.put({"id": rid, "kind": kind, "arch": arch, "runs": {}, "notes": [],
+                                 "status": "crashed", "reason": "worker reply: " + _err(e)})
+        finally:
+            w.stop()
+
+    threads = [threading.Thread(target=job, daemon=True) for _ in range(min(a.jobs, len(todo)))]
+    for t in threads:
+        t.start()
+    for n in range(1, len(todo) + 1):
+        row = results.get()
+        rows[row["id"]] = row
+        doc["meta"]["elapsed_s_last_run"] = round(time.perf_counter() - t0, 1)
+        save(a.out, doc)
+        msg = f"{row['id']}: {row.get('status')} {row.get('coverage', '')} ({row.get('seconds', '?')} s)"
+        if bar is not None:
+            bar.set_postfix_str(msg[:60])
+            bar.update(1)
+        else:
+            print(f"[{n}/{len(todo)}] {msg}", file=sys.stderr, flush=True)
     if bar is not None:
         bar.close()
     save(a.out, doc)
