@@ -7,6 +7,8 @@
 // tier (the vAttention idea: virtual contiguity over physical pages placed
 // at will, arXiv 2405.04437).  Where the backend cannot remap (pinned), an
 // extent is committed whole at creation on one tier instead.
+#include <thread>
+
 #include "alloc/device_allocator.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -28,7 +30,15 @@ ExtentInfo DeviceAllocator::extent_create(size_t capacity, AllocClass cls) {
   bool lazy = factory_->lazy_extents();
   if (lazy) {
     seg = std::make_unique<Segment>();
-    factory_->create_extent(*seg, cap, chunk);
+    try {
+      factory_->create_extent(*seg, cap, chunk);
+    } catch (const Error& e) {
+      // The driver refusing a range this large is running out of (address)
+      // memory, whatever code it returns: say so with the size and limits.
+      const auto* de = dynamic_cast<const DriverError*>(&e);
+      if (!is_out_of_memory(e) && !(de && de->code() == CUDA_ERROR_OUT_OF_MEMORY)) throw;
+      throw_oom(capacity, cls, std::string("no GPU address range of that size could be reserved (") + e.what() + ")");
+    }
   } else {
     // Fixed backends: commit the whole capacity now on the tier the policy
     // picks for it, falling back to the other tier.
@@ -53,6 +63,7 @@ ExtentInfo DeviceAllocator::extent_create(size_t capacity, AllocClass cls) {
   seg->cls = cls;
   seg->kind = PoolKind::Large;
   seg->extent = true;
+  seg->owner = std::this_thread::get_id();
   seg->id = next_segment_id_++;
   Segment* raw = seg.get();
   segments_[seg->base] = std::move(seg);
@@ -75,6 +86,8 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
   std::lock_guard<std::mutex> lk(mu_);
   driver::ContextGuard guard(*drv_, ctx_.get());
   Segment* seg = find_extent(extents_, id);
+  seg->owner = std::this_thread::get_id();  // the thread that grows it is the one using it
+  run_owned_moves();
   if (bytes > seg->size)
     throw Error(ErrorKind::InvalidArgument, "extent_grow: " + format_bytes(bytes) + " exceeds the extent's capacity of " +
                                                 format_bytes(seg->size));
@@ -95,6 +108,9 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
   if (can_demote) {
     for (auto& [id2, ext] : extents_) {
       if (ext->cls != AllocClass::KV || !factory_->can_migrate(*ext)) continue;
+      // Another thread's extent may be read right now: its chunks make room
+      // only when that thread grows it (device_allocator_owners.cpp).
+      if (!may_move_now(KvUnit{ext, nullptr})) continue;
       for (Chunk& c : ext->chunks) {
         if (!c.committed || c.tier != Tier::Device) continue;
         device_kv.push_back({where.size(), c.size, c.seq, false});
@@ -181,7 +197,10 @@ void DeviceAllocator::extent_trim(uint64_t id, size_t bytes) {
 
 void DeviceAllocator::extent_touch(uint64_t id) {
   std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
   Segment* seg = find_extent(extents_, id);
+  seg->owner = std::this_thread::get_id();
+  run_owned_moves();
   const uint64_t now = ++seq_;
   for (Chunk& c : seg->chunks)
     if (c.committed) {
@@ -218,6 +237,17 @@ size_t DeviceAllocator::extent_committed(uint64_t id) const {
   size_t n = 0;
   for (const Chunk& c : seg->chunks)
     if (c.committed) n += c.size;
+  return n;
+}
+
+size_t DeviceAllocator::extent_committed_prefix(uint64_t id) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  Segment* seg = find_extent(extents_, id);
+  size_t n = 0;
+  for (const Chunk& c : seg->chunks) {
+    if (!c.committed || c.offset != n) break;
+    n += c.size;
+  }
   return n;
 }
 

@@ -150,7 +150,7 @@ class KVStorage:
     def _open(self, capacity_tokens: int) -> None:
         self.extent = self.allocator.extent(capacity_tokens * self.row_bytes, tag="kv")
         self.capacity_tokens = self.extent.capacity // self.row_bytes  # the extent rounds up to whole chunks
-        self.flat = self.extent.tensor(self.g.dtype)
+        self.flat = self.extent.tensor(self.g.dtype)  # the committed prefix (empty now): re-taken as it grows
         self._backed_bytes = 0
 
     def ensure(self, tokens: int) -> None:
@@ -168,6 +168,7 @@ class KVStorage:
             self.extent.grow(need)
             chunk = self.extent.chunk_bytes
             self._backed_bytes = min(self.extent.capacity, -(-need // chunk) * chunk)
+            self.flat = self.extent.tensor(self.g.dtype)  # a view covers committed memory only
 
     def regrow(self, capacity_tokens: int) -> None:
         """Re-create the storage with a larger capacity, copying the live rows
@@ -187,7 +188,9 @@ class KVStorage:
         self.live_tokens = min(self.live_tokens, tokens)
         keep = tokens * self.row_bytes
         if keep < self._backed_bytes:
+            self.flat = None  # a live view keeps its chunks committed: drop ours first
             self.extent.trim(keep)
+            self.flat = self.extent.tensor(self.g.dtype)
             chunk = self.extent.chunk_bytes
             self._backed_bytes = -(-keep // chunk) * chunk
 
