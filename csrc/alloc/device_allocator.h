@@ -141,6 +141,9 @@ class DeviceAllocator {
   // and malloc() retries it first, so it is neither leaked nor freed twice.
   void free_owned_or_park(void* ptr) noexcept;
   size_t parked_frees() const;  // tensor frees waiting for a retry
+  // The C ABI's free (torch's free callback returns void): invalid frees
+  // throw as free() does, any other failure parks the block as above.
+  void free_or_park(void* ptr);
   void record_stream(void* ptr, CUstream stream);
   // Throws Error(InvalidArgument) naming `stream` when the driver says `s`
   // is not a stream (destroyed, never created, another context's).  0 and

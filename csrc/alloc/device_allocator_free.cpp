@@ -69,15 +69,31 @@ void DeviceAllocator::free_owned_or_park(void* ptr) noexcept {
   }
 }
 
+void DeviceAllocator::free_or_park(void* ptr) {
+  if (ptr == nullptr) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  retry_parked();
+  try {
+    free_locked(reinterpret_cast<CUdeviceptr>(ptr), false);
+  } catch (const Error& e) {
+    if (e.kind() == ErrorKind::InvalidFree) throw;  // nothing was modified: the caller's mistake
+    // torch's free callback returns void: a driver failure cannot reach the
+    // program, and torch forgets the pointer.  Park it instead of leaking it.
+    if (parked_.insert(reinterpret_cast<CUdeviceptr>(ptr)).second)
+      note_cleanup_failure(std::string("free deferred (retried at the next allocator call): ") + e.what());
+  }
+}
+
 void DeviceAllocator::retry_parked() {
-  for (auto it = parked_.begin(); it != parked_.end();) {
+  // free_locked removes a freed pointer from parked_ itself: iterate a copy.
+  const std::vector<CUdeviceptr> todo(parked_.begin(), parked_.end());
+  for (CUdeviceptr p : todo) {
     try {
-      free_locked(*it, true);
+      free_locked(p, true);
     } catch (const std::exception&) {
-      ++it;  // the driver still fails: try again at the next call
-      continue;
+      // The driver still fails: the block stays parked (nothing was changed).
     }
-    it = parked_.erase(it);
   }
 }
 

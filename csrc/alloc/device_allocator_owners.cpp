@@ -111,6 +111,7 @@ void DeviceAllocator::run_owned_moves() {
     }
     moved[int(m.target)] += bytes;
     stats_.on_moved_unit(m.target);
+    stats_.on_deferred_move_done();
   }
   for (int t = 0; t < kNumTiers; ++t)
     if (moved[t]) stats_.on_moved_bytes(static_cast<Tier>(t), moved[t]);

@@ -68,6 +68,7 @@ struct Counters {
   // Implicit KV moves of memory another thread owns, queued for that thread
   // (device_allocator_owners.cpp), and those that failed when it ran them.
   uint64_t deferred_moves = 0;
+  uint64_t deferred_moves_done = 0;
   uint64_t deferred_move_failures = 0;
 };
 
@@ -131,6 +132,7 @@ struct Stats {
   void on_sync_all_streams() { torch.num_sync_all_streams++; }
   void on_migration_budget_denied() { counters.migration_budget_denials++; }
   void on_move_deferred() { counters.deferred_moves++; }
+  void on_deferred_move_done() { counters.deferred_moves_done++; }
   bool on_deferred_move_failure() { return counters.deferred_move_failures++ == 0; }
   // One unit (a block segment or an extent chunk) moved to `target`: a
   // demotion (host) or a promotion (device).  Its bytes are added by

@@ -195,6 +195,9 @@ py::dict stats_dict(DeviceAllocator& a) {
   out["migration_budget_denials"] = k.migration_budget_denials;
   out["event_record_failures"] = k.event_record_failures;
   out["deferred_moves"] = k.deferred_moves;
+  out["deferred_moves_done"] = k.deferred_moves_done;
+  out["parked_frees"] = a.parked_frees();
+  out["queued_moves"] = a.deferred_moves();
   out["deferred_move_failures"] = k.deferred_move_failures;
   out["torch"] = torch_flat(s.torch);
   return out;
