@@ -30,7 +30,7 @@ bool has_pending_events(const Segment& seg) {
 }  // namespace
 
 std::optional<std::thread::id> DeviceAllocator::owner_of(const KvUnit& u) const {
-  if (u.chunk) return u.seg->owner;
+  if (u.seg->extent) return u.seg->owner;  // a chunk of it, or the whole extent
   std::optional<std::thread::id> who;
   for (Block* b = u.seg->head; b; b = b->next) {
     if (!b->allocated) continue;

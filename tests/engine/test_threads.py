@@ -36,10 +36,10 @@ def workload(threads: int, seconds: float, implicit_moves: str = "owner") -> dic
     errors, reads = [], [0] * threads
     stop = time.monotonic() + seconds
 
-    def check(p, n, byte):
+    def check(p, n, byte, what="block"):
         data = ctypes.string_at(p, n)  # every byte: a read of an unmapped page faults here
         if data.count(byte) != n:
-            raise AssertionError(f"thread {byte[0]}: {n - data.count(byte)} bytes at {p:#x} are not mine")
+            raise AssertionError(f"thread {byte[0]}: {n - data.count(byte)} of {n} bytes of its {what} at {p:#x} are not its own; first bad offset {next(k for k, x in enumerate(data) if x != byte[0])}, value {data[next(k for k, x in enumerate(data) if x != byte[0])]}")
 
     def worker(i):
         import random
@@ -72,13 +72,13 @@ def workload(threads: int, seconds: float, implicit_moves: str = "owner") -> dic
                 if rng.random() < 0.2:
                     ext.touch()
                 if size:
-                    check(ext.base, size, me)
+                    check(ext.base, size, me, "extent")
                 for p, n in blocks:
                     check(p, n, me)
                 reads[i] += 1
             ext.touch()  # the owner's last call: carries out what was queued for it
             if size:
-                check(ext.base, size, me)
+                check(ext.base, size, me, "extent")
         except Exception as e:  # reported to the parent
             errors.append(f"{type(e).__name__}: {e}")
         finally:
