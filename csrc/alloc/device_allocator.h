@@ -172,6 +172,10 @@ class DeviceAllocator {
   void extent_trim(uint64_t id, size_t bytes);
   void extent_touch(uint64_t id);
   void extent_free(uint64_t id);
+  // The destructor's release: never throws; a failure (the context cannot
+  // be made current) parks the extent, released by the next malloc/free.
+  void extent_free_or_park(uint64_t id) noexcept;
+  size_t parked_extents() const;
   std::vector<TierRange> extent_tiers(uint64_t id) const;
   size_t extent_committed(uint64_t id) const;
   // Bytes of the committed chunks at the start of the extent, [0, n): what a
@@ -266,6 +270,7 @@ class DeviceAllocator {
   // device_allocator_free.cpp: frees and stream-ordered reuse
   // All or nothing: a failure leaves the block allocated and throws.
   void free_locked(CUdeviceptr p, bool by_owner);
+  void extent_free_locked(uint64_t id);
   void retry_parked();
   std::string diagnose_bad_free(CUdeviceptr p) const;
   // Retire completed pending frees; with `wait`, wait for them.  only_tier
@@ -323,6 +328,7 @@ class DeviceAllocator {
   std::deque<PendingFree> pending_;
   std::vector<Block*> deferred_;  // freed with stream uses during capture
   std::set<CUdeviceptr> parked_;  // owned blocks whose deleter's free failed (retried)
+  std::set<uint64_t> parked_extents_;  // extents whose release in a destructor failed (retried)
   std::vector<driver::Event> event_pool_;
   std::map<PoolId, PrivatePool> pools_;
   std::vector<Route> routes_;

@@ -19,6 +19,7 @@ namespace cxl::alloc {
 ExtentInfo DeviceAllocator::extent_create(size_t capacity, AllocClass cls) {
   std::lock_guard<std::mutex> lk(mu_);
   driver::ContextGuard guard(*drv_, ctx_.get());
+  if (!parked_.empty() || !parked_extents_.empty()) retry_parked();
   const size_t align = factory_->segment_alignment();
   const size_t chunk = cfg_.extent_chunk ? round_up(cfg_.extent_chunk, align) : align;
   if (capacity == 0) throw Error(ErrorKind::InvalidArgument, "extent capacity must be > 0 bytes");
@@ -213,7 +214,30 @@ void DeviceAllocator::extent_touch(uint64_t id) {
 void DeviceAllocator::extent_free(uint64_t id) {
   std::lock_guard<std::mutex> lk(mu_);
   driver::ContextGuard guard(*drv_, ctx_.get());
+  extent_free_locked(id);
+}
+
+void DeviceAllocator::extent_free_or_park(uint64_t id) noexcept {
+  try {
+    std::lock_guard<std::mutex> lk(mu_);
+    try {
+      driver::ContextGuard guard(*drv_, ctx_.get());
+      extent_free_locked(id);
+    } catch (const std::exception& e) {
+      // Called from destructors (the extent's last owner dying), which
+      // cannot report: keep the extent and release it at the next engine
+      // call instead of leaking it for good.
+      if (extents_.count(id) && parked_extents_.insert(id).second)
+        note_cleanup_failure(std::string("extent release deferred (retried at the next allocator call): ") + e.what());
+    }
+  } catch (...) {
+    note_cleanup_failure("extent release: could not take the allocator's lock");
+  }
+}
+
+void DeviceAllocator::extent_free_locked(uint64_t id) {
   Segment* seg = find_extent(extents_, id);
+  parked_extents_.erase(id);
   // Called from destructors (the last tensor of a KV layer dying): a failed
   // sync is reported, and the memory released anyway rather than leaked.
   try {

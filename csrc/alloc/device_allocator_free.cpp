@@ -86,6 +86,8 @@ void DeviceAllocator::free_or_park(void* ptr) {
 }
 
 void DeviceAllocator::retry_parked() {
+  const std::vector<uint64_t> extents(parked_extents_.begin(), parked_extents_.end());
+  for (uint64_t id : extents) extent_free_locked(id);  // never throws once the context is current
   // free_locked removes a freed pointer from parked_ itself: iterate a copy.
   const std::vector<CUdeviceptr> todo(parked_.begin(), parked_.end());
   for (CUdeviceptr p : todo) {
@@ -100,6 +102,11 @@ void DeviceAllocator::retry_parked() {
 size_t DeviceAllocator::parked_frees() const {
   std::lock_guard<std::mutex> lk(mu_);
   return parked_.size();
+}
+
+size_t DeviceAllocator::parked_extents() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return parked_extents_.size();
 }
 
 void DeviceAllocator::adopt(void* ptr) {

@@ -29,7 +29,7 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
   const bool cap = capturing(stream);
   if (!cap) {
     run_owned_moves();
-    if (!parked_.empty()) retry_parked();
+    if (!parked_.empty() || !parked_extents_.empty()) retry_parked();
     if (!deferred_.empty()) flush_deferred();
     if (!pending_.empty()) process_events(false);
   }

@@ -43,13 +43,7 @@ struct ExtentHandle {
     std::lock_guard<std::mutex> lk(views_mu);
     return views.empty() ? 0 : *views.rbegin();
   }
-  ~ExtentHandle() {
-    try {
-      a->extent_free(info.id);
-    } catch (const std::exception& e) {
-      note_cleanup_failure(std::string("extent release: ") + e.what());
-    }
-  }
+  ~ExtentHandle() { a->extent_free_or_park(info.id); }  // never throws: parks the extent if the release fails
 };
 
 struct DLContext {
@@ -197,6 +191,7 @@ py::dict stats_dict(DeviceAllocator& a) {
   out["deferred_moves"] = k.deferred_moves;
   out["deferred_moves_done"] = k.deferred_moves_done;
   out["parked_frees"] = a.parked_frees();
+  out["parked_extents"] = a.parked_extents();
   out["queued_moves"] = a.deferred_moves();
   out["deferred_move_failures"] = k.deferred_move_failures;
   out["torch"] = torch_flat(s.torch);
@@ -420,6 +415,7 @@ void bind_engine(py::module_& m) {
           d["pool"] = py::make_tuple(s.pool.a, s.pool.b);
           d["device_bytes"] = s.device_bytes;
           d["host_bytes"] = s.host_bytes;
+          d["extent"] = s.extent;
           py::list blocks;
           for (const auto& b : s.blocks) {
             py::dict bd;
