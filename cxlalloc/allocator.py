@@ -288,7 +288,11 @@ class Allocator:
         ``peak_device_bytes``, ``peak_host_bytes``; counters
         ``spilled_bytes`` (cumulative bytes served by the host tier),
         ``demoted_bytes``, ``promoted_bytes``, ``reclaimed_bytes``,
-        ``cache_hits``, ``invalid_frees``, ``ooms``, ...; ``torch``: the
+        ``cache_hits``, ``invalid_frees``, ``ooms``, ``deferred_moves`` /
+        ``deferred_moves_done`` (implicit KV moves queued for the owner
+        thread / carried out by it), ``parked_frees`` / ``parked_extents``
+        (tensor frees and extent releases that failed in a destructor,
+        retried at the next call), ...; ``torch``: the
         device tier in ``torch.cuda.memory_stats()`` keys.
         """
         return self._dev.stats()
