@@ -50,7 +50,10 @@ def workload(threads: int, seconds: float, implicit_moves: str = "owner") -> dic
         size = 0
         blocks = []
         try:
-            while time.monotonic() < stop:
+            # Past `stop`, until an owner has carried out a queued move (how
+            # soon one is queued depends on the threads' interleaving).
+            while time.monotonic() < stop or (time.monotonic() < stop + 10
+                                              and a.stats()["deferred_moves_done"] == 0):
                 r = rng.random()
                 if r < 0.3 and size < ext.capacity:
                     new = min(ext.capacity, size + rng.choice([MiB, 2 * MiB, 3 * MiB]))
