@@ -197,3 +197,29 @@ def test_pinned_host_limit_above_node_free_memory_is_refused(machine, tmp_path, 
     assert b.info()["host_limit"] == 3 * GiB
     del a, b
     gc.collect()
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@pytest.mark.parametrize("backend,pinned", [("pinned", True), ("host-vmm", False), ("managed", False)])
+def test_pinned_commits_a_request_at_once_the_others_lazily(make_alloc, backend, pinned):
+    """Why only pinned is checked against the node's free memory: it touches
+    every page of a host-tier request at once (RSS grows by the request),
+    host-vmm and managed commit pages as they are first used."""
+    a = make_alloc(device_limit=64 * MiB, host_limit=512 * MiB, backend=backend)
+    before = _rss()
+    p = a.malloc(192 * MiB)
+    grown = _rss() - before
+    assert a.tier_of(p) == "host"
+    if pinned:
+        assert grown >= 190 * MiB, grown
+    else:
+        assert grown < 32 * MiB, grown
+    a.free(p)
+    a.empty_cache()
