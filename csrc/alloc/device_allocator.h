@@ -311,6 +311,7 @@ class DeviceAllocator {
   bool may_move_now(const KvUnit& u) const;
   void defer_move(const KvUnit& u, Tier target);
   void run_owned_moves();
+  void forget_moves_of(uint64_t segment_id);  // the segment is being released
 
   driver::DriverPtr drv_;
   AllocatorConfig cfg_;

@@ -198,10 +198,12 @@ void DeviceAllocator::extent_trim(uint64_t id, size_t bytes) {
 
 void DeviceAllocator::extent_touch(uint64_t id) {
   std::lock_guard<std::mutex> lk(mu_);
-  driver::ContextGuard guard(*drv_, ctx_.get());
   Segment* seg = find_extent(extents_, id);
   seg->owner = std::this_thread::get_id();
-  run_owned_moves();
+  if (!deferred_moves_.empty()) {  // touch needs no driver call otherwise (once per step per KV store)
+    driver::ContextGuard guard(*drv_, ctx_.get());
+    run_owned_moves();
+  }
   const uint64_t now = ++seq_;
   for (Chunk& c : seg->chunks)
     if (c.committed) {
@@ -238,6 +240,7 @@ void DeviceAllocator::extent_free_or_park(uint64_t id) noexcept {
 void DeviceAllocator::extent_free_locked(uint64_t id) {
   Segment* seg = find_extent(extents_, id);
   parked_extents_.erase(id);
+  forget_moves_of(seg->id);
   // Called from destructors (the last tensor of a KV layer dying): a failed
   // sync is reported, and the memory released anyway rather than leaked.
   try {

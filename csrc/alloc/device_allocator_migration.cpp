@@ -17,8 +17,10 @@ bool has_waiting_blocks(const Segment& seg) {
 
 void DeviceAllocator::mark_step() {
   std::lock_guard<std::mutex> lk(mu_);
-  driver::ContextGuard guard(*drv_, ctx_.get());
-  run_owned_moves();
+  if (!deferred_moves_.empty()) {
+    driver::ContextGuard guard(*drv_, ctx_.get());
+    run_owned_moves();
+  }
   steps_marked_ = true;
   step_start_seq_ = ++seq_;
 }

@@ -13,6 +13,7 @@
 // for the owner, which carries it out at its next engine call, when it is
 // inside the allocator and so not reading that memory.  Explicit requests
 // (migrate()) move at once: the caller asked for that memory to move.
+#include <algorithm>
 #include <thread>
 
 #include "alloc/device_allocator.h"
@@ -115,6 +116,14 @@ void DeviceAllocator::run_owned_moves() {
   }
   for (int t = 0; t < kNumTiers; ++t)
     if (moved[t]) stats_.on_moved_bytes(static_cast<Tier>(t), moved[t]);
+}
+
+void DeviceAllocator::forget_moves_of(uint64_t segment_id) {
+  // A released segment's id is never reused, but its queued moves would
+  // stay forever if their owner thread never calls again.
+  deferred_moves_.erase(std::remove_if(deferred_moves_.begin(), deferred_moves_.end(),
+                                       [&](const DeferredMove& m) { return m.segment_id == segment_id; }),
+                        deferred_moves_.end());
 }
 
 size_t DeviceAllocator::deferred_moves() const {
