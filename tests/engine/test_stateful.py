@@ -85,6 +85,7 @@ class Machine:
         stream = self.rng.choice(self.streams) if self.streams and self.rng.random() < 0.3 else 0
         p = self.a.malloc(n, tag=tag, stream=stream)
         assert p not in self.live and p not in self.tensors
+        self.parked.discard(p)  # a dropped tensor's block, freed and now handed out again
         self.live[p] = (n, tag)
 
     def op_free(self):
@@ -98,6 +99,7 @@ class Machine:
     def op_tensor(self):
         n = self.rng.choice([512, 4096, 300_000, 2 * MiB])
         t = self.a.tensor((n,), self.torch.uint8, tag=self.rng.choice(TAGS))
+        self.parked.discard(t.data_ptr())
         self.tensors[t.data_ptr()] = t
 
     def op_drop_tensor(self):
@@ -111,6 +113,7 @@ class Machine:
         if len(self.extents) >= 3:
             return
         e = self.a.extent(self.rng.choice([4 * MiB, 16 * MiB, 30 * MiB]), tag=self.rng.choice(("kv", "kv", "other")))
+        self.parked_extents.discard(e.base)  # a released extent's address range, reused
         self.extents.append([e, []])
 
     def op_extent_grow(self):
