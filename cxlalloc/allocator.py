@@ -157,7 +157,8 @@ class Allocator:
         Raises:
             cxlalloc.OutOfMemoryError: neither tier can hold it (the message
                 gives the request, each tier's use and limit, and the node).
-            ValueError: unknown tag.
+            ValueError: unknown tag, or ``stream`` is not a live CUDA stream
+                (the driver is asked; the message names ``stream``).
         """
         return self._dev.malloc(_nbytes(nbytes), _stream(stream), _check_tag(tag))
 
@@ -203,6 +204,8 @@ class Allocator:
         Raises:
             cxlalloc.UnsupportedError: the backend cannot remap (``pinned``).
             cxlalloc.OutOfMemoryError: the target tier has no room.
+            ValueError: in an extent, ``length`` runs past its end (the
+                message names ``length`` and the allowed range).
         """
         return self._dev.migrate(_ptr(ptr), _nbytes(length, "length"), _check_tier(tier))
 
@@ -285,7 +288,11 @@ class Allocator:
         ``peak_device_bytes``, ``peak_host_bytes``; counters
         ``spilled_bytes`` (cumulative bytes served by the host tier),
         ``demoted_bytes``, ``promoted_bytes``, ``reclaimed_bytes``,
-        ``cache_hits``, ``invalid_frees``, ``ooms``, ...; ``torch``: the
+        ``cache_hits``, ``invalid_frees``, ``ooms``, ``deferred_moves`` /
+        ``deferred_moves_done`` (implicit KV moves queued for the owner
+        thread / carried out by it), ``parked_frees`` / ``parked_extents``
+        (tensor frees and extent releases that failed in a destructor,
+        retried at the next call), ...; ``torch``: the
         device tier in ``torch.cuda.memory_stats()`` keys.
         """
         return self._dev.stats()
@@ -345,7 +352,9 @@ class Extent:
         self._h.grow(_nbytes(nbytes))
 
     def trim(self, nbytes: int) -> None:
-        """Release chunks wholly beyond ``nbytes`` (crop / reset)."""
+        """Release chunks wholly beyond ``nbytes`` (crop / reset), except
+        those under a live :meth:`tensor` view (released by a later trim,
+        once the view is gone)."""
         self._h.trim(_nbytes(nbytes))
 
     def touch(self) -> None:
@@ -357,8 +366,12 @@ class Extent:
         return [tuple(t) for t in self._h.tiers()]
 
     def tensor(self, dtype=None):
-        """A 1-D tensor of ``dtype`` over the whole capacity (read only the
-        committed prefix).  Keeps the extent alive."""
+        """A 1-D tensor of ``dtype`` over the committed prefix: ``committed``
+        bytes (0 before the first :meth:`grow`), never beyond, since reading
+        memory that is not committed faults (on a GPU it kills the CUDA
+        context).  Take a new one after :meth:`grow` to see the new bytes.
+        Keeps the extent alive, and the chunks under it committed: a
+        :meth:`trim` releases them only once no view covers them."""
         import torch
 
         dev_type, dev_id = self._alloc._dl_device()

@@ -37,6 +37,25 @@ MAX_SIZE = 1 << 60  # 1 EiB: anything larger is a typo, and would not fit the en
 BACKENDS = ("auto", "host-vmm", "managed", "pinned")
 POLICIES = ("kv-aware", "first-fit")
 TAGS = ("kv", "weight", "other")
+IMPLICIT_MOVES = ("owner", "any-thread")
+# Digits in a size string: 1 EiB is 19 digits; a few more allow leading
+# zeros and decimals, and nothing near the ~300 digits at which float() ends.
+_MAX_DIGITS = 24
+# Linux: MAX_NUMNODES = 1 << CONFIG_NODES_SHIFT, at most 10 (include/linux/numa.h,
+# mm/Kconfig NODES_SHIFT range 1..10).
+MAX_NUMA_NODE = (1 << 10) - 1
+
+
+def _short(value: Any) -> str:
+    """``value`` for an error message, cut to 40 characters."""
+    r = repr(value)
+    return r if len(r) <= 40 else f"{r[:30]}... ({len(str(value))} characters)"
+
+
+def _ascii_digits(value: Any) -> bool:
+    """A string of ASCII digits after stripping spaces (str.isdigit() alone
+    also accepts other scripts' digits and superscripts, which int() rejects)."""
+    return isinstance(value, str) and value.strip().isascii() and value.strip().isdigit() and len(value.strip()) <= 24
 
 
 def parse_size(value: Any, option: str) -> int:
@@ -59,10 +78,15 @@ def parse_size(value: Any, option: str) -> int:
         if value < 0:
             raise ValueError(f"cxlalloc option '{option}': {value} is negative; use {SIZE_HELP}")
         if value > MAX_SIZE:
-            raise ValueError(f"cxlalloc option '{option}': {value} bytes is larger than 1 EiB; use {SIZE_HELP}")
+            raise ValueError(f"cxlalloc option '{option}': {_short(value)} bytes is larger than 1 EiB; use {SIZE_HELP}")
         return value
     if isinstance(value, str):
-        m = _SIZE_RE.match(value)
+        # ASCII only: Python's float() and int() also read other scripts'
+        # digits ("١٠", "²" fails late), which no one means in a size.
+        m = _SIZE_RE.match(value) if value.isascii() else None
+        if m and len(m.group(1)) > _MAX_DIGITS:
+            raise ValueError(f"cxlalloc option '{option}': {_short(value)} has {len(m.group(1))} digits (at most "
+                             f"{_MAX_DIGITS}: sizes stop at 1 EiB); use {SIZE_HELP}")
         if m:
             number, unit = float(m.group(1)), m.group(2).lower()
             mult = _BINARY.get(unit or "b") or _DECIMAL.get(unit)
@@ -71,8 +95,11 @@ def parse_size(value: Any, option: str) -> int:
                 # given to an option that takes only sizes.
                 raise ValueError(f"cxlalloc option '{option}': {value!r} is not a whole number of bytes; "
                                  f"use {SIZE_HELP}")
-            if mult is not None and math.isfinite(number):
+            if mult is not None and math.isfinite(number * mult):
                 return parse_size(int(number * mult), option)
+            if mult is not None:
+                raise ValueError(f"cxlalloc option '{option}': {_short(value)} is larger than 1 EiB; use {SIZE_HELP}")
+        raise ValueError(f"cxlalloc option '{option}': {_short(value)} is not a size; use {SIZE_HELP}")
     raise ValueError(f"cxlalloc option '{option}': {value!r} is not a size; use {SIZE_HELP}")
 
 
@@ -90,6 +117,9 @@ def parse_size_or_fraction(value: Any, option: str) -> Union[int, float]:
         if 0.0 < value <= 1.0:
             return value
         raise ValueError(f"cxlalloc option '{option}': {value} is not a fraction in (0, 1]; use {help_}")
+    if isinstance(value, str) and not value.isascii():
+        raise ValueError(f"cxlalloc option '{option}': {_short(value)} is not a size or fraction (only ASCII digits "
+                         f"are read); use {help_}")
     if isinstance(value, str) and value.strip().endswith("%"):
         try:
             pct = float(value.strip()[:-1])
@@ -109,7 +139,7 @@ def parse_size_or_fraction(value: Any, option: str) -> Union[int, float]:
     try:
         return parse_size(value, option)
     except ValueError:
-        raise ValueError(f"cxlalloc option '{option}': {value!r} is not a size or fraction; use {help_}") from None
+        raise ValueError(f"cxlalloc option '{option}': {_short(value)} is not a size or fraction; use {help_}") from None
 
 
 def _parse_bool(value: Any, option: str) -> bool:
@@ -125,11 +155,15 @@ def _parse_bool(value: Any, option: str) -> bool:
 def _parse_node(value: Any, option: str) -> Union[str, int]:
     if value == "auto":
         return "auto"
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value.strip())
-    raise ValueError(f"cxlalloc option '{option}': {value!r} is not a NUMA node; use 'auto' or a node id (int >= 0)")
+    n = -1
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif _ascii_digits(value):
+        n = int(value.strip())
+    if 0 <= n <= MAX_NUMA_NODE:
+        return n
+    raise ValueError(f"cxlalloc option '{option}': {_short(value)} is not a NUMA node; use 'auto' or a node id "
+                     f"0..{MAX_NUMA_NODE} (Linux's MAX_NUMNODES limit; the node must also exist here)")
 
 
 def _parse_choice(value: Any, option: str, allowed: tuple) -> str:
@@ -145,7 +179,7 @@ def _parse_device(value: Any, option: str) -> Optional[int]:
         v = value.strip()
         if v.startswith("cuda:"):
             v = v[5:]
-        if v.isdigit():
+        if _ascii_digits(v):
             return int(v)
     elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
@@ -167,10 +201,10 @@ def _parse_positive_int(value: Any, option: str) -> int:
     v = -1
     if isinstance(value, int) and not isinstance(value, bool):
         v = value
-    elif isinstance(value, str) and value.strip().isdigit():
+    elif _ascii_digits(value):
         v = int(value.strip())
     if not 1 <= v < 1 << 31:
-        raise ValueError(f"cxlalloc option '{option}': {value!r} is not a positive integer (1 .. 2**31-1)")
+        raise ValueError(f"cxlalloc option '{option}': {_short(value)} is not a positive integer (1 .. 2**31-1)")
     return v
 
 
@@ -248,6 +282,14 @@ class Config:
             (or a fraction of VRAM) of host memory pre-reserved for torch's
             use-on-OOM spill pool; None = min(host_limit, 25% of VRAM);
             0 = no spill pool.
+        implicit_moves: who carries out a KV move the policy chooses for
+            another request (demotion to make room, extent growth,
+            rebalance): "owner" (default: the thread that allocated the
+            block or last grew/touched the extent, at its next cxlalloc
+            call; a move unmaps the address for a moment, so doing it under
+            a thread that reads the memory would fault) or "any-thread"
+            (at once, whoever triggered it: only for programs whose other
+            threads never read or launch work on KV memory meanwhile).
         kv_store: where ``cxlalloc.hf.wrap`` keeps reusable KV blocks when
             its own ``kv_store`` is not given (``local``, ``unix:///path``,
             ``redis://...``); None = no reuse.  The engine ignores it.
@@ -270,6 +312,7 @@ class Config:
     device: Optional[int] = None
     spill_reserve: Union[int, float, None] = None
     kv_store: Optional[str] = None
+    implicit_moves: str = "owner"
 
 
 def _opt_size(v, name):
@@ -299,6 +342,7 @@ _PARSERS = {
     "device": _parse_device,
     "spill_reserve": _opt_size_or_fraction,
     "kv_store": _parse_kv_store,
+    "implicit_moves": lambda v, n: _parse_choice(v, n, IMPLICIT_MOVES),
 }
 
 OPTION_NAMES = tuple(_PARSERS)

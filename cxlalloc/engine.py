@@ -144,6 +144,8 @@ def device_options(engine: "_C.Engine", device: int, cfg: Config, default_headro
         "extent_chunk": int(cfg.extent_chunk or 0),
         "strict_placement": bool(cfg.strict_placement),
         "kv_aware": cfg.policy == "kv-aware",
+        "implicit_moves_any_thread": cfg.implicit_moves == "any-thread",
+        "host_node_free_bytes": int(_node_free_bytes(choice["node"])),
         "node_reason": choice["reason"],
     }
     if made_by is not None:

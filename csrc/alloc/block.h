@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <set>
+#include <thread>
 
 #include "alloc/segment.h"
 #include "common/types.h"
@@ -30,6 +31,9 @@ struct Block {
   Block* prev = nullptr;
   Block* next = nullptr;
   uint64_t seq = 0;  // allocation sequence number
+  // The thread that allocated it: the one that uses it, so the only one
+  // allowed to move it implicitly (device_allocator_owners.cpp).
+  std::thread::id owner;
 };
 
 // Key of a free list: blocks are only reused within one pool, tier, class

@@ -1,6 +1,7 @@
 // DeviceAllocator: construction and teardown, limits and budgets, and what
 // every path shares (the capture check, device sync, the OOM message).
 #include <chrono>
+#include <cstdio>
 
 #include "alloc/device_allocator.h"
 #include "common/error.h"
@@ -36,6 +37,15 @@ DeviceAllocator::DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std
                 "host_limit: " + format_bytes(cfg_.host_limit) + " is below the host tier's allocation granularity (" +
                     format_bytes(fc.host_granularity) + ", backend " + backend::host_backend_name(fc.host_backend) +
                     "): use at least " + format_bytes(fc.host_granularity) + ", or 0 to run without a host tier");
+  // host-vmm and managed commit lazily; pinned touches and pins a whole
+  // request at once: beyond the node's free memory that is the OOM killer.
+  if (host_enabled_ && fc.host_backend == backend::HostBackend::Pinned && cfg_.host_node_free_bytes > 0 &&
+      cfg_.host_limit > cfg_.host_node_free_bytes)
+    throw Error(ErrorKind::InvalidArgument,
+                "host_limit: " + format_bytes(cfg_.host_limit) + " is above the free memory of NUMA node " +
+                    std::to_string(cfg_.host_node) + " (" + format_bytes(cfg_.host_node_free_bytes) +
+                    "), and the pinned backend pins every byte it is given at once; use at most " +
+                    format_bytes(cfg_.host_node_free_bytes) + ", or a lazily committed backend (host-vmm, managed)");
   factory_ = std::make_unique<backend::SegmentFactory>(drv_, fc, numa_.get());
 }
 
@@ -114,6 +124,28 @@ bool DeviceAllocator::capturing(CUstream s) const {
   CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
   if (drv_->api().fn_cuStreamIsCapturing(s, &st) != CUDA_SUCCESS) return false;
   return st != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+void DeviceAllocator::check_stream(CUstream s) const {
+  if (reinterpret_cast<uintptr_t>(s) <= 2) return;  // NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+  if (drv_->api().fn_cuStreamIsCapturing == nullptr) return;  // no way to ask: accepted as given
+  // cuStreamIsCapturing is legal on a capturing stream (cuStreamQuery is
+  // not), so it can validate a handle at any time.  The driver can only
+  // judge handles it hands out; a random pointer may crash a real driver
+  // before it answers, which no check of ours can prevent.
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+  CUresult r = drv_->api().fn_cuStreamIsCapturing(s, &st);
+  if (r == CUDA_ERROR_INVALID_HANDLE || r == CUDA_ERROR_INVALID_VALUE || r == CUDA_ERROR_INVALID_CONTEXT ||
+      r == CUDA_ERROR_CONTEXT_IS_DESTROYED) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(s)));
+    throw Error(ErrorKind::InvalidArgument, std::string("cxlalloc: stream ") + buf + " is not a live CUDA stream of cuda:" +
+                                                std::to_string(cfg_.device) + " (the driver says " + drv_->describe(r) +
+                                                "); allowed: 0 (the default stream) or a handle from cuStreamCreate, "
+                                                "e.g. torch.cuda.current_stream().cuda_stream");
+  }
 }
 
 void DeviceAllocator::sync_device() {

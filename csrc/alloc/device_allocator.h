@@ -24,7 +24,9 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -45,6 +47,10 @@ struct AllocatorConfig {
   size_t device_limit = 0;  // bytes of VRAM the allocator may hold (required, > 0)
   size_t host_limit = 0;    // bytes on the host tier; 0 disables spilling
   int host_node = 0;        // host NUMA node of the host tier (chosen by topology)
+  // Free memory of host_node when configured (from topology; 0: unknown).
+  // The pinned backend pins every byte of a request at once, so a host_limit
+  // above it is refused rather than left to the OOM killer.
+  size_t host_node_free_bytes = 0;
   std::optional<backend::HostBackend> backend;  // nullopt: choose (host-vmm > managed > pinned)
   size_t kv_device_limit = SIZE_MAX;  // KV bytes allowed in VRAM; SIZE_MAX: no separate quota
   size_t device_headroom = 0;         // VRAM a KV placement must leave free for activations
@@ -58,6 +64,11 @@ struct AllocatorConfig {
   // against: everything takes VRAM first-come until it is full, then the
   // host tier; no KV quota or headroom, no demotion, no promotion.
   bool kv_aware = true;
+  // true: implicit moves (demotion for another request, extent growth,
+  // rebalance) may move memory any thread uses, at once; only safe when no
+  // other host thread reads or launches work on KV memory while the
+  // allocator runs.  false (default): such moves wait for the owner thread.
+  bool implicit_moves_any_thread = false;
   // The last sentence of an out-of-memory message: how to raise the limits,
   // in the words of the call that configured this allocator (Python passes
   // e.g. "... cxlalloc.hf.wrap(model, ..., host_limit=...)"); empty: the
@@ -125,7 +136,19 @@ class DeviceAllocator {
   // already owned pointer.
   void adopt(void* ptr);
   void free_owned(void* ptr);
+  // The deleter's free: never throws.  If the free fails (a driver error),
+  // the block stays allocated and owned, "parked", and every later free()
+  // and malloc() retries it first, so it is neither leaked nor freed twice.
+  void free_owned_or_park(void* ptr) noexcept;
+  size_t parked_frees() const;  // tensor frees waiting for a retry
+  // The C ABI's free (torch's free callback returns void): invalid frees
+  // throw as free() does, any other failure parks the block as above.
+  void free_or_park(void* ptr);
   void record_stream(void* ptr, CUstream stream);
+  // Throws Error(InvalidArgument) naming `stream` when the driver says `s`
+  // is not a stream (destroyed, never created, another context's).  0 and
+  // the special handles 1, 2 are always valid.
+  void check_stream(CUstream s) const;
   // Wait for pending frees and release every wholly free cached segment of
   // both tiers (except those of private pools in use).  Returns bytes released.
   size_t empty_cache();
@@ -149,8 +172,15 @@ class DeviceAllocator {
   void extent_trim(uint64_t id, size_t bytes);
   void extent_touch(uint64_t id);
   void extent_free(uint64_t id);
+  // The destructor's release: never throws; a failure (the context cannot
+  // be made current) parks the extent, released by the next malloc/free.
+  void extent_free_or_park(uint64_t id) noexcept;
+  size_t parked_extents() const;
   std::vector<TierRange> extent_tiers(uint64_t id) const;
   size_t extent_committed(uint64_t id) const;
+  // Bytes of the committed chunks at the start of the extent, [0, n): what a
+  // view may cover (beyond it nothing is mapped).
+  size_t extent_committed_prefix(uint64_t id) const;
 
   // ---- placement and migration
   // Tier of the byte at `ptr` (any address inside a live block or extent).
@@ -165,6 +195,11 @@ class DeviceAllocator {
   // Start a new step: what is used from now on is the current working set
   // that demotion never picks.
   void mark_step();
+  // Carry out the implicit moves queued for the calling thread (memory it
+  // owns that another thread's request wanted moved).  Every malloc, extent
+  // grow/touch, mark_step and rebalance of the owner does this first.
+  void run_deferred_moves();
+  size_t deferred_moves() const;  // queued, all threads
   // VRAM used outside this allocator (torch's own cache in scoped mode);
   // subtracted from device_limit.
   void set_external_device_bytes(size_t n);
@@ -233,16 +268,22 @@ class DeviceAllocator {
   void release_segment(Segment* seg);
 
   // device_allocator_free.cpp: frees and stream-ordered reuse
-  void free_block_of(void* ptr, bool by_owner);
+  // All or nothing: a failure leaves the block allocated and throws.
+  void free_locked(CUdeviceptr p, bool by_owner);
+  void extent_free_locked(uint64_t id);
+  void retry_parked();
   std::string diagnose_bad_free(CUdeviceptr p) const;
   // Retire completed pending frees; with `wait`, wait for them.  only_tier
   // >= 0 restricts the pass to blocks on that tier.
   void process_events(bool wait, int only_tier = -1);
   void flush_deferred();
   driver::Event acquire_event();
-  // Order `b`'s reuse after the streams that used it (events); retire it
-  // at once if there are none left to wait for.
-  void wait_for_uses(Block* b);
+  // `n` events, or none (throws, with the pool as it was).
+  std::vector<driver::Event> acquire_events(size_t n);
+  // Order `b`'s reuse after the streams that used it, with one event of
+  // `events` per stream (acquired before the free changed anything); retire
+  // it at once if there are none left to wait for.  Never throws.
+  void wait_for_uses(Block* b, std::vector<driver::Event> events);
   // A freed block whose uses are complete joins its free list.
   void retire(Block* b);
 
@@ -257,6 +298,20 @@ class DeviceAllocator {
   size_t demote_for(size_t need, bool budgeted);
   void migrate_segment(Segment& seg, Tier target);
   void migrate_chunk(Segment& seg, Chunk& c, Tier target);
+
+  // device_allocator_owners.cpp: who may move what, moves deferred to owners
+  struct DeferredMove {
+    std::thread::id owner;
+    uint64_t segment_id;
+    size_t chunk;  // index in the extent, or SIZE_MAX: the whole block segment
+    Tier target;
+  };
+  // The one thread using the unit's memory; nullopt when several do.
+  std::optional<std::thread::id> owner_of(const KvUnit& u) const;
+  bool may_move_now(const KvUnit& u) const;
+  void defer_move(const KvUnit& u, Tier target);
+  void run_owned_moves();
+  void forget_moves_of(uint64_t segment_id);  // the segment is being released
 
   driver::DriverPtr drv_;
   AllocatorConfig cfg_;
@@ -273,6 +328,8 @@ class DeviceAllocator {
   std::map<FreeListKey, FreeList> free_lists_;
   std::deque<PendingFree> pending_;
   std::vector<Block*> deferred_;  // freed with stream uses during capture
+  std::set<CUdeviceptr> parked_;  // owned blocks whose deleter's free failed (retried)
+  std::set<uint64_t> parked_extents_;  // extents whose release in a destructor failed (retried)
   std::vector<driver::Event> event_pool_;
   std::map<PoolId, PrivatePool> pools_;
   std::vector<Route> routes_;
@@ -285,6 +342,7 @@ class DeviceAllocator {
   bool steps_marked_ = false;
   uint64_t next_segment_id_ = 1;
   policy::MigrationBudget migration_budget_;
+  std::vector<DeferredMove> deferred_moves_;
 };
 
 }  // namespace cxl::alloc

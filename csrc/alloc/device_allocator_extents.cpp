@@ -7,6 +7,8 @@
 // tier (the vAttention idea: virtual contiguity over physical pages placed
 // at will, arXiv 2405.04437).  Where the backend cannot remap (pinned), an
 // extent is committed whole at creation on one tier instead.
+#include <thread>
+
 #include "alloc/device_allocator.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -17,6 +19,7 @@ namespace cxl::alloc {
 ExtentInfo DeviceAllocator::extent_create(size_t capacity, AllocClass cls) {
   std::lock_guard<std::mutex> lk(mu_);
   driver::ContextGuard guard(*drv_, ctx_.get());
+  if (!parked_.empty() || !parked_extents_.empty()) retry_parked();
   const size_t align = factory_->segment_alignment();
   const size_t chunk = cfg_.extent_chunk ? round_up(cfg_.extent_chunk, align) : align;
   if (capacity == 0) throw Error(ErrorKind::InvalidArgument, "extent capacity must be > 0 bytes");
@@ -28,7 +31,15 @@ ExtentInfo DeviceAllocator::extent_create(size_t capacity, AllocClass cls) {
   bool lazy = factory_->lazy_extents();
   if (lazy) {
     seg = std::make_unique<Segment>();
-    factory_->create_extent(*seg, cap, chunk);
+    try {
+      factory_->create_extent(*seg, cap, chunk);
+    } catch (const Error& e) {
+      // The driver refusing a range this large is running out of (address)
+      // memory, whatever code it returns: say so with the size and limits.
+      const auto* de = dynamic_cast<const DriverError*>(&e);
+      if (!is_out_of_memory(e) && !(de && de->code() == CUDA_ERROR_OUT_OF_MEMORY)) throw;
+      throw_oom(capacity, cls, std::string("no GPU address range of that size could be reserved (") + e.what() + ")");
+    }
   } else {
     // Fixed backends: commit the whole capacity now on the tier the policy
     // picks for it, falling back to the other tier.
@@ -53,6 +64,7 @@ ExtentInfo DeviceAllocator::extent_create(size_t capacity, AllocClass cls) {
   seg->cls = cls;
   seg->kind = PoolKind::Large;
   seg->extent = true;
+  seg->owner = std::this_thread::get_id();
   seg->id = next_segment_id_++;
   Segment* raw = seg.get();
   segments_[seg->base] = std::move(seg);
@@ -75,6 +87,8 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
   std::lock_guard<std::mutex> lk(mu_);
   driver::ContextGuard guard(*drv_, ctx_.get());
   Segment* seg = find_extent(extents_, id);
+  seg->owner = std::this_thread::get_id();  // the thread that grows it is the one using it
+  run_owned_moves();
   if (bytes > seg->size)
     throw Error(ErrorKind::InvalidArgument, "extent_grow: " + format_bytes(bytes) + " exceeds the extent's capacity of " +
                                                 format_bytes(seg->size));
@@ -95,6 +109,9 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
   if (can_demote) {
     for (auto& [id2, ext] : extents_) {
       if (ext->cls != AllocClass::KV || !factory_->can_migrate(*ext)) continue;
+      // Another thread's extent may be read right now: its chunks make room
+      // only when that thread grows it (device_allocator_owners.cpp).
+      if (!may_move_now(KvUnit{ext, nullptr})) continue;
       for (Chunk& c : ext->chunks) {
         if (!c.committed || c.tier != Tier::Device) continue;
         device_kv.push_back({where.size(), c.size, c.seq, false});
@@ -182,6 +199,11 @@ void DeviceAllocator::extent_trim(uint64_t id, size_t bytes) {
 void DeviceAllocator::extent_touch(uint64_t id) {
   std::lock_guard<std::mutex> lk(mu_);
   Segment* seg = find_extent(extents_, id);
+  seg->owner = std::this_thread::get_id();
+  if (!deferred_moves_.empty()) {  // touch needs no driver call otherwise (once per step per KV store)
+    driver::ContextGuard guard(*drv_, ctx_.get());
+    run_owned_moves();
+  }
   const uint64_t now = ++seq_;
   for (Chunk& c : seg->chunks)
     if (c.committed) {
@@ -194,7 +216,31 @@ void DeviceAllocator::extent_touch(uint64_t id) {
 void DeviceAllocator::extent_free(uint64_t id) {
   std::lock_guard<std::mutex> lk(mu_);
   driver::ContextGuard guard(*drv_, ctx_.get());
+  extent_free_locked(id);
+}
+
+void DeviceAllocator::extent_free_or_park(uint64_t id) noexcept {
+  try {
+    std::lock_guard<std::mutex> lk(mu_);
+    try {
+      driver::ContextGuard guard(*drv_, ctx_.get());
+      extent_free_locked(id);
+    } catch (const std::exception& e) {
+      // Called from destructors (the extent's last owner dying), which
+      // cannot report: keep the extent and release it at the next engine
+      // call instead of leaking it for good.
+      if (extents_.count(id) && parked_extents_.insert(id).second)
+        note_cleanup_failure(std::string("extent release deferred (retried at the next allocator call): ") + e.what());
+    }
+  } catch (...) {
+    note_cleanup_failure("extent release: could not take the allocator's lock");
+  }
+}
+
+void DeviceAllocator::extent_free_locked(uint64_t id) {
   Segment* seg = find_extent(extents_, id);
+  parked_extents_.erase(id);
+  forget_moves_of(seg->id);
   // Called from destructors (the last tensor of a KV layer dying): a failed
   // sync is reported, and the memory released anyway rather than leaked.
   try {
@@ -218,6 +264,17 @@ size_t DeviceAllocator::extent_committed(uint64_t id) const {
   size_t n = 0;
   for (const Chunk& c : seg->chunks)
     if (c.committed) n += c.size;
+  return n;
+}
+
+size_t DeviceAllocator::extent_committed_prefix(uint64_t id) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  Segment* seg = find_extent(extents_, id);
+  size_t n = 0;
+  for (const Chunk& c : seg->chunks) {
+    if (!c.committed || c.offset != n) break;
+    n += c.size;
+  }
   return n;
 }
 

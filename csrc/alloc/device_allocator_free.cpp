@@ -33,8 +33,81 @@ std::string DeviceAllocator::diagnose_bad_free(CUdeviceptr p) const {
   return "cxlalloc: free of " + hex(p) + ", not the start of any block";
 }
 
-void DeviceAllocator::free(void* ptr) { free_block_of(ptr, false); }
-void DeviceAllocator::free_owned(void* ptr) { free_block_of(ptr, true); }
+void DeviceAllocator::free(void* ptr) {
+  if (ptr == nullptr) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  retry_parked();
+  free_locked(reinterpret_cast<CUdeviceptr>(ptr), false);
+}
+
+void DeviceAllocator::free_owned(void* ptr) {
+  if (ptr == nullptr) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  free_locked(reinterpret_cast<CUdeviceptr>(ptr), true);
+}
+
+void DeviceAllocator::free_owned_or_park(void* ptr) noexcept {
+  if (ptr == nullptr) return;
+  try {
+    std::lock_guard<std::mutex> lk(mu_);
+    try {
+      driver::ContextGuard guard(*drv_, ctx_.get());
+      free_locked(reinterpret_cast<CUdeviceptr>(ptr), true);
+      return;
+    } catch (const std::exception& e) {
+      // A deleter cannot report a failure to its caller (torch, the DLPack
+      // consumer): keep the block allocated and owned, and free it at the
+      // next engine call, when the driver may work again.  Nothing leaks and
+      // nothing is freed twice: the block stays in allocated_ until then.
+      if (parked_.insert(reinterpret_cast<CUdeviceptr>(ptr)).second)
+        note_cleanup_failure(std::string("tensor free deferred (retried at the next allocator call): ") + e.what());
+    }
+  } catch (...) {
+    note_cleanup_failure("tensor free: could not take the allocator's lock");
+  }
+}
+
+void DeviceAllocator::free_or_park(void* ptr) {
+  if (ptr == nullptr) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  retry_parked();
+  try {
+    free_locked(reinterpret_cast<CUdeviceptr>(ptr), false);
+  } catch (const Error& e) {
+    if (e.kind() == ErrorKind::InvalidFree) throw;  // nothing was modified: the caller's mistake
+    // torch's free callback returns void: a driver failure cannot reach the
+    // program, and torch forgets the pointer.  Park it instead of leaking it.
+    if (parked_.insert(reinterpret_cast<CUdeviceptr>(ptr)).second)
+      note_cleanup_failure(std::string("free deferred (retried at the next allocator call): ") + e.what());
+  }
+}
+
+void DeviceAllocator::retry_parked() {
+  const std::vector<uint64_t> extents(parked_extents_.begin(), parked_extents_.end());
+  for (uint64_t id : extents) extent_free_locked(id);  // never throws once the context is current
+  // free_locked removes a freed pointer from parked_ itself: iterate a copy.
+  const std::vector<CUdeviceptr> todo(parked_.begin(), parked_.end());
+  for (CUdeviceptr p : todo) {
+    try {
+      free_locked(p, true);
+    } catch (const std::exception&) {
+      // The driver still fails: the block stays parked (nothing was changed).
+    }
+  }
+}
+
+size_t DeviceAllocator::parked_frees() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return parked_.size();
+}
+
+size_t DeviceAllocator::parked_extents() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return parked_extents_.size();
+}
 
 void DeviceAllocator::adopt(void* ptr) {
   std::lock_guard<std::mutex> lk(mu_);
@@ -46,10 +119,7 @@ void DeviceAllocator::adopt(void* ptr) {
   it->second->owned = true;
 }
 
-void DeviceAllocator::free_block_of(void* ptr, bool by_owner) {
-  if (ptr == nullptr) return;
-  auto p = reinterpret_cast<CUdeviceptr>(ptr);
-  std::lock_guard<std::mutex> lk(mu_);
+void DeviceAllocator::free_locked(CUdeviceptr p, bool by_owner) {
   auto it = allocated_.find(p);
   if (it == allocated_.end()) {
     // Detected before anything is touched: no corruption, just the error.
@@ -62,11 +132,21 @@ void DeviceAllocator::free_block_of(void* ptr, bool by_owner) {
                                             ", which a live tensor owns (it is freed when the tensor dies: drop "
                                             "the tensor instead)");
   }
-  driver::ContextGuard guard(*drv_, ctx_.get());
   Block* b = it->second;
+  Segment* seg = b->segment;
+  // All or nothing: everything that can fail (the capture queries, the
+  // events that order reuse after other streams) happens before the block
+  // leaves allocated_, so a failure leaves it allocated and the error raised.
+  bool any_capturing = false;
+  std::vector<driver::Event> events;
+  if (!b->stream_uses.empty()) {
+    any_capturing = capturing(b->stream);
+    for (CUstream s : b->stream_uses) any_capturing = any_capturing || capturing(s);
+    if (!any_capturing) events = acquire_events(b->stream_uses.size());
+  }
   b->owned = false;
   allocated_.erase(it);
-  Segment* seg = b->segment;
+  parked_.erase(p);
   stats_.on_block_freed(seg->tier(), seg->cls, seg->kind, b->size, b->requested);
   seg->allocated -= b->size;
   b->allocated = false;
@@ -77,17 +157,15 @@ void DeviceAllocator::free_block_of(void* ptr, bool by_owner) {
     return;
   }
   // Other streams used it: reusable only once their work has passed it.
-  // Recording an event on a capturing stream is illegal (C14): defer.
-  bool any_capturing = capturing(b->stream);
-  for (CUstream s : b->stream_uses) any_capturing = any_capturing || capturing(s);
   // The bytes stay "active" in torch's sense until the events complete.
   stats_.on_block_awaiting_events(seg->tier(), seg->kind, b->size);
   if (any_capturing) {
+    // Recording an event on a capturing stream is illegal (C14): defer.
     b->event_count = 1;  // placeholder until flush_deferred records real events
     deferred_.push_back(b);
     return;
   }
-  wait_for_uses(b);
+  wait_for_uses(b, std::move(events));
 }
 
 void DeviceAllocator::record_stream(void* ptr, CUstream stream) {
@@ -114,10 +192,23 @@ driver::Event DeviceAllocator::acquire_event() {
   return driver::Event(drv_);
 }
 
-void DeviceAllocator::wait_for_uses(Block* b) {
+std::vector<driver::Event> DeviceAllocator::acquire_events(size_t n) {
+  std::vector<driver::Event> out;
+  out.reserve(n);
+  try {
+    while (out.size() < n) out.push_back(acquire_event());
+  } catch (...) {
+    for (auto& ev : out) event_pool_.push_back(std::move(ev));  // nothing taken is lost
+    throw;
+  }
+  return out;
+}
+
+void DeviceAllocator::wait_for_uses(Block* b, std::vector<driver::Event> events) {
   b->event_count = 0;
+  size_t next = 0;
   for (CUstream s : b->stream_uses) {
-    driver::Event ev = acquire_event();
+    driver::Event ev = std::move(events[next++]);
     CUresult r = drv_->api().fn_cuEventRecord(ev.get(), s);
     if (r != CUDA_SUCCESS) {
       // Reuse cannot be ordered after that stream's work: wait for it now
@@ -139,6 +230,7 @@ void DeviceAllocator::wait_for_uses(Block* b) {
     b->event_count++;
     pending_.push_back(PendingFree{std::move(ev), b});
   }
+  for (; next < events.size(); ++next) event_pool_.push_back(std::move(events[next]));
   b->stream_uses.clear();
   if (b->event_count == 0) retire(b);
 }
@@ -151,7 +243,18 @@ void DeviceAllocator::retire(Block* b) {
 void DeviceAllocator::flush_deferred() {
   std::vector<Block*> later;
   later.swap(deferred_);
-  for (Block* b : later) wait_for_uses(b);
+  for (size_t i = 0; i < later.size(); ++i) {
+    std::vector<driver::Event> events;
+    try {
+      events = acquire_events(later[i]->stream_uses.size());
+    } catch (...) {
+      // No event now: the blocks stay deferred (still counted as awaiting
+      // events) and the next call tries again.
+      deferred_.insert(deferred_.end(), later.begin() + i, later.end());
+      return;
+    }
+    wait_for_uses(later[i], std::move(events));
+  }
 }
 
 // Every pending event is checked, not just the queue's head: one slow stream

@@ -1,6 +1,7 @@
 // DeviceAllocator: the allocation path, from a request to a block (the
 // order of resort is in device_allocator.h).
 #include <algorithm>
+#include <thread>
 
 #include "alloc/device_allocator.h"
 #include "alloc/sizes.h"
@@ -27,6 +28,8 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
   // may live on the host tier (C10): device only, no reclaim.
   const bool cap = capturing(stream);
   if (!cap) {
+    run_owned_moves();
+    if (!parked_.empty() || !parked_extents_.empty()) retry_parked();
     if (!deferred_.empty()) flush_deferred();
     if (!pending_.empty()) process_events(false);
   }
@@ -222,6 +225,7 @@ Block* DeviceAllocator::take_block(Block* b, size_t size, size_t requested, CUst
   b->requested = requested;
   b->stream = stream;
   b->seq = ++seq_;
+  b->owner = std::this_thread::get_id();
   allocated_[b->ptr] = b;
   seg->allocated += b->size;
   seg->last_use = b->seq;

@@ -17,6 +17,10 @@ bool has_waiting_blocks(const Segment& seg) {
 
 void DeviceAllocator::mark_step() {
   std::lock_guard<std::mutex> lk(mu_);
+  if (!deferred_moves_.empty()) {
+    driver::ContextGuard guard(*drv_, ctx_.get());
+    run_owned_moves();
+  }
   steps_marked_ = true;
   step_start_seq_ = ++seq_;
 }
@@ -103,8 +107,16 @@ size_t DeviceAllocator::demote_for(size_t need, bool budgeted) {
   const double now = now_s();
   size_t allowed = budgeted ? migration_budget_.available(now) : SIZE_MAX;
   size_t host_room = cfg_.host_limit - std::min(cfg_.host_limit, stats_.reserved(Tier::Host));
-  auto victims = policy::choose_victims(need, cands, std::min(allowed, host_room));
+  // What the calling thread owns moves now; memory other threads use is
+  // only queued for them (device_allocator_owners.cpp).
+  std::vector<policy::Candidate> own;
+  for (const auto& c : cands)
+    if (may_move_now(units[c.id])) own.push_back(c);
+  auto victims = policy::choose_victims(need, own, std::min(allowed, host_room));
   if (victims.empty()) {
+    auto wanted = policy::choose_victims(need, cands, std::min(allowed, host_room));
+    for (uint64_t id : wanted)
+      if (!may_move_now(units[id])) defer_move(units[id], Tier::Host);
     if (budgeted && allowed < need) stats_.on_migration_budget_denied();
     return 0;
   }
@@ -133,7 +145,15 @@ size_t DeviceAllocator::migrate(const void* ptr, size_t len, Tier target) {
   std::vector<Chunk*> chunks;
   size_t bytes = 0;
   if (seg->extent) {
-    size_t lo = p - seg->base, hi = std::min(seg->size, lo + std::max<size_t>(len, 1));
+    const size_t lo = p - seg->base;
+    // Checked without forming lo + len, which wraps for huge lengths (and
+    // then moved nothing, silently).
+    if (len > seg->size - lo)
+      throw Error(ErrorKind::InvalidArgument,
+                  "migrate: length " + std::to_string(len) + " runs past the end of the extent (" +
+                      std::to_string(seg->size - lo) + " bytes from the address to its end); allowed: 1 .. " +
+                      std::to_string(seg->size - lo));
+    const size_t hi = lo + std::max<size_t>(len, 1);
     for (Chunk& c : seg->chunks)
       if (c.committed && c.tier != target && c.offset < hi && c.offset + c.size > lo) {
         chunks.push_back(&c);
@@ -162,6 +182,7 @@ size_t DeviceAllocator::rebalance() {
   std::lock_guard<std::mutex> lk(mu_);
   driver::ContextGuard guard(*drv_, ctx_.get());
   if (!demotion_supported() || !cfg_.kv_aware) return 0;
+  run_owned_moves();
   std::vector<KvUnit> units = kv_units(Tier::Host);
   if (units.empty()) return 0;
   std::vector<policy::PromoteCandidate> cands;
@@ -175,9 +196,23 @@ size_t DeviceAllocator::rebalance() {
   const double now = now_s();
   auto ids = policy::choose_promotions(budget(), cands, cfg_.promote_after, migration_budget_.available(now));
   if (ids.empty()) return 0;
+  // The policy counts cached free device segments as room: a promotion
+  // makes new device memory, so release those first, or reserved VRAM
+  // would pass device_limit.
+  const size_t limit = device_limit_eff();
+  size_t want = 0;
+  for (uint64_t id : ids) want += cands[id].bytes;
+  const size_t free_now = limit - std::min(limit, stats_.reserved(Tier::Device));
+  if (want > free_now) release_free_segments(Tier::Device, want - free_now, false);
   sync_device();
   size_t moved = 0;
   for (uint64_t id : ids) {
+    // Never past the limit, whatever the release above achieved.
+    if (stats_.reserved(Tier::Device) + cands[id].bytes > limit) continue;
+    if (!may_move_now(units[id])) {
+      defer_move(units[id], Tier::Device);  // its owner promotes it at its next call
+      continue;
+    }
     size_t bytes = move_unit(units[id], Tier::Device);
     migration_budget_.consume(bytes, now);
     moved += bytes;

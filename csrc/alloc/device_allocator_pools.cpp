@@ -117,6 +117,7 @@ void DeviceAllocator::release_segment(Segment* seg) {
   delete seg->head;
   seg->head = nullptr;
   stats_.on_segment_released(t, seg->cls, seg->kind, seg->size);
+  forget_moves_of(seg->id);
   segments_.erase(seg->base);  // RAII: unmap, release, free the VA
 }
 

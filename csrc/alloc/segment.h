@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <thread>
 
 #include "backend/segment_memory.h"
 #include "common/types.h"
@@ -40,6 +41,9 @@ class Segment : public backend::SegmentMemory {
   uint64_t last_use = 0;   // allocator sequence number of the last allocation/touch
   uint32_t touches = 0;    // allocations served since the last migration
   bool in_migration = false;
+  // Extents: the thread that last created, grew or touched it, the only one
+  // allowed to move its chunks implicitly (device_allocator_owners.cpp).
+  std::thread::id owner;
 
   bool fully_free() const;  // block segment with one free block covering it
 };

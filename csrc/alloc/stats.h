@@ -65,6 +65,11 @@ struct Counters {
   uint64_t migration_budget_denials = 0;
   uint64_t extent_copy_bytes = 0;    // bytes copied by extent growth (0 with lazy extents)
   uint64_t event_record_failures = 0;  // cuEventRecord failed on a use stream: waited for it instead
+  // Implicit KV moves of memory another thread owns, queued for that thread
+  // (device_allocator_owners.cpp), and those that failed when it ran them.
+  uint64_t deferred_moves = 0;
+  uint64_t deferred_moves_done = 0;
+  uint64_t deferred_move_failures = 0;
 };
 
 // The counters, and the accounting rules as operations on them: the
@@ -126,6 +131,9 @@ struct Stats {
   bool on_event_record_failure() { return counters.event_record_failures++ == 0; }
   void on_sync_all_streams() { torch.num_sync_all_streams++; }
   void on_migration_budget_denied() { counters.migration_budget_denials++; }
+  void on_move_deferred() { counters.deferred_moves++; }
+  void on_deferred_move_done() { counters.deferred_moves_done++; }
+  bool on_deferred_move_failure() { return counters.deferred_move_failures++ == 0; }
   // One unit (a block segment or an extent chunk) moved to `target`: a
   // demotion (host) or a promotion (device).  Its bytes are added by
   // on_moved_bytes once the batch of moves is done.

@@ -80,7 +80,7 @@ void* do_malloc(size_t size, int device, void* stream, AllocClass cls, bool only
 void do_free(void* ptr, int device) {
   int r = guarded([&] {
     Engine::Use use;
-    engine(use)->device(device).free(ptr);
+    engine(use)->device(device).free_or_park(ptr);  // a driver failure parks the block, never leaks it
   });
   // torch's free callback returns void: an invalid free cannot be raised
   // through it, so it is reported (and counted in stats) instead.

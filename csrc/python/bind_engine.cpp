@@ -3,6 +3,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <set>
+
 #include "alloc/class_scope.h"
 #include "alloc/engine.h"
 #include "common/error.h"
@@ -29,13 +34,16 @@ struct ExtentHandle {
   std::shared_ptr<Engine> engine;
   DeviceAllocator* a;
   ExtentInfo info;
-  ~ExtentHandle() {
-    try {
-      a->extent_free(info.id);
-    } catch (const std::exception& e) {
-      note_cleanup_failure(std::string("extent release: ") + e.what());
-    }
+  // Lengths of the live views (DLPack exports) of this extent.  A view
+  // covers committed bytes only, and a trim never releases a chunk under a
+  // live view: reading any view can never fault.  Deleters run on any thread.
+  std::mutex views_mu;
+  std::multiset<size_t> views;
+  size_t longest_view() {
+    std::lock_guard<std::mutex> lk(views_mu);
+    return views.empty() ? 0 : *views.rbegin();
   }
+  ~ExtentHandle() { a->extent_free_or_park(info.id); }  // never throws: parks the extent if the release fails
 };
 
 struct DLContext {
@@ -43,6 +51,7 @@ struct DLContext {
   DeviceAllocator* a = nullptr;
   void* block = nullptr;                // owned block, freed by the deleter
   std::shared_ptr<ExtentHandle> extent; // or a share of an extent
+  size_t view_bytes = 0;                // the extent bytes this view covers
   int64_t shape[1];
   int64_t strides[1];
 };
@@ -50,11 +59,12 @@ struct DLContext {
 void dl_deleter(DLManagedTensor* self) {
   auto* ctx = static_cast<DLContext*>(self->manager_ctx);
   if (ctx->block) {
-    try {
-      ctx->a->free_owned(ctx->block);
-    } catch (const std::exception& e) {
-      note_cleanup_failure(std::string("tensor free: ") + e.what());
-    }
+    ctx->a->free_owned_or_park(ctx->block);  // never throws: parks the block if the free fails
+  }
+  if (ctx->extent) {
+    std::lock_guard<std::mutex> lk(ctx->extent->views_mu);
+    auto it = ctx->extent->views.find(ctx->view_bytes);
+    if (it != ctx->extent->views.end()) ctx->extent->views.erase(it);
   }
   delete ctx;
   delete self;
@@ -178,6 +188,12 @@ py::dict stats_dict(DeviceAllocator& a) {
   out["capture_refusals"] = k.capture_refusals;
   out["migration_budget_denials"] = k.migration_budget_denials;
   out["event_record_failures"] = k.event_record_failures;
+  out["deferred_moves"] = k.deferred_moves;
+  out["deferred_moves_done"] = k.deferred_moves_done;
+  out["parked_frees"] = a.parked_frees();
+  out["parked_extents"] = a.parked_extents();
+  out["queued_moves"] = a.deferred_moves();
+  out["deferred_move_failures"] = k.deferred_move_failures;
   out["torch"] = torch_flat(s.torch);
   return out;
 }
@@ -201,6 +217,8 @@ AllocatorConfig config_from(const py::dict& d) {
     else if (k == "check_capture") c.check_capture = py::cast<bool>(v);
     else if (k == "kv_aware") c.kv_aware = py::cast<bool>(v);
     else if (k == "oom_hint") c.oom_hint = py::cast<std::string>(v);
+    else if (k == "host_node_free_bytes") c.host_node_free_bytes = py::cast<size_t>(v);
+    else if (k == "implicit_moves_any_thread") c.implicit_moves_any_thread = py::cast<bool>(v);
     else
       throw Error(ErrorKind::InvalidArgument, "unknown allocator option '" + k + "'");
   }
@@ -267,7 +285,9 @@ void bind_engine(py::module_& m) {
       })
       .def("trim", [](ExtentHandle& h, size_t n) {
         py::gil_scoped_release nogil;
-        h.a->extent_trim(h.info.id, n);
+        // Chunks under a live view stay committed (released by a later trim
+        // once the view is gone): a view never covers unmapped memory.
+        h.a->extent_trim(h.info.id, std::max(n, h.longest_view()));
       })
       .def("touch", [](ExtentHandle& h) { h.a->extent_touch(h.info.id); })
       .def("tiers", [](ExtentHandle& h) {
@@ -278,14 +298,23 @@ void bind_engine(py::module_& m) {
       .def(
           "dlpack",
           [](std::shared_ptr<ExtentHandle> h, int device_type, int device_id) {
-            auto* ctx = new DLContext();
+            // The committed prefix only: bytes beyond it have no memory
+            // mapped, and a read there faults (on a GPU: kills the context).
+            size_t n = h->a->extent_committed_prefix(h->info.id);
+            auto ctx = std::make_unique<DLContext>();
             ctx->engine = h->engine;
             ctx->a = h->a;
             ctx->extent = h;
-            return make_capsule(ctx, h->info.base, h->info.capacity, device_type, device_id);
+            ctx->view_bytes = n;
+            {
+              std::lock_guard<std::mutex> lk(h->views_mu);
+              h->views.insert(n);
+            }
+            return make_capsule(ctx.release(), h->info.base, n, device_type, device_id);
           },
           py::arg("device_type"), py::arg("device_id"),
-          "A DLPack capsule viewing the whole extent as uint8[capacity]; it keeps the extent alive.");
+          "A DLPack capsule viewing the extent's committed prefix as uint8[committed]; it keeps the extent "
+          "alive, and chunks under it committed.");
 
   py::class_<DeviceHandle>(m, "DeviceAllocator", "The tiered caching allocator of one GPU.")
       .def_property_readonly("device", [](DeviceHandle& h) { return h.a->device(); })
@@ -294,6 +323,7 @@ void bind_engine(py::module_& m) {
           [](DeviceHandle& h, size_t n, uint64_t stream, const std::string& cls, bool only_host) {
             AllocClass c = parse_class(cls);
             py::gil_scoped_release nogil;
+            h.a->check_stream(reinterpret_cast<CUstream>(stream));
             return reinterpret_cast<uint64_t>(h.a->malloc(n, reinterpret_cast<CUstream>(stream), c, only_host));
           },
           py::arg("nbytes"), py::arg("stream") = 0, py::arg("tag") = "other", py::arg("only_host") = false)
@@ -305,6 +335,7 @@ void bind_engine(py::module_& m) {
           },
           py::arg("ptr"))
       .def("record_stream", [](DeviceHandle& h, uint64_t p, uint64_t s) {
+        h.a->check_stream(reinterpret_cast<CUstream>(s));
         h.a->record_stream(reinterpret_cast<void*>(p), reinterpret_cast<CUstream>(s));
       })
       .def("empty_cache", [](DeviceHandle& h) {
@@ -384,6 +415,7 @@ void bind_engine(py::module_& m) {
           d["pool"] = py::make_tuple(s.pool.a, s.pool.b);
           d["device_bytes"] = s.device_bytes;
           d["host_bytes"] = s.host_bytes;
+          d["extent"] = s.extent;
           py::list blocks;
           for (const auto& b : s.blocks) {
             py::dict bd;

@@ -154,9 +154,15 @@ class KVStorage:
     def _open(self, capacity_tokens: int) -> None:
         self.extent = self.allocator.extent(capacity_tokens * self.row_bytes, tag="kv")
         self.capacity_tokens = self.extent.capacity // self.row_bytes  # the extent rounds up to whole chunks
-        self.flat = self.extent.tensor(self.g.dtype)
         self._backed_bytes = 0
         self._trim_to: Optional[int] = None  # a trim that waits for outstanding views
+        self._take_view()
+
+    def _take_view(self) -> None:
+        """(Re-)take ``flat``, the view of the committed prefix (the engine's views
+        cover committed memory only, so it is re-taken after every grow and trim),
+        and count its storage's own references (see :meth:`views_outstanding`)."""
+        self.flat = self.extent.tensor(self.g.dtype)
         self._own_refs = _storage_refs(self.flat)
 
     def views_outstanding(self) -> bool:
@@ -180,6 +186,7 @@ class KVStorage:
             self.extent.grow(need)
             chunk = self.extent.chunk_bytes
             self._backed_bytes = min(self.extent.capacity, -(-need // chunk) * chunk)
+            self._take_view()  # a view covers committed memory only
 
     def regrow(self, capacity_tokens: int) -> None:
         """Re-create the storage with a larger capacity, copying the live rows
@@ -213,7 +220,9 @@ class KVStorage:
             self._trim_to = int(tokens) if self._trim_to is None else min(self._trim_to, int(tokens))
             return
         self._trim_to = None
+        self.flat = None  # the engine keeps chunks under a live view committed: drop our own view first
         self.extent.trim(keep)
+        self._take_view()
         chunk = self.extent.chunk_bytes
         self._backed_bytes = -(-keep // chunk) * chunk
 

@@ -385,11 +385,11 @@ def _check_accounting(a, live):
 def test_concurrent_alloc_free_from_8_threads(make_alloc):
     import threading
 
-    # No demotion here: these threads write their blocks with plain CPU stores
-    # at any moment, and moving a live block between tiers while something
-    # writes it loses the write (docs/DESIGN.md, "Limits": a migration waits
-    # for queued GPU work, not for work launched during the move).
-    a = make_alloc(device_limit=64 * MiB, host_limit=256 * MiB, migration_rate=0)
+    # Migrations on (the default): these threads write their blocks with
+    # plain CPU stores at any moment, so implicit moves must wait for each
+    # block's owner thread (docs/DESIGN.md, "Threads"); tests/engine/test_threads.py
+    # does the same with KV extents and reads every byte back.
+    a = make_alloc(device_limit=64 * MiB, host_limit=256 * MiB)
     errors = []
 
     def worker(seed):

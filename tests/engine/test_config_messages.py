@@ -16,7 +16,7 @@ SIZE_HELP = "bytes (int) or a size string like '512MiB', '8GiB', '1.5TiB', '8GB'
 FRACTION_HELP = f"{SIZE_HELP}, or a fraction of VRAM: a float in (0, 1] or a percentage like '50%'"
 KEYS = ("device_limit, host_limit, numa_node, backend, kv_device_limit, device_headroom, migration_rate, "
         "promote_after, extent_chunk, policy, strict_placement, simulate, sim_vram, libcuda, device, spill_reserve, "
-        "kv_store")
+        "kv_store, implicit_moves")
 
 
 def test_option_names_are_the_documented_set():
@@ -97,9 +97,9 @@ def test_defaults():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"numa_node": "x"}, "cxlalloc option 'numa_node': 'x' is not a NUMA node; use 'auto' or a node id (int >= 0)"),
-    ({"numa_node": -1}, "cxlalloc option 'numa_node': -1 is not a NUMA node; use 'auto' or a node id (int >= 0)"),
-    ({"numa_node": True}, "cxlalloc option 'numa_node': True is not a NUMA node; use 'auto' or a node id (int >= 0)"),
+    ({"numa_node": "x"}, "cxlalloc option 'numa_node': 'x' is not a NUMA node; use 'auto' or a node id 0..1023 (Linux's MAX_NUMNODES limit; the node must also exist here)"),
+    ({"numa_node": -1}, "cxlalloc option 'numa_node': -1 is not a NUMA node; use 'auto' or a node id 0..1023 (Linux's MAX_NUMNODES limit; the node must also exist here)"),
+    ({"numa_node": True}, "cxlalloc option 'numa_node': True is not a NUMA node; use 'auto' or a node id 0..1023 (Linux's MAX_NUMNODES limit; the node must also exist here)"),
     ({"backend": "cuda"}, "cxlalloc option 'backend': 'cuda' is not allowed; allowed: auto, host-vmm, managed, pinned"),
     ({"promote_after": 0}, "cxlalloc option 'promote_after': 0 is not a positive integer (1 .. 2**31-1)"),
     ({"promote_after": "two"}, "cxlalloc option 'promote_after': 'two' is not a positive integer (1 .. 2**31-1)"),

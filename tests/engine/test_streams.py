@@ -123,9 +123,13 @@ def test_free_after_a_use_stream_was_destroyed_keeps_the_allocator_consistent(ma
     back to waiting for the whole context, completes, and the block is reusable
     (before the fix the free raised half-way and stranded the block)."""
     a = make_alloc()
-    sa = streams.new()
+    sa, gone = streams.new(), streams.new()
     p = a.malloc(1 * MiB, stream=sa)
-    a.record_stream(p, 0xDEAD000)  # not a stream at all
+    with pytest.raises(ValueError, match="stream 0xdead000 is not a live CUDA stream"):
+        a.record_stream(p, 0xDEAD000)  # not a stream at all: refused up front
+    a.record_stream(p, gone)
+    streams.destroy(gone)  # gone by the time of the free
+    streams.streams.remove(gone)
     a.free(p)
     a.check_invariants()
     s = a.stats()
