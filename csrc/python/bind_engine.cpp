@@ -13,7 +13,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "python/bindings.h"
-#include "python/dlpack.h"
+#include "python/convert.h"
 
 namespace py = pybind11;
 using namespace cxl;
@@ -70,33 +70,9 @@ void dl_deleter(DLManagedTensor* self) {
   delete self;
 }
 
-void capsule_destructor(PyObject* cap) {
-  // Unconsumed capsules still own their tensor.
-  if (PyCapsule_IsValid(cap, "dltensor")) {
-    auto* t = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
-    if (t && t->deleter) t->deleter(t);
-  }
-}
-
 py::capsule make_capsule(DLContext* ctx, uint64_t ptr, size_t nbytes, int device_type, int device_id) {
-  auto* t = new DLManagedTensor();
-  ctx->shape[0] = static_cast<int64_t>(nbytes);
-  ctx->strides[0] = 1;
-  t->dl_tensor.data = reinterpret_cast<void*>(ptr);
-  t->dl_tensor.device = DLDevice{device_type, device_id};
-  t->dl_tensor.ndim = 1;
-  t->dl_tensor.dtype = DLDataType{kDLUInt, 8, 1};
-  t->dl_tensor.shape = ctx->shape;
-  t->dl_tensor.strides = ctx->strides;
-  t->dl_tensor.byte_offset = 0;
-  t->manager_ctx = ctx;
-  t->deleter = dl_deleter;
-  PyObject* cap = PyCapsule_New(t, "dltensor", capsule_destructor);
-  if (!cap) {
-    dl_deleter(t);
-    throw py::error_already_set();
-  }
-  return py::reinterpret_steal<py::capsule>(cap);
+  return byte_capsule(reinterpret_cast<void*>(ptr), nbytes, DLDevice{device_type, device_id},
+                      ctx, ctx->shape, ctx->strides, dl_deleter);
 }
 
 // torch.cuda.memory_stats()-style flat keys for the device tier.

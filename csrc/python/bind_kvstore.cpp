@@ -7,7 +7,7 @@
 #include "common/log.h"
 #include "kvstore/host_arena.h"
 #include "python/bindings.h"
-#include "python/dlpack.h"
+#include "python/convert.h"
 
 namespace py = pybind11;
 using namespace cxl;
@@ -28,42 +28,9 @@ void arena_view_deleter(DLManagedTensor* self) {
   delete self;
 }
 
-void arena_capsule_destructor(PyObject* cap) {
-  if (PyCapsule_IsValid(cap, "dltensor")) {
-    auto* t = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
-    if (t && t->deleter) t->deleter(t);
-  }
-}
-
 py::capsule arena_capsule(std::shared_ptr<kvstore::HostArena> a) {
-  auto* ctx = new ArenaView{a, {static_cast<int64_t>(a->size())}, {1}};
-  auto* t = new DLManagedTensor();
-  t->dl_tensor.data = a->base();
-  t->dl_tensor.device = DLDevice{kDLCPU, 0};
-  t->dl_tensor.ndim = 1;
-  t->dl_tensor.dtype = DLDataType{kDLUInt, 8, 1};
-  t->dl_tensor.shape = ctx->shape;
-  t->dl_tensor.strides = ctx->strides;
-  t->dl_tensor.byte_offset = 0;
-  t->manager_ctx = ctx;
-  t->deleter = arena_view_deleter;
-  PyObject* cap = PyCapsule_New(t, "dltensor", arena_capsule_destructor);
-  if (!cap) {
-    arena_view_deleter(t);
-    throw py::error_already_set();
-  }
-  return py::reinterpret_steal<py::capsule>(cap);
-}
-
-py::dict placement_dict(const backend::PlacementCheck& c) {
-  py::dict d;
-  d["ok"] = c.ok;
-  d["on_node"] = c.on_node;
-  d["elsewhere"] = c.elsewhere;
-  d["unpopulated"] = c.unpopulated;
-  d["method"] = c.method;
-  d["detail"] = c.detail;
-  return d;
+  auto* ctx = new ArenaView{a, {0}, {0}};
+  return byte_capsule(a->base(), a->size(), DLDevice{kDLCPU, 0}, ctx, ctx->shape, ctx->strides, arena_view_deleter);
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "driver/driver.h"
 #include "python/bindings.h"
+#include "python/convert.h"
 #include "topology/choose.h"
 #include "topology/gpu.h"
 #include "topology/numa.h"
@@ -248,15 +249,7 @@ void bind_topology(py::module_& m) {
       "check_placement",
       [](uintptr_t ptr, size_t length, int node, const py::object& simulated_driver) {
         auto ops = ops_for(simulated_driver);
-        auto c = backend::check_placement(*ops, reinterpret_cast<const void*>(ptr), length, node);
-        py::dict d;
-        d["ok"] = c.ok;
-        d["on_node"] = c.on_node;
-        d["elsewhere"] = c.elsewhere;
-        d["unpopulated"] = c.unpopulated;
-        d["method"] = c.method;
-        d["detail"] = c.detail;
-        return d;
+        return placement_dict(backend::check_placement(*ops, reinterpret_cast<const void*>(ptr), length, node));
       },
       py::arg("ptr"), py::arg("length"), py::arg("node"), py::arg("simulated_driver") = py::none(),
       "Verify that every byte of [ptr, ptr+length) is populated and on `node`: {'ok',\n"
