@@ -44,6 +44,12 @@ PICKLE_ERROR = ("cxlalloc.hf: a {what} cannot be pickled or torch.save'd: its K/
                 "[(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]")
 
 
+# Stock transformers layer class -> (shares the full-attention store, factory(stock_layer, pool, slot)).
+# The factory returns the tiered layer, or None to leave that layer to transformers.  Filled here for
+# DynamicLayer and by cxlalloc.hf.layers for the other kinds (docs/huggingface.md#what-runs-where).
+TIERED_LAYERS: dict = {}
+
+
 def _shallow_copy(obj):
     """``copy.copy``: what the default reduction did (shares layers/storage)."""
     new = obj.__class__.__new__(obj.__class__)
@@ -356,6 +362,23 @@ class CxlKVLayer(DynamicLayer):
             n = torch.arange(self._store.g.batch)[torch.as_tensor(indices).cpu()].numel()
             self._detach(n, lambda t: t[indices])
 
+    # Whole-cache operations (CxlCache) move the K/V of all CxlKVLayers at once
+    # through their stores; these hooks let a subclass carry what else it holds
+    # (indexer keys, SSM state) through the same operation.
+    def _reorder_extra(self, beam_idx: torch.LongTensor) -> None:
+        """What else this layer holds, reordered for beam search (CxlCache.reorder_cache)."""
+
+    def _batch_extra(self, op: str, arg) -> None:
+        """What else this layer holds through ``batch_repeat_interleave`` / ``batch_select_indices`` (``op``)."""
+
+    def _empty_like(self, pool: "KVPool", memo) -> "CxlKVLayer":
+        """An empty layer of this kind for a deep copy of the cache (its K/V are set by the caller)."""
+        return CxlKVLayer(pool, self._share_slot)
+
+    def _extra_stores(self) -> list:
+        """KV storage this layer holds besides its K/V slot (counted in kv_stats)."""
+        return []
+
     def __reduce_ex__(self, protocol):
         raise TypeError(PICKLE_ERROR.format(what="CxlKVLayer"))
 
@@ -378,6 +401,9 @@ class CxlKVLayer(DynamicLayer):
             new._store.live_tokens = new._len = self._len
             self._pool.counters.add_existing(self._len * src.g.slot_elems * src.g.elem)
         return new
+
+
+TIERED_LAYERS[DynamicLayer] = (True, lambda layer, pool, slot: CxlKVLayer(pool, slot))
 
 
 class CxlCache(DynamicCache):
@@ -418,10 +444,17 @@ class CxlCache(DynamicCache):
             pool = self._pool
             self.layer_class_to_replicate = lambda: CxlKVLayer(pool, None)
         else:
-            full = [i for i, layer in enumerate(self.layers) if type(layer) is DynamicLayer]
-            self._pool = KVPool(allocator, len(full) if share_storage else 0, max_cache_len, growth, round_tokens)
-            for slot, i in enumerate(full):
-                self.layers[i] = CxlKVLayer(self._pool, slot if share_storage else None)
+            # Each stock layer kind with a tiered counterpart (TIERED_LAYERS) is
+            # replaced; layers of a kind that shares the full-attention store get a slot.
+            kinds = [TIERED_LAYERS.get(type(layer)) for layer in self.layers]
+            shared = [i for i, k in enumerate(kinds) if k is not None and k[0]]
+            self._pool = KVPool(allocator, len(shared) if share_storage else 0, max_cache_len, growth, round_tokens)
+            slots = {i: slot for slot, i in enumerate(shared)}
+            for i, kind in enumerate(kinds):
+                if kind is not None:
+                    made = kind[1](self.layers[i], self._pool, slots[i] if share_storage and i in slots else None)
+                    if made is not None:  # None: this instance cannot be tiered (stays transformers', reported)
+                        self.layers[i] = made
         self._last_layer_idx: Optional[int] = None
 
     # ------------------------------------------------------------ steps
@@ -522,10 +555,12 @@ class CxlCache(DynamicCache):
         for s in self._stores():
             s.reorder(beam_idx)
         for layer in self.layers:
-            if not isinstance(layer, CxlKVLayer):
+            if isinstance(layer, CxlKVLayer):
+                layer._reorder_extra(beam_idx)
+            else:
                 layer.reorder_cache(beam_idx)
 
-    def _rebuild(self, batch_of, transform, stock_op) -> None:
+    def _rebuild(self, batch_of, transform, stock_op, op: str = "", arg=None) -> None:
         for s in self._stores():
             if s.live_tokens == 0:
                 continue
@@ -537,21 +572,24 @@ class CxlCache(DynamicCache):
                 if layer._store is s:
                     layer._store = new
         for layer in self.layers:
-            if not isinstance(layer, CxlKVLayer):
+            if isinstance(layer, CxlKVLayer):
+                layer._batch_extra(op, arg)
+            else:
                 stock_op(layer)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every cached sequence ``repeats`` times on the batch dim (to
         continue a batch-B cache with ``num_return_sequences``/``num_beams``)."""
         self._rebuild(lambda b: b * repeats, lambda t: t.repeat_interleave(repeats, dim=0),
-                      lambda layer: layer.batch_repeat_interleave(repeats))
+                      lambda layer: layer.batch_repeat_interleave(repeats), "batch_repeat_interleave", repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the batch rows ``indices`` (long or bool)."""
         def count(b):
             return torch.arange(b)[torch.as_tensor(indices).cpu()].numel()
 
-        self._rebuild(count, lambda t: t[indices], lambda layer: layer.batch_select_indices(indices))
+        self._rebuild(count, lambda t: t[indices], lambda layer: layer.batch_select_indices(indices),
+                      "batch_select_indices", indices)
 
     def crop(self, tokens_to_remove: int) -> None:
         """``crop(-n)``: drop the last ``n`` tokens; ``crop(n > 0)``: keep the first
@@ -649,6 +687,7 @@ class CxlCache(DynamicCache):
         old = self._pool
         pool = KVPool(old.allocator, old.n_shared, old.hint, old.growth, old.round_tokens)
         new._pool = pool
+        memo[id(old)] = pool  # layers of other kinds (cxlalloc.hf.sliding) find the copy's pool here
         stores = {}
         for s in self._stores():
             c = s.clone(pool.counters)
@@ -659,7 +698,7 @@ class CxlCache(DynamicCache):
         layers = []
         for layer in self.layers:
             if isinstance(layer, CxlKVLayer):
-                nl = CxlKVLayer(pool, layer._share_slot)
+                nl = layer._empty_like(pool, memo)
                 nl.is_initialized = layer.is_initialized
                 if layer.is_initialized:
                     nl.device, nl.dtype = layer.device, layer.dtype
@@ -691,13 +730,17 @@ class CxlCache(DynamicCache):
             address space reserved; ``kv_live_bytes``: bytes of the live tokens;
             ``bytes_per_token``: K+V bytes of one token (all full-attention layers,
             whole batch); ``live_tokens`` / ``capacity_tokens`` (tokens);
-            ``cxl_layers`` / ``other_layers`` (counts: layers stored here / left to
-            transformers); ``stores``; and the :class:`KVCounters` fields
+            ``cxl_layers`` / ``other_layers`` (counts: layers in the shared
+            full-attention storage / all others, tiered or not: see
+            ``cxlalloc.hf.stats()["hf"]["layers"]``); ``stores`` (full-attention
+            stores); ``other_stores`` (sliding-window and indexer-key stores,
+            included in the byte counts above); and the :class:`KVCounters` fields
             (``bytes_copied``, ``step_bytes_copied``, ``regrowths``, ``demoted_bytes``...).
         """
         stores = self._stores()
+        extra = [s for layer in self.layers for s in getattr(layer, "_extra_stores", list)()]
         tiers = {"device": 0, "host": 0}
-        for s in stores:
+        for s in stores + extra:
             for k, v in s.tier_bytes().items():
                 tiers[k] += v
         layers = self._cxl_layers()
@@ -705,7 +748,7 @@ class CxlCache(DynamicCache):
         d = {
             "kv_device_bytes": tiers["device"],
             "kv_host_bytes": tiers["host"],
-            "kv_reserved_bytes": sum(s.extent.capacity for s in stores),
+            "kv_reserved_bytes": sum(s.extent.capacity for s in stores + extra),
             "bytes_per_token": sum(s.row_bytes for s in stores),
             "kv_live_bytes": sum(s.row_bytes for s in stores) * live,
             "live_tokens": live,
@@ -713,6 +756,7 @@ class CxlCache(DynamicCache):
             "cxl_layers": len(layers),
             "other_layers": len(self.layers) - len(layers),
             "stores": len(stores),
+            "other_stores": len(extra),
         }
         self._pool.update_demotions()
         d.update(self._pool.counters.as_dict())

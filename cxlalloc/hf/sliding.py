@@ -1,0 +1,353 @@
+"""Sliding-window (and chunked) attention layers with their K/V in a bounded cxlalloc extent.
+
+transformers' ``DynamicSlidingWindowLayer`` (transformers ``cache_utils.py``, 5.24)
+keeps the last ``window - 1`` tokens of each layer: every ``update`` returns
+``cat(cached, new)`` to attention and then keeps the last ``window - 1`` of that,
+so each decode step copies the whole window (``torch.cat``).  Its memory is
+bounded, but ``batch x window x layers`` is large for a long window and a large
+batch, and it lives in torch's allocator, outside ``device_limit``.
+
+:class:`CxlSlidingLayer` is a drop-in ``DynamicSlidingWindowLayer`` whose K/V live
+in one cxlalloc extent of class ``kv`` per layer, token-major (a
+:class:`~cxlalloc.hf.storage.KVStorage` of one slot), **bounded**: capacity
+``2 * (window - 1)`` tokens (at least ``window - 1 + 16``; the extent rounds up to
+whole chunks, see ``capacity_tokens``).  The cached window is the row range
+``[start, end)``:
+
+* ``update`` writes the new tokens in place at ``end`` and returns the strided
+  views of ``[start, end + q)`` (what the stock layer's ``cat`` returns), then
+  advances ``start`` so the range holds the last ``window - 1`` tokens;
+* when the new tokens do not fit before the capacity, the live window is first
+  moved to rows ``[0, n)`` once (one copy of ``window - 1`` rows every
+  ``capacity - (window - 1)`` tokens: amortised one row per token, against the
+  stock layer's ``window`` rows per token);
+* a forward of more tokens than the capacity holds (a prefill longer than the
+  window) returns ``cat(cached, new)`` as the stock layer does (a transient in
+  torch's memory, as there) and keeps its last ``window - 1`` tokens.
+
+``get_seq_length`` / ``get_mask_sizes`` are the stock layer's (from
+``cumulative_length``), so the mask and the returned K/V are the stock layer's
+exactly: same values, same order, same offsets.  ``activate_past_recording``
+(assisted decoding) keeps every token until ``crop`` as the stock layer does (the
+extent then regrows, one copy of the live window per regrowth).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional, Tuple
+
+import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from cxlalloc.hf.cache import PICKLE_ERROR, KVPool, _shallow_copy
+from cxlalloc.hf.storage import Geometry, KVStorage, grown_capacity
+
+# Extra tokens beyond the window a bounded extent holds at least (why more than
+# one: each compaction moves window - 1 rows; fewer extra rows mean more moves).
+MIN_EXTRA_TOKENS = 16
+
+
+class WindowStore:
+    """The rows ``[start, end)`` of a one-slot :class:`KVStorage` that hold a
+    layer's cached tokens, in token order.  Knows nothing of transformers."""
+
+    def __init__(self, pool: KVPool, g: Geometry, capacity_tokens: int):
+        if g.device != pool.device:
+            raise ValueError(
+                f"cxlalloc.hf: this cache's allocator serves {pool.device} but the model's key/value states are on "
+                f"{g.device}; wrap the model on the device it runs on (one device per wrapped model), or pass "
+                f"simulate=True for a CPU model")
+        self.pool = pool
+        row_bytes = g.slot_elems * g.elem
+        self.store = KVStorage(pool.allocator, g, 1, pool.clamp(capacity_tokens, capacity_tokens, row_bytes),
+                               pool.counters)
+        pool.stores.add(self.store)
+        self.start = self.end = 0
+
+    @property
+    def g(self) -> Geometry:
+        return self.store.g
+
+    @property
+    def n(self) -> int:
+        return self.end - self.start
+
+    def views(self, start: int, stop: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        self.store.apply_pending()
+        return self.store.key_view(0, start, stop), self.store.value_view(0, start, stop)
+
+    def _set_end(self, end: int) -> None:
+        self.end = end
+        self.store.live_tokens = end  # rows a beam reorder must move (apply_pending reorders [0, live))
+
+    def compact(self) -> None:
+        """Move the live rows to ``[0, n)`` (one copy; a temporary only if the ranges overlap)."""
+        n, s = self.n, self.store
+        if self.start == 0:
+            return
+        if n:
+            s.apply_pending()
+            src = s.rows(self.start, self.end)
+            if self.start < n:
+                src = src.clone()
+            s.rows(0, n).copy_(src)
+            s.counters.add_existing(n * s.row_bytes)
+        self.start = 0
+        self._set_end(n)
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append ``q`` tokens at ``end`` (the caller made room)."""
+        q = key_states.shape[-2]
+        self.store.apply_pending()
+        self.store.ensure(self.end + q)
+        self.store.write(0, self.end, key_states, value_states)
+        self._set_end(self.end + q)
+
+    def grow(self, tokens: int) -> None:
+        """Re-create the storage to hold ``tokens`` rows (live rows copied to ``[0, n)``)."""
+        self.compact()
+        pool = self.pool
+        self.store.regrow(pool.clamp(grown_capacity(tokens, self.store.capacity_tokens, pool.growth,
+                                                    pool.round_tokens), tokens, self.store.row_bytes))
+
+    def replace(self, key_states: torch.Tensor, value_states: torch.Tensor, existing: bool = False) -> None:
+        """Hold exactly these ``(B, H, n, D)`` states at rows ``[0, n)``
+        (``existing``: they are cached tokens being copied, not new ones)."""
+        self.start = 0
+        self._set_end(0)
+        self.store._pending = None
+        n = key_states.shape[-2]
+        if n:
+            self.write(key_states, value_states)
+            if existing:
+                c, nbytes = self.store.counters, n * self.store.row_bytes
+                c.add_new(-nbytes)
+                c.add_existing(nbytes)
+
+    def keep_last(self, keep: int) -> None:
+        self.start = max(self.start, self.end - keep)
+
+    def release(self) -> None:
+        self.start = 0
+        self._set_end(0)
+        self.store._pending = None
+        self.store.trim(0)
+
+
+class CxlSlidingLayer(DynamicSlidingWindowLayer):
+    """transformers' ``DynamicSlidingWindowLayer`` with its K/V in a bounded cxlalloc extent.
+
+    Args:
+        pool: the owning cache's :class:`~cxlalloc.hf.cache.KVPool` (allocator, counters).
+        sliding_window: the window ``w`` in tokens (>= 2): the layer caches the
+            last ``w - 1`` tokens.
+
+    ``update(key_states, value_states)`` takes ``(B, H_kv, q, D)`` tensors and
+    returns ``(keys, values)`` of shape ``(B, H_kv, min(L, w - 1) + q, D)``
+    (``L``: tokens seen before), equal to the stock layer's.
+
+    Raises (from ``update``):
+        ValueError: batch/heads/head-dim/dtype differ from the cached tokens', or
+            the states are on another device than the allocator's.
+        cxlalloc.OutOfMemoryError: neither tier has room for the window.
+    """
+
+    is_compileable = False  # engine calls inside update (the window's extent is made lazily)
+    # Never set _layer_type: transformers would register the class globally.
+
+    def __init__(self, pool: KVPool, sliding_window: int):
+        if int(sliding_window) < 2:
+            raise ValueError(f"cxlalloc.hf: sliding_window must be >= 2 tokens, got {sliding_window}")
+        self._pool = pool
+        self._win: Optional[WindowStore] = None
+        super().__init__(sliding_window=int(sliding_window))
+
+    @property
+    def _keep(self) -> int:
+        return self.sliding_window - 1
+
+    # ------------------------------------------------------------ live views
+    @property
+    def keys(self) -> Optional[torch.Tensor]:
+        """``(B, H_kv, n, Dk)`` view of the cached window (None before the first update)."""
+        w = getattr(self, "_win", None)
+        if w is None or not self.is_initialized:
+            return None
+        return w.views(w.start, w.end)[0]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._assign(value)
+
+    @property
+    def values(self) -> Optional[torch.Tensor]:
+        """``(B, H_kv, n, Dv)`` view of the cached window (None before the first update)."""
+        w = getattr(self, "_win", None)
+        if w is None or not self.is_initialized:
+            return None
+        return w.views(w.start, w.end)[1]
+
+    @values.setter
+    def values(self, value) -> None:
+        self._assign(value)
+
+    def _assign(self, value) -> None:
+        if value is None:  # transformers' constructors and resets assign None
+            w = getattr(self, "_win", None)
+            if w is not None:
+                w.release()
+            return
+        raise AttributeError("cxlalloc.hf: CxlSlidingLayer.keys/values are views of cxlalloc storage; "
+                             "write through update()")
+
+    def _extra_stores(self) -> list:
+        return [] if self._win is None else [self._win.store]
+
+    # ------------------------------------------------------------ HF layer API
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
+        self.is_initialized = True
+
+    def _bind(self, g: Geometry) -> WindowStore:
+        w = self._win
+        if w is not None and w.g == g:
+            return w
+        if w is not None and w.n:
+            raise ValueError(
+                f"cxlalloc.hf: new key states (B={g.batch}, H={g.heads}, D={g.k_dim}, {g.dtype}) do not match the "
+                f"{w.n} cached tokens of a sliding-window layer (B={w.g.batch}, H={w.g.heads}, D={w.g.k_dim}, "
+                f"{w.g.dtype}); to continue with num_return_sequences/num_beams=n call "
+                f"cache.batch_repeat_interleave(n) first")
+        if w is not None:
+            w.release()
+        self._win = WindowStore(self._pool, g, max(2 * self._keep, self._keep + MIN_EXTRA_TOKENS))
+        return self._win
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        w = self._bind(Geometry.of(key_states, value_states))
+        q = key_states.shape[-2]
+        self.cumulative_length += q
+        cap = w.store.capacity_tokens
+        if getattr(self, "record_past", False):
+            # Keep every token until crop(); return what get_mask_sizes announces.
+            if w.end + q > cap:
+                w.compact()
+            if w.end + q > w.store.capacity_tokens:
+                w.grow(w.n + q)
+            w.write(key_states, value_states)
+            visible = self._keep + q
+            return w.views(max(w.start, w.end - visible), w.end)
+        if w.end + q > cap and w.n + q <= cap:
+            w.compact()
+        if w.end + q <= w.store.capacity_tokens:
+            start = w.start
+            w.write(key_states, value_states)
+            k, v = w.views(start, w.end)
+            w.keep_last(self._keep)
+            return k, v
+        # More new tokens than the bounded extent holds (a prefill longer than the
+        # window): the stock layer's cat, then keep its last window - 1 tokens.
+        ck, cv = w.views(w.start, w.end)
+        full_k = torch.cat([ck, key_states], dim=-2)
+        full_v = torch.cat([cv, value_states], dim=-2)
+        w.replace(full_k[:, :, -self._keep:, :], full_v[:, :, -self._keep:, :])
+        return full_k, full_v
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """The stock layer's ``crop`` (5.24 rules and errors), on the extent's rows."""
+        w = self._win
+        if self.get_seq_length() >= self.sliding_window:
+            if not getattr(self, "record_past", False):
+                raise RuntimeError(
+                    "`crop` was called, but the current layer does not track past states, and the sliding window size "
+                    "was already reached. Call `activate_past_recording` before `crop` to be able to rollback the cache.")
+            if tokens_to_remove > 0:
+                raise RuntimeError(
+                    "Once the sliding window size has been reached, `DynamicSlidingWindowLayer` can only be cropped by "
+                    "passing a negative int, to specify how many tokens to remove")
+            if tokens_to_remove == 0:
+                w.keep_last(self._keep)
+            else:
+                t = abs(int(tokens_to_remove))
+                n = w.n
+                new_start = w.start + max(0, n - self._keep - t)
+                new_end = max(new_start, w.end - t)
+                w.start = new_start
+                w._set_end(new_end)
+                self.cumulative_length -= t
+            return
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead.")
+        if tokens_to_remove == 0 or not self.is_initialized or w is None:
+            return
+        t = abs(int(tokens_to_remove))
+        w._set_end(max(w.start, w.end - t))
+        self.cumulative_length = w.n
+
+    def reset(self) -> None:
+        if self._win is not None:
+            self._win.release()
+        self.is_initialized = False
+        self.cumulative_length = 0
+
+    def offload(self) -> None:  # tiering is cxlalloc's job
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: recorded, applied before the window is next read (only moved rows are copied)."""
+        if self._win is not None and self._win.n:
+            self._win.store.reorder(beam_idx)
+
+    def _rebatch(self, batch: int, transform) -> None:
+        w = self._win
+        if w is None or not w.n:
+            return
+        k, v = w.views(w.start, w.end)
+        k, v = transform(k), transform(v)
+        old = w
+        self._win = WindowStore(self._pool, Geometry(int(batch), *_rest(old.g)), old.store.capacity_tokens)
+        self._win.replace(k, v, existing=True)
+        old.release()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self._win is not None and self._win.n:
+            self._rebatch(self._win.g.batch * repeats, lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self._win is not None and self._win.n:
+            n = torch.arange(self._win.g.batch)[torch.as_tensor(indices).cpu()].numel()
+            self._rebatch(n, lambda t: t[indices])
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(PICKLE_ERROR.format(what="CxlSlidingLayer"))
+
+    def __copy__(self):
+        return _shallow_copy(self)
+
+    def __deepcopy__(self, memo):
+        pool = memo.get(id(self._pool), self._pool)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k not in ("_pool", "_win"):
+                new.__dict__[k] = v.clone() if torch.is_tensor(v) else copy.deepcopy(v, memo)
+        new._pool, new._win = pool, None
+        w = self._win
+        if w is not None and w.n:
+            new._win = WindowStore(pool, w.g, w.store.capacity_tokens)
+            new._win.replace(*w.views(w.start, w.end), existing=True)
+        return new
+
+
+def _rest(g: Geometry):
+    return g.heads, g.k_dim, g.v_dim, g.dtype, g.device
