@@ -153,6 +153,8 @@ def warning_text(r: Dict[str, Any], measured: bool) -> str:
     if r["fixed_state"]:
         what = (f"fixed-size state, {format_bytes(r['untiered_state_bytes'])}" if measured
                 else "fixed-size state")
-        left.append(f"{_kinds(r['fixed_state'])} ({what})")
+        kinds = ", ".join(f"{'the SSM/conv state of ' if k in r['tiered'] else ''}{k} x {n}"
+                          for k, n in sorted(r["fixed_state"].items()))
+        left.append(f"{kinds} ({what})")
     return (f"cxlalloc.hf tiers {r['tiered_layers']} of {storing} cache layers{tiered}; left to transformers: "
             f"{'; '.join(left)}; {GLOBAL_MODE_HINT}")

@@ -412,9 +412,15 @@ def _kv_geometry(model, device: torch.device) -> Optional[Geometry]:
     config (batch 1; the batch of each forward replaces it), or None."""
     try:
         cfg = model.config.get_text_config(decoder=True)
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        if getattr(cfg, "kv_lora_rank", None) and getattr(cfg, "qk_rope_head_dim", None):
+            # Multi-head latent attention (DeepSeek-V3/V3.2, GLM-MoE-DSA, Kimi-Linear, ...): the cache holds the
+            # compressed latents, single-head: K (B, 1, L, kv_lora_rank), V (B, 1, L, qk_rope_head_dim)
+            # (transformers models/deepseek_v3/modeling_deepseek_v3.py, DeepseekV3Attention.forward).  A model
+            # that caches otherwise only loses the plan (CxlCache.prepare_forward), not correctness.
+            return Geometry(1, 1, int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim), dtype, device)
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     except (AttributeError, StopIteration, TypeError, ZeroDivisionError):
         return None
     return Geometry(1, int(heads), int(head_dim), int(head_dim), dtype, device)
