@@ -156,5 +156,10 @@ def warning_text(r: Dict[str, Any], measured: bool) -> str:
         kinds = ", ".join(f"{'the SSM/conv state of ' if k in r['tiered'] else ''}{k} x {n}"
                           for k, n in sorted(r["fixed_state"].items()))
         left.append(f"{kinds} ({what})")
-    return (f"cxlalloc.hf tiers {r['tiered_layers']} of {storing} cache layers{tiered}; left to transformers: "
+    cls = r["cache_class"]
+    why = ""
+    if cls is not None and cls not in ("CxlCache", "CxlEncoderDecoderCache"):
+        why = (f" (generate() used a {cls}: one passed in, a cache_implementation, or the model's own cache class; "
+               f"cxlalloc.hf tiers only the CxlCache it makes or is given)")
+    return (f"cxlalloc.hf tiers {r['tiered_layers']} of {storing} cache layers{tiered}; left to transformers{why}: "
             f"{'; '.join(left)}; {GLOBAL_MODE_HINT}")
