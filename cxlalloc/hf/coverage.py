@@ -10,7 +10,7 @@ first ``generate()`` when the cache is only known then); ``hf.stats(model)["hf"]
 Report keys (docs/huggingface.md#what-runs-where):
 
 * ``cache_class``: the cache's class name (``None``: the model returned no
-  ``Cache``; ``"tuple"``: a legacy tuple cache);
+  cache; ``"tuple"`` / ``"list"``: a legacy tuple cache or a model's own state);
 * ``tiered``: ``{kind: layers}`` whose K/V (or window) live in cxlalloc extents;
 * ``untiered``: ``{kind: layers}`` holding KV that grows with the context, left
   to transformers (in torch's allocator: on a GPU, outside ``device_limit``);
@@ -72,10 +72,23 @@ def _split_bytes(layer) -> Tuple[int, int]:
 def _layers(cache) -> List[Tuple[Any, str]]:
     if isinstance(cache, EncoderDecoderCache):
         return _layers(cache.self_attention_cache) + [(l, s + CROSS) for l, s in _layers(cache.cross_attention_cache)]
-    layers = getattr(cache, "layers", None)
-    if layers is None and isinstance(cache, (list, tuple)):
-        layers = list(cache)
-    return [(layer, "") for layer in (layers or [])]
+    return [(layer, "") for layer in (getattr(cache, "layers", None) or [])]
+
+
+def _plain_report(r: Dict[str, Any], cache) -> None:
+    """A cache that is not a transformers ``Cache``: a legacy tuple of per-layer
+    ``(key, value)`` tuples (KV, grows), or the model's own list of state tensors
+    (RWKV's recurrent state: fixed size)."""
+    seen: set = set()
+    nbytes = _tensor_bytes(cache, seen)
+    items = list(cache) if isinstance(cache, (list, tuple)) else [cache]
+    if items and all(isinstance(i, (list, tuple)) for i in items):
+        r["untiered"][f"{r['cache_class']} of (key, value) per layer"] = len(items)
+        r["untiered_kv_bytes"] += nbytes
+    else:
+        kind = f"{r['cache_class']} of {len(items)} state tensors" if isinstance(cache, (list, tuple)) else r["cache_class"]
+        r["fixed_state"][kind] = 1
+        r["untiered_state_bytes"] += nbytes
 
 
 def _kind(layer) -> str:
@@ -91,7 +104,7 @@ def layer_report(cache, model_name: str = "") -> Dict[str, Any]:
     if cache is None:
         r["untiered"][f"no Cache ({model_name or 'model'} returned none)"] = 1
     else:
-        r["cache_class"] = "tuple" if isinstance(cache, tuple) else type(cache).__name__
+        r["cache_class"] = type(cache).__name__
         extra = 0
         if isinstance(cache, Cache) and not isinstance(cache, EncoderDecoderCache):
             # State a model-specific cache class keeps outside its layers (e.g. MiniMaxCache.linear_cache:
@@ -116,8 +129,8 @@ def layer_report(cache, model_name: str = "") -> Dict[str, Any]:
         if extra:
             r["fixed_state"][f"{type(cache).__name__} (state outside its layers)"] = 1
             r["untiered_state_bytes"] += extra
-        if not _layers(cache) and not extra and not isinstance(cache, Cache):
-            r["untiered"][r["cache_class"]] = 1
+        if not isinstance(cache, Cache):
+            _plain_report(r, cache)
     r["tiered_layers"] = sum(r["tiered"].values())
     r["layers"] = r["tiered_layers"] + sum(r["untiered"].values()) + sum(
         n for k, n in r["fixed_state"].items() if k not in r["tiered"] and "outside its layers" not in k) + sum(
