@@ -15,6 +15,7 @@ store sized at its one write (the encoder length).
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 from transformers.cache_utils import EncoderDecoderCache
@@ -63,6 +64,14 @@ class CxlEncoderDecoderCache(EncoderDecoderCache):
         d["bytes_per_token"] = a["bytes_per_token"]  # per generated token: the self-attention rows
         d["self_attention"], d["cross_attention"] = a, b
         return d
+
+    def __deepcopy__(self, memo):
+        """Both caches copied (:meth:`CxlCache.__deepcopy__`: live tokens, same allocator)."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            setattr(new, k, copy.deepcopy(v, memo))
+        return new
 
     def __reduce_ex__(self, protocol):
         raise TypeError(PICKLE_ERROR.format(what="CxlEncoderDecoderCache"))

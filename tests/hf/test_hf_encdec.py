@@ -40,6 +40,14 @@ def test_generate_identical_with_both_caches_in_extents(fresh_sim, name):
     for mode, out in outs.items():
         assert_same(refs[mode], out)
         c = returned_cache(out)
+        if name == "whisper":
+            # Whisper's generate() re-stacks the returned cache per batch row into a new transformers
+            # EncoderDecoderCache (models/whisper/generation_whisper.py, _postprocess_outputs): generation ran
+            # on the CxlEncoderDecoderCache, whose counters hf.stats() kept.
+            assert type(c).__name__ == "EncoderDecoderCache"
+            st = hf.stats(m)["hf"]["cache"]
+            assert st["kv_device_bytes"] == 2 * CHUNK and st["cross_attention"]["live_tokens"] == enc_len
+            continue
         assert type(c) is CxlEncoderDecoderCache
         self_c, cross_c = c.self_attention_cache, c.cross_attention_cache
         assert type(self_c) is CxlCache and type(cross_c) is CxlCache
@@ -52,7 +60,7 @@ def test_generate_identical_with_both_caches_in_extents(fresh_sim, name):
         assert st["kv_device_bytes"] == 2 * CHUNK and st["cross_attention"] == b and st["self_attention"] == a
     r = hf.stats(m)["hf"]["layers"]
     assert r["cache_class"] == "CxlEncoderDecoderCache" and not r["untiered"]
-    n = len(self_c.layers)
+    n = m.config.get_text_config(decoder=True).num_hidden_layers
     assert r["tiered"] == {"DynamicLayer": n, "DynamicLayer (cross-attention)": n}
     assert hf.stats(m)["hf"]["cache"]["kv_device_bytes"] == 2 * CHUNK
 

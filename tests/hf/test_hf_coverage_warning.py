@@ -1,0 +1,128 @@
+"""Never a silent no-op: CacheCoverageWarning and hf.stats()["hf"]["layers"]
+(cxlalloc/hf/coverage.py).  One warning per wrapped model when cache layers
+are left to transformers (at wrap() when the config tells, else at the first
+generate()), none when everything is tiered; the stats carry the same facts,
+with bytes measured from the cache generate() used."""
+
+import warnings
+
+import pytest
+from tests.helpers.hf_kinds import tiny_mamba, tiny_minimax, tiny_mistral
+from tests.helpers.hf_util import gen, padded_batch, tiny_llama, torch
+from transformers import DynamicCache
+
+import cxlalloc.hf as hf
+from cxlalloc.config import format_bytes
+from cxlalloc.hf import CacheCoverageWarning, returned_cache
+from cxlalloc.hf.coverage import layer_report
+
+HINT = "to put those in the tiers too use global mode (cxlalloc.enable() / CXLALLOC=1)"
+
+
+def nbytes(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def strict():
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.simplefilter("error", CacheCoverageWarning)
+    return ctx
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_mistral])
+def test_no_warning_when_everything_is_tiered(fresh_sim, make):
+    m = make()
+    ctx = strict()
+    try:
+        hf.wrap(m)
+        assert hf.stats(m)["hf"]["layers"]["untiered"] == {}  # predicted from the config at wrap()
+        gen(m, **padded_batch(), max_new_tokens=4)
+    finally:
+        ctx.__exit__(None, None, None)
+    r = hf.stats(m)["hf"]["layers"]
+    assert r["cache_class"] == "CxlCache" and r["tiered_layers"] == r["layers"] == 2
+    assert r["untiered"] == r["fixed_state"] == {} and r["untiered_kv_bytes"] == r["untiered_state_bytes"] == 0
+
+
+def test_fixed_state_model_is_told_at_wrap_with_bytes_in_stats(fresh_sim):
+    m = tiny_mamba()
+    with pytest.warns(CacheCoverageWarning) as w:
+        hf.wrap(m)
+    assert [str(x.message) for x in w] == [
+        f"cxlalloc.hf tiers 0 of 2 cache layers; left to transformers: LinearAttentionLayer x 2 (fixed-size state); "
+        f"{HINT}"]
+    ctx = strict()
+    try:
+        out = gen(m, input_ids=torch.randint(3, 1000, (1, 6)), max_new_tokens=4)
+    finally:
+        ctx.__exit__(None, None, None)
+    c = returned_cache(out)
+    state = sum(nbytes(*layer.conv_states.values(), *layer.recurrent_states.values()) for layer in c.layers)
+    r = hf.stats(m)["hf"]["layers"]
+    assert r["fixed_state"] == {"LinearAttentionLayer": 2} and r["untiered"] == {} and r["tiered_layers"] == 0
+    assert r["untiered_state_bytes"] == state > 0
+
+
+def test_model_specific_cache_is_told_at_the_first_generate_once(fresh_sim):
+    """MiniMax makes its own MiniMaxCache inside forward(): only a generate()
+    shows it; the warning names it with the bytes, once."""
+    m = tiny_minimax()
+    ctx = strict()
+    try:
+        hf.wrap(m)  # the config cannot tell: nothing said yet
+    finally:
+        ctx.__exit__(None, None, None)
+    assert hf.stats(m)["hf"]["layers"] is None
+    ids = padded_batch(batch=1, length=7)["input_ids"]
+    with pytest.warns(CacheCoverageWarning) as w:
+        out = gen(m, input_ids=ids, max_new_tokens=5)
+    c = returned_cache(out)
+    assert type(c).__name__ == "MiniMaxCache"
+    kv = sum(nbytes(layer.keys, layer.values) for layer in c.layers)
+    state = nbytes(*[t for t in c.linear_cache if torch.is_tensor(t)])
+    assert kv > 0 and state > 0
+    assert [str(x.message) for x in w] == [
+        f"cxlalloc.hf tiers 0 of {len(c.layers)} cache layers; left to transformers (generate() used a MiniMaxCache: "
+        f"one passed in, a cache_implementation, or the model's own cache class; cxlalloc.hf tiers only the "
+        f"CxlCache it makes or is given): DynamicLayer x {len(c.layers)} (~{format_bytes(kv)} of KV at this length); "
+        f"MiniMaxCache (state outside its layers) x 1 (fixed-size state, {format_bytes(state)}); {HINT}"]
+    r = hf.stats(m)["hf"]["layers"]
+    assert r["cache_class"] == "MiniMaxCache" and r["untiered"] == {"DynamicLayer": len(c.layers)}
+    assert r["untiered_kv_bytes"] == kv and r["untiered_state_bytes"] == state
+    ctx = strict()
+    try:
+        gen(m, input_ids=ids, max_new_tokens=8)  # the same situation: not said again
+    finally:
+        ctx.__exit__(None, None, None)
+    assert hf.stats(m)["hf"]["layers"]["untiered_kv_bytes"] > kv  # measured at the new length
+
+
+def test_a_cache_passed_in_or_configured_is_named(fresh_sim):
+    m = tiny_llama()
+    hf.wrap(m)
+    inp = padded_batch()
+    with pytest.warns(CacheCoverageWarning, match=r"used a DynamicCache: one passed in.*DynamicLayer x 2 \(~"):
+        out = gen(m, **inp, max_new_tokens=3, **{hf.cache_kwarg(m): DynamicCache(config=m.config)})
+    c = returned_cache(out)
+    assert hf.stats(m)["hf"]["layers"]["untiered_kv_bytes"] == sum(nbytes(x.keys, x.values) for x in c.layers)
+    with pytest.warns(CacheCoverageWarning, match=r"used a StaticCache.*StaticLayer x 2"):
+        gen(m, **inp, max_new_tokens=3, cache_implementation="static")
+    ctx = strict()
+    try:  # back to the CxlCache it makes: nothing to say; use_cache=False: no cache, nothing to say
+        gen(m, **inp, max_new_tokens=3)
+        gen(m, **inp, max_new_tokens=3, use_cache=False)
+    finally:
+        ctx.__exit__(None, None, None)
+    assert hf.stats(m)["hf"]["layers"]["cache_class"] == "CxlCache"
+
+
+def test_report_of_caches_that_are_not_a_transformers_cache():
+    none = layer_report(None, "SomeModel")
+    assert none["untiered"] == {"no Cache (SomeModel returned none)": 1} and none["cache_class"] is None
+    k = torch.zeros(1, 2, 5, 4)
+    legacy = layer_report(((k, k), (k, k)))
+    assert legacy["untiered"] == {"tuple of (key, value) per layer": 2}
+    assert legacy["untiered_kv_bytes"] == 4 * nbytes(k)
+    state = layer_report([torch.zeros(3, 4), torch.zeros(3, 4)])
+    assert state["fixed_state"] == {"list of 2 state tensors": 1} and state["untiered_state_bytes"] == 96
