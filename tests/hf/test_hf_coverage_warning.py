@@ -120,9 +120,10 @@ def test_a_cache_passed_in_or_configured_is_named(fresh_sim):
 def test_report_of_caches_that_are_not_a_transformers_cache():
     none = layer_report(None, "SomeModel")
     assert none["untiered"] == {"no Cache (SomeModel returned none)": 1} and none["cache_class"] is None
-    k = torch.zeros(1, 2, 5, 4)
-    legacy = layer_report(((k, k), (k, k)))
+    kvs = [torch.zeros(1, 2, 5, 4) for _ in range(4)]
+    legacy = layer_report(((kvs[0], kvs[1]), (kvs[2], kvs[3])))
     assert legacy["untiered"] == {"tuple of (key, value) per layer": 2}
-    assert legacy["untiered_kv_bytes"] == 4 * nbytes(k)
+    assert legacy["untiered_kv_bytes"] == nbytes(*kvs) == 4 * 160
+    assert layer_report(((kvs[0], kvs[0]),))["untiered_kv_bytes"] == 160  # a tensor held twice counts once
     state = layer_report([torch.zeros(3, 4), torch.zeros(3, 4)])
     assert state["fixed_state"] == {"list of 2 state tensors": 1} and state["untiered_state_bytes"] == 96
