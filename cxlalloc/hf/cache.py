@@ -2,9 +2,12 @@
 
 :class:`CxlCache` is a ``transformers.DynamicCache``: it builds the model's usual
 layer list from the config and replaces every plain ``DynamicLayer`` (full
-attention) with a :class:`CxlKVLayer`.  Sliding-window, chunked, indexed, linear
-and dummy layers stay transformers' own (their memory is bounded by the window, in
-ordinary torch memory).  transformers' generation code is untouched: greedy,
+attention) with a :class:`CxlKVLayer`, and each other stock layer kind listed in
+:data:`TIERED_LAYERS` with its tiered counterpart (sliding-window, indexed and
+attention+SSM layers: :mod:`cxlalloc.hf.layers`, :mod:`cxlalloc.hf.sliding`).
+Linear-attention (SSM) and dummy layers, and a model's own layer classes, stay
+transformers' own (:mod:`cxlalloc.hf.coverage` reports them).  transformers'
+generation code is untouched: greedy,
 sampling, beam search (``reorder_cache``), ``num_return_sequences``, padded batches,
 assisted decoding (``crop``), continuing from a returned cache and prompt-cache
 reuse (``copy.deepcopy``) all work as with ``DynamicCache``.

@@ -205,6 +205,13 @@ class PrefixReuse:
         """Learn the cache layout with one 1-token forward (the geometry of each
         full-attention layer, and whether any layer is of another kind)."""
         model = self.model
+        if getattr(model.config, "is_encoder_decoder", False):
+            # A prompt's KV there depends on the encoder input too, which a block key does not cover.
+            self.off_reason = (f"prefix reuse stores decoder-only caches; {type(model).__name__} is an "
+                               f"encoder-decoder model")
+            warnings.warn(f"cxlalloc.hf.wrap: kv_store: {self.off_reason}; KV reuse is off for this model "
+                          "(generate() works as without kv_store)", KVReuseWarning, stacklevel=4)
+            return
         device = next(p.device for p in model.parameters())
         cache = CxlCache(config=model.config.get_text_config(decoder=True), allocator=self.allocator, max_cache_len=1)
         try:

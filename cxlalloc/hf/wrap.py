@@ -1,7 +1,8 @@
 """``cxlalloc.hf.wrap(model)``: HuggingFace generate() with its KV cache in cxlalloc.
 
 After ``wrap``, ``model.generate(...)`` (any call the user already makes) allocates
-its KV cache as a :class:`cxlalloc.hf.CxlCache`: full-attention K/V in cxlalloc
+its KV cache as a :class:`cxlalloc.hf.CxlCache` (a :class:`CxlEncoderDecoderCache`
+for an encoder-decoder model): full-attention K/V in cxlalloc
 extents of class ``kv``, placed by the KV-aware policy (newest tokens in VRAM,
 oldest demoted to the host tier once the device budget is used), grown without
 copying.  Nothing else about the call changes.
@@ -293,9 +294,12 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
     """Make ``model.generate()`` keep its KV cache in cxlalloc.  Returns ``model``.
 
     Args:
-        model: a transformers ``PreTrainedModel`` with ``generate()`` (decoder-only;
-            encoder-decoder models keep transformers' cache), on one CUDA device,
-            or on the CPU for simulation.
+        model: a transformers ``PreTrainedModel`` with ``generate()`` (decoder-only,
+            or encoder-decoder: a :class:`CxlEncoderDecoderCache`), on one CUDA
+            device, or on the CPU for simulation.  Cache layers left to
+            transformers are said once (:class:`CacheCoverageWarning`, here when
+            the config tells, else at the first generate()) and counted in
+            ``stats(model)["hf"]["layers"]``.
         place_weights: move the parameters into the allocator (class ``weight``)
             so ``device_limit`` covers weights + KV.  Default: True with an
             allocator of its own ("scoped"), False with the process-wide engine

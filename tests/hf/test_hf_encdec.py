@@ -91,3 +91,18 @@ def test_copy_and_pickle(fresh_sim):
     assert twin.is_updated == c.is_updated
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(c)
+
+
+def test_kv_reuse_refuses_encoder_decoder_models_once(fresh_sim):
+    from cxlalloc.hf.reuse import KVReuseWarning
+
+    ref, m = tiny_t5(), tiny_t5()
+    with pytest.warns(KVReuseWarning, match="T5ForConditionalGeneration is an encoder-decoder model"):
+        hf.wrap(m, device_limit=64 * MiB, host_limit=256 * MiB, kv_store=True, block_tokens=4)
+    inp = padded_batch(length=9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KVReuseWarning)
+        for _ in range(2):
+            assert torch.equal(gen(m, **inp, max_new_tokens=4).sequences, gen(ref, **inp, max_new_tokens=4).sequences)
+    r = hf.stats(m)["hf"]
+    assert r["reuse"]["enabled"] is False and r["layers"]["cache_class"] == "CxlEncoderDecoderCache"
