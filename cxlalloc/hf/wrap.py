@@ -488,7 +488,12 @@ def _make_prepare_hook(model, st: WrapState):
         elif st.reuse is not None:
             st.reuse.skip("a cache was passed in" if user is not None else
                           "generate() uses another cache (cache_implementation, use_cache=False or offloading)")
-        st.note(model_kwargs.get(name))
+        swapped = model_kwargs.get(name)
+        if swapped is not made and getattr(generation_config, "is_assistant", False):
+            # transformers activated past recording on the cache it made (generation/utils.py,
+            # _prepare_cache_for_generation): an assistant's cache is cropped back after each round.
+            swapped.activate_past_recording()
+        st.note(swapped)
         return out
 
     return _prepare_cache_for_generation

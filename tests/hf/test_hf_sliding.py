@@ -221,3 +221,20 @@ def test_cxlcache_deepcopy_and_reset_carry_the_windows(fresh_sim):
     assert prompt.get_seq_length() == 9  # the original is untouched
     prompt.reset()
     assert prompt.kv_stats()["kv_device_bytes"] == 0
+
+
+def test_assisted_decoding_with_sliding_window_models_on_both_sides(fresh_sim):
+    """The assistant's cache records its past and is cropped back each round
+    (transformers activates past recording on the cache it makes; the wrapper's
+    CxlCache gets the same); the main model's cache is cropped too.  Tokens
+    identical to the same assisted call unwrapped."""
+    ids = padded_batch(batch=1, length=9)["input_ids"]
+    main, helper = tiny_mistral(window=6), tiny_mistral(window=6, seed=1)
+    ref = gen(main, input_ids=ids, max_new_tokens=12, min_new_tokens=12, assistant_model=helper)
+    hf.wrap(main)
+    hf.wrap(helper)
+    out = gen(main, input_ids=ids, max_new_tokens=12, min_new_tokens=12, assistant_model=helper)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert isinstance(returned_cache(out), CxlCache)
+    assert all(type(layer) is CxlSlidingLayer for layer in returned_cache(out).layers)
+    assert hf.stats(helper)["hf"]["caches_created"] >= 1
