@@ -31,6 +31,7 @@ Modules:
     layers    the tiered counterparts of transformers' other layer kinds (indexed, hybrid)
     sliding   CxlSlidingLayer: a sliding-window layer in a bounded extent
     encdec    CxlEncoderDecoderCache: encoder-decoder models' self- and cross-attention caches
+    model_caches  Cxl<Name>: a model's own DynamicCache subclass (MiniMaxCache) with tiered layers
     coverage  which layers are tiered, which are left to transformers; CacheCoverageWarning
     storage   KVStorage: token-major K/V of all layers in one cxlalloc extent; KVCounters
     compat    the differences between the transformers versions supported

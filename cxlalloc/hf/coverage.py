@@ -127,7 +127,10 @@ def layer_report(cache, model_name: str = "") -> Dict[str, Any]:
             r["untiered_kv_bytes"] += kv
             r["untiered_state_bytes"] += state
         if extra:
-            r["fixed_state"][f"{type(cache).__name__} (state outside its layers)"] = 1
+            own = type(cache)
+            if own.__module__ == "cxlalloc.hf.model_caches":  # Cxl<Name>: name the model's class
+                own = own.__bases__[0]
+            r["fixed_state"][f"{own.__name__} (state outside its layers)"] = 1
             r["untiered_state_bytes"] += extra
         if not isinstance(cache, Cache):
             _plain_report(r, cache)
@@ -171,7 +174,7 @@ def warning_text(r: Dict[str, Any], measured: bool) -> str:
         left.append(f"{kinds} ({what})")
     cls = r["cache_class"]
     why = ""
-    if cls is not None and cls not in ("CxlCache", "CxlEncoderDecoderCache"):
+    if cls is not None and not cls.startswith("Cxl"):  # CxlCache, CxlEncoderDecoderCache, Cxl<model's class>
         why = (f" (generate() used a {cls}: one passed in, a cache_implementation, or the model's own cache class; "
                f"cxlalloc.hf tiers only the CxlCache it makes or is given)")
     return (f"cxlalloc.hf tiers {r['tiered_layers']} of {storing} cache layers{tiered}; left to transformers{why}: "

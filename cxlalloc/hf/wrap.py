@@ -64,6 +64,7 @@ from cxlalloc.config import format_bytes, make_config
 from cxlalloc.hf.cache import CxlCache
 from cxlalloc.hf.coverage import CacheCoverageWarning, layer_report, needs_warning, signature, warning_text
 from cxlalloc.hf.encdec import CxlEncoderDecoderCache
+from cxlalloc.hf.model_caches import cxl_cache_for, own_cache_class
 from cxlalloc.hf.storage import Geometry
 from cxlalloc.hf.compat import TRANSFORMERS_VERSION, cache_kwarg, returned_cache
 from cxlalloc.hf.reuse import PrefixReuse, parse_reuse_options
@@ -485,6 +486,13 @@ def _make_prepare_hook(model, st: WrapState):
             cache = model_kwargs[name] = st.new_cache(model, int(max_cache_length) if max_cache_length else None)
             if st.reuse is not None:
                 st.reuse.load(cache, generation_config, batch_size)
+        elif (user is None and made is None and dynamic and getattr(generation_config, "use_cache", True) is not False
+                and own_cache_class(model) is not None):
+            # A model that builds its own DynamicCache subclass in forward() (MiniMax): give it a tiered one.
+            st.caches_created += 1
+            model_kwargs[name] = cxl_cache_for(model, st.allocator, int(max_cache_length) if max_cache_length else None)
+            if st.reuse is not None:
+                st.reuse.skip("the model's own cache class (prefix reuse stores plain full-attention caches)")
         elif st.reuse is not None:
             st.reuse.skip("a cache was passed in" if user is not None else
                           "generate() uses another cache (cache_implementation, use_cache=False or offloading)")

@@ -64,38 +64,49 @@ def test_fixed_state_model_is_told_at_wrap_with_bytes_in_stats(fresh_sim):
     assert r["untiered_state_bytes"] == state > 0
 
 
-def test_model_specific_cache_is_told_at_the_first_generate_once(fresh_sim):
-    """MiniMax makes its own MiniMaxCache inside forward(): only a generate()
-    shows it; the warning names it with the bytes, once."""
+def test_model_specific_cache_is_tiered_and_its_state_told_at_the_first_generate_once(fresh_sim):
+    """MiniMax makes its own MiniMaxCache inside forward(): generate() gets a
+    CxlMiniMaxCache (a MiniMaxCache whose full-attention layers are CxlKVLayers);
+    only a generate() shows the lightning-attention state it keeps (fixed size):
+    said then, once, with its bytes.  Tokens identical in every mode."""
+    from tests.helpers.hf_kinds import MODES, check_modes
+    from tests.helpers.hf_util import assert_same
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    from cxlalloc.hf import CxlKVLayer
+
     m = tiny_minimax()
+    inp = padded_batch(length=7)
+    modes = {k: MODES[k] for k in ("greedy", "beam", "sample")}
+    refs = check_modes(m, inp, new=6, modes=modes)
     ctx = strict()
     try:
         hf.wrap(m)  # the config cannot tell: nothing said yet
     finally:
         ctx.__exit__(None, None, None)
     assert hf.stats(m)["hf"]["layers"] is None
-    ids = padded_batch(batch=1, length=7)["input_ids"]
     with pytest.warns(CacheCoverageWarning) as w:
-        out = gen(m, input_ids=ids, max_new_tokens=5)
+        out = gen(m, **inp, max_new_tokens=6, min_new_tokens=6)
+    assert_same(refs["greedy"], out)
     c = returned_cache(out)
-    assert type(c).__name__ == "MiniMaxCache"
-    kv = sum(nbytes(layer.keys, layer.values) for layer in c.layers)
+    assert isinstance(c, MiniMaxCache) and type(c).__name__ == "CxlMiniMaxCache"
+    assert [type(layer) for layer in c.layers] == [CxlKVLayer] * len(c.layers) and len(c.layers) >= 1
+    assert c.kv_stats()["kv_device_bytes"] == 2 * 1024 * 1024
     state = nbytes(*[t for t in c.linear_cache if torch.is_tensor(t)])
-    assert kv > 0 and state > 0
+    assert state > 0
     assert [str(x.message) for x in w] == [
-        f"cxlalloc.hf tiers 0 of {len(c.layers)} cache layers; left to transformers (generate() used a MiniMaxCache: "
-        f"one passed in, a cache_implementation, or the model's own cache class; cxlalloc.hf tiers only the "
-        f"CxlCache it makes or is given): DynamicLayer x {len(c.layers)} (~{format_bytes(kv)} of KV at this length); "
-        f"MiniMaxCache (state outside its layers) x 1 (fixed-size state, {format_bytes(state)}); {HINT}"]
+        f"cxlalloc.hf tiers {len(c.layers)} of {len(c.layers)} cache layers (kinds DynamicLayer x {len(c.layers)}); "
+        f"left to transformers: MiniMaxCache (state outside its layers) x 1 (fixed-size state, "
+        f"{format_bytes(state)}); {HINT}"]
     r = hf.stats(m)["hf"]["layers"]
-    assert r["cache_class"] == "MiniMaxCache" and r["untiered"] == {"DynamicLayer": len(c.layers)}
-    assert r["untiered_kv_bytes"] == kv and r["untiered_state_bytes"] == state
+    assert r["cache_class"] == "CxlMiniMaxCache" and r["tiered"] == {"DynamicLayer": len(c.layers)}
+    assert r["untiered"] == {} and r["untiered_state_bytes"] == state and r["untiered_kv_bytes"] == 0
     ctx = strict()
-    try:
-        gen(m, input_ids=ids, max_new_tokens=8)  # the same situation: not said again
+    try:  # the same situation: not said again
+        for mode in ("beam", "sample"):
+            assert_same(refs[mode], gen(m, **inp, **modes[mode], max_new_tokens=6, min_new_tokens=6))
     finally:
         ctx.__exit__(None, None, None)
-    assert hf.stats(m)["hf"]["layers"]["untiered_kv_bytes"] > kv  # measured at the new length
 
 
 def test_a_cache_passed_in_or_configured_is_named(fresh_sim):
