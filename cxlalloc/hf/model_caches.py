@@ -64,8 +64,14 @@ def _tiered_class(base: type) -> type:
                 if k not in _CACHE_ATTRS and k not in Cache.__dict__:
                     setattr(self, k, copy.deepcopy(v))
 
+        def prepare_forward(self, tokens: int, batch: int, guess=None) -> bool:
+            # No plan: the layers are appended lazily up to each updated index, and those of
+            # other kinds (MiniMax's linear-attention layers) are never updated, so a plan
+            # would commit storage for them.  update() binds what is used.
+            return False
+
         cls = type(f"Cxl{base.__name__}", (base, CxlCache), {
-            "__init__": __init__, "__module__": __name__,
+            "__init__": __init__, "prepare_forward": prepare_forward, "__module__": __name__,
             "__doc__": f"transformers' {base.__name__} with its full-attention layers in cxlalloc "
                        f"(cxlalloc.hf.model_caches)."})
         _CLASSES[base] = cls
