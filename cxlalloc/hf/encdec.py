@@ -7,7 +7,7 @@ DynamicCache(config))``: the first holds the decoder's self-attention K/V (grows
 by one token per generated token), the second the cross-attention K/V, computed
 from the encoder output in the first decoder forward (``is_updated``) and read
 unchanged afterwards — as large as the encoder output (``batch x encoder tokens``
-per layer).  :class:`CxlEncoderDecoderCache` is that cache with a
+per layer; docs/sources.md#transformers-layer-kinds).  :class:`CxlEncoderDecoderCache` is that cache with a
 :class:`~cxlalloc.hf.CxlCache` in each place, on one allocator: the
 self-attention store reserved for ``max_length - 1`` tokens, the cross-attention
 store sized at its one write (the encoder length).

@@ -1,5 +1,6 @@
 """Tiered counterparts of transformers' cache layer kinds other than plain full attention.
 
+Facts about transformers' layers: docs/sources.md#transformers-layer-kinds.
 Which stock layer becomes which (registered in :data:`cxlalloc.hf.cache.TIERED_LAYERS`,
 used by :class:`~cxlalloc.hf.CxlCache`; the table is in docs/huggingface.md#what-runs-where):
 

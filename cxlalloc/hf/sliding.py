@@ -1,6 +1,7 @@
 """Sliding-window (and chunked) attention layers with their K/V in a bounded cxlalloc extent.
 
-transformers' ``DynamicSlidingWindowLayer`` (transformers ``cache_utils.py``, 5.24)
+transformers' ``DynamicSlidingWindowLayer`` (transformers ``cache_utils.py``, 5.24;
+docs/sources.md#transformers-layer-kinds)
 keeps the last ``window - 1`` tokens of each layer: every ``update`` returns
 ``cat(cached, new)`` to attention and then keeps the last ``window - 1`` of that,
 so each decode step copies the whole window (``torch.cat``).  Its memory is
