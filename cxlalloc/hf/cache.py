@@ -500,7 +500,9 @@ class CxlCache(DynamicCache):
             if layer._len and layer._store.g.batch != batch:
                 return False
         self._begin_step()
-        self._last_layer_idx = None
+        # -1, not None: the step has begun, so the first layer's update (an unplanned
+        # sliding-window layer, say) must not begin another.
+        self._last_layer_idx = -1
         pool = self._pool
         for layer in layers:  # storage for every layer first: a regrowth replaces a store's views
             if layer._prepared:

@@ -238,3 +238,15 @@ def test_assisted_decoding_with_sliding_window_models_on_both_sides(fresh_sim):
     assert isinstance(returned_cache(out), CxlCache)
     assert all(type(layer) is CxlSlidingLayer for layer in returned_cache(out).layers)
     assert hf.stats(helper)["hf"]["caches_created"] >= 1
+
+
+def test_one_step_per_forward_with_a_sliding_layer_first(fresh_sim):
+    """Gemma 2 begins with a sliding layer (not planned before the forward):
+    the planned step is not begun twice (one mark_step and one counter entry
+    per forward pass)."""
+    m = tiny_gemma2()
+    hf.wrap(m)
+    out = gen(m, **padded_batch(length=9), max_new_tokens=6, min_new_tokens=6)
+    st = returned_cache(out).kv_stats()
+    assert st["steps"] == 6 and len(st["step_bytes_copied"]) == 6  # prefill + 5 decode forwards
+    assert st["step_context_tokens"] == [9, 10, 11, 12, 13, 14]
