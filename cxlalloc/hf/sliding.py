@@ -11,17 +11,18 @@ batch, and it lives in torch's allocator, outside ``device_limit``.
 :class:`CxlSlidingLayer` is a drop-in ``DynamicSlidingWindowLayer`` whose K/V live
 in one cxlalloc extent of class ``kv`` per layer, token-major (a
 :class:`~cxlalloc.hf.storage.KVStorage` of one slot), **bounded**: capacity
-``2 * (window - 1)`` tokens (at least ``window - 1 + 16``; the extent rounds up to
-whole chunks, see ``capacity_tokens``).  The cached window is the row range
-``[start, end)``:
+``window - 1 + max((window - 1) // 4, 16)`` tokens (:func:`window_capacity`; the
+extent rounds up to whole chunks, see ``capacity_tokens``), 1.25x the window the
+stock layer keeps.  The cached window is the row range ``[start, end)``:
 
 * ``update`` writes the new tokens in place at ``end`` and returns the strided
   views of ``[start, end + q)`` (what the stock layer's ``cat`` returns), then
   advances ``start`` so the range holds the last ``window - 1`` tokens;
 * when the new tokens do not fit before the capacity, the live window is first
-  moved to rows ``[0, n)`` once (one copy of ``window - 1`` rows every
-  ``capacity - (window - 1)`` tokens: amortised one row per token, against the
-  stock layer's ``window`` rows per token);
+  moved to rows ``[0, n)`` once, front to back in blocks no longer than the shift
+  (no temporary): one copy of ``window - 1`` rows every ``capacity - (window - 1)``
+  tokens, amortised at most 4 rows per token against the stock layer's ``window``
+  rows per token (its ``torch.cat``);
 * a forward of more tokens than the capacity holds (a prefill longer than the
   window) returns ``cat(cached, new)`` as the stock layer does (a transient in
   torch's memory, as there) and keeps its last ``window - 1`` tokens.
@@ -44,9 +45,18 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from cxlalloc.hf.cache import PICKLE_ERROR, KVPool, _shallow_copy
 from cxlalloc.hf.storage import Geometry, KVStorage, grown_capacity
 
-# Extra tokens beyond the window a bounded extent holds at least (why more than
-# one: each compaction moves window - 1 rows; fewer extra rows mean more moves).
+# Rows a bounded extent holds beyond the window: (window - 1) // EXTRA_DIVISOR, at
+# least MIN_EXTRA_TOKENS.  Each compaction moves window - 1 rows once per extra rows
+# written, so the divisor is the amortised rows copied per token (4) and the memory
+# above the stock layer's window is 1 / divisor (25%).
+EXTRA_DIVISOR = 4
 MIN_EXTRA_TOKENS = 16
+
+
+def window_capacity(sliding_window: int) -> int:
+    """Tokens a sliding-window layer's bounded extent is asked for (before rounding to chunks)."""
+    keep = int(sliding_window) - 1
+    return keep + max(keep // EXTRA_DIVISOR, MIN_EXTRA_TOKENS)
 
 
 class WindowStore:
@@ -83,16 +93,17 @@ class WindowStore:
         self.store.live_tokens = end  # rows a beam reorder must move (apply_pending reorders [0, live))
 
     def compact(self) -> None:
-        """Move the live rows to ``[0, n)`` (one copy; a temporary only if the ranges overlap)."""
-        n, s = self.n, self.store
-        if self.start == 0:
+        """Move the live rows to ``[0, n)``: front to back in blocks of at most
+        ``start`` rows, so no block's source overlaps its destination and no
+        temporary is needed (memmove order)."""
+        n, s, shift = self.n, self.store, self.start
+        if shift == 0:
             return
         if n:
             s.apply_pending()
-            src = s.rows(self.start, self.end)
-            if self.start < n:
-                src = src.clone()
-            s.rows(0, n).copy_(src)
+            for r0 in range(0, n, shift):
+                r1 = min(n, r0 + shift)
+                s.rows(r0, r1).copy_(s.rows(r0 + shift, r1 + shift))
             s.counters.add_existing(n * s.row_bytes)
         self.start = 0
         self._set_end(n)
@@ -224,7 +235,7 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
                 f"cache.batch_repeat_interleave(n) first")
         if w is not None:
             w.release()
-        self._win = WindowStore(self._pool, g, max(2 * self._keep, self._keep + MIN_EXTRA_TOKENS))
+        self._win = WindowStore(self._pool, g, window_capacity(self.sliding_window))
         return self._win
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

@@ -15,6 +15,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 import cxlalloc.hf as hf
 from cxlalloc.hf import CxlCache, CxlSlidingLayer, returned_cache
 from cxlalloc.hf.cache import KVPool
+from cxlalloc.hf.sliding import window_capacity
 
 CHUNK = 2 * MiB
 # B=2, H=4, D=1024 fp32: 64 KiB of K+V per token, 32 tokens per 2 MiB chunk, so
@@ -54,7 +55,8 @@ def test_matches_the_stock_layer_step_by_step(make_alloc, window):
     w = mine._win
     cap = w.store.capacity_tokens
     assert cap == w.store.extent.capacity // w.store.row_bytes
-    assert cap >= 2 * (window - 1) and cap >= window - 1 + 16
+    assert cap >= window_capacity(window) >= window - 1 + 16
+    assert w.store.extent.capacity == -(-window_capacity(window) * w.store.row_bytes // CHUNK) * CHUNK
     # Bounded: the extent never grew, and the stock layer's per-step cat of the
     # window is replaced by one compaction every (capacity - window + 1) tokens.
     assert pool.counters.regrowths == 0
