@@ -25,7 +25,7 @@ Report keys (docs/huggingface.md#what-runs-where):
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, EncoderDecoderCache, LinearAttentionCacheLayerMixin
@@ -75,10 +75,16 @@ def _layers(cache) -> List[Tuple[Any, str]]:
     return [(layer, "") for layer in (getattr(cache, "layers", None) or [])]
 
 
-def _plain_report(r: Dict[str, Any], cache) -> None:
+def tensor_bytes(obj) -> int:
+    """Bytes of the tensors in ``obj`` (nested lists/tuples/dicts; each tensor once)."""
+    return _tensor_bytes(obj, set())
+
+
+def _plain_report(r: Dict[str, Any], cache, grew: Optional[bool]) -> None:
     """A cache that is not a transformers ``Cache``: a legacy tuple of per-layer
-    ``(key, value)`` tuples (KV, grows), or the model's own list of state tensors
-    (RWKV's recurrent state: fixed size)."""
+    ``(key, value)`` tuples (KV, grows), or the model's own list of state tensors:
+    KV that grows when ``grew`` (XLNet's ``mems``), else fixed-size state (RWKV's
+    recurrent state)."""
     seen: set = set()
     nbytes = _tensor_bytes(cache, seen)
     items = list(cache) if isinstance(cache, (list, tuple)) else [cache]
@@ -87,18 +93,25 @@ def _plain_report(r: Dict[str, Any], cache) -> None:
         r["untiered_kv_bytes"] += nbytes
     else:
         kind = f"{r['cache_class']} of {len(items)} state tensors" if isinstance(cache, (list, tuple)) else r["cache_class"]
-        r["fixed_state"][kind] = 1
-        r["untiered_state_bytes"] += nbytes
+        if grew:
+            r["untiered"][kind] = 1
+            r["untiered_kv_bytes"] += nbytes
+        else:
+            r["fixed_state"][kind] = 1
+            r["untiered_state_bytes"] += nbytes
 
 
 def _kind(layer) -> str:
     return STOCK_KIND.get(type(layer), type(layer).__name__)
 
 
-def layer_report(cache, model_name: str = "") -> Dict[str, Any]:
+def layer_report(cache, model_name: str = "", grew: Optional[bool] = None) -> Dict[str, Any]:
     """Classify ``cache``'s layers (a transformers ``Cache``, an
-    ``EncoderDecoderCache``, a legacy tuple, or None: the model returned no
-    cache).  Returns the dict described in the module docstring."""
+    ``EncoderDecoderCache``, a legacy tuple or list of tensors, or None: the
+    model returned no cache).  ``grew``: whether a plain list of tensors held
+    more bytes at the end of generate() than when first seen (then it is KV
+    that grows, else fixed-size state).  Returns the dict described in the
+    module docstring."""
     r: Dict[str, Any] = {"cache_class": None, "tiered": {}, "untiered": {}, "fixed_state": {}, "no_storage": {},
                          "untiered_kv_bytes": 0, "untiered_state_bytes": 0}
     if cache is None:
@@ -133,7 +146,7 @@ def layer_report(cache, model_name: str = "") -> Dict[str, Any]:
             r["fixed_state"][f"{own.__name__} (state outside its layers)"] = 1
             r["untiered_state_bytes"] += extra
         if not isinstance(cache, Cache):
-            _plain_report(r, cache)
+            _plain_report(r, cache, grew)
     r["tiered_layers"] = sum(r["tiered"].values())
     r["layers"] = r["tiered_layers"] + sum(r["untiered"].values()) + sum(
         n for k, n in r["fixed_state"].items() if k not in r["tiered"] and "outside its layers" not in k) + sum(

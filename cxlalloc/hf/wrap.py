@@ -56,13 +56,14 @@ import weakref
 from typing import Any, List, Optional
 
 import torch
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
 from cxlalloc import _C
 from cxlalloc.allocator import Allocator
 from cxlalloc.config import format_bytes, make_config
 from cxlalloc.hf.cache import CxlCache
-from cxlalloc.hf.coverage import CacheCoverageWarning, layer_report, needs_warning, signature, warning_text
+from cxlalloc.hf.coverage import (CacheCoverageWarning, layer_report, needs_warning, signature, tensor_bytes,
+                                  warning_text)
 from cxlalloc.hf.encdec import CxlEncoderDecoderCache
 from cxlalloc.hf.model_caches import cxl_cache_for, own_cache_class
 from cxlalloc.hf.storage import Geometry
@@ -72,6 +73,9 @@ from cxlalloc.hf.reuse import PrefixReuse, parse_reuse_options
 STATE_ATTR = "_cxlalloc_hf"
 # Instance attributes wrap() sets on the model (unwrap() and copies drop them).
 INSTANCE_ATTRS = ("_prepare_cache_for_generation", "generate", "__getstate__", STATE_ATTR)
+# forward() keywords under which models without a transformers Cache pass their own
+# state back in (XLNet / Transfo-XL "mems", RWKV "state", Reformer "past_buckets_states").
+OWN_STATE_KWARGS = ("mems", "state", "past_buckets_states")
 HOOK_PARAMS = ("generation_config", "model_kwargs", "generation_mode", "batch_size", "max_cache_length")
 # Scoped mode on a GPU without a device_limit: VRAM left to torch's own allocator
 # (activations, logits, cuBLAS workspaces) = max(2 GiB, 10% of VRAM).  Not yet
@@ -446,8 +450,14 @@ def _make_pre_forward(model, st: WrapState):
         tls = st._tls
         if getattr(tls, "depth", 0):  # inside a wrapped generate(): what cache does it use (coverage report)
             tls.forwards = getattr(tls, "forwards", 0) + 1
-            if cache is not None:
-                tls.seen = cache
+            used = cache
+            for name in OWN_STATE_KWARGS:
+                if used is None:
+                    used = kwargs.get(name)
+            if used is not None:
+                if getattr(tls, "seen", None) is None and not isinstance(used, Cache):
+                    tls.first_bytes = tensor_bytes(used)  # a plain state: does it grow? (coverage report)
+                tls.seen = used
             if kwargs.get("use_cache") is False:
                 tls.no_cache = True
         if not isinstance(cache, CxlCache):
@@ -545,22 +555,24 @@ def _make_generate(model, st: WrapState):
             if mine:
                 st.last_stats = mine[-1].kv_stats()
             seen, forwards, no_cache = tls.seen, tls.forwards, tls.no_cache
+            first, tls.first_bytes = getattr(tls, "first_bytes", None), None
             tls.depth, tls.forwards, tls.seen, tls.no_cache = saved
             if ok:
-                _report_coverage(model, st, mine[-1] if mine else (seen if seen is not None else returned_cache(out)),
-                                 forwards, no_cache)
+                used = mine[-1] if mine else (seen if seen is not None else returned_cache(out))
+                grew = None if first is None or used is not seen else tensor_bytes(seen) > first
+                _report_coverage(model, st, used, forwards, no_cache, grew)
             if began:
                 st.reuse.finish(out, error=not ok)
 
     return generate
 
 
-def _report_coverage(model, st: WrapState, cache, forwards: int, no_cache: bool) -> None:
+def _report_coverage(model, st: WrapState, cache, forwards: int, no_cache: bool, grew: Optional[bool]) -> None:
     """After a generate(): classify the cache it used (``st.layer_report``) and
     warn once per situation if anything is left to transformers."""
     if cache is None and (no_cache or forwards < 2):
         return  # use_cache=False, or too few forwards to know: nothing to report
-    r = layer_report(cache, type(model).__name__)
+    r = layer_report(cache, type(model).__name__, grew)
     st.layer_report = r
     _warn_once(st, r, measured=True, stacklevel=4)
 

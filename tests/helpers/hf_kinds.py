@@ -118,3 +118,16 @@ def no_cxlalloc_warnings():
     ctx.__enter__()
     warnings.simplefilter("error", CacheCoverageWarning)
     return ctx
+
+
+@_seeded
+def tiny_xlnet():
+    """XLNet: its own memory (mems, a tuple of per-layer hidden states that grows)."""
+    return T.XLNetLMHeadModel(T.XLNetConfig(d_model=32, n_layer=2, n_head=2, d_inner=64, vocab_size=1000))
+
+
+@_seeded
+def tiny_rwkv():
+    """RWKV: its own recurrent state (a list of 5 fixed-size tensors)."""
+    return T.RwkvForCausalLM(T.RwkvConfig(hidden_size=32, num_hidden_layers=2, vocab_size=1000,
+                                          attention_hidden_size=32, intermediate_size=64, context_length=64))

@@ -138,3 +138,27 @@ def test_report_of_caches_that_are_not_a_transformers_cache():
     assert layer_report(((kvs[0], kvs[0]),))["untiered_kv_bytes"] == 160  # a tensor held twice counts once
     state = layer_report([torch.zeros(3, 4), torch.zeros(3, 4)])
     assert state["fixed_state"] == {"list of 2 state tensors": 1} and state["untiered_state_bytes"] == 96
+
+
+@pytest.mark.parametrize("name", ["xlnet", "rwkv"])
+def test_a_model_without_a_transformers_cache_is_told_with_what_grows(fresh_sim, name):
+    """XLNet's mems grow with the context (reported as untiered KV); RWKV's
+    recurrent state does not (fixed-size state): told at the first generate(),
+    tokens unchanged."""
+    from tests.helpers.hf_kinds import tiny_rwkv, tiny_xlnet
+
+    make = {"xlnet": tiny_xlnet, "rwkv": tiny_rwkv}[name]
+    ref, m = make(), make()
+    ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(2))
+    hf.wrap(m)
+    with pytest.warns(CacheCoverageWarning) as w:
+        out = gen(m, input_ids=ids, max_new_tokens=5, min_new_tokens=5)
+    assert torch.equal(out.sequences, gen(ref, input_ids=ids, max_new_tokens=5, min_new_tokens=5).sequences)
+    r = hf.stats(m)["hf"]["layers"]
+    assert len(w) == 1 and r["tiered_layers"] == 0
+    if name == "xlnet":
+        assert r["cache_class"] == "tuple" and r["untiered"] == {"tuple of 2 state tensors": 1}
+        assert r["untiered_kv_bytes"] > 0 and "KV at this length" in str(w[0].message)
+    else:
+        assert r["cache_class"] == "list" and r["fixed_state"] == {"list of 5 state tensors": 1}
+        assert r["untiered_state_bytes"] > 0 and r["untiered"] == {} and "fixed-size state" in str(w[0].message)
