@@ -48,6 +48,7 @@ from cxlalloc import _C
 from cxlalloc.bench.meta import BENCHMARKS, OPT_IN, RecordWriter, new_record
 from cxlalloc.bench.model import SHAPES
 from cxlalloc.bench.timing import Deadline
+from cxlalloc.demo.progress import quiet_third_party
 from cxlalloc.usage import OneLineParser
 
 
@@ -230,6 +231,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except OSError as e:
         parser.error(f"--out: cannot write to {args.out!r}: {e.strerror or e}")
     console = _console(args.no_progress)
+    # transformers' own bars (weight loading, GGUF de-quantization) would fill a log with \r redraws
+    # and fight the bench's progress display on a terminal: the bench reports its own progress.
+    quiet_third_party()
     ctx = BenchContext(args, argv, console)
     ctx.log(f"cxlalloc bench: {', '.join(names)} -> {ctx.out_dir}"
             + (" (SIMULATION: CPU only, numbers not comparable to GPU)" if ctx.simulate else ""))

@@ -591,7 +591,8 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     else:
         run["sdpa_backends"] = "torch's default choice"
     if args.reuse:
-        return _main_reuse(args, model, tok, run, limit, host_limit, simulate, pad_id, device, weights, kv_need_est)
+        return _main_reuse(args, model, tok, run, limit, host_limit, simulate, pad_id, device, weights, kv_need_est,
+                           progress)
     report = Report(run)
     warm_up(model, tok, device, pad_id)
 
@@ -660,7 +661,8 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     return 0 if identical in (None, True) else 1
 
 
-def _main_reuse(args, model, tok, run, limit, host_limit, simulate, pad_id, device, weights, kv_need_est) -> int:
+def _main_reuse(args, model, tok, run, limit, host_limit, simulate, pad_id, device, weights, kv_need_est,
+                progress=None) -> int:
     """``--reuse``: the same requests without and with a KV store (:mod:`cxlalloc.demo.reuse`)."""
     import cxlalloc.hf as hf
     from cxlalloc.demo import reuse as demo_reuse
@@ -690,8 +692,8 @@ def _main_reuse(args, model, tok, run, limit, host_limit, simulate, pad_id, devi
     run["kv_layout"] = reuse["layout"]
     plan = demo_reuse._plan(DEFAULT_DOCUMENT.read_text(), QUESTIONS)
     try:
-        cold = demo_reuse.run_requests(model, tok, plan, args, pad_id, device, reuse=False)
-        warm = demo_reuse.run_requests(model, tok, plan, args, pad_id, device, reuse=True)
+        cold = demo_reuse.run_requests(model, tok, plan, args, pad_id, device, reuse=False, progress=progress)
+        warm = demo_reuse.run_requests(model, tok, plan, args, pad_id, device, reuse=True, progress=progress)
     except cxlalloc.OutOfMemoryError:
         print(_too_small("during generate()", limit, host_limit, weights, weight_footprint(model), kv_need_est),
               file=sys.stderr)

@@ -58,8 +58,10 @@ def _plan(document: str, questions: List[str]):
     return out
 
 
-def run_requests(model, tok, plan, args, pad_id, device, reuse: bool) -> List[dict]:
-    """Run every request of ``plan`` in order; returns one row per request."""
+def run_requests(model, tok, plan, args, pad_id, device, reuse: bool, progress=None) -> List[dict]:
+    """Run every request of ``plan`` in order; returns one row per request.
+
+    ``progress``: a :class:`cxlalloc.demo.progress.Progress` shown per request, or None."""
     import cxlalloc.hf as hf
 
     rows = []
@@ -70,8 +72,9 @@ def run_requests(model, tok, plan, args, pad_id, device, reuse: bool) -> List[di
         else:
             history = history + [{"role": "user", "content": text}]
         ids, mask = _chat_ids(tok, history, device)
-        timer = Timer(total=args.max_new_tokens, progress=not args.no_progress,
-                      desc=f"{'reuse' if reuse else 'no reuse'} {i + 1}/{len(plan)}")
+        desc = f"{'reuse' if reuse else 'no reuse'} {i + 1}/{len(plan)}"
+        timer = Timer(progress.generation(desc, int(ids.shape[1]), 1, args.max_new_tokens)
+                      if progress is not None else None)
         timer.start()
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False,
                              pad_token_id=pad_id, return_dict_in_generate=True, output_scores=True, streamer=timer,

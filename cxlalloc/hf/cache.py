@@ -22,6 +22,13 @@ never copied during generation; otherwise it grows geometrically (x2, rounded to
 256 tokens) with one copy of the live rows per regrowth (amortised O(1) per
 token, counted in ``regrowths``/``bytes_copied_existing``).
 
+Cache API semantics follow the installed transformers' ``DynamicCache``
+(docs/huggingface.md#cxlcache-vs-dynamiccache says what is identical and what
+differs): index arguments of every type are normalised by :func:`batch_rows`,
+``crop`` is all-or-nothing across layer kinds (:func:`crop_layers`), K/V are
+stored detached so a forward with grad back-propagates, and the views handed
+out change only where that section says.
+
 Supported transformers: 5.17-5.24 (the kwarg is ``past_key_values=`` on 5.17,
 ``cache=`` on later versions: use :func:`cxlalloc.hf.cache_kwarg`).
 Source of the API facts: transformers ``cache_utils.py`` (``CacheLayerMixin``,
@@ -31,14 +38,16 @@ Source of the API facts: transformers ``cache_utils.py`` (``CacheLayerMixin``,
 from __future__ import annotations
 
 import copy
+import operator
 import weakref
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from cxlalloc import _C
 from cxlalloc.allocator import Allocator
+from cxlalloc.hf.compat import POSITIVE_CROP_RAISES
 from cxlalloc.hf.storage import Geometry, KVCounters, KVStorage, grown_capacity
 
 
@@ -76,6 +85,141 @@ def default_allocator(device: int = 0):
 
 def _allocator_device(allocator) -> torch.device:
     return torch.device("cpu") if allocator.simulated else torch.device("cuda", allocator.device)
+
+
+GRAD_ACROSS_FORWARDS = (
+    "cxlalloc.hf: this forward needs gradients (grad enabled, K/V states requiring grad) through K/V that an "
+    "earlier forward with gradients cached; a CxlCache stores K/V detached, so gradients flow through each "
+    "forward's own K/V only.  Run the earlier forward under torch.no_grad(), or use transformers' DynamicCache "
+    "to back-propagate across forwards")
+
+
+def batch_rows(indices, batch: Optional[int], device, what: str, allow_mask: bool = True) -> torch.Tensor:
+    """Normalise a batch-row argument to a 1-D ``torch.long`` tensor on ``device``.
+
+    Every cache layer kind selects rows with the result (``index_select`` on
+    dim 0), so a tuple is a sequence of rows as in ``DynamicLayer``'s
+    ``keys[indices, ...]`` and never a multi-dimensional index.
+
+    Args:
+        indices: a 1-D tensor (any integer dtype, or bool: a mask of ``batch``
+            rows when ``allow_mask``), a list, tuple or ``range`` of ints, or a
+            1-D numpy array.  Negative rows count from the end, as in torch
+            indexing.
+        batch: the cache's batch size (None when no layer holds tokens yet:
+            no range check).
+        device: where the result goes (the storage's device).
+        what: the argument's name, for messages.
+        allow_mask: accept a bool mask (``batch_select_indices``; not
+            ``reorder_cache``, whose ``index_select`` needs integers).
+
+    Returns:
+        ``(n,)`` long tensor of rows in ``[0, batch)``, ``n >= 1``.
+
+    Raises:
+        TypeError: not a sequence of ints (floats, nested sequences, a bool
+            mask where none is accepted).
+        ValueError: not 1-D, or it selects no row.
+        IndexError: a row outside ``[-batch, batch)``, or a mask whose length
+            is not ``batch``.
+    """
+    if isinstance(indices, torch.Tensor):
+        t = indices.detach()
+    else:
+        try:
+            t = torch.as_tensor(indices)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"cxlalloc.hf: {what} must be a 1-D tensor, list, tuple or numpy array of batch rows "
+                            f"(ints), got {type(indices).__name__}: {e}") from None
+        if t.numel() == 0:
+            t = t.to(torch.long)
+    if t.dim() != 1:
+        raise ValueError(f"cxlalloc.hf: {what} must be 1-D (one entry per selected batch row), got shape "
+                         f"{tuple(t.shape)}")
+    if t.dtype == torch.bool:
+        if not allow_mask:
+            raise TypeError(f"cxlalloc.hf: {what} must hold integer batch rows, not a bool mask")
+        if batch is not None and t.numel() != batch:
+            raise IndexError(f"cxlalloc.hf: {what} is a mask of {t.numel()} rows for a cache of batch {batch}")
+        t = t.nonzero().flatten()
+    elif t.is_floating_point() or t.is_complex():
+        raise TypeError(f"cxlalloc.hf: {what} must hold integer batch rows, got dtype {t.dtype}")
+    t = t.to(device=device, dtype=torch.long)
+    if t.numel() == 0:
+        raise ValueError(f"cxlalloc.hf: {what} selects no batch row; a cache needs at least one")
+    if batch is not None:
+        lo, hi = int(t.min()), int(t.max())
+        if lo < -batch or hi >= batch:
+            raise IndexError(f"cxlalloc.hf: {what} {t.tolist()} has rows outside [-{batch}, {batch}) for a cache "
+                             f"of batch {batch}")
+        if lo < 0:
+            t = torch.where(t < 0, t + batch, t)
+    return t
+
+
+def crop_amount(tokens_to_remove) -> int:
+    """``crop()``'s argument as an int (a Python or numpy int, a 0-d integer tensor).
+
+    Raises:
+        TypeError: anything else (a float, a tensor of several values).
+    """
+    try:
+        return operator.index(tokens_to_remove)
+    except TypeError:
+        raise TypeError(f"cxlalloc.hf: crop(tokens_to_remove) takes an int (negative: tokens to drop), got "
+                        f"{type(tokens_to_remove).__name__} {tokens_to_remove!r}") from None
+
+
+def _layer_snapshot(layer) -> list:
+    """What a layer's ``crop`` may change: its attributes, and the contents of
+    the dicts/lists among them (linear-attention layers assign into a dict of
+    states).  Tensors are kept by reference: every crop slices and reassigns,
+    none writes in place."""
+    return [(k, v, dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else None)
+            for k, v in vars(layer).items()]
+
+
+def _layer_restore(layer, snap: list) -> None:
+    d = vars(layer)
+    d.clear()
+    for k, v, contents in snap:
+        if isinstance(v, dict):
+            v.clear()
+            v.update(contents)
+        elif isinstance(v, list):
+            v[:] = contents
+        d[k] = v
+
+
+def crop_layers(layers: Sequence, tokens_to_remove: int) -> None:
+    """Crop every layer of a cache, or none: all-or-nothing for any mix of
+    layer kinds (a hybrid sliding/full/linear cache is never left half cropped).
+
+    The layers are cropped in order, as ``Cache.crop`` does, so the error
+    raised is the one transformers' ``DynamicCache`` raises (the first layer
+    that refuses: a sliding layer past its window without past recording, a
+    linear-attention layer, a positive argument on 5.24); each layer's
+    ``crop`` runs under a snapshot of its attributes and, if one raises, the
+    layers already cropped are put back before the error propagates.
+    (transformers validates inside each layer's ``crop``, so there is no
+    separate check to run first; cxlalloc's own layers check before changing
+    anything: :meth:`CxlKVLayer.check_crop`.)
+
+    Raises:
+        TypeError: ``tokens_to_remove`` is not an int.
+        what the refusing layer raises (``ValueError``, ``RuntimeError``).
+    """
+    n = crop_amount(tokens_to_remove)
+    snaps = [_layer_snapshot(layer) for layer in layers]
+    done = 0
+    try:
+        for layer in layers:
+            layer.crop(n)
+            done += 1
+    except BaseException:
+        for layer, snap in zip(layers[:done + 1], snaps):
+            _layer_restore(layer, snap)
+        raise
 
 
 class KVPool:
@@ -166,7 +310,10 @@ class CxlKVLayer(DynamicLayer):
     takes ``(B, H_kv, q, D)`` tensors (any strides) of the model's dtype, writes
     them at positions ``[L, L+q)`` in place and returns ``(keys, values)``, each
     ``(B, H_kv, L+q, D)`` strided views of the storage (last-dim stride 1), exactly
-    the ``kv_length`` the attention mask was built for.
+    the ``kv_length`` the attention mask was built for.  With grad enabled and
+    states that require grad it returns ``torch.cat(cached, new)`` instead (the
+    new tokens connected to the caller's graph, as ``DynamicLayer`` does); the
+    storage always holds detached copies.
 
     Raises (from ``update``):
         ValueError: the batch/heads/head-dim differ from the cached ones while the
@@ -175,6 +322,8 @@ class CxlKVLayer(DynamicLayer):
             ``cache.batch_repeat_interleave(n)`` first), or the tensors are on
             another device than the allocator's.
         cxlalloc.OutOfMemoryError: neither tier has room for the new tokens.
+        RuntimeError: grad is needed through tokens an earlier forward with
+            grad cached (:data:`GRAD_ACROSS_FORWARDS`); nothing written.
     """
 
     is_sliding = False
@@ -194,6 +343,8 @@ class CxlKVLayer(DynamicLayer):
         self._prepared = False
         self._k = self._v = self._prev_k = None
         self._plan_undo = (0, 0)
+        # First cached position written from K/V that required grad (None: none).
+        self._grad_from: Optional[int] = None
         super().__init__()
 
     # ------------------------------------------------------------ live views
@@ -273,11 +424,12 @@ class CxlKVLayer(DynamicLayer):
             start = self._prev_k.shape[-2]
             if (key_states.shape[:2] == k.shape[:2] and value_states.shape[:2] == v.shape[:2]
                     and key_states.shape[-1] == k.shape[-1] and value_states.shape[-1] == v.shape[-1]
-                    and start + q == k.shape[-2] and key_states.dtype == k.dtype):
+                    and start + q == k.shape[-2] and key_states.dtype == k.dtype
+                    and not (torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad))):
                 self._prepared = False
                 self._k = self._v = self._prev_k = None
-                k.narrow(2, start, q).copy_(key_states)
-                v.narrow(2, start, q).copy_(value_states)
+                k.narrow(2, start, q).copy_(key_states.detach())
+                v.narrow(2, start, q).copy_(value_states.detach())
                 return k, v
             self._unplan()  # not the states planned for (a model whose K/V differ from its config): as below
         if not self.is_initialized:
@@ -297,12 +449,25 @@ class CxlKVLayer(DynamicLayer):
         if need > store.capacity_tokens:
             pool = self._pool
             store.regrow(pool.clamp(pool.capacity_for(need, store.capacity_tokens), need, store.row_bytes))
+        grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
+        if grad and self._grad_from is not None and self._grad_from < self._len:
+            raise RuntimeError(GRAD_ACROSS_FORWARDS)
         store.ensure(need)
-        store.write(self._slot, self._len, key_states, value_states)
+        start = self._len
+        # Stored detached: the storage is no autograd leaf written in place
+        # (the next step's write would invalidate this step's graph).
+        store.write(self._slot, start, key_states.detach(), value_states.detach())
         self._len = need
         ctx = self._pool.counters.step_context_tokens
         if ctx and need > ctx[-1]:
             ctx[-1] = need
+        if grad:
+            # What DynamicLayer's torch.cat returns: the cached tokens (no grad)
+            # followed by this forward's states, connected to its graph.
+            if self._grad_from is None:
+                self._grad_from = start
+            return (torch.cat([store.key_view(self._slot, 0, start), key_states], dim=-2),
+                    torch.cat([store.value_view(self._slot, 0, start), value_states], dim=-2))
         return store.key_view(self._slot, 0, need), store.value_view(self._slot, 0, need)
 
     def get_seq_length(self) -> int:
@@ -316,21 +481,46 @@ class CxlKVLayer(DynamicLayer):
     def get_max_length(self) -> int:
         return -1
 
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Raise what :meth:`crop` would raise, changing nothing.
+
+        Raises:
+            ValueError: ``tokens_to_remove > 0`` where the installed
+                transformers' ``DynamicLayer.crop`` refuses it (5.24), with its
+                message.
+            TypeError: not an int.
+        """
+        n = crop_amount(tokens_to_remove)
+        if n > 0 and POSITIVE_CROP_RAISES:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{n}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead.")
+
     def crop(self, tokens_to_remove: int) -> None:
-        """``crop(-n)`` drops the last ``n`` tokens; ``crop(n)`` with ``n > 0``
-        keeps the first ``n`` (transformers 5.17's meaning; 5.24 raises for it in
-        its own layers).  Memory is released by :meth:`CxlCache.crop`."""
-        if not self.is_initialized or tokens_to_remove == 0:
+        """The installed transformers' ``DynamicLayer.crop`` rules: ``crop(-n)``
+        drops the last ``n`` tokens (all of them if ``n`` is at least the
+        length), ``crop(0)`` and an empty layer change nothing; ``crop(n > 0)``
+        raises ``ValueError`` on 5.24 and keeps the first ``n`` on 5.17.
+        Memory is released by :meth:`CxlCache.crop` (or at the next step while
+        a view of the dropped tokens is alive)."""
+        self.check_crop(tokens_to_remove)
+        n = crop_amount(tokens_to_remove)
+        if n == 0 or not self.is_initialized:
             return
-        if tokens_to_remove > 0:
-            self._len = min(self._len, int(tokens_to_remove))
+        if self._prepared:
+            self._unplan()
+        if n > 0:
+            self._len = min(self._len, n)
         else:
-            self._len = max(0, self._len + int(tokens_to_remove))
+            self._len = max(0, self._len + n)
+        if self._grad_from is not None and self._grad_from >= self._len:
+            self._grad_from = None
 
     def reset(self) -> None:
         if self._prepared:
             self._unplan()
         self._len = 0
+        self._grad_from = None
         self.is_initialized = False
 
     def offload(self) -> None:  # tiering is cxlalloc's job: nothing to move by hand
@@ -340,12 +530,21 @@ class CxlKVLayer(DynamicLayer):
         pass
 
     # Direct per-layer calls (CxlCache does these for all layers at once).
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+    def _rows(self, indices, what: str, allow_mask: bool = True) -> torch.Tensor:
+        return batch_rows(indices, self._store.g.batch, self._store.g.device, what, allow_mask)
+
+    def reorder_cache(self, beam_idx) -> None:
+        """``new[b] = old[beam_idx[b]]`` for this layer's cached tokens, in place
+        (``beam_idx``: as :func:`batch_rows`, integers; one of another length
+        than the batch selects rows as :meth:`batch_select_indices` does)."""
         if self._len == 0:
             return
         store = self._store
         store.apply_pending()
-        idx = beam_idx.to(store.g.device)
+        idx = self._rows(beam_idx, "beam_idx", allow_mask=False)
+        if idx.numel() != store.g.batch:
+            self._detach(idx.numel(), lambda t: t.index_select(0, idx))
+            return
         for view in (store.key_view(self._slot, 0, self._len), store.value_view(self._slot, 0, self._len)):
             view.copy_(view.index_select(0, idx))
         store.counters.add_existing(self._len * store.g.slot_elems * store.g.elem)
@@ -360,10 +559,12 @@ class CxlKVLayer(DynamicLayer):
         if self._len:
             self._detach(self._store.g.batch * repeats, lambda t: t.repeat_interleave(repeats, dim=0))
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
+    def batch_select_indices(self, indices) -> None:
+        """Keep batch rows ``indices`` (as :func:`batch_rows`: tensor, list,
+        tuple, numpy array or bool mask)."""
         if self._len:
-            n = torch.arange(self._store.g.batch)[torch.as_tensor(indices).cpu()].numel()
-            self._detach(n, lambda t: t[indices])
+            idx = self._rows(indices, "indices")
+            self._detach(idx.numel(), lambda t: t.index_select(0, idx))
 
     # Whole-cache operations (CxlCache) move the K/V of all CxlKVLayers at once
     # through their stores; these hooks let a subclass carry what else it holds
@@ -488,11 +689,12 @@ class CxlCache(DynamicCache):
         whose states turn out to differ is handled by update() as without a plan.
 
         Returns False, doing nothing, when it cannot plan (no layers built from a
-        config, an empty layer and no ``guess``, or a batch that differs from the
-        cached one: update() then says what to do).
+        config, an empty layer and no ``guess``, a batch that differs from the
+        cached one: update() then says what to do; or grad enabled).
         """
         layers = self._cxl_layers()
-        if not layers or tokens < 1:
+        if not layers or tokens < 1 or torch.is_grad_enabled():
+            # With grad the update returns torch.cat'd tensors (CxlKVLayer.update), not planned views.
             return False
         for layer in layers:
             if layer._len == 0 and guess is None:
@@ -530,6 +732,7 @@ class CxlCache(DynamicCache):
         c.step_context_tokens.append(0)
         for s in list(pool.stores):
             s.apply_pending()
+            s.retry_trim()
         # KV read by this step is its working set: a transient allocated during
         # the step (case C04: a full-logits copy) never demotes it.
         pool.allocator.mark_step()
@@ -553,17 +756,62 @@ class CxlCache(DynamicCache):
             if trim:
                 s.trim(s.live_tokens)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+    def _batch(self) -> Optional[int]:
+        """The batch size of the cached tokens (None while no layer holds any)."""
+        for s in self._stores():
+            if s.live_tokens:
+                return s.g.batch
+        for layer in self.layers:
+            keys = getattr(layer, "keys", None)
+            if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[-2] > 0:
+                return int(keys.shape[0])
+        return None
+
+    def _rows(self, indices, what: str, allow_mask: bool = True) -> torch.Tensor:
+        return batch_rows(indices, self._batch(), self._pool.device, what, allow_mask)
+
+    @staticmethod
+    def _on(idx: torch.Tensor, layer) -> torch.Tensor:
+        dev = getattr(layer, "device", None)
+        return idx.to(dev) if isinstance(dev, torch.device) and dev != idx.device else idx
+
+    def reorder_cache(self, beam_idx) -> None:
         """Beam search: ``new[b] = old[beam_idx[b]]`` for every layer.  Full-attention
         layers record it and apply it at the next forward (only rows that move
-        are copied; the reorder after generate()'s last step is never applied)."""
+        are copied; the reorder after generate()'s last step is never applied).
+
+        ``beam_idx``: integer rows as :func:`batch_rows` (tensor of any integer
+        dtype, list, tuple, numpy array); one of another length than the batch
+        selects those rows (:meth:`batch_select_indices`), as ``index_select``
+        does in transformers' layers.  Views handed out before are rewritten in
+        place when the reorder is applied (docs/huggingface.md, "CxlCache vs
+        DynamicCache").
+
+        Raises:
+            TypeError / ValueError / IndexError: as :func:`batch_rows`.
+        """
+        idx = self._rows(beam_idx, "beam_idx", allow_mask=False)
+        batch = self._batch()
+        if batch is not None and idx.numel() != batch:
+            self.batch_select_indices(idx)
+            return
         for s in self._stores():
-            s.reorder(beam_idx)
+            s.reorder(idx)
         for layer in self.layers:
             if isinstance(layer, CxlKVLayer):
-                layer._reorder_extra(beam_idx)
+                layer._reorder_extra(idx)
             else:
-                layer.reorder_cache(beam_idx)
+                layer.reorder_cache(self._on(idx, layer))
+
+    def _check_supported(self, op: str) -> None:
+        """Raise before changing anything if one of transformers' own layers has
+        no ``op`` (5.24's linear-attention layers have no batch_select_indices /
+        batch_repeat_interleave: DynamicCache raises AttributeError there after
+        the layers before it were changed)."""
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, CxlKVLayer) and not callable(getattr(layer, op, None)):
+                raise AttributeError(f"cxlalloc.hf: cache layer {i} is transformers' {type(layer).__name__}, which "
+                                     f"has no {op}() (DynamicCache cannot do it either); nothing was changed")
 
     def _rebuild(self, batch_of, transform, stock_op, op: str = "", arg=None) -> None:
         for s in self._stores():
@@ -585,23 +833,45 @@ class CxlCache(DynamicCache):
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every cached sequence ``repeats`` times on the batch dim (to
         continue a batch-B cache with ``num_return_sequences``/``num_beams``)."""
+        repeats = operator.index(repeats)
+        if repeats < 1:
+            raise ValueError(f"cxlalloc.hf: batch_repeat_interleave(repeats) needs repeats >= 1, got {repeats}")
+        self._check_supported("batch_repeat_interleave")
         self._rebuild(lambda b: b * repeats, lambda t: t.repeat_interleave(repeats, dim=0),
                       lambda layer: layer.batch_repeat_interleave(repeats), "batch_repeat_interleave", repeats)
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the batch rows ``indices`` (long or bool)."""
-        def count(b):
-            return torch.arange(b)[torch.as_tensor(indices).cpu()].numel()
+    def batch_select_indices(self, indices) -> None:
+        """Keep only the batch rows ``indices``, in that order, in every layer:
+        a 1-D tensor (any integer dtype, or a bool mask of ``batch`` rows), a
+        list, tuple or numpy array of rows (a tuple is a sequence of rows, as in
+        ``DynamicLayer``, never a multi-dimensional index); negative rows count
+        from the end.  Full-attention K/V are copied into new storage; views
+        handed out before keep their values.
 
-        self._rebuild(count, lambda t: t[indices], lambda layer: layer.batch_select_indices(indices),
-                      "batch_select_indices", indices)
+        Raises:
+            TypeError / ValueError / IndexError: as :func:`batch_rows` (nothing
+            changed).
+        """
+        idx = self._rows(indices, "indices")
+        self._check_supported("batch_select_indices")
+        self._rebuild(lambda b: idx.numel(), lambda t: t.index_select(0, idx),
+                      lambda layer: layer.batch_select_indices(self._on(idx, layer)), "batch_select_indices", idx)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """``crop(-n)``: drop the last ``n`` tokens; ``crop(n > 0)``: keep the first
-        ``n`` in the full-attention layers (5.17 meaning; transformers' own
-        sliding layers follow their version's rule).  Chunks wholly beyond the
-        kept tokens are released."""
-        super().crop(tokens_to_remove)
+        """Remove tokens from every layer under the installed transformers'
+        rules (``crop(-n)`` drops the last ``n``, all if ``n`` is at least the
+        length; ``crop(0)`` only shrinks recording sliding/linear layers back
+        to their window; ``crop(n > 0)`` raises ``ValueError`` on 5.24, keeps
+        ``n`` on 5.17), all-or-nothing across layer kinds
+        (:func:`crop_layers`).  Chunks wholly beyond the kept tokens are
+        released (deferred to the next step while a view of them is alive).
+
+        Raises:
+            TypeError: not an int.
+            ValueError / RuntimeError: a layer refuses (transformers' message);
+                no layer was changed.
+        """
+        crop_layers(self.layers, tokens_to_remove)
         self._refresh_live(trim=True)
 
     def reset(self) -> None:

@@ -5,7 +5,7 @@
 | generate()/forward() cache kwarg and output field | ``past_key_values`` | ``cache`` (old name warns) |
 | ``forward(cache=...)`` | silently ignored (lands in ``**kwargs``) | used |
 | ``DynamicLayer.reset()`` | zeroes, keeps the length (stale) | drops the tensors |
-| ``crop(n > 0)`` | keep ``n`` tokens (deprecated) | ``ValueError`` |
+| ``crop(n > 0)`` | keep ``n`` tokens (deprecated) | ``ValueError`` (:data:`POSITIVE_CROP_RAISES`) |
 | ``layer.update`` call | ``(k, v, idx)`` | ``(k, v, idx, kwargs=...)`` |
 
 Source: transformers ``cache_utils.py`` / ``generation/utils.py`` of both versions
@@ -41,3 +41,21 @@ def returned_cache(output: Any) -> Optional[Any]:
         if name in keys:
             return output[name]
     return None
+
+
+def _positive_crop_raises() -> bool:
+    """Whether the installed ``DynamicLayer.crop`` refuses a positive argument
+    (5.24: ``ValueError``) rather than keeping that many tokens (5.17).  Asked
+    of transformers itself, on an empty layer, not inferred from the version."""
+    from transformers.cache_utils import DynamicLayer
+
+    try:
+        DynamicLayer().crop(1)
+    except ValueError:
+        return True
+    except Exception:  # 5.17 reads the (absent) keys of an empty layer: not the refusal
+        return False
+    return False
+
+
+POSITIVE_CROP_RAISES = _positive_crop_raises()

@@ -100,9 +100,13 @@ class CxlIndexedLayer(CxlKVLayer):
         if need > s.capacity_tokens:
             s.regrow(pool.clamp(pool.capacity_for(need, s.capacity_tokens), need, s.row_bytes))
         s.ensure(need)
-        k = indexer_key_states.unsqueeze(1)
-        s.write(0, self._ilen, k, k.new_empty((b, 1, q, 0)))
+        grad = torch.is_grad_enabled() and indexer_key_states.requires_grad
+        k = indexer_key_states.detach().unsqueeze(1)  # stored detached, as CxlKVLayer stores K/V
+        start = self._ilen
+        s.write(0, start, k, k.new_empty((b, 1, q, 0)))
         self._ilen = need
+        if grad:  # the stock layer's cat: cached keys (no grad), then this forward's, in its graph
+            return torch.cat([s.key_view(0, 0, start)[:, 0], indexer_key_states], dim=1)
         return s.key_view(0, 0, need)[:, 0]
 
     def _extra_stores(self) -> list:
@@ -124,9 +128,10 @@ class CxlIndexedLayer(CxlKVLayer):
         if self.indexer_position_ids is not None:
             self.indexer_position_ids = self.indexer_position_ids[..., : -abs(tokens_to_remove)]
         if self._ilen:
+            # Only the length: no memory is released (an all-or-nothing crop may put the length back;
+            # the rows beyond it are rewritten by the next update_indexer, released by reset()).
             self._ilen = min(self._ilen, int(tokens_to_remove)) if tokens_to_remove > 0 else \
                 max(0, self._ilen + int(tokens_to_remove))
-            self._istore.trim(self._ilen)
 
     def _reorder_extra(self, beam_idx: torch.LongTensor) -> None:
         if self._ilen:

@@ -42,7 +42,7 @@ from typing import Optional, Tuple
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from cxlalloc.hf.cache import PICKLE_ERROR, KVPool, _shallow_copy
+from cxlalloc.hf.cache import GRAD_ACROSS_FORWARDS, PICKLE_ERROR, KVPool, _shallow_copy
 from cxlalloc.hf.storage import Geometry, KVStorage, grown_capacity
 
 # Rows a bounded extent holds beyond the window: (window - 1) // EXTRA_DIVISOR, at
@@ -90,7 +90,9 @@ class WindowStore:
 
     def _set_end(self, end: int) -> None:
         self.end = end
-        self.store.live_tokens = end  # rows a beam reorder must move (apply_pending reorders [0, live))
+        # Rows a beam reorder must move (apply_pending reorders [0, live)): never lowered here, so a
+        # crop put back by CxlCache's all-or-nothing crop (cxlalloc.hf.cache.crop_layers) stays covered.
+        self.store.live_tokens = max(self.store.live_tokens, end)
 
     def compact(self) -> None:
         """Move the live rows to ``[0, n)``: front to back in blocks of at most
@@ -129,6 +131,7 @@ class WindowStore:
         self.start = 0
         self._set_end(0)
         self.store._pending = None
+        self.store.live_tokens = 0  # every row is rewritten
         n = key_states.shape[-2]
         if n:
             self.write(key_states, value_states)
@@ -173,6 +176,7 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
             raise ValueError(f"cxlalloc.hf: sliding_window must be >= 2 tokens, got {sliding_window}")
         self._pool = pool
         self._win: Optional[WindowStore] = None
+        self._grad_cached = False  # tokens from a forward with gradients are in the window
         super().__init__(sliding_window=int(sliding_window))
 
     @property
@@ -243,6 +247,14 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
             self.lazy_initialization(key_states, value_states)
         w = self._bind(Geometry.of(key_states, value_states))
         q = key_states.shape[-2]
+        # With gradients: stored detached (the storage is no autograd leaf written in place), and
+        # returned as the stock layer's cat (cached tokens without grad, then this forward's states),
+        # as CxlKVLayer does; K/V cached by an earlier forward with gradients: refused, as there.
+        grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
+        if grad and self._grad_cached and w.n:
+            raise RuntimeError(GRAD_ACROSS_FORWARDS)
+        new_k, new_v = (key_states.detach(), value_states.detach()) if grad else (key_states, value_states)
+        self._grad_cached = self._grad_cached or grad
         self.cumulative_length += q
         cap = w.store.capacity_tokens
         if getattr(self, "record_past", False):
@@ -251,27 +263,42 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
                 w.compact()
             if w.end + q > w.store.capacity_tokens:
                 w.grow(w.n + q)
-            w.write(key_states, value_states)
             visible = self._keep + q
-            return w.views(max(w.start, w.end - visible), w.end)
+            first = max(w.start, w.end + q - visible)
+            w.write(new_k, new_v)
+            return self._returned(w, first, key_states, value_states, grad)
         if w.end + q > cap and w.n + q <= cap:
             w.compact()
         if w.end + q <= w.store.capacity_tokens:
             start = w.start
-            w.write(key_states, value_states)
-            k, v = w.views(start, w.end)
+            w.write(new_k, new_v)
+            out = self._returned(w, start, key_states, value_states, grad)
             w.keep_last(self._keep)
-            return k, v
+            return out
         # More new tokens than the bounded extent holds (a prefill longer than the
         # window): the stock layer's cat, then keep its last window - 1 tokens.
         ck, cv = w.views(w.start, w.end)
         full_k = torch.cat([ck, key_states], dim=-2)
         full_v = torch.cat([cv, value_states], dim=-2)
-        w.replace(full_k[:, :, -self._keep:, :], full_v[:, :, -self._keep:, :])
+        w.replace(full_k[:, :, -self._keep:, :].detach(), full_v[:, :, -self._keep:, :].detach())
         return full_k, full_v
 
+    @staticmethod
+    def _returned(w: WindowStore, start: int, key_states, value_states, grad: bool):
+        """Rows ``[start, end)`` (the new tokens last) as views, or with gradients
+        the cached part as views followed by the states themselves."""
+        if not grad:
+            return w.views(start, w.end)
+        q = key_states.shape[-2]
+        ck, cv = w.views(start, w.end - q)
+        return torch.cat([ck, key_states], dim=-2), torch.cat([cv, value_states], dim=-2)
+
     def crop(self, tokens_to_remove: int) -> None:
-        """The stock layer's ``crop`` (5.24 rules and errors), on the extent's rows."""
+        """The stock layer's ``crop`` (5.24 rules and errors), on the extent's rows.
+        Only this layer's attributes change (a new row range object; no memory
+        is released), so an all-or-nothing crop can put them back."""
+        if self._win is not None:
+            self._win = copy.copy(self._win)
         w = self._win
         if self.get_seq_length() >= self.sliding_window:
             if not getattr(self, "record_past", False):
@@ -306,6 +333,7 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
     def reset(self) -> None:
         if self._win is not None:
             self._win.release()
+        self._grad_cached = False
         self.is_initialized = False
         self.cumulative_length = 0
 

@@ -56,6 +56,9 @@ class KVCounters:
             copies only the new token's K/V, a constant.
         step_context_tokens: live tokens after each forward pass (same order).
         regrowths: capacity exceeded and storage re-created larger (copy).
+        trims_deferred: crops/resets whose chunk release waited because a
+            tensor handed out earlier (a K/V view) still pointed into the
+            chunks (released at a later step once no such tensor is alive).
         reorders / reorder_rows: beam reorders applied / batch rows moved.
         demoted_bytes / demotions: bytes and moves the allocator demoted to the
             host tier while this cache lived (its counters' delta: with several
@@ -69,6 +72,7 @@ class KVCounters:
     step_bytes_copied: List[int] = dataclasses.field(default_factory=list)
     step_context_tokens: List[int] = dataclasses.field(default_factory=list)
     regrowths: int = 0
+    trims_deferred: int = 0
     reorders: int = 0
     reorder_rows: int = 0
     demoted_bytes: int = 0
@@ -152,6 +156,14 @@ class KVStorage:
         self.capacity_tokens = self.extent.capacity // self.row_bytes  # the extent rounds up to whole chunks
         self.flat = self.extent.tensor(self.g.dtype)
         self._backed_bytes = 0
+        self._trim_to: Optional[int] = None  # a trim that waits for outstanding views
+        self._own_refs = _storage_refs(self.flat)
+
+    def views_outstanding(self) -> bool:
+        """True while a tensor other than this store's own points into its memory
+        (a K/V view handed to attention or to the caller)."""
+        n = _storage_refs(self.flat)
+        return n is None or n > self._own_refs
 
     def ensure(self, tokens: int) -> None:
         """Commit memory for rows ``[0, tokens)`` (no copy; raises if beyond capacity).
@@ -183,13 +195,33 @@ class KVStorage:
         self.counters.regrowths += 1
 
     def trim(self, tokens: int) -> None:
-        """Release committed chunks wholly beyond row ``tokens`` (crop/reset)."""
+        """Release committed chunks wholly beyond row ``tokens`` (crop/reset).
+
+        While a tensor handed out earlier still points into this storage (a
+        view kept by the caller or by attention), releasing chunks would leave
+        it reading unmapped memory (a crash on a GPU and in the simulator), so
+        the release is deferred (``trims_deferred``) and retried by
+        :meth:`retry_trim` at the next step; the rows stay committed meanwhile.
+        """
         self.live_tokens = min(self.live_tokens, tokens)
-        keep = tokens * self.row_bytes
-        if keep < self._backed_bytes:
-            self.extent.trim(keep)
-            chunk = self.extent.chunk_bytes
-            self._backed_bytes = -(-keep // chunk) * chunk
+        keep = int(tokens) * self.row_bytes
+        if keep >= self._backed_bytes:
+            return
+        if self.views_outstanding():
+            if self._trim_to is None:
+                self.counters.trims_deferred += 1
+            self._trim_to = int(tokens) if self._trim_to is None else min(self._trim_to, int(tokens))
+            return
+        self._trim_to = None
+        self.extent.trim(keep)
+        chunk = self.extent.chunk_bytes
+        self._backed_bytes = -(-keep // chunk) * chunk
+
+    def retry_trim(self) -> None:
+        """Carry out a deferred :meth:`trim` (rows written since are kept)."""
+        if self._trim_to is not None and not self.views_outstanding():
+            tokens, self._trim_to = max(self._trim_to, self.live_tokens), None
+            self.trim(tokens)
 
     def tier_bytes(self) -> dict:
         """``{"device": bytes, "host": bytes}`` committed by this store's extent."""
@@ -236,7 +268,8 @@ class KVStorage:
 
     # ------------------------------------------------------------------ batch ops
     def reorder(self, beam_idx: torch.Tensor) -> None:
-        """Record a beam reorder ``new[b] = old[beam_idx[b]]`` for every slot.
+        """Record a beam reorder ``new[b] = old[beam_idx[b]]`` for every slot
+        (``beam_idx``: 1-D long tensor of ``batch`` rows in ``[0, batch)``).
 
         Applied lazily (composed with earlier pending reorders) at the next
         :meth:`apply_pending`: generate() reorders after its last step too, and
@@ -306,6 +339,17 @@ class KVStorage:
             new.live_tokens = n
             counters.add_existing(n * self.row_bytes)
         return new
+
+
+def _storage_refs(t: torch.Tensor) -> Optional[int]:
+    """How many tensors share ``t``'s storage (each view holds one reference;
+    the temporary storage object made here adds one, the same every call), or
+    None if torch cannot say.  torch has no public call for it;
+    ``torch._C._storage_Use_Count`` exists since torch 2.1.  Without it every
+    store counts as viewed, so a crop releases no chunk before the store is
+    dropped (memory kept, never a read of released memory)."""
+    fn = getattr(torch._C, "_storage_Use_Count", None)
+    return None if fn is None else int(fn(t.untyped_storage()._cdata))
 
 
 def grown_capacity(need: int, current: int, growth: float = 2.0, round_tokens: int = 256) -> int:

@@ -474,6 +474,23 @@ def _make_pre_forward(model, st: WrapState):
     return pre_forward
 
 
+def _keep_recording(made, cache) -> None:
+    """Carry past-state recording from the cache transformers made over to the
+    CxlCache that replaces it.  transformers 5.24's
+    ``_prepare_cache_for_generation`` calls ``activate_past_recording()`` on
+    the cache it makes for an assistant model (``generation_config.is_assistant``,
+    set by ``AssistedCandidateGenerator``), so that its later ``crop()`` rollbacks
+    can restore sliding-window and linear-attention layers; a fresh cache would
+    refuse the first rollback once the window is reached
+    (transformers ``generation/utils.py``, ``cache_utils.py``
+    ``DynamicSlidingWindowLayer.crop``: docs/sources.md#transformers-cache-api)."""
+    for i, layer in enumerate(getattr(made, "layers", ())):
+        if getattr(layer, "record_past", False) and i < len(cache.layers):
+            target = cache.layers[i]
+            if hasattr(target, "activate_past_recording"):
+                target.activate_past_recording()
+
+
 def _make_prepare_hook(model, st: WrapState):
     def _prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
                                       *args, **kwargs):
@@ -494,6 +511,7 @@ def _make_prepare_hook(model, st: WrapState):
         elif (user is None and type(made) is DynamicCache and not getattr(made, "offloading", False)
                 and dynamic):
             cache = model_kwargs[name] = st.new_cache(model, int(max_cache_length) if max_cache_length else None)
+            _keep_recording(made, cache)
             if st.reuse is not None:
                 st.reuse.load(cache, generation_config, batch_size)
         elif (user is None and made is None and dynamic and getattr(generation_config, "use_cache", True) is not False
@@ -507,9 +525,9 @@ def _make_prepare_hook(model, st: WrapState):
             st.reuse.skip("a cache was passed in" if user is not None else
                           "generate() uses another cache (cache_implementation, use_cache=False or offloading)")
         swapped = model_kwargs.get(name)
-        if swapped is not made and getattr(generation_config, "is_assistant", False):
-            # transformers activated past recording on the cache it made (generation/utils.py,
-            # _prepare_cache_for_generation): an assistant's cache is cropped back after each round.
+        if swapped is not made and type(made) is not DynamicCache and getattr(generation_config, "is_assistant", False):
+            # An assistant's encoder-decoder or model-specific cache (a DynamicCache's: _keep_recording above):
+            # transformers records the past of the cache it makes, so that crop() can roll it back.
             swapped.activate_past_recording()
         st.note(swapped)
         return out
@@ -531,6 +549,10 @@ def _make_generate(model, st: WrapState):
             supports = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
             if kwargs.get(name) is None and impl is None and use_cache is not False and supports:
                 kwargs[name] = st.new_cache(model, None)
+                if getattr(gcfg, "is_assistant", False):
+                    # The cache is passed in as the user's, so transformers does not mark it for past
+                    # recording as it does the assistant cache it makes (_keep_recording).
+                    kwargs[name].activate_past_recording()
                 if st.reuse is not None and not isinstance(kwargs[name], CxlEncoderDecoderCache):
                     st.reuse.begin(args, kwargs)
                     began = True

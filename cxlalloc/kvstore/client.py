@@ -45,6 +45,7 @@ from cxlalloc import _C
 from cxlalloc.config import format_bytes, parse_size
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.counters import StoreCounters
+from cxlalloc.kvstore.handles import ScopedHandle, close_fds
 from cxlalloc.kvstore.local import KVStoreWarning, LocalBlockStore
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -118,7 +119,7 @@ class _Conn:
         self._close_if_idle()
 
 
-class RemoteLease:
+class RemoteLease(ScopedHandle):
     """Blocks found on the server, pinned there until :meth:`close`."""
 
     def __init__(self, store, conn: Optional[_Conn], lease_id: int, views: List[torch.Tensor]):
@@ -141,20 +142,10 @@ class RemoteLease:
         finally:
             conn.unhold()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    _release = close
 
 
-class RemoteReservation:
+class RemoteReservation(ScopedHandle):
     """Slots in the server's pool: write ``views[i]`` (None = skip), then :meth:`commit`."""
 
     def __init__(self, store, conn: Optional[_Conn], res_id: int, views: List[Optional[torch.Tensor]]):
@@ -189,17 +180,7 @@ class RemoteReservation:
     def abort(self) -> None:
         self._finish("abort")
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.abort()
-
-    def __del__(self):
-        try:
-            self.abort()
-        except Exception:
-            pass
+    _release = abort
 
 
 class _Nothing:
@@ -378,11 +359,7 @@ class RemoteBlockStore:
                 pool = self._pool = _Pool(arena, reply)
             return _Conn(s, pool, reply)
         except BaseException:
-            for fd in fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            close_fds(fds)
             s.close()
             raise
 

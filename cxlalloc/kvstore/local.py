@@ -36,6 +36,7 @@ import torch
 from cxlalloc import _C
 from cxlalloc.config import format_bytes, parse_size_or_fraction
 from cxlalloc.kvstore.counters import StoreCounters
+from cxlalloc.kvstore.handles import ScopedHandle
 from cxlalloc.kvstore.index import BlockIndex, Entry
 
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -68,7 +69,7 @@ def resolve_limit(limit, host_limit_bytes: int) -> int:
     return int(value)
 
 
-class Lease:
+class Lease(ScopedHandle):
     """Blocks found by :meth:`LocalBlockStore.lookup`, pinned until :meth:`close`.
 
     ``views[i]`` is block ``i``'s bytes (1-D uint8 CPU tensor over the arena;
@@ -88,20 +89,10 @@ class Lease:
             self._store = None
             self.views = []
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    _release = close
 
 
-class Reservation:
+class Reservation(ScopedHandle):
     """Slots for new blocks from :meth:`LocalBlockStore.reserve`: write each
     ``views[i]`` (None where the key was already stored or no room was left),
     then :meth:`commit`; leaving the ``with`` block without a commit (an
@@ -126,17 +117,7 @@ class Reservation:
             store, self._store = self._store, None
             store._abort([e for e in self.entries if e is not None], self._owner)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.abort()  # after commit() this does nothing
-
-    def __del__(self):
-        try:
-            self.abort()
-        except Exception:
-            pass
+    _release = abort  # after commit() this does nothing
 
 
 class LocalBlockStore:

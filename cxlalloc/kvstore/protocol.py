@@ -43,6 +43,8 @@ import socket
 import struct
 from typing import Any, Dict, List, Optional, Tuple
 
+from cxlalloc.kvstore.handles import close_fds
+
 PROTOCOL_VERSION = 1
 MAX_FRAME = 64 << 20           # bytes of one message (a lookup of 65536 keys is ~2.4 MiB)
 MAX_KEYS = 65536               # keys in one lookup/reserve
@@ -155,8 +157,7 @@ def recv_msg(sock: socket.socket, max_fds: int = 0, wait=_NO_WAIT) -> Tuple[Dict
         if wait is not _NO_WAIT:
             sock.settimeout(own)
     if not data:
-        for fd in fds:
-            os.close(fd)
+        close_fds(fds)
         raise ConnectionClosed("the peer closed the connection")
     head += data
     try:
@@ -172,11 +173,7 @@ def recv_msg(sock: socket.socket, max_fds: int = 0, wait=_NO_WAIT) -> Tuple[Dict
             _recv_into(sock, body)
         return decode(bytes(body)), fds
     except BaseException:
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        close_fds(fds)
         raise
 
 

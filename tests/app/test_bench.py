@@ -585,3 +585,48 @@ def test_decode_orchestration_budgets_guard_and_ratios(tmp_path, monkeypatch):
     assert e["native_limit"]["status"] == "oom"
     on_disk = json.loads((tmp_path / "decode.json").read_text())
     assert on_disk["status"] == "ok" and len(on_disk["results"]) == len(rec["results"])
+
+
+def test_bench_switches_off_transformers_progress_bars(tmp_path, monkeypatch):
+    """The bench reports its own progress: transformers' GGUF de-quantization bar
+    (plain tqdm) must not redraw into a log."""
+    import functools
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from cxlalloc.bench import cli
+
+    monkeypatch.setattr(gguf_utils, "tqdm", gguf_utils.tqdm if not isinstance(gguf_utils.tqdm, functools.partial)
+                        else gguf_utils.tqdm.func)
+    assert cli.main(["--out", str(tmp_path), "--no-progress", "--only", "ceilings"]) == 0
+    assert isinstance(gguf_utils.tqdm, functools.partial) and gguf_utils.tqdm.keywords == {"disable": True}
+
+
+def test_reuse_bench_records_hit_vs_recompute_and_the_bound(tmp_path, monkeypatch):
+    """`bench --simulate --only reuse` on a tiny model: every prefix row hits the
+    whole document, loads exactly its KV bytes, and carries the bound
+    prefill / (prefix bytes / link GB/s) computed from the same run."""
+    import torch
+    from cxlalloc.bench import cli, reuse
+    from cxlalloc.bench.model import SHAPES, build_model
+
+    monkeypatch.setattr(reuse, "_cpu_model", lambda: (build_model(SHAPES["tiny"], device="cpu", dtype=torch.float32),
+                                                      "tiny (fp32, random weights)"))
+    monkeypatch.setattr(reuse, "BLOCK_SWEEP", (32, 64))
+    assert cli.main(["--simulate", "--only", "reuse", "--quick", "--contexts", "128,256", "--out", str(tmp_path),
+                     "--no-progress"]) == 0
+    rec = json.loads((tmp_path / "reuse.json").read_text())
+    assert meta.validate_record(rec) == [] and rec["status"] == "ok" and rec["simulated"] is True
+    from cxlalloc.bench.model import llama_config
+
+    cfg = llama_config(SHAPES["tiny"], 65536)
+    row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    ttft = {r["prefix_tokens"]: r for r in rec["results"] if r.get("kind") == "ttft"}
+    assert sorted(ttft) == [128, 256]
+    for P, r in ttft.items():
+        assert r["hit_tokens"] == P and r["bytes_loaded"] == P * row == P * r["kv_bytes_per_token"]
+        assert len(r["recompute_samples_ms"]) == len(r["hit_samples_ms"]) == 3
+        assert r["speedup"] == pytest.approx(r["recompute_ttft_ms"] / r["hit_ttft_ms"])
+        assert r["bound_speedup"] == pytest.approx(r["recompute_ttft_ms"] * 1e-3 / (r["bytes_loaded"]
+                                                                                 / (r["link_gbps"] * 1e9)))
+    sweep = {r["block_tokens"]: r for r in rec["results"] if r.get("kind") == "block_sweep"}
+    assert sorted(sweep) == [32, 64] and all(r["hit_tokens"] == 128 for r in sweep.values())

@@ -115,3 +115,30 @@ def test_progress_on_a_terminal(kv_model_dir, tmp_path):
     assert "cxlalloc: prefill of 1,388 prompt tokens x 1" in text
     assert "cxlalloc: decode (first token after" in text
     assert "\x1b[" in text, "drawn for a terminal"
+
+
+# ----------------------------------------------------------------- the main job with --reuse
+def test_reuse_main_job_hits_the_document_with_identical_tokens(kv_model_dir, tmp_path):
+    """`--reuse`: the default document asked several questions, then chat turns, once
+    without and once with the KV store: the first request misses and stores, every
+    later one hits the document's full blocks (block-aligned, keeping the last prompt
+    token to prefill), the store's placement is verified, and tokens are identical."""
+    p, r = _run(tmp_path, "--model", str(kv_model_dir), "--reuse")
+    assert "Identical tokens: yes" in p.stdout
+    assert r["summary"]["identical_tokens"] is True
+    bt = r["run"]["block_tokens"]
+    assert bt == 64
+    warm, cold = r["reuse"], r["no_reuse"]
+    assert [row["kind"] for row in warm] == ["question"] * 4 + ["chat"] * 2
+    assert warm[0]["hit_tokens"] == 0 and warm[0]["stored_blocks"] == (warm[0]["prompt_tokens"] + 4) // bt
+    # every later prompt starts with the same document: its full blocks (all but the tail) hit
+    shared = min(row["prompt_tokens"] for row in warm) - 1
+    for row in warm[1:]:
+        assert row["hit_tokens"] % bt == 0 and row["hit_tokens"] >= (shared // bt - 1) * bt, row
+        assert row["bytes_loaded"] == row["hit_tokens"] * 8 * 2 * 8 * 64 * 4  # layers x K,V x heads x dim x fp32
+        assert row["fallback"] is None
+    assert all(row["hit_tokens"] == 0 and row["bytes_loaded"] == 0 for row in cold)
+    store = r["store"]
+    assert store["used_bytes"] == store["blocks"] * bt * 8 * 2 * 8 * 64 * 4
+    assert store["placement_verified_bytes"] == store["used_bytes"] and store["placement_misplaced_bytes"] == 0
+    assert store["load_failures"] == 0 and store["evicted_blocks"] == 0

@@ -13,6 +13,7 @@ from tests.helpers.hf_util import (MiB, assert_same, assert_same_tokens, gen, kv
 import cxlalloc
 import cxlalloc.hf as hf
 from cxlalloc.hf import CxlCache, CxlKVLayer, cache_kwarg, returned_cache
+from cxlalloc.hf.compat import POSITIVE_CROP_RAISES
 
 MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "qwen2-sliding": tiny_qwen2_sliding}
 MODES = {
@@ -142,9 +143,14 @@ def test_crop_both_signs_and_regenerate(fresh_sim):
     assert c.get_seq_length() == 9 + 8 - 1
     c.crop(-3)
     assert c.get_seq_length() == 13
-    c.crop(11)  # positive: keep the first 11 (5.17's meaning, accepted on every version)
-    assert c.get_seq_length() == 11
-    c.crop(50)  # keeping more than there is changes nothing
+    if POSITIVE_CROP_RAISES:  # 5.24: a positive crop is refused, as by DynamicCache, and changes nothing
+        with pytest.raises(ValueError, match="positive value"):
+            c.crop(11)
+        assert c.get_seq_length() == 13
+        c.crop(-2)
+    else:  # 5.17: keep the first 11; keeping more than there is changes nothing
+        c.crop(11)
+        c.crop(50)
     assert c.get_seq_length() == 11
     # Regenerating from the cropped cache equals a fresh run on the same ids.
     ids = out.sequences[:, :12]

@@ -252,3 +252,43 @@ def test_one_step_per_forward_with_a_sliding_layer_first(fresh_sim):
     st = returned_cache(out).kv_stats()
     assert st["steps"] == 6 and len(st["step_bytes_copied"]) == 6  # prefill + 5 decode forwards
     assert st["step_context_tokens"] == [9, 10, 11, 12, 13, 14]
+
+
+def test_forward_with_grad_through_windows_like_dynamic_cache(fresh_sim):
+    """Every layer sliding (window 4 < 8 tokens): a forward with grad gives the
+    loss and gradients DynamicCache gives; a prompt cached without grad then a
+    forward with grad too; a second forward with grad through the same cache
+    is refused (CxlCache stores K/V detached), nothing written."""
+    from cxlalloc.hf.cache import GRAD_ACROSS_FORWARDS
+    from transformers import DynamicCache
+
+    def loss_and_grads(model, cache, ids, pos):
+        model.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            out = model(input_ids=ids, position_ids=pos, use_cache=True, **{hf.cache_kwarg(model): cache})
+            loss = out.logits.float().pow(2).mean()
+            loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    m = tiny_mistral()
+    hf.wrap(m)
+    g = torch.Generator().manual_seed(4)
+    ids, pos = torch.randint(3, 1000, (2, 8), generator=g), torch.arange(8).expand(2, -1)
+    c = CxlCache(config=m.config, allocator=hf.allocator(m))
+    ref, out = loss_and_grads(m, DynamicCache(config=m.config), ids, pos), loss_and_grads(m, c, ids, pos)
+    assert torch.equal(ref[0], out[0]) and ref[1].keys() == out[1].keys() and len(ref[1]) > 0
+    for n in ref[1]:
+        assert torch.allclose(ref[1][n], out[1][n], atol=1e-6), n
+    assert not c.layers[0].keys.requires_grad
+    caches = [DynamicCache(config=m.config), CxlCache(config=m.config, allocator=hf.allocator(m))]
+    for cache in caches:
+        with torch.no_grad():
+            m(input_ids=ids, position_ids=pos, use_cache=True, **{hf.cache_kwarg(m): cache})
+    ids2, pos2 = torch.tensor([[5, 6], [7, 8]]), torch.tensor([[8, 9], [8, 9]])
+    r2, o2 = loss_and_grads(m, caches[0], ids2, pos2), loss_and_grads(m, caches[1], ids2, pos2)
+    assert torch.equal(r2[0], o2[0])
+    for n in r2[1]:
+        assert torch.allclose(r2[1][n], o2[1][n], atol=1e-6), n
+    with pytest.raises(RuntimeError) as e:
+        loss_and_grads(m, c, ids2, pos2)
+    assert str(e.value) == GRAD_ACROSS_FORWARDS and c.get_seq_length() == 8
