@@ -693,7 +693,8 @@ class CxlCache(DynamicCache):
         cached one: update() then says what to do; or grad enabled).
         """
         layers = self._cxl_layers()
-        if not layers or tokens < 1 or torch.is_grad_enabled():
+        windows = [layer for layer in self.layers if callable(getattr(layer, "plan_window", None))]
+        if (not layers and not windows) or tokens < 1 or torch.is_grad_enabled():
             # With grad the update returns torch.cat'd tensors (CxlKVLayer.update), not planned views.
             return False
         for layer in layers:
@@ -722,6 +723,8 @@ class CxlCache(DynamicCache):
             store.ensure(need)
         for layer in layers:
             layer.plan(tokens)
+        for layer in windows:  # sliding-window layers (cxlalloc.hf.sliding): each plans itself, or not
+            layer.plan_window(int(tokens), int(batch), guess)
         return True
 
     def _begin_step(self) -> None:

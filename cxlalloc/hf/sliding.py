@@ -27,6 +27,11 @@ stock layer keeps.  The cached window is the row range ``[start, end)``:
   window) returns ``cat(cached, new)`` as the stock layer does (a transient in
   torch's memory, as there) and keeps its last ``window - 1`` tokens.
 
+:meth:`CxlSlidingLayer.plan_window` (called by :meth:`CxlCache.prepare_forward`
+from wrap()'s forward pre-hook) does the engine work before the forward, so that
+the update inside a ``torch.compile``'d forward is a copy into a view; the row
+range is settled after it (``_settle``).
+
 ``get_seq_length`` / ``get_mask_sizes`` are the stock layer's (from
 ``cumulative_length``), so the mask and the returned K/V are the stock layer's
 exactly: same values, same order, same offsets.  ``activate_past_recording``
@@ -177,6 +182,10 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
         self._pool = pool
         self._win: Optional[WindowStore] = None
         self._grad_cached = False  # tokens from a forward with gradients are in the window
+        # A forward planned ahead (plan_window): (k view, v view, new tokens, end after, nbytes), and
+        # whether update() used it; its bookkeeping is settled outside the forward (_settle).
+        self._wplan = None
+        self._wplan_used = False
         super().__init__(sliding_window=int(sliding_window))
 
     @property
@@ -187,6 +196,8 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
     @property
     def keys(self) -> Optional[torch.Tensor]:
         """``(B, H_kv, n, Dk)`` view of the cached window (None before the first update)."""
+        if getattr(self, "_wplan", None) is not None:
+            self._settle()
         w = getattr(self, "_win", None)
         if w is None or not self.is_initialized:
             return None
@@ -199,6 +210,8 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
     @property
     def values(self) -> Optional[torch.Tensor]:
         """``(B, H_kv, n, Dv)`` view of the cached window (None before the first update)."""
+        if getattr(self, "_wplan", None) is not None:
+            self._settle()
         w = getattr(self, "_win", None)
         if w is None or not self.is_initialized:
             return None
@@ -242,7 +255,70 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
         self._win = WindowStore(self._pool, g, window_capacity(self.sliding_window))
         return self._win
 
+    # ------------------------------------------------------------ planned forwards
+    def plan_window(self, tokens: int, batch: int, guess: Optional[Geometry]) -> bool:
+        """Do the engine work of the next update of ``tokens`` tokens before the
+        forward (:meth:`CxlCache.prepare_forward`, so that a ``torch.compile``'d
+        forward traces a copy into a view, as for full attention): bind the
+        extent, compact if needed, commit the rows, make the views.  Returns
+        False (no plan; update() does it all) while recording the past, for a
+        forward longer than the extent, or a batch other than the cached one."""
+        self._settle()
+        w = self._win
+        if getattr(self, "record_past", False) or tokens < 1:
+            return False
+        if w is not None and w.n:
+            if w.g.batch != batch:
+                return False
+            g = w.g
+        elif guess is None:
+            return False
+        else:
+            g = Geometry(int(batch), guess.heads, guess.k_dim, guess.v_dim, guess.dtype, guess.device)
+        w = self._bind(g)
+        cap = w.store.capacity_tokens
+        if w.end + tokens > cap:
+            if w.n + tokens > cap:
+                return False
+            w.compact()
+        w.store.apply_pending()
+        w.store.ensure(w.end + tokens)
+        if not self.is_initialized:
+            self.device, self.dtype = g.device, g.dtype
+            self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
+            self.is_initialized = True
+        k, v = w.views(w.start, w.end + tokens)
+        self._wplan = (k, v, int(tokens), w.end + tokens, int(tokens) * g.slot_elems * g.elem)
+        self._wplan_used = False
+        return True
+
+    def _settle(self) -> None:
+        """Apply the bookkeeping of a planned update that ran (or drop an unused plan)."""
+        p, used = self._wplan, self._wplan_used
+        self._wplan, self._wplan_used = None, False
+        if p is not None and used:
+            w = self._win
+            w._set_end(p[3])
+            w.keep_last(self._keep)
+            w.store.counters.add_new(p[4])
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        p = self._wplan
+        if p is not None and not self._wplan_used:
+            # Planned: only tensor operations and shapes here (torch.compile traces them); the
+            # window's row range is settled outside the forward.
+            k, v, q0 = p[0], p[1], p[2]
+            q = key_states.shape[-2]
+            grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
+            if (q == q0 and not grad and key_states.shape[:2] == k.shape[:2] and value_states.shape[:2] == v.shape[:2]
+                    and key_states.shape[-1] == k.shape[-1] and value_states.shape[-1] == v.shape[-1]
+                    and key_states.dtype == k.dtype):
+                k.narrow(2, k.shape[-2] - q, q).copy_(key_states)
+                v.narrow(2, v.shape[-2] - q, q).copy_(value_states)
+                self.cumulative_length += q
+                self._wplan_used = True
+                return k, v
+        self._settle()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         w = self._bind(Geometry.of(key_states, value_states))
@@ -297,6 +373,7 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
         """The stock layer's ``crop`` (5.24 rules and errors), on the extent's rows.
         Only this layer's attributes change (a new row range object; no memory
         is released), so an all-or-nothing crop can put them back."""
+        self._settle()
         if self._win is not None:
             self._win = copy.copy(self._win)
         w = self._win
@@ -331,6 +408,7 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
         self.cumulative_length = w.n
 
     def reset(self) -> None:
+        self._wplan, self._wplan_used = None, False
         if self._win is not None:
             self._win.release()
         self._grad_cached = False
@@ -345,10 +423,12 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: recorded, applied before the window is next read (only moved rows are copied)."""
+        self._settle()
         if self._win is not None and self._win.n:
             self._win.store.reorder(beam_idx)
 
     def _rebatch(self, batch: int, transform) -> None:
+        self._settle()
         w = self._win
         if w is None or not w.n:
             return
@@ -375,13 +455,14 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
         return _shallow_copy(self)
 
     def __deepcopy__(self, memo):
+        self._settle()
         pool = memo.get(id(self._pool), self._pool)
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            if k not in ("_pool", "_win"):
+            if k not in ("_pool", "_win", "_wplan"):
                 new.__dict__[k] = v.clone() if torch.is_tensor(v) else copy.deepcopy(v, memo)
-        new._pool, new._win = pool, None
+        new._pool, new._win, new._wplan = pool, None, None
         w = self._win
         if w is not None and w.n:
             new._win = WindowStore(pool, w.g, w.store.capacity_tokens)

@@ -292,3 +292,22 @@ def test_forward_with_grad_through_windows_like_dynamic_cache(fresh_sim):
     with pytest.raises(RuntimeError) as e:
         loss_and_grads(m, c, ids2, pos2)
     assert str(e.value) == GRAD_ACROSS_FORWARDS and c.get_seq_length() == 8
+
+
+@pytest.mark.parametrize("make", [tiny_mistral, tiny_gemma2])
+def test_compiled_forward_with_windows_compiles_no_more_than_plain(fresh_sim, make):
+    """Sliding-window layers plan their update before the forward too
+    (CxlSlidingLayer.plan_window): a torch.compile'd forward of an all-sliding
+    (Mistral) or interleaved (Gemma 2) model compiles no more often than the
+    plain model's and never hits the recompile limit; tokens identical."""
+    from tests.hf.test_hf_compile import _compiled_generate
+
+    torch.manual_seed(0)
+    prompts = [torch.randint(3, 900, (1, 10)), torch.randint(3, 900, (1, 14))]
+    plain_tokens, plain_frames = _compiled_generate(make(), prompts)
+    model = hf.wrap(make(), device_limit="64MiB", host_limit="64MiB")
+    tokens, frames = _compiled_generate(model, prompts)
+    assert frames <= plain_frames, (frames, plain_frames)
+    assert all(torch.equal(a, b) for a, b in zip(tokens, plain_tokens))
+    st = hf.stats(model)["hf"]["cache"]
+    assert st["steps"] == 6 and st["kv_device_bytes"] > 0  # one step per forward; windows in the extents
