@@ -225,6 +225,7 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
         if value is None:  # transformers' constructors and resets assign None
             w = getattr(self, "_win", None)
             if w is not None:
+                self._wplan, self._wplan_used = None, False
                 w.release()
             return
         raise AttributeError("cxlalloc.hf: CxlSlidingLayer.keys/values are views of cxlalloc storage; "
@@ -440,10 +441,12 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
         old.release()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self._settle()
         if self._win is not None and self._win.n:
             self._rebatch(self._win.g.batch * repeats, lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._settle()
         if self._win is not None and self._win.n:
             n = torch.arange(self._win.g.batch)[torch.as_tensor(indices).cpu()].numel()
             self._rebatch(n, lambda t: t[indices])
