@@ -7,7 +7,7 @@ PYTHON := $(VENV)/bin/python
 # and what the same limit does to it); `make demo DEMO_ARGS=` runs cxlalloc alone.
 DEMO_ARGS ?= --compare
 
-.PHONY: setup demo test build clean dev-build
+.PHONY: setup demo test build clean dev-build coverage
 
 setup:
 	bash scripts/bootstrap.sh $(VENV)
@@ -17,6 +17,13 @@ demo: setup
 
 test: setup
 	$(PYTHON) -m pytest -q -ra tests $(ARGS)
+
+# The coverage matrix (docs/coverage.md, docs/coverage.json): every causal-LM / seq2seq
+# architecture of the installed transformers, plain vs wrapped with KV spilling.  Reruns
+# every architecture; `make coverage COVERAGE_ARGS=` resumes an interrupted run instead.
+COVERAGE_ARGS ?= --force
+coverage: setup
+	$(PYTHON) scripts/coverage_matrix.py --jobs 2 $(COVERAGE_ARGS) $(ARGS)
 
 # Rebuild the extension after editing csrc/ (setup already did it once).
 build:
