@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
-from transformers.cache_utils import EncoderDecoderCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache
 
 from cxlalloc.hf.cache import PICKLE_ERROR, CxlCache
 
@@ -41,9 +41,40 @@ class CxlEncoderDecoderCache(EncoderDecoderCache):
     ``copy.deepcopy`` copies both; pickling raises ``TypeError``.
     """
 
-    def __init__(self, config=None, *, allocator=None, max_cache_len: Optional[int] = None):
+    def __init__(self, config=None, *, allocator=None, max_cache_len: Optional[int] = None, cross_config=None):
         super().__init__(CxlCache(config=config, allocator=allocator, max_cache_len=max_cache_len),
-                         CxlCache(config=config, allocator=allocator))
+                         CxlCache(config=config if cross_config is None else cross_config, allocator=allocator))
+
+    @classmethod
+    def like(cls, stock: EncoderDecoderCache, config, *, allocator, max_cache_len: Optional[int] = None):
+        """A cache with the layer kinds of ``stock`` (what transformers or the
+        model made: T5Gemma's cross-attention cache is full attention although
+        its decoder config declares sliding layers, models/t5gemma/modeling_t5gemma.py
+        ``_prepare_cache_for_generation``), or None when a half holds a kind
+        other than ``DynamicLayer`` / ``DynamicSlidingWindowLayer``."""
+        halves = []
+        for half in (stock.self_attention_cache, stock.cross_attention_cache):
+            if not half.layers:
+                halves.append(None)  # built without a config: lazy full-attention layers
+                continue
+            types = []
+            for layer in half.layers:
+                if type(layer) is DynamicLayer:
+                    types.append("full_attention")
+                elif type(layer) is DynamicSlidingWindowLayer and layer.sliding_window == getattr(
+                        config, "sliding_window", None):
+                    types.append("sliding_attention")
+                else:
+                    return None
+            c = copy.deepcopy(config)
+            c.layer_types = types
+            if "sliding_attention" not in types:
+                c.sliding_window = None
+            halves.append(c)
+        new = cls.__new__(cls)
+        EncoderDecoderCache.__init__(new, CxlCache(config=halves[0], allocator=allocator, max_cache_len=max_cache_len),
+                                     CxlCache(config=halves[1], allocator=allocator))
+        return new
 
     @property
     def allocator(self):

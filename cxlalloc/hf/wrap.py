@@ -504,8 +504,12 @@ def _make_prepare_hook(model, st: WrapState):
         dynamic = getattr(generation_config, "cache_implementation", None) in (None, "dynamic")
         if (user is None and dynamic and type(made) is EncoderDecoderCache
                 and type(made.self_attention_cache) is DynamicCache and type(made.cross_attention_cache) is DynamicCache
-                and not getattr(made.self_attention_cache, "offloading", False)):
-            model_kwargs[name] = st.new_cache(model, int(max_cache_length) if max_cache_length else None)
+                and not getattr(made.self_attention_cache, "offloading", False)
+                and (tiered := CxlEncoderDecoderCache.like(
+                    made, model.config.get_text_config(decoder=True), allocator=st.allocator,
+                    max_cache_len=int(max_cache_length) if max_cache_length else None)) is not None):
+            st.caches_created += 1
+            model_kwargs[name] = tiered
             if st.reuse is not None:
                 st.reuse.skip("an encoder-decoder model (prefix reuse stores decoder-only caches)")
         elif (user is None and type(made) is DynamicCache and not getattr(made, "offloading", False)

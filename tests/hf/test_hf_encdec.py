@@ -106,3 +106,34 @@ def test_kv_reuse_refuses_encoder_decoder_models_once(fresh_sim):
             assert torch.equal(gen(m, **inp, max_new_tokens=4).sequences, gen(ref, **inp, max_new_tokens=4).sequences)
     r = hf.stats(m)["hf"]
     assert r["reuse"]["enabled"] is False and r["layers"]["cache_class"] == "CxlEncoderDecoderCache"
+
+
+def test_t5gemma_cross_attention_stays_full_attention(sim):
+    """T5Gemma's decoder config declares sliding layers, but its own
+    _prepare_cache_for_generation makes the cross-attention cache full
+    attention: the CxlEncoderDecoderCache mirrors the layer kinds it made
+    (a sliding cross-attention layer would drop encoder tokens).  The coverage
+    matrix's tiny T5Gemma / T5Gemma2: every run identical, all tiered."""
+    import gc
+    import importlib.util
+    import os
+
+    import cxlalloc.engine
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "coverage_matrix.py")
+    spec = importlib.util.spec_from_file_location("coverage_matrix", path)
+    cm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cm)
+    gc.collect()
+    cm.configure_sim()
+    try:
+        for rid in ("seq2seq/t5gemma", "seq2seq/t5gemma2"):
+            r = cm.run_arch(rid)
+            assert r["status"] == "ok", (rid, r.get("reason"), r["runs"])
+            assert all(v["tokens_identical"] and v["scores_identical"] for v in r["runs"].values()), rid
+            assert r["cache_wrapped"] == "CxlEncoderDecoderCache" and r["coverage"] == "all-tiered", rid
+            assert not any("cross:" in k and "Sliding" in k for k in r["layers"]["tiered"]), r["layers"]
+    finally:
+        gc.collect()
+        sim.configure("vram=1GiB")
+        cxlalloc.engine._sim_vram = 1 << 30
