@@ -12,6 +12,10 @@ Public API:
     stats(model) -> dict                 allocator stats + per-cache KV counters ("hf")
     kv_cache(model), allocator(model)    the latest live CxlCache / the Allocator
     CxlCache, CxlKVLayer                 the cache classes (transformers DynamicCache/DynamicLayer)
+    CxlSlidingLayer, CxlIndexedLayer, CxlHybridLayer, CxlHybridSlidingLayer
+                                         tiered sliding-window / indexed (DSA) / attention+SSM layers
+    CxlEncoderDecoderCache               EncoderDecoderCache with both halves in cxlalloc
+    CacheCoverageWarning                 said once when cache layers are left to transformers
     cache_kwarg(model), returned_cache(out)   transformers 5.17/5.24 naming shim
 
 copy.deepcopy / pickle / torch.save of a wrapped model give an unwrapped copy
@@ -24,15 +28,25 @@ budget, with identical tokens.
 Modules:
     wrap      wrap()/unwrap()/stats(): the generate() hook, weights placed in the allocator, copies
     cache     CxlCache / CxlKVLayer: a transformers DynamicCache whose full-attention K/V live in cxlalloc
+    layers    the tiered counterparts of transformers' other layer kinds (indexed, hybrid)
+    sliding   CxlSlidingLayer: a sliding-window layer in a bounded extent
+    encdec    CxlEncoderDecoderCache: encoder-decoder models' self- and cross-attention caches
+    model_caches  Cxl<Name>: a model's own DynamicCache subclass (MiniMaxCache) with tiered layers
+    coverage  which layers are tiered, which are left to transformers; CacheCoverageWarning
     storage   KVStorage: token-major K/V of all layers in one cxlalloc extent; KVCounters
     compat    the differences between the transformers versions supported
 """
 
 from cxlalloc.hf.cache import CxlCache, CxlKVLayer  # noqa: F401
+from cxlalloc.hf.layers import CxlHybridLayer, CxlHybridSlidingLayer, CxlIndexedLayer  # noqa: F401  (registers)
+from cxlalloc.hf.sliding import CxlSlidingLayer  # noqa: F401
+from cxlalloc.hf.encdec import CxlEncoderDecoderCache  # noqa: F401
+from cxlalloc.hf.coverage import CacheCoverageWarning  # noqa: F401
 from cxlalloc.hf.compat import cache_kwarg, returned_cache  # noqa: F401
 from cxlalloc.hf.storage import KVCounters  # noqa: F401
 from cxlalloc.hf.wrap import (UnwrappedCopyWarning, allocator, generate, is_wrapped, kv_cache, stats,  # noqa: F401
                               unwrap, wrap)
 
 __all__ = ["wrap", "unwrap", "generate", "stats", "kv_cache", "allocator", "is_wrapped", "CxlCache", "CxlKVLayer",
-           "KVCounters", "cache_kwarg", "returned_cache", "UnwrappedCopyWarning"]
+           "KVCounters", "cache_kwarg", "returned_cache", "UnwrappedCopyWarning", "CxlSlidingLayer", "CxlIndexedLayer",
+           "CxlHybridLayer", "CxlHybridSlidingLayer", "CxlEncoderDecoderCache", "CacheCoverageWarning"]

@@ -2,9 +2,12 @@
 
 :class:`CxlCache` is a ``transformers.DynamicCache``: it builds the model's usual
 layer list from the config and replaces every plain ``DynamicLayer`` (full
-attention) with a :class:`CxlKVLayer`.  Sliding-window, chunked, indexed, linear
-and dummy layers stay transformers' own (their memory is bounded by the window, in
-ordinary torch memory).  transformers' generation code is untouched: greedy,
+attention) with a :class:`CxlKVLayer`, and each other stock layer kind listed in
+:data:`TIERED_LAYERS` with its tiered counterpart (sliding-window, indexed and
+attention+SSM layers: :mod:`cxlalloc.hf.layers`, :mod:`cxlalloc.hf.sliding`).
+Linear-attention (SSM) and dummy layers, and a model's own layer classes, stay
+transformers' own (:mod:`cxlalloc.hf.coverage` reports them).  transformers'
+generation code is untouched: greedy,
 sampling, beam search (``reorder_cache``), ``num_return_sequences``, padded batches,
 assisted decoding (``crop``), continuing from a returned cache and prompt-cache
 reuse (``copy.deepcopy``) all work as with ``DynamicCache``.
@@ -51,6 +54,12 @@ from cxlalloc.hf.storage import Geometry, KVCounters, KVStorage, grown_capacity
 PICKLE_ERROR = ("cxlalloc.hf: a {what} cannot be pickled or torch.save'd: its K/V live in cxlalloc memory of "
                 "this process; copy.deepcopy(cache) copies it here, and to save the K/V pickle "
                 "[(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]")
+
+
+# Stock transformers layer class -> (shares the full-attention store, factory(stock_layer, pool, slot)).
+# The factory returns the tiered layer, or None to leave that layer to transformers.  Filled here for
+# DynamicLayer and by cxlalloc.hf.layers for the other kinds (docs/huggingface.md#what-runs-where).
+TIERED_LAYERS: dict = {}
 
 
 def _shallow_copy(obj):
@@ -557,6 +566,23 @@ class CxlKVLayer(DynamicLayer):
             idx = self._rows(indices, "indices")
             self._detach(idx.numel(), lambda t: t.index_select(0, idx))
 
+    # Whole-cache operations (CxlCache) move the K/V of all CxlKVLayers at once
+    # through their stores; these hooks let a subclass carry what else it holds
+    # (indexer keys, SSM state) through the same operation.
+    def _reorder_extra(self, beam_idx: torch.LongTensor) -> None:
+        """What else this layer holds, reordered for beam search (CxlCache.reorder_cache)."""
+
+    def _batch_extra(self, op: str, arg) -> None:
+        """What else this layer holds through ``batch_repeat_interleave`` / ``batch_select_indices`` (``op``)."""
+
+    def _empty_like(self, pool: "KVPool", memo) -> "CxlKVLayer":
+        """An empty layer of this kind for a deep copy of the cache (its K/V are set by the caller)."""
+        return CxlKVLayer(pool, self._share_slot)
+
+    def _extra_stores(self) -> list:
+        """KV storage this layer holds besides its K/V slot (counted in kv_stats)."""
+        return []
+
     def __reduce_ex__(self, protocol):
         raise TypeError(PICKLE_ERROR.format(what="CxlKVLayer"))
 
@@ -579,6 +605,9 @@ class CxlKVLayer(DynamicLayer):
             new._store.live_tokens = new._len = self._len
             self._pool.counters.add_existing(self._len * src.g.slot_elems * src.g.elem)
         return new
+
+
+TIERED_LAYERS[DynamicLayer] = (True, lambda layer, pool, slot: CxlKVLayer(pool, slot))
 
 
 class CxlCache(DynamicCache):
@@ -619,10 +648,17 @@ class CxlCache(DynamicCache):
             pool = self._pool
             self.layer_class_to_replicate = lambda: CxlKVLayer(pool, None)
         else:
-            full = [i for i, layer in enumerate(self.layers) if type(layer) is DynamicLayer]
-            self._pool = KVPool(allocator, len(full) if share_storage else 0, max_cache_len, growth, round_tokens)
-            for slot, i in enumerate(full):
-                self.layers[i] = CxlKVLayer(self._pool, slot if share_storage else None)
+            # Each stock layer kind with a tiered counterpart (TIERED_LAYERS) is
+            # replaced; layers of a kind that shares the full-attention store get a slot.
+            kinds = [TIERED_LAYERS.get(type(layer)) for layer in self.layers]
+            shared = [i for i, k in enumerate(kinds) if k is not None and k[0]]
+            self._pool = KVPool(allocator, len(shared) if share_storage else 0, max_cache_len, growth, round_tokens)
+            slots = {i: slot for slot, i in enumerate(shared)}
+            for i, kind in enumerate(kinds):
+                if kind is not None:
+                    made = kind[1](self.layers[i], self._pool, slots[i] if share_storage and i in slots else None)
+                    if made is not None:  # None: this instance cannot be tiered (stays transformers', reported)
+                        self.layers[i] = made
         self._last_layer_idx: Optional[int] = None
 
     # ------------------------------------------------------------ steps
@@ -657,7 +693,8 @@ class CxlCache(DynamicCache):
         cached one: update() then says what to do; or grad enabled).
         """
         layers = self._cxl_layers()
-        if not layers or tokens < 1 or torch.is_grad_enabled():
+        windows = [layer for layer in self.layers if callable(getattr(layer, "plan_window", None))]
+        if (not layers and not windows) or tokens < 1 or torch.is_grad_enabled():
             # With grad the update returns torch.cat'd tensors (CxlKVLayer.update), not planned views.
             return False
         for layer in layers:
@@ -666,7 +703,9 @@ class CxlCache(DynamicCache):
             if layer._len and layer._store.g.batch != batch:
                 return False
         self._begin_step()
-        self._last_layer_idx = None
+        # -1, not None: the step has begun, so the first layer's update (an unplanned
+        # sliding-window layer, say) must not begin another.
+        self._last_layer_idx = -1
         pool = self._pool
         for layer in layers:  # storage for every layer first: a regrowth replaces a store's views
             if layer._prepared:
@@ -684,6 +723,8 @@ class CxlCache(DynamicCache):
             store.ensure(need)
         for layer in layers:
             layer.plan(tokens)
+        for layer in windows:  # sliding-window layers (cxlalloc.hf.sliding): each plans itself, or not
+            layer.plan_window(int(tokens), int(batch), guess)
         return True
 
     def _begin_step(self) -> None:
@@ -760,7 +801,9 @@ class CxlCache(DynamicCache):
         for s in self._stores():
             s.reorder(idx)
         for layer in self.layers:
-            if not isinstance(layer, CxlKVLayer):
+            if isinstance(layer, CxlKVLayer):
+                layer._reorder_extra(idx)
+            else:
                 layer.reorder_cache(self._on(idx, layer))
 
     def _check_supported(self, op: str) -> None:
@@ -773,7 +816,7 @@ class CxlCache(DynamicCache):
                 raise AttributeError(f"cxlalloc.hf: cache layer {i} is transformers' {type(layer).__name__}, which "
                                      f"has no {op}() (DynamicCache cannot do it either); nothing was changed")
 
-    def _rebuild(self, batch_of, transform, stock_op) -> None:
+    def _rebuild(self, batch_of, transform, stock_op, op: str = "", arg=None) -> None:
         for s in self._stores():
             if s.live_tokens == 0:
                 continue
@@ -785,7 +828,9 @@ class CxlCache(DynamicCache):
                 if layer._store is s:
                     layer._store = new
         for layer in self.layers:
-            if not isinstance(layer, CxlKVLayer):
+            if isinstance(layer, CxlKVLayer):
+                layer._batch_extra(op, arg)
+            else:
                 stock_op(layer)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -796,7 +841,7 @@ class CxlCache(DynamicCache):
             raise ValueError(f"cxlalloc.hf: batch_repeat_interleave(repeats) needs repeats >= 1, got {repeats}")
         self._check_supported("batch_repeat_interleave")
         self._rebuild(lambda b: b * repeats, lambda t: t.repeat_interleave(repeats, dim=0),
-                      lambda layer: layer.batch_repeat_interleave(repeats))
+                      lambda layer: layer.batch_repeat_interleave(repeats), "batch_repeat_interleave", repeats)
 
     def batch_select_indices(self, indices) -> None:
         """Keep only the batch rows ``indices``, in that order, in every layer:
@@ -813,7 +858,7 @@ class CxlCache(DynamicCache):
         idx = self._rows(indices, "indices")
         self._check_supported("batch_select_indices")
         self._rebuild(lambda b: idx.numel(), lambda t: t.index_select(0, idx),
-                      lambda layer: layer.batch_select_indices(self._on(idx, layer)))
+                      lambda layer: layer.batch_select_indices(self._on(idx, layer)), "batch_select_indices", idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove tokens from every layer under the installed transformers'
@@ -920,6 +965,7 @@ class CxlCache(DynamicCache):
         old = self._pool
         pool = KVPool(old.allocator, old.n_shared, old.hint, old.growth, old.round_tokens)
         new._pool = pool
+        memo[id(old)] = pool  # layers of other kinds (cxlalloc.hf.sliding) find the copy's pool here
         stores = {}
         for s in self._stores():
             c = s.clone(pool.counters)
@@ -930,7 +976,7 @@ class CxlCache(DynamicCache):
         layers = []
         for layer in self.layers:
             if isinstance(layer, CxlKVLayer):
-                nl = CxlKVLayer(pool, layer._share_slot)
+                nl = layer._empty_like(pool, memo)
                 nl.is_initialized = layer.is_initialized
                 if layer.is_initialized:
                     nl.device, nl.dtype = layer.device, layer.dtype
@@ -962,13 +1008,17 @@ class CxlCache(DynamicCache):
             address space reserved; ``kv_live_bytes``: bytes of the live tokens;
             ``bytes_per_token``: K+V bytes of one token (all full-attention layers,
             whole batch); ``live_tokens`` / ``capacity_tokens`` (tokens);
-            ``cxl_layers`` / ``other_layers`` (counts: layers stored here / left to
-            transformers); ``stores``; and the :class:`KVCounters` fields
+            ``cxl_layers`` / ``other_layers`` (counts: layers in the shared
+            full-attention storage / all others, tiered or not: see
+            ``cxlalloc.hf.stats()["hf"]["layers"]``); ``stores`` (full-attention
+            stores); ``other_stores`` (sliding-window and indexer-key stores,
+            included in the byte counts above); and the :class:`KVCounters` fields
             (``bytes_copied``, ``step_bytes_copied``, ``regrowths``, ``demoted_bytes``...).
         """
         stores = self._stores()
+        extra = [s for layer in self.layers for s in getattr(layer, "_extra_stores", list)()]
         tiers = {"device": 0, "host": 0}
-        for s in stores:
+        for s in stores + extra:
             for k, v in s.tier_bytes().items():
                 tiers[k] += v
         layers = self._cxl_layers()
@@ -976,7 +1026,7 @@ class CxlCache(DynamicCache):
         d = {
             "kv_device_bytes": tiers["device"],
             "kv_host_bytes": tiers["host"],
-            "kv_reserved_bytes": sum(s.extent.capacity for s in stores),
+            "kv_reserved_bytes": sum(s.extent.capacity for s in stores + extra),
             "bytes_per_token": sum(s.row_bytes for s in stores),
             "kv_live_bytes": sum(s.row_bytes for s in stores) * live,
             "live_tokens": live,
@@ -984,6 +1034,7 @@ class CxlCache(DynamicCache):
             "cxl_layers": len(layers),
             "other_layers": len(self.layers) - len(layers),
             "stores": len(stores),
+            "other_stores": len(extra),
         }
         self._pool.update_demotions()
         d.update(self._pool.counters.as_dict())

@@ -58,6 +58,7 @@ import torch
 
 from cxlalloc.config import make_config, parse_env
 from cxlalloc.hf.cache import CxlCache, CxlKVLayer
+from cxlalloc.hf.layers import STOCK_KIND
 from cxlalloc.kvstore import keys as kvkeys
 from cxlalloc.kvstore.layout import BlockLayout, check_block_tokens
 from cxlalloc.kvstore.open import open_store
@@ -204,6 +205,13 @@ class PrefixReuse:
         """Learn the cache layout with one 1-token forward (the geometry of each
         full-attention layer, and whether any layer is of another kind)."""
         model = self.model
+        if getattr(model.config, "is_encoder_decoder", False):
+            # A prompt's KV there depends on the encoder input too, which a block key does not cover.
+            self.off_reason = (f"prefix reuse stores decoder-only caches; {type(model).__name__} is an "
+                               f"encoder-decoder model")
+            warnings.warn(f"cxlalloc.hf.wrap: kv_store: {self.off_reason}; KV reuse is off for this model "
+                          "(generate() works as without kv_store)", KVReuseWarning, stacklevel=4)
+            return
         device = next(p.device for p in model.parameters())
         cache = CxlCache(config=model.config.get_text_config(decoder=True), allocator=self.allocator, max_cache_len=1)
         try:
@@ -211,12 +219,15 @@ class PrefixReuse:
                 model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True,
                       **{self.cache_kw: cache})
             layers = list(cache.layers)
-            others = sorted({type(layer).__name__ for layer in layers if not isinstance(layer, CxlKVLayer)})
-            kv = [layer for layer in layers if isinstance(layer, CxlKVLayer)]
+            # Exactly CxlKVLayer: a tiered layer of another kind (sliding window, indexer keys, SSM state)
+            # holds what a stored block does not, and a hit would serve wrong tokens.
+            others = sorted({STOCK_KIND.get(type(layer), type(layer).__name__)
+                             for layer in layers if type(layer) is not CxlKVLayer})
+            kv = [layer for layer in layers if type(layer) is CxlKVLayer]
             if others or not kv:
                 what = ", ".join(others) if others else "no cache layers"
                 self.off_reason = (f"prefix reuse needs every cache layer to be full attention with its K/V in "
-                                   f"cxlalloc; {type(model).__name__} has {what}")
+                                   f"cxlalloc (a stored block holds only those); {type(model).__name__} has {what}")
                 warnings.warn(f"cxlalloc.hf.wrap: kv_store: {self.off_reason}; KV reuse is off for this model "
                               "(generate() works as without kv_store)", KVReuseWarning, stacklevel=4)
                 return

@@ -1,7 +1,8 @@
 """``cxlalloc.hf.wrap(model)``: HuggingFace generate() with its KV cache in cxlalloc.
 
 After ``wrap``, ``model.generate(...)`` (any call the user already makes) allocates
-its KV cache as a :class:`cxlalloc.hf.CxlCache`: full-attention K/V in cxlalloc
+its KV cache as a :class:`cxlalloc.hf.CxlCache` (a :class:`CxlEncoderDecoderCache`
+for an encoder-decoder model): full-attention K/V in cxlalloc
 extents of class ``kv``, placed by the KV-aware policy (newest tokens in VRAM,
 oldest demoted to the host tier once the device budget is used), grown without
 copying.  Nothing else about the call changes.
@@ -55,19 +56,26 @@ import weakref
 from typing import Any, List, Optional
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
 from cxlalloc import _C
 from cxlalloc.allocator import Allocator
 from cxlalloc.config import format_bytes, make_config
 from cxlalloc.hf.cache import CxlCache
+from cxlalloc.hf.coverage import (CacheCoverageWarning, layer_report, needs_warning, signature, tensor_bytes,
+                                  warning_text)
+from cxlalloc.hf.encdec import CxlEncoderDecoderCache
+from cxlalloc.hf.model_caches import cxl_cache_for, own_cache_class
 from cxlalloc.hf.storage import Geometry
-from cxlalloc.hf.compat import TRANSFORMERS_VERSION, cache_kwarg
+from cxlalloc.hf.compat import TRANSFORMERS_VERSION, cache_kwarg, returned_cache
 from cxlalloc.hf.reuse import PrefixReuse, parse_reuse_options
 
 STATE_ATTR = "_cxlalloc_hf"
 # Instance attributes wrap() sets on the model (unwrap() and copies drop them).
 INSTANCE_ATTRS = ("_prepare_cache_for_generation", "generate", "__getstate__", STATE_ATTR)
+# forward() keywords under which models without a transformers Cache pass their own
+# state back in (XLNet / Transfo-XL "mems", RWKV "state", Reformer "past_buckets_states").
+OWN_STATE_KWARGS = ("mems", "state", "past_buckets_states")
 HOOK_PARAMS = ("generation_config", "model_kwargs", "generation_mode", "batch_size", "max_cache_length")
 # Scoped mode on a GPU without a device_limit: VRAM left to torch's own allocator
 # (activations, logits, cuBLAS workspaces) = max(2 GiB, 10% of VRAM).  Not yet
@@ -146,6 +154,8 @@ class WrapState:
     _tls: Any = dataclasses.field(default_factory=threading.local)  # per thread: caches of its running generate()
     pre_hook: Any = None  # handle of the forward pre-hook (_make_pre_forward)
     _last: Any = None  # weakref to the last cache
+    layer_report: Optional[dict] = None  # cxlalloc.hf.coverage.layer_report of the last generate() (or predicted)
+    warned: set = dataclasses.field(default_factory=set)  # coverage situations already warned about
 
     @property
     def _live(self) -> List[Any]:
@@ -154,13 +164,17 @@ class WrapState:
             live = self._tls.live = []
         return live
 
-    def new_cache(self, model, max_cache_len: Optional[int]) -> CxlCache:
-        self.caches_created += 1
-        return CxlCache(config=model.config.get_text_config(decoder=True), allocator=self.allocator,
-                        max_cache_len=max_cache_len)
+    def new_cache(self, model, max_cache_len: Optional[int], count: bool = True):
+        """A CxlCache (a CxlEncoderDecoderCache for an encoder-decoder model)."""
+        if count:
+            self.caches_created += 1
+        cfg = model.config.get_text_config(decoder=True)
+        if getattr(model.config, "is_encoder_decoder", False):
+            return CxlEncoderDecoderCache(cfg, allocator=self.allocator, max_cache_len=max_cache_len)
+        return CxlCache(config=cfg, allocator=self.allocator, max_cache_len=max_cache_len)
 
     def note(self, cache) -> None:
-        if isinstance(cache, CxlCache):
+        if isinstance(cache, (CxlCache, CxlEncoderDecoderCache)):
             self._live.append(cache)
             self._last = weakref.ref(cache)
 
@@ -285,9 +299,12 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
     """Make ``model.generate()`` keep its KV cache in cxlalloc.  Returns ``model``.
 
     Args:
-        model: a transformers ``PreTrainedModel`` with ``generate()`` (decoder-only;
-            encoder-decoder models keep transformers' cache), on one CUDA device,
-            or on the CPU for simulation.
+        model: a transformers ``PreTrainedModel`` with ``generate()`` (decoder-only,
+            or encoder-decoder: a :class:`CxlEncoderDecoderCache`), on one CUDA
+            device, or on the CPU for simulation.  Cache layers left to
+            transformers are said once (:class:`CacheCoverageWarning`, here when
+            the config tells, else at the first generate()) and counted in
+            ``stats(model)["hf"]["layers"]``.
         place_weights: move the parameters into the allocator (class ``weight``)
             so ``device_limit`` covers weights + KV.  Default: True with an
             allocator of its own ("scoped"), False with the process-wide engine
@@ -393,6 +410,9 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
     model.__dict__["__getstate__"] = _GetState(model)
     model.__dict__[STATE_ATTR] = st
     st.pre_hook = model.register_forward_pre_hook(_make_pre_forward(model, st), with_kwargs=True)
+    st.layer_report = _predicted_report(model, st)
+    if st.layer_report is not None:
+        _warn_once(st, st.layer_report, measured=False, stacklevel=3)
     return model
 
 
@@ -401,9 +421,15 @@ def _kv_geometry(model, device: torch.device) -> Optional[Geometry]:
     config (batch 1; the batch of each forward replaces it), or None."""
     try:
         cfg = model.config.get_text_config(decoder=True)
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        if getattr(cfg, "kv_lora_rank", None) and getattr(cfg, "qk_rope_head_dim", None):
+            # Multi-head latent attention (DeepSeek-V3/V3.2, GLM-MoE-DSA, Kimi-Linear, ...): the cache holds the
+            # compressed latents, single-head: K (B, 1, L, kv_lora_rank), V (B, 1, L, qk_rope_head_dim)
+            # (transformers models/deepseek_v3/modeling_deepseek_v3.py, DeepseekV3Attention.forward).  A model
+            # that caches otherwise only loses the plan (CxlCache.prepare_forward), not correctness.
+            return Geometry(1, 1, int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim), dtype, device)
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     except (AttributeError, StopIteration, TypeError, ZeroDivisionError):
         return None
     return Geometry(1, int(heads), int(head_dim), int(head_dim), dtype, device)
@@ -421,6 +447,19 @@ def _make_pre_forward(model, st: WrapState):
 
     def pre_forward(module, args, kwargs):
         cache = kwargs.get(st.cache_kw)
+        tls = st._tls
+        if getattr(tls, "depth", 0):  # inside a wrapped generate(): what cache does it use (coverage report)
+            tls.forwards = getattr(tls, "forwards", 0) + 1
+            used = cache
+            for name in OWN_STATE_KWARGS:
+                if used is None:
+                    used = kwargs.get(name)
+            if used is not None:
+                if getattr(tls, "seen", None) is None and not isinstance(used, Cache):
+                    tls.first_bytes = tensor_bytes(used)  # a plain state: does it grow? (coverage report)
+                tls.seen = used
+            if kwargs.get("use_cache") is False:
+                tls.no_cache = True
         if not isinstance(cache, CxlCache):
             return None
         x = kwargs.get("input_ids")
@@ -457,21 +496,44 @@ def _make_prepare_hook(model, st: WrapState):
                                       *args, **kwargs):
         name = st.cache_kw
         user = model_kwargs.get(name)
-        if isinstance(user, CxlCache) and max_cache_length:
+        if isinstance(user, (CxlCache, CxlEncoderDecoderCache)) and max_cache_length:
             user.reserve(int(max_cache_length))  # a continuation: grow once now, not during decode
         out = st.orig_prepare(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
                               *args, **kwargs)
         made = model_kwargs.get(name)
-        if (user is None and type(made) is DynamicCache and not getattr(made, "offloading", False)
-                and getattr(generation_config, "cache_implementation", None) in (None, "dynamic")):
+        dynamic = getattr(generation_config, "cache_implementation", None) in (None, "dynamic")
+        if (user is None and dynamic and type(made) is EncoderDecoderCache
+                and type(made.self_attention_cache) is DynamicCache and type(made.cross_attention_cache) is DynamicCache
+                and not getattr(made.self_attention_cache, "offloading", False)
+                and (tiered := CxlEncoderDecoderCache.like(
+                    made, model.config.get_text_config(decoder=True), allocator=st.allocator,
+                    max_cache_len=int(max_cache_length) if max_cache_length else None)) is not None):
+            st.caches_created += 1
+            model_kwargs[name] = tiered
+            if st.reuse is not None:
+                st.reuse.skip("an encoder-decoder model (prefix reuse stores decoder-only caches)")
+        elif (user is None and type(made) is DynamicCache and not getattr(made, "offloading", False)
+                and dynamic):
             cache = model_kwargs[name] = st.new_cache(model, int(max_cache_length) if max_cache_length else None)
             _keep_recording(made, cache)
             if st.reuse is not None:
                 st.reuse.load(cache, generation_config, batch_size)
+        elif (user is None and made is None and dynamic and getattr(generation_config, "use_cache", True) is not False
+                and own_cache_class(model) is not None):
+            # A model that builds its own DynamicCache subclass in forward() (MiniMax): give it a tiered one.
+            st.caches_created += 1
+            model_kwargs[name] = cxl_cache_for(model, st.allocator, int(max_cache_length) if max_cache_length else None)
+            if st.reuse is not None:
+                st.reuse.skip("the model's own cache class (prefix reuse stores plain full-attention caches)")
         elif st.reuse is not None:
             st.reuse.skip("a cache was passed in" if user is not None else
                           "generate() uses another cache (cache_implementation, use_cache=False or offloading)")
-        st.note(model_kwargs.get(name))
+        swapped = model_kwargs.get(name)
+        if swapped is not made and type(made) is not DynamicCache and getattr(generation_config, "is_assistant", False):
+            # An assistant's encoder-decoder or model-specific cache (a DynamicCache's: _keep_recording above):
+            # transformers records the past of the cache it makes, so that crop() can roll it back.
+            swapped.activate_past_recording()
+        st.note(swapped)
         return out
 
     return _prepare_cache_for_generation
@@ -489,14 +551,13 @@ def _make_generate(model, st: WrapState):
             impl = kwargs.get("cache_implementation", getattr(gcfg, "cache_implementation", None))
             use_cache = kwargs.get("use_cache", getattr(gcfg, "use_cache", True))
             supports = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
-            if (kwargs.get(name) is None and impl is None and use_cache is not False and supports
-                    and not getattr(model.config, "is_encoder_decoder", False)):
+            if kwargs.get(name) is None and impl is None and use_cache is not False and supports:
                 kwargs[name] = st.new_cache(model, None)
                 if getattr(gcfg, "is_assistant", False):
                     # The cache is passed in as the user's, so transformers does not mark it for past
                     # recording as it does the assistant cache it makes (_keep_recording).
                     kwargs[name].activate_past_recording()
-                if st.reuse is not None:
+                if st.reuse is not None and not isinstance(kwargs[name], CxlEncoderDecoderCache):
                     st.reuse.begin(args, kwargs)
                     began = True
                     st.reuse.load(kwargs[name], _merged_generation_config(model, kwargs), _batch_of(args, kwargs))
@@ -505,6 +566,10 @@ def _make_generate(model, st: WrapState):
             st.reuse.begin(args, kwargs)
             began = True
         outer = len(st._live)
+        tls = st._tls
+        saved = (getattr(tls, "depth", 0), getattr(tls, "forwards", 0), getattr(tls, "seen", None),
+                 getattr(tls, "no_cache", False))
+        tls.depth, tls.forwards, tls.seen, tls.no_cache = saved[0] + 1, 0, None, False
         out, ok = None, False
         try:
             out = orig(*args, **kwargs)
@@ -515,10 +580,48 @@ def _make_generate(model, st: WrapState):
             mine, live[outer:] = live[outer:], []
             if mine:
                 st.last_stats = mine[-1].kv_stats()
+            seen, forwards, no_cache = tls.seen, tls.forwards, tls.no_cache
+            first, tls.first_bytes = getattr(tls, "first_bytes", None), None
+            tls.depth, tls.forwards, tls.seen, tls.no_cache = saved
+            if ok:
+                used = mine[-1] if mine else (seen if seen is not None else returned_cache(out))
+                grew = None if first is None or used is not seen else tensor_bytes(seen) > first
+                _report_coverage(model, st, used, forwards, no_cache, grew)
             if began:
                 st.reuse.finish(out, error=not ok)
 
     return generate
+
+
+def _report_coverage(model, st: WrapState, cache, forwards: int, no_cache: bool, grew: Optional[bool]) -> None:
+    """After a generate(): classify the cache it used (``st.layer_report``) and
+    warn once per situation if anything is left to transformers."""
+    if cache is None and (no_cache or forwards < 2):
+        return  # use_cache=False, or too few forwards to know: nothing to report
+    r = layer_report(cache, type(model).__name__, grew)
+    st.layer_report = r
+    _warn_once(st, r, measured=True, stacklevel=4)
+
+
+def _warn_once(st: WrapState, r: dict, measured: bool, stacklevel: int) -> None:
+    if needs_warning(r) and signature(r) not in st.warned:
+        st.warned.add(signature(r))
+        warnings.warn(warning_text(r, measured), CacheCoverageWarning, stacklevel=stacklevel)
+
+
+def _predicted_report(model, st: WrapState) -> Optional[dict]:
+    """The layer report of the cache generate() will use, from the config
+    (building a CxlCache allocates nothing), or None when only a generate()
+    tells (a model that builds its own cache, or a configured cache_implementation)."""
+    supports = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
+    impl = getattr(getattr(model, "generation_config", None), "cache_implementation", None)
+    if not supports or impl not in (None, "dynamic"):
+        return None
+    try:
+        cache = st.new_cache(model, 1, count=False)
+    except Exception:  # a config transformers' DynamicCache cannot read: learn it from generate()
+        return None
+    return layer_report(cache, type(model).__name__)
 
 
 def _merged_generation_config(model, kwargs):
@@ -580,9 +683,15 @@ def stats(model) -> dict:
     and per class ``kv``/``weight``/``other`` bytes, spilled/demoted/promoted
     bytes, ...) plus ``"hf"``: ``mode`` ("scoped"/"global"), ``simulated``,
     ``device``, ``transformers`` (version), ``hook``, ``weights_placed``,
-    ``weight_bytes``, ``weight_params``, ``caches_created`` and ``cache``: the
+    ``weight_bytes``, ``weight_params``, ``caches_created``, ``cache``: the
     :meth:`CxlCache.kv_stats` of the most recent cache (live, or as it was when
-    its generate() call returned; None before the first call).
+    its generate() call returned; None before the first call), and ``layers``:
+    which cache layers are tiered and which are left to transformers
+    (:func:`cxlalloc.hf.coverage.layer_report`: ``tiered`` / ``untiered`` /
+    ``fixed_state`` / ``no_storage`` as ``{kind: layers}``,
+    ``untiered_kv_bytes``, ``untiered_state_bytes``, ``cache_class``; of the
+    last generate(), or predicted from the config before one; None when
+    unknown).
 
     Raises:
         ValueError: the model is not wrapped.
@@ -601,6 +710,7 @@ def stats(model) -> dict:
         "weight_params": st.weight_params,
         "caches_created": st.caches_created,
         "cache": live.kv_stats() if live is not None else st.last_stats,
+        "layers": st.layer_report,
         "reuse": st.reuse.stats() if st.reuse is not None else {"enabled": False, "off_reason": "kv_store not set"},
     }
     return d
