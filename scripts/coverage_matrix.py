@@ -389,6 +389,12 @@ def _tensor_bytes(obj, depth: int = 0) -> int:
     return 0
 
 
+def kv_in_tiers(row: dict) -> bool:
+    """Whether the allocator's KV class held bytes during the wrapped greedy run
+    (its peak: the tiered layers' extents, even if the cache was dropped after)."""
+    return (row.get("kv_peak_bytes") or 0) > 0
+
+
 def cache_layers(cache) -> List[Tuple[str, Any]]:
     """``(role, layer)`` of every layer of a generate() cache: role ``""`` for a
     decoder-only cache, ``"self"``/``"cross"`` for an ``EncoderDecoderCache``;
@@ -555,6 +561,8 @@ def run_arch(row_id: str) -> dict:
                     # Where the KV bytes live: the allocator's kv class (every tiered layer's extents)...
                     row["kv_device_bytes"] = int(s["kv"]["device_bytes"])
                     row["kv_host_bytes"] = int(s["kv"]["host_bytes"])
+                    row["kv_peak_bytes"] = int(s["kv"].get("peak_device_bytes", 0)) + int(
+                        s["kv"].get("peak_host_bytes", 0))
                     row["spilled_bytes"] = int(s.get("spilled_bytes", 0))
                     row["demoted_bytes"] = int(s.get("demoted_bytes", 0))
                     # ... and the cache's own account of its extents' chunks (they must agree).
@@ -592,6 +600,18 @@ def run_arch(row_id: str) -> dict:
         if i < len(grows) and grows[i]:
             growing_untiered[k] = growing_untiered.get(k, 0) + 1
             growing_bytes += nb
+    rep = row.get("reported_layers")
+    if (wrapped_cache is not None and not type(wrapped_cache).__name__.startswith("Cxl") and isinstance(rep, dict)
+            and isinstance(rep.get("tiered"), dict) and not rep.get("untiered")
+            and sum(rep["tiered"].values()) == len(layers) and kv_in_tiers(row)):
+        # The model's own generate() handed back a transformers copy of the cache it generated on
+        # (Whisper re-stacks the returned EncoderDecoderCache): during generation every layer was
+        # cxlalloc's, as hf.stats() and the allocator's KV bytes say; the copy is transformers' memory.
+        row["notes"].append(f"generate() returned a {type(wrapped_cache).__name__} built from the tiered cache it "
+                            f"generated on (hf.stats(): {sum(rep['tiered'].values())} layers tiered); that copy is "
+                            "transformers' memory")
+        tiered, untiered, growing_untiered = dict(rep["tiered"]), {}, {}
+        untiered_bytes = growing_bytes = 0
     row["layers"] = {"tiered": tiered, "untiered": untiered, "untiered_growing": growing_untiered}
     row["untiered_bytes"] = untiered_bytes
     row["untiered_growing_bytes"] = growing_bytes
@@ -601,7 +621,6 @@ def run_arch(row_id: str) -> dict:
     row["spilled"] = row.get("kv_host_bytes", 0) > 0
     row["coverage"] = ("none-needed" if not row["kv_grows"] else "all-tiered" if not growing_untiered
                        else "partly-tiered" if tiered else "untiered")
-    rep = row.get("reported_layers")
     if isinstance(rep, dict) and isinstance(rep.get("tiered"), dict):
         if sum(rep["tiered"].values()) != sum(tiered.values()):
             row["notes"].append(f"hf.stats() reports {sum(rep['tiered'].values())} tiered layers, the cache has "

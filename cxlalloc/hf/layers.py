@@ -202,23 +202,18 @@ class _LinearState:
                 self.__dict__[k] = copy.deepcopy(src.__dict__[k], memo)
 
 
-class CxlHybridLayer(LinearAttentionLayer, CxlKVLayer, _LinearState):
-    """``LinearAttentionAndFullAttentionLayer`` (Falcon-H1-, Zamba-style layers
-    holding attention K/V and an SSM/conv state): the attention half's K/V in
-    the shared full-attention store; the conv/recurrent state (fixed size, no
-    token axis) is transformers' own code and memory, reported by
-    :mod:`cxlalloc.hf.coverage` as untiered fixed-size state."""
+class _HybridCalls:
+    """What both hybrid layers do with a Cache call: the linear-attention
+    (conv/recurrent state) half is transformers' own code, the attention half
+    (``_attn``: :class:`CxlKVLayer` or :class:`CxlSlidingLayer`) cxlalloc's;
+    each call goes to both, state first, as the stock classes do."""
 
-    is_compileable = False  # as the stock class: the attention half grows
-
-    def __init__(self, pool: KVPool, share_slot: Optional[int] = None, number_of_states: int = 1):
-        CxlKVLayer.__init__(self, pool, share_slot)
-        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+    _attn: type
 
     def lazy_initialization(self, *args, **kwargs) -> None:
-        # As the stock class: two positional args from update() (attention), keywords from the state updates.
+        # As the stock classes: two positional args from update() (attention), keywords from the state updates.
         if len(args) == 2 and not kwargs:
-            CxlKVLayer.lazy_initialization(self, *args)
+            self._attn.lazy_initialization(self, *args)
         if not args and len(kwargs) in (1, 2, 3):
             LinearAttentionLayer.lazy_initialization(self, **kwargs)
 
@@ -230,18 +225,34 @@ class CxlHybridLayer(LinearAttentionLayer, CxlKVLayer, _LinearState):
 
     def reset(self) -> None:
         LinearAttentionLayer.reset(self)
-        CxlKVLayer.reset(self)
+        self._attn.reset(self)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         LinearAttentionLayer.reorder_cache(self, beam_idx)
-        CxlKVLayer.reorder_cache(self, beam_idx)
-
-    def _reorder_extra(self, beam_idx: torch.LongTensor) -> None:
-        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        self._attn.reorder_cache(self, beam_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         LinearAttentionLayer.crop(self, tokens_to_remove)
-        CxlKVLayer.crop(self, tokens_to_remove)
+        self._attn.crop(self, tokens_to_remove)
+
+
+class CxlHybridLayer(_HybridCalls, LinearAttentionLayer, CxlKVLayer, _LinearState):
+    """``LinearAttentionAndFullAttentionLayer`` (Falcon-H1-, Zamba-style layers
+    holding attention K/V and an SSM/conv state): the attention half's K/V in
+    the shared full-attention store; the conv/recurrent state (fixed size, no
+    token axis) is transformers' own code and memory, reported by
+    :mod:`cxlalloc.hf.coverage` as untiered fixed-size state."""
+
+    is_compileable = False  # as the stock class: the attention half grows
+
+    _attn = CxlKVLayer
+
+    def __init__(self, pool: KVPool, share_slot: Optional[int] = None, number_of_states: int = 1):
+        CxlKVLayer.__init__(self, pool, share_slot)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def _reorder_extra(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
 
     # batch_repeat_interleave / batch_select_indices: the stock class inherits
     # DynamicLayer's (K/V only), so do these (CxlKVLayer's; _batch_extra a no-op).
@@ -258,40 +269,18 @@ class CxlHybridLayer(LinearAttentionLayer, CxlKVLayer, _LinearState):
         return new
 
 
-class CxlHybridSlidingLayer(LinearAttentionLayer, CxlSlidingLayer, _LinearState):
+class CxlHybridSlidingLayer(_HybridCalls, LinearAttentionLayer, CxlSlidingLayer, _LinearState):
     """``LinearAttentionAndSlidingWindowAttentionLayer``: the sliding-window K/V in
     a bounded extent (:class:`~cxlalloc.hf.sliding.CxlSlidingLayer`), the
     conv/recurrent state transformers' own (fixed size, reported untiered)."""
 
     is_compileable = False
 
+    _attn = CxlSlidingLayer
+
     def __init__(self, pool: KVPool, sliding_window: int, number_of_states: int = 1):
         CxlSlidingLayer.__init__(self, pool, sliding_window)
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
-
-    def lazy_initialization(self, *args, **kwargs) -> None:
-        if len(args) == 2 and not kwargs:
-            CxlSlidingLayer.lazy_initialization(self, *args)
-        if not args and len(kwargs) in (1, 2, 3):
-            LinearAttentionLayer.lazy_initialization(self, **kwargs)
-
-    def offload(self) -> None:
-        pass
-
-    def prefetch(self) -> None:
-        pass
-
-    def reset(self) -> None:
-        LinearAttentionLayer.reset(self)
-        CxlSlidingLayer.reset(self)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        LinearAttentionLayer.reorder_cache(self, beam_idx)
-        CxlSlidingLayer.reorder_cache(self, beam_idx)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        LinearAttentionLayer.crop(self, tokens_to_remove)
-        CxlSlidingLayer.crop(self, tokens_to_remove)
 
 
 def _states(layer) -> int:
