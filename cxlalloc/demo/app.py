@@ -302,10 +302,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         if value is not None:
             try:
                 parse(value, flag.lstrip("-").replace("-", "_"))
-            except (ValueError, OverflowError) as e:
-                if isinstance(e, OverflowError):  # a number beyond any float, times its unit
-                    e = ValueError(f"{value[:40]!r}{'...' if len(value) > 40 else ''} is larger than any size "
-                                   "(at most 1 EiB)")
+            except ValueError as e:  # the parsers refuse over-long and overflowing numbers as ValueError too
                 parser.error(f"{flag}: {e}")
     if args.prompt_file is not None:
         _check_prompt_file(parser, args.prompt_file)

@@ -66,7 +66,7 @@ def test_size_or_fraction(value, expected):
     ("x%", "'x%' is not a percentage in (0, 100]"),
     ("2.5", "2.5 is not a fraction in (0, 1]"),
     ("lots", "'lots' is not a size or fraction"),
-    (-1, "-1 is not a size or fraction"),
+    (-1, "-1 is negative"),
 ])
 def test_bad_size_or_fraction(value, message):
     with pytest.raises(ValueError) as e:
