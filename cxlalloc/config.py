@@ -139,9 +139,9 @@ def parse_size_or_fraction(value: Any, option: str) -> Union[int, float]:
     try:
         return parse_size(value, option)
     except ValueError as e:
-        if (isinstance(value, int) and not isinstance(value, bool)) or (
-                isinstance(value, str) and value.isascii() and _SIZE_RE.match(value)):
-            # a well-formed size refused for its value (negative, too many digits, above 1 EiB): that reason is the one
+        m = _SIZE_RE.match(value) if isinstance(value, str) and value.isascii() else None
+        if (isinstance(value, int) and not isinstance(value, bool)) or (m and len(m.group(1)) > _MAX_DIGITS):
+            # a number refused for its value (negative, above 1 EiB, too many digits): that reason is the one to give
             raise ValueError(str(e).replace(f"use {SIZE_HELP}", f"use {help_}")) from None
         raise ValueError(f"cxlalloc option '{option}': {_short(value)} is not a size or fraction; use {help_}") from None
 

@@ -103,7 +103,7 @@ def test_python_dash_m_and_child_processes(tmp_path):
     ("devise:1",
      "cxlalloc: error: CXLALLOC: unknown key 'devise'; known keys: device_limit, host_limit, numa_node, backend, "
      "kv_device_limit, device_headroom, migration_rate, promote_after, extent_chunk, policy, strict_placement, "
-     "simulate, sim_vram, libcuda, device, spill_reserve, kv_store (cxlalloc is not enabled)"),
+     "simulate, sim_vram, libcuda, device, spill_reserve, kv_store, implicit_moves (cxlalloc is not enabled)"),
 ])
 def test_bad_value_one_error_line_naming_the_key(value, line):
     r = run_py(["-c", "import torch; print('ran')"], {"CXLALLOC": value})
