@@ -310,3 +310,31 @@ def test_gpu_prefix_hit_loads_into_vram_with_identical_tokens(deterministic_sdpa
             assert st["kv_host_bytes"] > 0
         hf.unwrap(m)
         del m, ref, out, c
+
+
+# ------------------------------------------------------------------ cache layer kinds
+@pytest.mark.parametrize("kind", ["sliding", "encoder-decoder"])
+def test_gpu_layer_kinds_spill_with_identical_tokens(kind, deterministic_sdpa):
+    """Sliding-window layers (each a bounded extent) and an encoder-decoder cache
+    (self- and cross-attention extents) on the device with one KV chunk of VRAM
+    beyond the weights: the rest of their KV on the host tier, read by the kernels
+    over the link; tokens and scores identical to plain transformers (greedy, beams)."""
+    from tests.helpers.hf_kinds import tiny_mistral, tiny_t5
+
+    m = to_dev(tiny_mistral(window=64, layers=2) if kind == "sliding" else tiny_t5(), torch.float32)
+    inp = dev_inputs(padded_batch(batch=4, length=160))
+    refs = {mode: gen(m, **inp, max_new_tokens=24, min_new_tokens=24, **kw)
+            for mode, kw in (("greedy", {}), ("beam", dict(num_beams=2)))}
+    limit = weight_footprint(m) + CHUNK
+    wrap(m, device_limit=limit, host_limit=1 << 30)
+    for mode, kw in (("greedy", {}), ("beam", dict(num_beams=2))):
+        out = gen(m, **inp, max_new_tokens=24, min_new_tokens=24, **kw)
+        sync()
+        assert_same(refs[mode], out)
+    s = hf.stats(m)
+    layers = s["hf"]["layers"]
+    record("layer_kinds_spill", kind=kind, limit=limit, layers=layers, kv_peak_device_bytes=s["kv"]["peak_device_bytes"],
+           kv_peak_host_bytes=s["kv"]["peak_host_bytes"], backend=s["host"].get("backend"))
+    assert layers["untiered"] == {} and layers["tiered_layers"] == layers["layers"] > 0
+    assert s["kv"]["peak_host_bytes"] > 0 and s["kv"]["peak_device_bytes"] > 0
+    assert s["device"]["peak_reserved_bytes"] <= limit and s["weight"]["host_bytes"] == 0
