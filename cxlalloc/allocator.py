@@ -12,7 +12,6 @@ import operator
 import warnings
 from typing import Optional, Sequence
 
-from cxlalloc import _C
 from cxlalloc.engine import configure, device_options, extent_chunk_message, new_engine
 from cxlalloc.config import TAGS, make_config, parse_size
 

@@ -53,7 +53,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 

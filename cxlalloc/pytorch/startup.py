@@ -106,7 +106,7 @@ def _main() -> None:
         options = parse_env(text)
         if options is None:
             return
-        cfg = make_config(**options)
+        make_config(**options)  # every option checked here, before CUDA starts, so a bad value is one line
     except ValueError as e:
         global reported_error
         msg = str(e) if str(e).startswith("CXLALLOC") else f"CXLALLOC: {e}"

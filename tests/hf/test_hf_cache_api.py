@@ -11,7 +11,7 @@ import copy
 import numpy as np
 import pytest
 
-from tests.helpers.hf_util import MiB, gen, padded_batch, tiny_llama, tiny_qwen2_sliding, torch
+from tests.helpers.hf_util import MiB, gen, tiny_llama, tiny_qwen2_sliding, torch
 
 import cxlalloc.hf as hf
 from cxlalloc.hf import CxlCache, CxlKVLayer, cache_kwarg
