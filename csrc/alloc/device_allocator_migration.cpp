@@ -7,14 +7,6 @@
 
 namespace cxl::alloc {
 
-namespace {
-bool has_waiting_blocks(const Segment& seg) {
-  for (Block* b = seg.head; b; b = b->next)
-    if (!b->allocated && b->event_count > 0) return true;
-  return false;
-}
-}  // namespace
-
 void DeviceAllocator::mark_step() {
   std::lock_guard<std::mutex> lk(mu_);
   if (!deferred_moves_.empty()) {
@@ -28,7 +20,7 @@ void DeviceAllocator::mark_step() {
 void DeviceAllocator::migrate_segment(Segment& seg, Tier target) {
   const Tier from = seg.tier();
   if (from == target) return;
-  CXL_CHECK(!has_waiting_blocks(seg), "migrating a segment with event-pending blocks");
+  CXL_CHECK(!seg.has_event_pending_frees(), "migrating a segment with event-pending blocks");
   // Free lists are keyed by tier: take the free blocks out while it changes.
   std::vector<Block*> frees, live;
   for (Block* b = seg.head; b; b = b->next) (b->allocated ? live : frees).push_back(b);
@@ -71,7 +63,7 @@ std::vector<DeviceAllocator::KvUnit> DeviceAllocator::kv_units(Tier tier) {
     if (seg.extent) {
       for (Chunk& c : seg.chunks)
         if (c.committed && c.tier == tier) out.push_back({&seg, &c});
-    } else if (seg.tier() == tier && seg.pool.is_default() && !has_waiting_blocks(seg)) {
+    } else if (seg.tier() == tier && seg.pool.is_default() && !seg.has_event_pending_frees()) {
       // Graph-private pools stay put: a captured graph replays on them.
       out.push_back({&seg, nullptr});
     }
@@ -160,7 +152,7 @@ size_t DeviceAllocator::migrate(const void* ptr, size_t len, Tier target) {
         bytes += c.size;
       }
   } else if (seg->tier() != target) {
-    if (has_waiting_blocks(*seg)) process_events(true);
+    if (seg->has_event_pending_frees()) process_events(true);
     bytes = seg->size;
   }
   if (bytes == 0) return 0;

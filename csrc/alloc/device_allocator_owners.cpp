@@ -22,14 +22,6 @@
 
 namespace cxl::alloc {
 
-namespace {
-bool has_pending_events(const Segment& seg) {
-  for (Block* b = seg.head; b; b = b->next)
-    if (!b->allocated && b->event_count > 0) return true;
-  return false;
-}
-}  // namespace
-
 std::optional<std::thread::id> DeviceAllocator::owner_of(const KvUnit& u) const {
   if (u.seg->extent) return u.seg->owner;  // a chunk of it, or the whole extent
   std::optional<std::thread::id> who;
@@ -87,7 +79,7 @@ void DeviceAllocator::run_owned_moves() {
       u.chunk = &seg->chunks[m.chunk];
       if (!u.chunk->committed || u.chunk->tier == m.target) continue;
       bytes = u.chunk->size;
-    } else if (seg->extent || seg->tier() == m.target || !seg->pool.is_default() || has_pending_events(*seg)) {
+    } else if (seg->extent || seg->tier() == m.target || !seg->pool.is_default() || seg->has_event_pending_frees()) {
       continue;
     }
     if (!may_move_now(u)) continue;

@@ -9,4 +9,10 @@ bool Segment::fully_free() const {
          head->size == size;
 }
 
+bool Segment::has_event_pending_frees() const {
+  for (const Block* b = head; b; b = b->next)
+    if (!b->allocated && b->event_count > 0) return true;
+  return false;
+}
+
 }  // namespace cxl::alloc

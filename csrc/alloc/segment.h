@@ -46,6 +46,9 @@ class Segment : public backend::SegmentMemory {
   std::thread::id owner;
 
   bool fully_free() const;  // block segment with one free block covering it
+  // A free block still waits for stream events (a stream-ordered free): its
+  // memory may be in use on a stream, so the segment must not move yet.
+  bool has_event_pending_frees() const;
 };
 
 }  // namespace cxl::alloc
