@@ -193,15 +193,20 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
         return self.sliding_window - 1
 
     # ------------------------------------------------------------ live views
-    @property
-    def keys(self) -> Optional[torch.Tensor]:
-        """``(B, H_kv, n, Dk)`` view of the cached window (None before the first update)."""
+    def _window_view(self, which: int) -> Optional[torch.Tensor]:
+        """K (``which=0``) or V (1) view of the cached window, after settling a
+        planned update (None before the first update)."""
         if getattr(self, "_wplan", None) is not None:
             self._settle()
         w = getattr(self, "_win", None)
         if w is None or not self.is_initialized:
             return None
-        return w.views(w.start, w.end)[0]
+        return w.views(w.start, w.end)[which]
+
+    @property
+    def keys(self) -> Optional[torch.Tensor]:
+        """``(B, H_kv, n, Dk)`` view of the cached window (None before the first update)."""
+        return self._window_view(0)
 
     @keys.setter
     def keys(self, value) -> None:
@@ -210,12 +215,7 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
     @property
     def values(self) -> Optional[torch.Tensor]:
         """``(B, H_kv, n, Dv)`` view of the cached window (None before the first update)."""
-        if getattr(self, "_wplan", None) is not None:
-            self._settle()
-        w = getattr(self, "_win", None)
-        if w is None or not self.is_initialized:
-            return None
-        return w.views(w.start, w.end)[1]
+        return self._window_view(1)
 
     @values.setter
     def values(self, value) -> None:
