@@ -61,7 +61,7 @@ DeviceAllocator::~DeviceAllocator() {
   if (drv_->api().fn_cuCtxSynchronize() != CUDA_SUCCESS) note_cleanup_failure("teardown: cuCtxSynchronize");
   pending_.clear();
   event_pool_.clear();
-  free_lists_.clear();
+  cache_.clear();
   allocated_.clear();
   for (auto& [base, seg] : segments_) {
     Block* b = seg->head;

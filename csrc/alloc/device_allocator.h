@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "alloc/block.h"
+#include "alloc/block_cache.h"
 #include "alloc/segment.h"
 #include "alloc/stats.h"
 #include "backend/backends.h"
@@ -253,15 +254,11 @@ class DeviceAllocator {
   Block* alloc_in(Tier tier, const FreeListKey& key, size_t size, size_t requested, CUstream stream,
                   bool allow_new_segment);
   Segment* new_segment(Tier tier, const FreeListKey& key, size_t size, CUstream stream);
+  // Take `size` bytes of free block `b` from the cache and hand them out.
   Block* take_block(Block* b, size_t size, size_t requested, CUstream stream);
   size_t segment_size(size_t rounded) const;
 
-  // device_allocator_pools.cpp: free lists, private pools, cached segments
-  Block* find_free(const FreeListKey& key, CUstream stream, size_t size);
-  void insert_free(Block* b);
-  void erase_free(Block* b);
-  // Return a block to its free list, merging with free neighbours.
-  void free_block(Block* b);
+  // device_allocator_pools.cpp: private pools, release of cached segments
   // The pool a request on `stream` allocates from (default: no route claims it).
   PoolId pool_for(CUstream stream) const;
   size_t release_free_segments(Tier tier, size_t want, bool include_private);
@@ -325,7 +322,7 @@ class DeviceAllocator {
   mutable std::mutex mu_;
   std::map<CUdeviceptr, std::unique_ptr<Segment>> segments_;  // by base address
   std::unordered_map<CUdeviceptr, Block*> allocated_;         // live blocks by pointer
-  std::map<FreeListKey, FreeList> free_lists_;
+  BlockCache cache_;  // the free blocks: best fit, split, merge (block_cache.h)
   std::deque<PendingFree> pending_;
   std::vector<Block*> deferred_;  // freed with stream uses during capture
   std::set<CUdeviceptr> parked_;  // owned blocks whose deleter's free failed (retried)

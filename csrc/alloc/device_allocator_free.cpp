@@ -153,7 +153,7 @@ void DeviceAllocator::free_locked(CUdeviceptr p, bool by_owner) {
   if (b->stream_uses.empty()) {
     // Reusable at once on its own stream: later work on that stream is
     // ordered after the work that used it (torch's semantics).
-    free_block(b);
+    cache_.give_back(b);
     return;
   }
   // Other streams used it: reusable only once their work has passed it.
@@ -237,7 +237,7 @@ void DeviceAllocator::wait_for_uses(Block* b, std::vector<driver::Event> events)
 
 void DeviceAllocator::retire(Block* b) {
   stats_.on_block_events_done(b->segment->tier(), b->segment->kind, b->size);
-  free_block(b);
+  cache_.give_back(b);
 }
 
 void DeviceAllocator::flush_deferred() {

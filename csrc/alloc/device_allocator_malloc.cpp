@@ -41,7 +41,7 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
     throw Error(ErrorKind::Unsupported, cap ? "cxlalloc: host-tier allocation refused during CUDA graph capture"
                                             : "cxlalloc: host-tier allocation asked for, but the host tier is disabled (host_limit 0)");
   // Fast path: a cached device block (already reserved: costs no budget).
-  if (Block* b = only_host ? nullptr : find_free(key, stream, size)) {
+  if (Block* b = only_host ? nullptr : cache_.find(key, stream, size)) {
     stats_.on_cache_hit();
     return reinterpret_cast<void*>(take_block(b, size, nbytes, stream)->ptr);
   }
@@ -146,7 +146,7 @@ Block* DeviceAllocator::alloc_in(Tier tier, const FreeListKey& base_key, size_t 
                                  CUstream stream, bool allow_new_segment) {
   FreeListKey key = base_key;
   key.tier = tier;
-  if (Block* b = find_free(key, stream, size)) {
+  if (Block* b = cache_.find(key, stream, size)) {
     stats_.on_cache_hit();
     return take_block(b, size, requested, stream);
   }
@@ -191,36 +191,17 @@ Segment* DeviceAllocator::new_segment(Tier tier, const FreeListKey& key, size_t 
   seg->kind = key.kind;
   seg->pool = key.pool;
   seg->stream = stream;
-  auto* head = new Block();
-  head->segment = seg.get();
-  head->ptr = seg->base;
-  head->size = seg->size;
-  head->stream = stream;
-  seg->head = head;
   Segment* raw = seg.get();
   segments_[seg->base] = std::move(seg);
   stats_.on_segment_created(tier, raw->cls, raw->kind, raw->size);
-  insert_free(head);
+  cache_.add_segment(raw, stream);
   return raw;
 }
 
 // Carve `size` bytes off the front of free block `b` and hand them out.
 Block* DeviceAllocator::take_block(Block* b, size_t size, size_t requested, CUstream stream) {
-  erase_free(b);
+  cache_.take(b, size);
   Segment* seg = b->segment;
-  if (should_split(b->size, size, seg->kind == PoolKind::Small)) {
-    auto* rest = new Block();
-    rest->segment = seg;
-    rest->ptr = b->ptr + size;
-    rest->size = b->size - size;
-    rest->stream = b->stream;
-    rest->prev = b;
-    rest->next = b->next;
-    if (b->next) b->next->prev = rest;
-    b->next = rest;
-    b->size = size;
-    insert_free(rest);
-  }
   b->allocated = true;
   b->requested = requested;
   b->stream = stream;

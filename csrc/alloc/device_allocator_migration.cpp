@@ -24,7 +24,7 @@ void DeviceAllocator::migrate_segment(Segment& seg, Tier target) {
   // Free lists are keyed by tier: take the free blocks out while it changes.
   std::vector<Block*> frees, live;
   for (Block* b = seg.head; b; b = b->next) (b->allocated ? live : frees).push_back(b);
-  for (Block* b : frees) erase_free(b);
+  for (Block* b : frees) cache_.erase(b);
   for (Block* b : live) stats_.remove_block(from, seg.cls, seg.kind, b->size, b->requested);
   stats_.remove_segment(from, seg.cls, seg.kind, seg.size);
   try {
@@ -32,12 +32,12 @@ void DeviceAllocator::migrate_segment(Segment& seg, Tier target) {
   } catch (...) {
     stats_.add_segment(from, seg.cls, seg.kind, seg.size);
     for (Block* b : live) stats_.add_block(from, seg.cls, seg.kind, b->size, b->requested);
-    for (Block* b : frees) insert_free(b);
+    for (Block* b : frees) cache_.insert(b);
     throw;
   }
   stats_.add_segment(target, seg.cls, seg.kind, seg.size);
   for (Block* b : live) stats_.add_block(target, seg.cls, seg.kind, b->size, b->requested);
-  for (Block* b : frees) insert_free(b);
+  for (Block* b : frees) cache_.insert(b);
   seg.touches = 0;
 }
 

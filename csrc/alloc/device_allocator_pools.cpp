@@ -1,60 +1,12 @@
-// DeviceAllocator: the block cache's free lists, private pools and the
-// routes that send a stream's requests to them, and the release of cached
-// segments.
+// DeviceAllocator: private pools and the routes that send a stream's
+// requests to them, and the release of cached segments (the free blocks
+// themselves are the BlockCache's, block_cache.h).
 #include <algorithm>
 
 #include "alloc/device_allocator.h"
 #include "common/error.h"
 
 namespace cxl::alloc {
-
-Block* DeviceAllocator::find_free(const FreeListKey& key, CUstream stream, size_t size) {
-  auto it = free_lists_.find(key);
-  if (it == free_lists_.end() || it->second.empty()) return nullptr;
-  Block probe;
-  probe.stream = stream;
-  probe.size = size;
-  probe.ptr = 0;
-  auto bit = it->second.lower_bound(&probe);
-  if (bit == it->second.end() || (*bit)->stream != stream) return nullptr;
-  return *bit;
-}
-
-void DeviceAllocator::insert_free(Block* b) {
-  FreeListKey key{b->segment->pool, b->segment->tier(), b->segment->cls, b->segment->kind};
-  bool ok = free_lists_[key].insert(b).second;
-  CXL_CHECK(ok, "block already in its free list");
-}
-
-void DeviceAllocator::erase_free(Block* b) {
-  FreeListKey key{b->segment->pool, b->segment->tier(), b->segment->cls, b->segment->kind};
-  auto it = free_lists_.find(key);
-  CXL_CHECK(it != free_lists_.end() && it->second.erase(b) == 1, "free block missing from its free list");
-}
-
-// Return a block to its free list, merging with free neighbours.
-void DeviceAllocator::free_block(Block* b) {
-  auto mergeable = [](Block* n) { return n && !n->allocated && n->event_count == 0; };
-  if (mergeable(b->prev)) {
-    Block* p = b->prev;
-    erase_free(p);
-    p->size += b->size;
-    p->next = b->next;
-    if (b->next) b->next->prev = p;
-    p->stream = b->stream;
-    delete b;
-    b = p;
-  }
-  if (mergeable(b->next)) {
-    Block* n = b->next;
-    erase_free(n);
-    b->size += n->size;
-    b->next = n->next;
-    if (n->next) n->next->prev = b;
-    delete n;
-  }
-  insert_free(b);
-}
 
 // Private pools (graph capture, MemPool) claim matching streams; the most
 // recently begun matching route wins, as in torch since #161193 (nested
@@ -113,9 +65,7 @@ void DeviceAllocator::release_pool(PoolId id) {
 void DeviceAllocator::release_segment(Segment* seg) {
   CXL_CHECK(seg->fully_free(), "release of a segment in use");
   Tier t = seg->tier();
-  erase_free(seg->head);
-  delete seg->head;
-  seg->head = nullptr;
+  cache_.remove_segment(seg);
   stats_.on_segment_released(t, seg->cls, seg->kind, seg->size);
   forget_moves_of(seg->id);
   segments_.erase(seg->base);  // RAII: unmap, release, free the VA

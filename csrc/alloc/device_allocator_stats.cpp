@@ -122,9 +122,7 @@ void DeviceAllocator::check_invariants() const {
         if (!pending_set.count(b)) fail("event-waiting block not pending");
       } else {
         ++free_blocks;
-        FreeListKey key{seg->pool, seg->tier(), seg->cls, seg->kind};
-        auto fl = free_lists_.find(key);
-        if (fl == free_lists_.end() || !fl->second.count(const_cast<Block*>(b))) fail("free block not in its free list");
+        if (!cache_.contains(b)) fail("free block not in its free list");
         auto free_now = [](const Block* n) { return n && !n->allocated && n->event_count == 0; };
         if (free_now(b->next)) fail("two adjacent free blocks not merged");
       }
@@ -132,8 +130,7 @@ void DeviceAllocator::check_invariants() const {
     if (covered != seg->size) fail("blocks do not cover their segment");
     if (seg_alloc != seg->allocated) fail("segment allocated bytes mismatch");
   }
-  size_t listed = 0;
-  for (const auto& [k, fl] : free_lists_) listed += fl.size();
+  const size_t listed = cache_.listed();
   if (listed != free_blocks) fail("free lists hold blocks that are not free (" + std::to_string(listed) + " vs " + std::to_string(free_blocks) + ")");
   if (live_blocks != allocated_.size()) fail("allocated map size mismatch");
   for (int t = 0; t < 2; ++t) {

@@ -2,8 +2,9 @@
 // build time.  Only types, enum values and struct layouts are declared: every
 // driver function is reached through a pointer from cuGetProcAddress, so no
 // CUDA library is linked.  Values and layouts are copied from CUDA 13.0's
-// cuda.h; tests/test_build.py compiles csrc/driver/decls_probe.cpp against
-// both headers and checks that every value and sizeof agrees.
+// cuda.h; tests/engine/test_cuda_min.py compiles both headers into one
+// translation unit and static_asserts that every value, size and layout
+// agrees (skipped where no toolkit is installed).
 #pragma once
 
 #include <cstddef>

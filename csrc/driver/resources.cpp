@@ -7,25 +7,27 @@
 
 namespace cxl::driver {
 
+void report_release_failure(const Driver& drv, const char* call, CUresult r) {
+  note_cleanup_failure(std::string(call) + ": " + drv.describe(r));
+}
+
 namespace {
-// Run a release call from a destructor: never throws, always reports.
+// Undo a half-made resource in a constructor that is about to throw (a
+// throwing constructor runs no destructor): never throws, always reports.
 template <typename F, typename... A>
-void release(const DriverPtr& drv, F fn, const char* name, A... args) {
+void undo(const DriverPtr& drv, F fn, const char* name, A... args) {
   if (!drv || fn == nullptr) return;
   CUresult r = fn(args...);
-  if (r != CUDA_SUCCESS) note_cleanup_failure(std::string(name) + ": " + drv->describe(r));
+  if (r != CUDA_SUCCESS) report_release_failure(*drv, name, r);
 }
 }  // namespace
 
 // ---------------------------------------------------------------- contexts
-PrimaryContext::PrimaryContext(DriverPtr drv, int device) : drv_(std::move(drv)), device_(device) {
+PrimaryContext::PrimaryContext(DriverPtr drv, int device) : DriverHandle(std::move(drv)) {
+  state().device = device;
   CUdevice dev = 0;
-  CXL_CU(*drv_, cuDeviceGet, &dev, device);
-  CXL_CU(*drv_, cuDevicePrimaryCtxRetain, &ctx_, dev);
-}
-
-PrimaryContext::~PrimaryContext() {
-  if (ctx_) release(drv_, drv_->api().fn_cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease", device_);
+  CXL_CU(*this->drv(), cuDeviceGet, &dev, device);
+  CXL_CU(*this->drv(), cuDevicePrimaryCtxRetain, &state().ctx, dev);
 }
 
 ContextGuard::ContextGuard(const Driver& drv, CUcontext ctx) : drv_(drv) {
@@ -43,39 +45,30 @@ ContextGuard::~ContextGuard() {
 }
 
 // ---------------------------------------------------------------- VA ranges
-VaRange::VaRange(DriverPtr drv, size_t size, size_t alignment) : drv_(std::move(drv)) {
+VaRange::VaRange(DriverPtr drv, size_t size, size_t alignment) : DriverHandle(std::move(drv)) {
   CUdeviceptr p = 0;
-  CXL_CU(*drv_, cuMemAddressReserve, &p, size, alignment, CUdeviceptr(0), 0ULL);
-  base_ = p;
-  size_ = size;
-}
-
-VaRange::~VaRange() {
-  if (base_) release(drv_, drv_->api().fn_cuMemAddressFree, "cuMemAddressFree", base_, size_);
+  CXL_CU(*this->drv(), cuMemAddressReserve, &p, size, alignment, CUdeviceptr(0), 0ULL);
+  state() = {p, size};
 }
 
 // ---------------------------------------------------------------- physical memory
-PhysicalMemory::PhysicalMemory(DriverPtr drv, size_t size, const CUmemLocation& loc)
-    : drv_(std::move(drv)), loc_(loc) {
+PhysicalMemory::PhysicalMemory(DriverPtr drv, size_t size, const CUmemLocation& loc) : DriverHandle(std::move(drv)) {
+  state().loc = loc;
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
   prop.location = loc;
   CUmemGenericAllocationHandle h = 0;
-  CXL_CU(*drv_, cuMemCreate, &h, size, &prop, 0ULL);
-  handle_ = h;
-  size_ = size;
-}
-
-PhysicalMemory::~PhysicalMemory() {
-  if (handle_) release(drv_, drv_->api().fn_cuMemRelease, "cuMemRelease", handle_);
+  CXL_CU(*this->drv(), cuMemCreate, &h, size, &prop, 0ULL);
+  state().handle = h;
+  state().size = size;
 }
 
 // ---------------------------------------------------------------- mappings
-Mapping::Mapping(DriverPtr drv, CUdeviceptr va, const PhysicalMemory& mem, int device, bool host_access,
-                 int host_node)
-    : drv_(std::move(drv)) {
-  CXL_CU(*drv_, cuMemMap, va, mem.size(), size_t(0), mem.handle(), 0ULL);
+Mapping::Mapping(DriverPtr drv, CUdeviceptr va, const PhysicalMemory& mem, int device, bool host_access, int host_node)
+    : DriverHandle(std::move(drv)) {
+  const Driver& d = *this->drv();
+  CXL_CU(d, cuMemMap, va, mem.size(), size_t(0), mem.handle(), 0ULL);
   CUmemAccessDesc desc[2]{};
   size_t n = 0;
   desc[n].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -93,88 +86,59 @@ Mapping::Mapping(DriverPtr drv, CUdeviceptr va, const PhysicalMemory& mem, int d
     ++n;
   }
   try {
-    CXL_CU(*drv_, cuMemSetAccess, va, mem.size(), static_cast<const CUmemAccessDesc*>(desc), n);
+    CXL_CU(d, cuMemSetAccess, va, mem.size(), static_cast<const CUmemAccessDesc*>(desc), n);
   } catch (...) {
-    // A throwing constructor runs no destructor: undo the map here.
-    release(drv_, drv_->api().fn_cuMemUnmap, "cuMemUnmap", va, mem.size());
+    undo(this->drv(), d.api().fn_cuMemUnmap, "cuMemUnmap", va, mem.size());
     throw;
   }
-  va_ = va;
-  size_ = mem.size();
+  state() = {va, mem.size()};
 }
 
 void Mapping::unmap() {
-  if (!va_) return;
-  CXL_CU(*drv_, cuMemUnmap, va_, size_);
-  va_ = 0;
-  size_ = 0;
-}
-
-Mapping::~Mapping() {
-  if (va_) release(drv_, drv_->api().fn_cuMemUnmap, "cuMemUnmap", va_, size_);
+  if (!state().va) return;
+  CXL_CU(*drv(), cuMemUnmap, state().va, state().size);
+  state() = {};
 }
 
 // ---------------------------------------------------------------- managed memory
-ManagedMemory::ManagedMemory(DriverPtr drv, size_t size) : drv_(std::move(drv)) {
+ManagedMemory::ManagedMemory(DriverPtr drv, size_t size) : DriverHandle(std::move(drv)) {
   CUdeviceptr p = 0;
-  CXL_CU(*drv_, cuMemAllocManaged, &p, size, static_cast<unsigned>(CU_MEM_ATTACH_GLOBAL));
-  ptr_ = p;
-  size_ = size;
-}
-
-ManagedMemory::~ManagedMemory() {
-  if (ptr_) release(drv_, drv_->api().fn_cuMemFree, "cuMemFree", ptr_);
+  CXL_CU(*this->drv(), cuMemAllocManaged, &p, size, static_cast<unsigned>(CU_MEM_ATTACH_GLOBAL));
+  state() = {p, size};
 }
 
 // ---------------------------------------------------------------- plain device memory
-DeviceMemory::DeviceMemory(DriverPtr drv, size_t size) : drv_(std::move(drv)) {
+DeviceMemory::DeviceMemory(DriverPtr drv, size_t size) : DriverHandle(std::move(drv)) {
   CUdeviceptr p = 0;
-  CXL_CU(*drv_, cuMemAlloc, &p, size);
-  ptr_ = p;
-  size_ = size;
-}
-
-DeviceMemory::~DeviceMemory() {
-  if (ptr_) release(drv_, drv_->api().fn_cuMemFree, "cuMemFree", ptr_);
+  CXL_CU(*this->drv(), cuMemAlloc, &p, size);
+  state() = {p, size};
 }
 
 // ---------------------------------------------------------------- host registration
-HostRegistration::HostRegistration(DriverPtr drv, void* p, size_t size, unsigned flags) : drv_(std::move(drv)) {
-  CXL_CU(*drv_, cuMemHostRegister, p, size, flags);
-  CUdeviceptr d = 0;
+HostRegistration::HostRegistration(DriverPtr drv, void* p, size_t size, unsigned flags) : DriverHandle(std::move(drv)) {
+  const Driver& d = *this->drv();
+  CXL_CU(d, cuMemHostRegister, p, size, flags);
+  CUdeviceptr dptr = 0;
   try {
-    CXL_CU(*drv_, cuMemHostGetDevicePointer, &d, p, 0u);
+    CXL_CU(d, cuMemHostGetDevicePointer, &dptr, p, 0u);
   } catch (...) {
-    release(drv_, drv_->api().fn_cuMemHostUnregister, "cuMemHostUnregister", p);
+    undo(this->drv(), d.api().fn_cuMemHostUnregister, "cuMemHostUnregister", p);
     throw;
   }
-  p_ = p;
-  dptr_ = d;
-}
-
-HostRegistration::~HostRegistration() {
-  if (p_) release(drv_, drv_->api().fn_cuMemHostUnregister, "cuMemHostUnregister", p_);
+  state() = {p, dptr};
 }
 
 // ---------------------------------------------------------------- events and streams
-Event::Event(DriverPtr drv) : drv_(std::move(drv)) {
+Event::Event(DriverPtr drv) : DriverHandle(std::move(drv)) {
   CUevent e = nullptr;
-  CXL_CU(*drv_, cuEventCreate, &e, static_cast<unsigned>(CU_EVENT_DISABLE_TIMING));
-  ev_ = e;
+  CXL_CU(*this->drv(), cuEventCreate, &e, static_cast<unsigned>(CU_EVENT_DISABLE_TIMING));
+  state().ev = e;
 }
 
-Event::~Event() {
-  if (ev_) release(drv_, drv_->api().fn_cuEventDestroy, "cuEventDestroy", ev_);
-}
-
-Stream::Stream(DriverPtr drv) : drv_(std::move(drv)) {
+Stream::Stream(DriverPtr drv) : DriverHandle(std::move(drv)) {
   CUstream s = nullptr;
-  CXL_CU(*drv_, cuStreamCreate, &s, static_cast<unsigned>(CU_STREAM_NON_BLOCKING));
-  s_ = s;
-}
-
-Stream::~Stream() {
-  if (s_) release(drv_, drv_->api().fn_cuStreamDestroy, "cuStreamDestroy", s_);
+  CXL_CU(*this->drv(), cuStreamCreate, &s, static_cast<unsigned>(CU_STREAM_NON_BLOCKING));
+  state().s = s;
 }
 
 }  // namespace cxl::driver

@@ -1,13 +1,18 @@
 // RAII owners for every driver resource the engine creates.
 //
-// Each owner holds a shared_ptr to the Driver so the function table outlives
-// it, is move-only, and releases in its destructor.  A release that fails in a
-// destructor cannot throw: it is logged and counted (cxl::cleanup_failures) so
-// tests still see it.  Constructors throw DriverError with the failing call.
+// One template, DriverHandle<Traits>, holds what every owner shares: a
+// shared_ptr to the Driver (so the function table outlives the owner), the
+// resource's state, move-only ownership, and the release in the destructor.
+// A release that fails in a destructor cannot throw: it is logged and counted
+// (cxl::cleanup_failures) so tests still see it.  Each resource is a traits
+// struct (its state, when it is held, its release call and that call's name
+// for the log) plus a thin class with its constructor, which throws
+// DriverError with the failing call, and its accessors.
 #pragma once
 
 #include <cstddef>
 #include <memory>
+#include <tuple>
 #include <utility>
 
 #include "driver/driver.h"
@@ -16,35 +21,158 @@ namespace cxl::driver {
 
 using DriverPtr = std::shared_ptr<const Driver>;
 
+// Log and count a release that failed in a destructor (never throws a
+// DriverError: there is no caller to hand it to).
+void report_release_failure(const Driver& drv, const char* call, CUresult r);
+
+// Traits: `State` (value type, default = not held), `kRelease` (the release
+// call's name), `held(state)`, `fn(api)` (the release entry point) and
+// `args(state)` (its arguments as a tuple).
+template <class Traits>
+class DriverHandle {
+ public:
+  using State = typename Traits::State;
+
+  DriverHandle() = default;
+  ~DriverHandle() { release(); }
+  DriverHandle(const DriverHandle&) = delete;
+  DriverHandle& operator=(const DriverHandle&) = delete;
+  DriverHandle(DriverHandle&& o) noexcept { swap(o); }
+  DriverHandle& operator=(DriverHandle&& o) noexcept {
+    DriverHandle(std::move(o)).swap(*this);
+    return *this;
+  }
+  explicit operator bool() const { return Traits::held(s_); }
+  void swap(DriverHandle& o) noexcept {
+    std::swap(drv_, o.drv_);
+    std::swap(s_, o.s_);
+  }
+
+ protected:
+  explicit DriverHandle(DriverPtr drv) : drv_(std::move(drv)) {}
+  const DriverPtr& drv() const { return drv_; }
+  State& state() { return s_; }
+  const State& state() const { return s_; }
+
+ private:
+  void release() {
+    if (!drv_ || !Traits::held(s_)) return;
+    auto fn = Traits::fn(drv_->api());
+    if (fn == nullptr) return;  // a driver without the symbol has nothing to release
+    CUresult r = std::apply(fn, Traits::args(s_));
+    if (r != CUDA_SUCCESS) report_release_failure(*drv_, Traits::kRelease, r);
+  }
+
+  DriverPtr drv_;
+  State s_{};
+};
+
+// ---------------------------------------------------------------- traits
+struct PrimaryContextTraits {
+  struct State {
+    CUcontext ctx = nullptr;
+    int device = -1;
+  };
+  static constexpr const char* kRelease = "cuDevicePrimaryCtxRelease";
+  static bool held(const State& s) { return s.ctx != nullptr; }
+  static auto fn(const Api& a) { return a.fn_cuDevicePrimaryCtxRelease; }
+  static auto args(const State& s) { return std::make_tuple(s.device); }
+};
+
+struct VaRangeTraits {
+  struct State {
+    CUdeviceptr base = 0;
+    size_t size = 0;
+  };
+  static constexpr const char* kRelease = "cuMemAddressFree";
+  static bool held(const State& s) { return s.base != 0; }
+  static auto fn(const Api& a) { return a.fn_cuMemAddressFree; }
+  static auto args(const State& s) { return std::make_tuple(s.base, s.size); }
+};
+
+struct PhysicalMemoryTraits {
+  struct State {
+    CUmemGenericAllocationHandle handle = 0;
+    size_t size = 0;
+    CUmemLocation loc{CU_MEM_LOCATION_TYPE_INVALID, 0};
+  };
+  static constexpr const char* kRelease = "cuMemRelease";
+  static bool held(const State& s) { return s.handle != 0; }
+  static auto fn(const Api& a) { return a.fn_cuMemRelease; }
+  static auto args(const State& s) { return std::make_tuple(s.handle); }
+};
+
+struct MappingTraits {
+  struct State {
+    CUdeviceptr va = 0;
+    size_t size = 0;
+  };
+  static constexpr const char* kRelease = "cuMemUnmap";
+  static bool held(const State& s) { return s.va != 0; }
+  static auto fn(const Api& a) { return a.fn_cuMemUnmap; }
+  static auto args(const State& s) { return std::make_tuple(s.va, s.size); }
+};
+
+// cuMemAllocManaged and cuMemAlloc memory: both released by cuMemFree.
+struct FreedMemoryTraits {
+  struct State {
+    CUdeviceptr ptr = 0;
+    size_t size = 0;
+  };
+  static constexpr const char* kRelease = "cuMemFree";
+  static bool held(const State& s) { return s.ptr != 0; }
+  static auto fn(const Api& a) { return a.fn_cuMemFree; }
+  static auto args(const State& s) { return std::make_tuple(s.ptr); }
+};
+struct ManagedMemoryTraits : FreedMemoryTraits {};
+struct DeviceMemoryTraits : FreedMemoryTraits {};
+
+struct HostRegistrationTraits {
+  struct State {
+    void* p = nullptr;
+    CUdeviceptr dptr = 0;
+  };
+  static constexpr const char* kRelease = "cuMemHostUnregister";
+  static bool held(const State& s) { return s.p != nullptr; }
+  static auto fn(const Api& a) { return a.fn_cuMemHostUnregister; }
+  static auto args(const State& s) { return std::make_tuple(s.p); }
+};
+
+struct EventTraits {
+  struct State {
+    CUevent ev = nullptr;
+  };
+  static constexpr const char* kRelease = "cuEventDestroy";
+  static bool held(const State& s) { return s.ev != nullptr; }
+  static auto fn(const Api& a) { return a.fn_cuEventDestroy; }
+  static auto args(const State& s) { return std::make_tuple(s.ev); }
+};
+
+struct StreamTraits {
+  struct State {
+    CUstream s = nullptr;
+  };
+  static constexpr const char* kRelease = "cuStreamDestroy";
+  static bool held(const State& s) { return s.s != nullptr; }
+  static auto fn(const Api& a) { return a.fn_cuStreamDestroy; }
+  static auto args(const State& s) { return std::make_tuple(s.s); }
+};
+
+// ---------------------------------------------------------------- owners
 // The device's primary context, retained for the owner's lifetime (the same
 // context torch's runtime uses, so pointers are valid in both).
-class PrimaryContext {
+class PrimaryContext : public DriverHandle<PrimaryContextTraits> {
  public:
   PrimaryContext() = default;
   PrimaryContext(DriverPtr drv, int device);
-  ~PrimaryContext();
-  PrimaryContext(PrimaryContext&& o) noexcept { swap(o); }
-  PrimaryContext& operator=(PrimaryContext&& o) noexcept {
-    PrimaryContext(std::move(o)).swap(*this);
-    return *this;
-  }
-  CUcontext get() const { return ctx_; }
-  int device() const { return device_; }
-  void swap(PrimaryContext& o) noexcept {
-    std::swap(drv_, o.drv_);
-    std::swap(ctx_, o.ctx_);
-    std::swap(device_, o.device_);
-  }
-
- private:
-  DriverPtr drv_;
-  CUcontext ctx_ = nullptr;
-  int device_ = -1;
+  CUcontext get() const { return state().ctx; }
+  int device() const { return state().device; }
 };
 
 // Makes `ctx` current on this thread for the guard's scope, restoring the
 // previous context after.  Needed because frees arrive on arbitrary threads
-// (Python GC, torch's deleters) that may have no context bound.
+// (Python GC, torch's deleters) that may have no context bound.  Not an
+// owner (it restores, it releases nothing), so not a DriverHandle.
 class ContextGuard {
  public:
   ContextGuard(const Driver& drv, CUcontext ctx);
@@ -59,213 +187,78 @@ class ContextGuard {
 };
 
 // A reserved virtual address range (cuMemAddressReserve).
-class VaRange {
+class VaRange : public DriverHandle<VaRangeTraits> {
  public:
   VaRange() = default;
   VaRange(DriverPtr drv, size_t size, size_t alignment);
-  ~VaRange();
-  VaRange(VaRange&& o) noexcept { swap(o); }
-  VaRange& operator=(VaRange&& o) noexcept {
-    VaRange(std::move(o)).swap(*this);
-    return *this;
-  }
-  CUdeviceptr base() const { return base_; }
-  size_t size() const { return size_; }
-  explicit operator bool() const { return base_ != 0; }
-  void swap(VaRange& o) noexcept {
-    std::swap(drv_, o.drv_);
-    std::swap(base_, o.base_);
-    std::swap(size_, o.size_);
-  }
-
- private:
-  DriverPtr drv_;
-  CUdeviceptr base_ = 0;
-  size_t size_ = 0;
+  CUdeviceptr base() const { return state().base; }
+  size_t size() const { return state().size; }
 };
 
 // Physical memory from cuMemCreate at a location (device or host NUMA node).
-class PhysicalMemory {
+class PhysicalMemory : public DriverHandle<PhysicalMemoryTraits> {
  public:
   PhysicalMemory() = default;
   PhysicalMemory(DriverPtr drv, size_t size, const CUmemLocation& loc);
-  ~PhysicalMemory();
-  PhysicalMemory(PhysicalMemory&& o) noexcept { swap(o); }
-  PhysicalMemory& operator=(PhysicalMemory&& o) noexcept {
-    PhysicalMemory(std::move(o)).swap(*this);
-    return *this;
-  }
-  CUmemGenericAllocationHandle handle() const { return handle_; }
-  size_t size() const { return size_; }
-  const CUmemLocation& location() const { return loc_; }
-  explicit operator bool() const { return handle_ != 0; }
-  void swap(PhysicalMemory& o) noexcept {
-    std::swap(drv_, o.drv_);
-    std::swap(handle_, o.handle_);
-    std::swap(size_, o.size_);
-    std::swap(loc_, o.loc_);
-  }
-
- private:
-  DriverPtr drv_;
-  CUmemGenericAllocationHandle handle_ = 0;
-  size_t size_ = 0;
-  CUmemLocation loc_{CU_MEM_LOCATION_TYPE_INVALID, 0};
+  CUmemGenericAllocationHandle handle() const { return state().handle; }
+  size_t size() const { return state().size; }
+  const CUmemLocation& location() const { return state().loc; }
 };
 
 // A mapping of physical memory at a VA (cuMemMap + cuMemSetAccess).  Access
 // is granted to the device and, when `host_access`, to the CPU: host-tier
 // memory must stay readable by the CPU for placement checks and CPU tensors.
-class Mapping {
+class Mapping : public DriverHandle<MappingTraits> {
  public:
   Mapping() = default;
-  Mapping(DriverPtr drv, CUdeviceptr va, const PhysicalMemory& mem, int device, bool host_access,
-          int host_node);
-  ~Mapping();
-  Mapping(Mapping&& o) noexcept { swap(o); }
-  Mapping& operator=(Mapping&& o) noexcept {
-    Mapping(std::move(o)).swap(*this);
-    return *this;
-  }
-  CUdeviceptr va() const { return va_; }
-  size_t size() const { return size_; }
-  explicit operator bool() const { return va_ != 0; }
+  Mapping(DriverPtr drv, CUdeviceptr va, const PhysicalMemory& mem, int device, bool host_access, int host_node);
+  CUdeviceptr va() const { return state().va; }
+  size_t size() const { return state().size; }
   // Unmap now, throwing DriverError on failure (the mapping then stays owned
   // and valid), for callers that must not go on after a failed unmap.
   void unmap();
-  void swap(Mapping& o) noexcept {
-    std::swap(drv_, o.drv_);
-    std::swap(va_, o.va_);
-    std::swap(size_, o.size_);
-  }
-
- private:
-  DriverPtr drv_;
-  CUdeviceptr va_ = 0;
-  size_t size_ = 0;
 };
 
 // cuMemAllocManaged memory.
-class ManagedMemory {
+class ManagedMemory : public DriverHandle<ManagedMemoryTraits> {
  public:
   ManagedMemory() = default;
   ManagedMemory(DriverPtr drv, size_t size);
-  ~ManagedMemory();
-  ManagedMemory(ManagedMemory&& o) noexcept { swap(o); }
-  ManagedMemory& operator=(ManagedMemory&& o) noexcept {
-    ManagedMemory(std::move(o)).swap(*this);
-    return *this;
-  }
-  CUdeviceptr ptr() const { return ptr_; }
-  size_t size() const { return size_; }
-  explicit operator bool() const { return ptr_ != 0; }
-  void swap(ManagedMemory& o) noexcept {
-    std::swap(drv_, o.drv_);
-    std::swap(ptr_, o.ptr_);
-    std::swap(size_, o.size_);
-  }
-
- private:
-  DriverPtr drv_;
-  CUdeviceptr ptr_ = 0;
-  size_t size_ = 0;
+  CUdeviceptr ptr() const { return state().ptr; }
+  size_t size() const { return state().size; }
 };
 
 // Plain device memory from cuMemAlloc: the device tier when the GPU lacks VMM
 // (then segments cannot be remapped between tiers).
-class DeviceMemory {
+class DeviceMemory : public DriverHandle<DeviceMemoryTraits> {
  public:
   DeviceMemory() = default;
   DeviceMemory(DriverPtr drv, size_t size);
-  ~DeviceMemory();
-  DeviceMemory(DeviceMemory&& o) noexcept { swap(o); }
-  DeviceMemory& operator=(DeviceMemory&& o) noexcept {
-    DeviceMemory(std::move(o)).swap(*this);
-    return *this;
-  }
-  CUdeviceptr ptr() const { return ptr_; }
-  size_t size() const { return size_; }
-  explicit operator bool() const { return ptr_ != 0; }
-  void swap(DeviceMemory& o) noexcept {
-    std::swap(drv_, o.drv_);
-    std::swap(ptr_, o.ptr_);
-    std::swap(size_, o.size_);
-  }
-
- private:
-  DriverPtr drv_;
-  CUdeviceptr ptr_ = 0;
-  size_t size_ = 0;
+  CUdeviceptr ptr() const { return state().ptr; }
+  size_t size() const { return state().size; }
 };
 
 // A page-locked, device-mapped registration of existing host memory.
-class HostRegistration {
+class HostRegistration : public DriverHandle<HostRegistrationTraits> {
  public:
   HostRegistration() = default;
   HostRegistration(DriverPtr drv, void* p, size_t size, unsigned flags);
-  ~HostRegistration();
-  HostRegistration(HostRegistration&& o) noexcept { swap(o); }
-  HostRegistration& operator=(HostRegistration&& o) noexcept {
-    HostRegistration(std::move(o)).swap(*this);
-    return *this;
-  }
-  void* ptr() const { return p_; }
-  CUdeviceptr device_ptr() const { return dptr_; }
-  explicit operator bool() const { return p_ != nullptr; }
-  void swap(HostRegistration& o) noexcept {
-    std::swap(drv_, o.drv_);
-    std::swap(p_, o.p_);
-    std::swap(dptr_, o.dptr_);
-  }
-
- private:
-  DriverPtr drv_;
-  void* p_ = nullptr;
-  CUdeviceptr dptr_ = 0;
+  void* ptr() const { return state().p; }
+  CUdeviceptr device_ptr() const { return state().dptr; }
 };
 
-class Event {
+class Event : public DriverHandle<EventTraits> {
  public:
   Event() = default;
   explicit Event(DriverPtr drv);
-  ~Event();
-  Event(Event&& o) noexcept { swap(o); }
-  Event& operator=(Event&& o) noexcept {
-    Event(std::move(o)).swap(*this);
-    return *this;
-  }
-  CUevent get() const { return ev_; }
-  explicit operator bool() const { return ev_ != nullptr; }
-  void swap(Event& o) noexcept {
-    std::swap(drv_, o.drv_);
-    std::swap(ev_, o.ev_);
-  }
-
- private:
-  DriverPtr drv_;
-  CUevent ev_ = nullptr;
+  CUevent get() const { return state().ev; }
 };
 
-class Stream {
+class Stream : public DriverHandle<StreamTraits> {
  public:
   Stream() = default;
   explicit Stream(DriverPtr drv);
-  ~Stream();
-  Stream(Stream&& o) noexcept { swap(o); }
-  Stream& operator=(Stream&& o) noexcept {
-    Stream(std::move(o)).swap(*this);
-    return *this;
-  }
-  CUstream get() const { return s_; }
-  explicit operator bool() const { return s_ != nullptr; }
-  void swap(Stream& o) noexcept {
-    std::swap(drv_, o.drv_);
-    std::swap(s_, o.s_);
-  }
-
- private:
-  DriverPtr drv_;
-  CUstream s_ = nullptr;
+  CUstream get() const { return state().s; }
 };
 
 }  // namespace cxl::driver

@@ -9,8 +9,8 @@
 // Always compile against our own cuda_min.h, never the toolkit's cuda.h: cuda.h
 // `#define`s base names to versioned ones (cuMemAlloc -> cuMemAlloc_v2,
 // cuGetProcAddress -> cuGetProcAddress_v2), which would silently rename the
-// functions defined here.  tests/test_build.py checks that both headers agree
-// on every value and layout, so the ABI is the same.
+// functions defined here.  tests/engine/test_cuda_min.py checks that both
+// headers agree on every value and layout, so the ABI is the same.
 #ifdef CXL_HAVE_CUDA_H
 #undef CXL_HAVE_CUDA_H
 #endif
