@@ -43,7 +43,7 @@ from cxlalloc import _C
 from cxlalloc.config import format_bytes
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.index import BlockIndex, Entry
-from cxlalloc.kvstore.redis_tier import namespaced_key
+from cxlalloc.kvstore.keys import namespaced_key
 
 log = logging.getLogger("cxlalloc.kvstore.server")
 
