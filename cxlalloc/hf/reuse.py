@@ -62,6 +62,7 @@ from cxlalloc.hf.layers import STOCK_KIND
 from cxlalloc.kvstore import keys as kvkeys
 from cxlalloc.kvstore.layout import BlockLayout, check_block_tokens
 from cxlalloc.kvstore.open import open_store
+from cxlalloc.kvstore.store import BlockStore
 
 DEFAULT_BLOCK_TOKENS = 64
 REUSE_OPTIONS = ("kv_store", "kv_store_limit", "block_tokens", "cache_salt", "kv_store_fingerprint")
@@ -186,7 +187,7 @@ class PrefixReuse:
         self.allocator = allocator
         self.opts = opts
         self.cache_kw = cache_kw
-        self.store = open_store(opts.kv_store, allocator, limit=opts.kv_store_limit)
+        self.store: BlockStore = open_store(opts.kv_store, allocator, limit=opts.kv_store_limit)
         self.block_tokens = opts.block_tokens
         self.layout: Optional[BlockLayout] = None
         self.off_reason: Optional[str] = None
@@ -239,9 +240,7 @@ class PrefixReuse:
             self._dtypes = [layer._store.g.dtype for layer in kv]
         finally:
             cache.release()
-        check = getattr(self.store, "check_block_bytes", None)
-        if check is not None:
-            check(self.layout.block_bytes)
+        self.store.check_block_bytes(self.layout.block_bytes)
 
     def fingerprint(self) -> bytes:
         """The model fingerprint, recomputed when a parameter changed since."""
@@ -332,9 +331,7 @@ class PrefixReuse:
             rec.hit_tokens = rec.bytes_loaded = 0
             with self._lock:
                 self.counters["load_failures"] += 1
-            record_failure = getattr(self.store, "record_failure", None)
-            if record_failure is not None:
-                record_failure()
+            self.store.record_failure()
 
     @staticmethod
     def _left_pads(mask, shape) -> Optional[List[int]]:
@@ -387,9 +384,7 @@ class PrefixReuse:
         rec.reused_tokens = sum(max(0, min(h, C - p)) for p, h in zip(pads, hits)) * expand
         rec.bytes_loaded = nbytes
         rec.load_ms = dt * 1e3
-        record_load = getattr(self.store, "record_load", None)
-        if record_load is not None:
-            record_load(nbytes, dt)
+        self.store.record_load(nbytes, dt)
 
     def _copy_in(self, places, leases, pads, C, expand) -> int:
         """Write the hit K/V into the cache's storage; returns bytes copied from the store."""
@@ -513,9 +508,8 @@ class PrefixReuse:
         call.record.stored_blocks = stored
         call.record.bytes_stored = nbytes
         call.record.store_ms = dt * 1e3
-        record_store = getattr(self.store, "record_store", None)
-        if record_store is not None and nbytes:
-            record_store(nbytes, dt)
+        if nbytes:
+            self.store.record_store(nbytes, dt)
 
     def _copy_out(self, places, row: int, start: int, view: torch.Tensor) -> None:
         layout, bt = self.layout, self.block_tokens

@@ -7,13 +7,17 @@ prefilled again.  :mod:`cxlalloc.hf.reuse` does this for ``generate()``
 (``cxlalloc.hf.wrap(model, kv_store=True)``).
 
 Modules:
-    keys       model fingerprint, chained block keys (BLAKE2b-256)
+    store      BlockStore: the contract of every store (lookup, reserve, commit, release, stats, accounting)
+    keys       model fingerprint, chained block keys (BLAKE2b-256), namespaced and Redis key names
     layout     the byte format of a block (token-major rows of all KV layers)
     index      key -> block bookkeeping: slabs, LRU eviction, pins, write-then-publish
     local      LocalBlockStore: the in-process store over a HostArena
     open       kv_store=... option values -> a store
     protocol   the kv-server's wire format (length-prefixed msgpack over a unix socket)
-    server     KVServer: one shared pool for every process of a machine (the index, owners, quotas)
+    server     KVServer: one shared pool for every process of a machine (the façade of the three below)
+    server_state      the pool, index, owners, quotas: plain methods taking a client id (no socket)
+    server_transport  bind, socket permissions, framing, accept, dispatch of ops to the state
+    server_jobs       placement verification, rate sampling, Redis read-through / write-back
     server_cli ``cxlalloc kv-server``: options, start-up, signals, --status
     client     RemoteBlockStore: a kv-server as a store (kv_store="unix:///path/kv.sock")
     redis_tier RedisTier: a Redis/Valkey tier below a pool (kv_store="redis://...", --redis)
@@ -32,6 +36,8 @@ _EXPORTS = {
     "LocalBlockStore": "cxlalloc.kvstore.local",
     "resolve_limit": "cxlalloc.kvstore.local",
     "open_store": "cxlalloc.kvstore.open",
+    "BlockStore": "cxlalloc.kvstore.store",
+    "AccountedStore": "cxlalloc.kvstore.store",
     "RemoteBlockStore": "cxlalloc.kvstore.client",
     "RedisTier": "cxlalloc.kvstore.redis_tier",
     "KVServer": "cxlalloc.kvstore.server",

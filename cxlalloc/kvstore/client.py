@@ -3,7 +3,7 @@
 ``RemoteBlockStore("unix:///run/cxlalloc/kv.sock", allocator)`` is what
 ``hf.wrap(model, kv_store="unix:///run/cxlalloc/kv.sock")`` (or
 ``CXLALLOC=kv_store:unix:///run/cxlalloc/kv.sock``) opens.  It has the
-interface of :class:`~cxlalloc.kvstore.local.LocalBlockStore`: ``lookup``
+contract of every store (:class:`~cxlalloc.kvstore.store.BlockStore`): ``lookup``
 returns a lease whose ``views`` are 1-D uint8 CPU tensors *into the server's
 pool*, mapped into this process (the pool's memfd arrives over the socket by
 SCM_RIGHTS), so a hit is copied once, pool -> KV cache; on a GPU the pool is
@@ -44,9 +44,9 @@ import torch
 from cxlalloc import _C
 from cxlalloc.config import format_bytes, parse_size
 from cxlalloc.kvstore import protocol as P
-from cxlalloc.kvstore.counters import StoreCounters
 from cxlalloc.kvstore.handles import ScopedHandle, close_fds
 from cxlalloc.kvstore.local import KVStoreWarning, LocalBlockStore
+from cxlalloc.kvstore.store import AccountedStore, hit_rate
 
 DEFAULT_TIMEOUT_S = 5.0
 _BACKOFF_MIN_S = 0.2
@@ -207,7 +207,7 @@ class _Nothing:
         pass
 
 
-class RemoteBlockStore:
+class RemoteBlockStore(AccountedStore):
     """The kv-server at ``url`` as a block store (see the module docstring).
 
     Args:
@@ -260,7 +260,7 @@ class RemoteBlockStore:
         self._ever_connected = False
         self._warned = set()
         self.last_error: Optional[str] = None
-        self.counters = StoreCounters(("lookups", "lookup_blocks", "hit_blocks", "reserves", "reserved_blocks",
+        super().__init__(("lookups", "lookup_blocks", "hit_blocks", "reserves", "reserved_blocks",
                                        "committed_blocks", "server_errors", "timeouts", "remote_errors", "reconnects",
                                        "server_restarts", "skipped_down", "fallback_lookups", "register_failures"))
         self._get_conn()  # connect now if the server is up (a warning if not)
@@ -460,15 +460,6 @@ class RemoteBlockStore:
             self.fallback.check_block_bytes(nbytes)
 
     # ------------------------------------------------------------ accounting
-    def record_load(self, nbytes: int, seconds: float) -> None:
-        self.counters.record_load(nbytes, seconds)
-
-    def record_store(self, nbytes: int, seconds: float) -> None:
-        self.counters.record_store(nbytes, seconds)
-
-    def record_failure(self) -> None:
-        self.counters.record_failure()
-
     def connected(self) -> bool:
         c = self._conn
         return c is not None and not c.broken
@@ -510,8 +501,7 @@ class RemoteBlockStore:
         sp = (srv or {}).get("pool") or {}
         c.update(capacity_bytes=sp.get("capacity_bytes"), used_bytes=sp.get("used_bytes"), blocks=sp.get("blocks"),
                  stored_blocks=sp.get("stored_blocks"), evicted_blocks=sp.get("evicted_blocks"),
-                 hit_rate=sp.get("hit_rate"), client_hit_rate=(c["hit_blocks"] / c["lookup_blocks"]
-                                                               if c["lookup_blocks"] else 0.0))
+                 hit_rate=sp.get("hit_rate"), client_hit_rate=hit_rate(c["hit_blocks"], c["lookup_blocks"]))
         c["server"] = srv
         if self.fallback is not None:
             c["fallback"] = self.fallback.stats()

@@ -11,7 +11,9 @@ on all earlier tokens), the model that computed it, the memory layout of its
 bytes, and the tenant's namespace.  This is vLLM's chained block hash (automatic
 prefix caching: ``hash(parent_hash, block_tokens, extra_keys)``) and LMCache's
 ``model@...@chunk_hash`` key, with the model identity inside the chain instead of
-beside it (docs/sources.md#kv-reuse).  ``H`` is BLAKE2b-256 (``hashlib``):
+beside it (docs/sources.md#kv-reuse).  A block's name inside a namespace
+(:func:`namespaced_key`: the kv-server's index key) and its Redis key
+(:func:`redis_key`) are made here too, next to the keys they name.  ``H`` is BLAKE2b-256 (``hashlib``):
 collision-resistant, so tenants cannot forge another tenant's key (vLLM moved
 from Python's ``hash`` to SHA-256 for the same reason).
 
@@ -183,6 +185,25 @@ def chain_keys(root: bytes, tokens, block_tokens: int, start_key: Optional[bytes
         prev = _h(prev, raw[j * step:(j + 1) * step])
         out.append(prev)
     return out
+
+
+def namespaced_key(ns: str, key: bytes) -> bytes:
+    """The 32-byte name of block ``key`` in namespace ``ns``:
+    ``H("cxlalloc-kv-ns/1" | ns | key)`` (BLAKE2b-256, length-prefixed parts).
+
+    The kv-server indexes blocks by it and the Redis tier names values by it
+    (:func:`redis_key`), so a namespace can only ever reach its own blocks."""
+    return _h(b"cxlalloc-kv-ns/1", (ns or "").encode(), bytes(key))
+
+
+REDIS_PREFIX = "cxlalloc:kv:"  # the default prefix of every Redis key (``?prefix=`` changes it)
+
+
+def redis_key(prefix: str, nskey: bytes) -> str:
+    """The Redis key of the block named ``nskey`` (:func:`namespaced_key`):
+    ``prefix`` + 64 hex digits, so every process, server and machine that
+    computed the block names it alike."""
+    return prefix + bytes(nskey).hex()
 
 
 def hex_keys(keys: Iterable[bytes]) -> List[str]:

@@ -35,9 +35,9 @@ import torch
 
 from cxlalloc import _C
 from cxlalloc.config import format_bytes, parse_size_or_fraction
-from cxlalloc.kvstore.counters import StoreCounters
 from cxlalloc.kvstore.handles import ScopedHandle
 from cxlalloc.kvstore.index import BlockIndex, Entry
+from cxlalloc.kvstore.store import AccountedStore, hit_rate
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 DEFAULT_LIMIT_FRACTION = 0.25  # of the host tier's limit
@@ -120,8 +120,9 @@ class Reservation(ScopedHandle):
     _release = abort  # after commit() this does nothing
 
 
-class LocalBlockStore:
-    """KV blocks of every model of this process in one host arena.
+class LocalBlockStore(AccountedStore):
+    """KV blocks of every model of this process in one host arena (a
+    :class:`~cxlalloc.kvstore.store.BlockStore`).
 
     Args:
         allocator: the :class:`cxlalloc.Allocator` whose host node (and, on a
@@ -161,7 +162,7 @@ class LocalBlockStore:
         self._owners = itertools.count(1)
         self.index = BlockIndex(self.capacity_bytes, chunk, quotas=quotas,
                                 on_evict=self._evicted if lower is not None else None)
-        self.counters = StoreCounters(("placement_verified_bytes", "placement_misplaced_bytes",
+        super().__init__(("placement_verified_bytes", "placement_misplaced_bytes",
                                        "placement_unverified_bytes", "register_failures", "lower_hit_blocks",
                                        "lower_put_blocks"))
         self._warned = set()
@@ -281,15 +282,6 @@ class LocalBlockStore:
             self.index.abort(entries, owner)
 
     # ------------------------------------------------------------ accounting
-    def record_load(self, nbytes: int, seconds: float) -> None:
-        self.counters.record_load(nbytes, seconds)
-
-    def record_store(self, nbytes: int, seconds: float) -> None:
-        self.counters.record_store(nbytes, seconds)
-
-    def record_failure(self) -> None:
-        self.counters.record_failure()
-
     def clear(self, ns: Optional[str] = None) -> int:
         """Drop every stored block (of namespace ``ns``) not in use; returns blocks dropped."""
         with self._lock:
@@ -316,7 +308,7 @@ class LocalBlockStore:
         c.update(kind=self.kind, node=self.node, capacity_bytes=self.capacity_bytes, simulated=self.simulated,
                  registered_bytes=a["registered_bytes"], numa_method=self._arena.numa_method)
         c["register_failures"] += a["register_failures"]
-        c["hit_rate"] = c["hit_blocks"] / c["lookup_blocks"] if c["lookup_blocks"] else 0.0
+        c["hit_rate"] = hit_rate(c["hit_blocks"], c["lookup_blocks"])
         if self.lower is not None:
             c["lower"] = self.lower.stats()
         return c

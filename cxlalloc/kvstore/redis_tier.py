@@ -8,7 +8,7 @@ It is LMCache's remote backend idea (``remote_url: "redis://host:port"``) on the
 store the deployment already runs (docs/sources.md#kv-reuse).
 
 * **Same keys.**  A block's Redis key is ``prefix + H(namespace | block key)``
-  (hex; :func:`namespaced_key`), so one block has one name whichever process,
+  (hex; :func:`cxlalloc.kvstore.keys.namespaced_key`), so one block has one name whichever process,
   server or machine computed it, and two namespaces never share a value.
 * **Writes never block the caller.**  :meth:`put` copies nothing and waits for
   nothing: it appends to a bounded queue (``queue_bytes``) that a background
@@ -32,7 +32,6 @@ store the deployment already runs (docs/sources.md#kv-reuse).
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import struct
 import threading
@@ -41,9 +40,11 @@ import zlib
 from typing import Dict, List, Optional, Sequence
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from cxlalloc.kvstore.keys import REDIS_PREFIX, namespaced_key, redis_key
+
 log = logging.getLogger("cxlalloc.kvstore.redis")
 
-DEFAULT_PREFIX = "cxlalloc:kv:"
+DEFAULT_PREFIX = REDIS_PREFIX
 DEFAULT_QUEUE_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 2.0
 _MAGIC = b"CXKV"
@@ -53,18 +54,6 @@ HEADER_BYTES = _HEADER.size
 _BACKOFF_MIN_S = 0.25
 _BACKOFF_MAX_S = 10.0
 _INFO_EVERY_S = 5.0
-
-
-def namespaced_key(ns: str, key: bytes) -> bytes:
-    """The 32-byte name of block ``key`` in namespace ``ns`` (BLAKE2b-256).
-
-    The kv-server indexes blocks by it and the Redis tier names values by it,
-    so a namespace can only ever reach its own blocks."""
-    h = hashlib.blake2b(digest_size=32)
-    for part in (b"cxlalloc-kv-ns/1", (ns or "").encode(), bytes(key)):
-        h.update(len(part).to_bytes(8, "little"))
-        h.update(part)
-    return h.digest()
 
 
 def pack_value(nskey: bytes, data) -> bytes:
@@ -221,7 +210,7 @@ class RedisTier:
 
     # ------------------------------------------------------------ state
     def _rkey(self, nskey: bytes) -> str:
-        return self.prefix + nskey.hex()
+        return redis_key(self.prefix, nskey)
 
     def _failed(self, exc: BaseException, what: str) -> None:
         with self._lock:

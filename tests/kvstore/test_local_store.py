@@ -83,12 +83,6 @@ def test_full_store_under_constant_inserts_holds_its_limit(make_alloc):
     s.check()
 
 
-def test_a_block_larger_than_the_store_is_a_clear_error(make_alloc):
-    s = LocalBlockStore(make_alloc(), 64 * KiB)
-    with pytest.raises(ValueError, match="kv_store_limit"):
-        s.reserve("", keys(1), 128 * KiB, 16)
-
-
 def test_aborted_or_failed_writes_are_never_visible(make_alloc):
     s = LocalBlockStore(make_alloc(), 1 * MiB)
     with pytest.raises(RuntimeError):

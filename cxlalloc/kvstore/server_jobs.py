@@ -1,0 +1,265 @@
+"""The kv-server's background jobs: placement checks, rate sampling, the Redis tier link.
+
+* :class:`PlacementVerifier`: which committed blocks to publish.  With
+  ``--strict-placement`` each block is verified before it is published and a
+  misplaced one dropped; otherwise the check runs on a thread after the block
+  is published (counted, warned once), so a commit never waits for it.
+* :class:`RateSampler`: a sample of the monotonic counters every second, for
+  the per-second rates of ``--status`` and the metrics (a 10 s window).
+* :class:`RedisLink`: the pool's side of a :class:`~cxlalloc.kvstore.redis_tier.RedisTier`
+  (``--redis``): evicted blocks written back (``--redis-mode evict``) or every
+  committed block written through (``through``), and blocks the pool misses
+  read through into it.  It is handed the tier object; it never imports the
+  Redis module, so a pool hit never touches it.
+
+Each job works on a :class:`~cxlalloc.kvstore.server_state.ServerState`
+(its lock, index, counters and the pool's bytes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+import time
+from collections import deque
+from typing import List
+
+from cxlalloc.config import format_bytes
+from cxlalloc.kvstore.index import Entry
+from cxlalloc.kvstore.server_state import ServerState, log
+
+RATE_WINDOW_S = 10.0
+VERIFY_QUEUE = 65536             # blocks waiting for their placement check
+REDIS_MODES = ("evict", "through")
+
+_MADV_POPULATE_READ = 22  # linux/mman.h, Linux 5.14+
+
+
+def _libc_madvise():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_madvise = _libc_madvise()
+
+
+class PlacementVerifier:
+    """Page-by-page placement checks (``move_pages``) of committed blocks.
+
+    Args:
+        state: the pool.
+        strict: verify before publishing and drop a misplaced block.
+        page: the page size (bytes).
+    """
+
+    def __init__(self, state: ServerState, strict: bool, page: int):
+        self.state, self.strict, self._page = state, bool(strict), int(page)
+        self._q: "deque[tuple]" = deque()
+        self._cv = threading.Condition()
+        self._verifying = 0
+        self._warned = False
+        self._stop = threading.Event()
+
+    def __call__(self, entries: List[Entry]) -> List[Entry]:
+        """The entries to publish (all of them unless strict and misplaced)."""
+        if not self.strict:
+            skipped = 0
+            with self._cv:
+                for e in entries:
+                    if len(self._q) < VERIFY_QUEUE:
+                        self._q.append((e.offset, e.nbytes))
+                    else:
+                        skipped += e.nbytes
+                self._cv.notify()
+            if skipped:
+                self.state.count("placement_skipped_bytes", skipped)
+            return list(entries)
+        keep: List[Entry] = []
+        self._verify_into(entries, keep)
+        return keep
+
+    def run(self) -> None:
+        """The thread's loop: verify what commits queued, until :meth:`stop`."""
+        while True:
+            with self._cv:
+                if self._verifying:
+                    self._verifying = 0
+                    self._cv.notify_all()
+                while not self._q and not self._stop.is_set():
+                    self._cv.wait(0.5)
+                if self._stop.is_set():
+                    return
+                batch = list(self._q)
+                self._q.clear()
+                self._verifying = len(batch)
+            self._verify_into([Entry(key=b"", offset=o, nbytes=n, ns="", tokens=0) for o, n in batch], [])
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+
+    def pending(self) -> int:
+        """Blocks waiting for (or in) their background placement check."""
+        with self._cv:
+            return len(self._q) + self._verifying
+
+    def _verify_into(self, entries: List[Entry], keep: List[Entry]) -> None:
+        st = self.state
+        on = off = unpop = dropped = 0
+        for e in entries:
+            try:
+                # The client wrote these pages through its own mapping; read one
+                # byte of each so they are in this process's page table too
+                # (move_pages reports pages of the caller's mappings only).
+                # They exist already: nothing is allocated.
+                self._touch(e.offset, e.nbytes)
+                chk = st.arena.verify(e.offset, e.nbytes)
+            except Exception:
+                unpop += e.nbytes
+                keep.append(e)
+                continue
+            on += int(chk["on_node"])
+            unpop += int(chk["unpopulated"])
+            wrong = int(chk["elsewhere"])
+            off += wrong
+            if wrong and not self._warned:
+                self._warned = True
+                log.warning("%s of a block landed outside node %d (%s)%s", format_bytes(wrong), st.node,
+                            chk["detail"], "; dropped (--strict-placement)" if self.strict else "")
+                if self.strict:
+                    dropped += 1
+                    continue
+            keep.append(e)
+        with st.lock:
+            st.c["placement_verified_bytes"] += on
+            st.c["placement_misplaced_bytes"] += off
+            st.c["placement_unverified_bytes"] += unpop
+            st.c["misplaced_dropped_blocks"] += dropped
+
+    def _touch(self, off: int, n: int) -> None:
+        page = self._page
+        first = off - off % page
+        if _madvise is not None and _madvise(self.state.arena.base + first, off + n - first, _MADV_POPULATE_READ) == 0:
+            return
+        mem = self.state.mem
+        for p in range(first, off + n, page):  # kernels before 5.14: one read per page
+            mem[p]  # noqa: B018 - a read fault maps the page
+
+
+class RateSampler:
+    """Per-second rates of the state's monotonic counters over the last :data:`RATE_WINDOW_S`."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+        self._samples: "deque[tuple]" = deque(maxlen=600)
+
+    def run(self, stop: threading.Event) -> None:
+        """The thread's loop: one sample a second until ``stop`` is set."""
+        while not stop.wait(1.0):
+            with self.state.lock:
+                self._samples.append((time.monotonic(), self.state.counters()))
+
+    def rates(self, now_counters: dict) -> dict:
+        """``{"window_s", "lookups_per_s", ...}`` (``{"window_s": 0.0}`` before a 0.5 s window exists)."""
+        now = time.monotonic()
+        old = None
+        for t, c in self._samples:
+            if now - t <= RATE_WINDOW_S + 0.5:
+                old = (t, c)
+                break
+        if old is None or now - old[0] < 0.5:
+            return {"window_s": 0.0}
+        dt = now - old[0]
+        d = {k: now_counters.get(k, 0) - old[1].get(k, 0) for k in now_counters}
+        out = {"window_s": round(dt, 3),
+               "lookups_per_s": d["lookups"] / dt,
+               "loads_per_s": d["hit_blocks"] / dt, "load_bytes_per_s": d["hit_bytes"] / dt,
+               "stores_per_s": d["stored_blocks"] / dt, "store_bytes_per_s": d["stored_bytes"] / dt,
+               "evictions_per_s": d["evicted_blocks"] / dt,
+               "hit_rate": d["hit_blocks"] / d["lookup_blocks"] if d["lookup_blocks"] else None,
+               "redis_loads_per_s": d["redis_hit_blocks"] / dt, "redis_load_bytes_per_s": d["redis_hit_bytes"] / dt}
+        if "redis_put_blocks" in d:
+            out.update(redis_stores_per_s=d["redis_put_blocks"] / dt, redis_store_bytes_per_s=d["redis_put_bytes"] / dt)
+        return out
+
+
+class RedisLink:
+    """The pool's side of a Redis tier (the ``tier`` of a :class:`ServerState`).
+
+    Args:
+        state: the pool.
+        redis: a :class:`~cxlalloc.kvstore.redis_tier.RedisTier` (``put_ns``,
+            ``get_many_ns``, ``down``, ``stats``).
+        mode: ``"evict"`` (written when evicted) or ``"through"`` (when committed).
+        placement: which blocks read from Redis to publish (the state's ``placement``).
+    """
+
+    def __init__(self, state: ServerState, redis, mode: str, placement):
+        self.state, self.redis, self.mode, self.placement = state, redis, mode, placement
+
+    def down(self) -> bool:
+        return self.redis.down()
+
+    def counters(self) -> dict:
+        rs = self.redis.stats()
+        return {"redis_put_blocks": rs["put_blocks"], "redis_put_bytes": rs["put_bytes"],
+                "redis_lookup_blocks": rs["lookup_blocks"]}
+
+    def evicted(self, e: Entry) -> None:
+        # Under the state's lock, before the slot is reused: copy the bytes
+        # out; the tier sends them from its own thread.
+        if self.mode == "through":
+            return  # written when committed
+        if self.redis.put_ns(e.key, self.state.block_bytes(e).tobytes()):
+            self.state.c["redis_put_blocks"] += 1
+
+    def write_through(self, entries: List[Entry]) -> int:
+        """Send committed blocks (``through`` mode); returns how many were queued."""
+        if self.mode != "through":
+            return 0
+        sent = 0
+        for e in entries:  # still WRITING and owned by the committer: nobody else touches the slot
+            sent += bool(self.redis.put_ns(e.key, self.state.block_bytes(e).tobytes()))
+        return sent
+
+    def read_through(self, ns: str, iks: List[bytes], owner) -> List[Entry]:
+        """The blocks of ``iks`` (namespaced keys, in order) Redis has, up to
+        its first miss, copied into the pool and pinned for ``owner``."""
+        st = self.state
+        got = []
+        for data in self.redis.get_many_ns(iks):
+            if data is None:
+                break
+            got.append(data)
+        if not got:
+            return []
+        nbytes = len(got[0])
+        got = [d for d in itertools.takewhile(lambda d: len(d) == nbytes, got)]
+        if nbytes > st.index.largest_block():
+            return []
+        with st.lock:
+            slots = st.index.reserve(iks[:len(got)], nbytes, ns, owner)
+        written = []
+        for e, data in zip(slots, got):
+            if e is None:
+                break
+            st.view[e.offset:e.offset + e.nbytes] = data
+            written.append(e)
+        keep = self.placement(written)
+        with st.lock:
+            st.index.abort([e for e in slots if e is not None and e not in keep], owner)
+            st.index.publish(keep, owner)
+            pinned = st.index.match([e.key for e in keep], owner)
+            st.index.c.lookups -= 1  # part of this lookup
+            st.index.c.lookup_blocks -= len(keep)
+            st.c["redis_hit_blocks"] += len(pinned)
+            st.c["redis_hit_bytes"] += sum(e.nbytes for e in pinned)
+        return pinned
