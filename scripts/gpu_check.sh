@@ -34,7 +34,7 @@
 # has no .git).
 #
 # Safety: device_limit emulates a small GPU; managed memory is never requested
-# beyond half of the card's free memory (cxlalloc/bench/guard.py, checked in
+# beyond half of the card's free memory (cxlalloc_apps/bench/guard.py, checked in
 # every benchmark before each managed allocation); nothing changes the card's
 # settings.  Safe to run twice (it starts from a clean work folder).
 #
@@ -55,7 +55,7 @@
 #   into /tmp/site (pip --no-index --no-deps --target) and puts it on PYTHONPATH.
 #
 # Then, here: unpack and publish (benchmarks/README.md, "How to run on the device"):
-#   python -m cxlalloc.bench.report --import <files_at>/results.tar.gz \
+#   python -m cxlalloc_apps.bench.report --import <files_at>/results.tar.gz \
 #       --results benchmarks/results --plots benchmarks/results/plots --readme README.md
 # ----------------------------------------------------------------------------
 set -u
@@ -104,7 +104,7 @@ STEPS=(
   "reuse|90|$BENCH --only reuse --time-budget \$STEP_BUDGET"
   "decode|130|$BENCH --only decode --time-budget \$STEP_BUDGET"
   "rightsizing|90|$BENCH --only rightsizing --time-budget \$STEP_BUDGET"
-  "report|40|$PY -m cxlalloc.bench.report --results $RES --plots $RES/plots --readme $RES/README_section.md"
+  "report|40|$PY -m cxlalloc_apps.bench.report --results $RES --plots $RES/plots --readme $RES/README_section.md"
   "pack|20|(internal) write $OUTDIR/summary.json, pack $WORK into $OUTDIR/results.tar.gz, keep $OUTDIR/log.txt"
 )
 

@@ -39,9 +39,9 @@ from typing import Any, Dict, List, Optional
 
 import cxlalloc
 from cxlalloc import topology
-from cxlalloc.bench import guard
-from cxlalloc.bench.meta import RecordWriter, new_record
-from cxlalloc.bench.timing import cuda_time_ms, gbps, summarize
+from cxlalloc_apps.bench import guard
+from cxlalloc_apps.bench.meta import RecordWriter, new_record
+from cxlalloc_apps.bench.timing import cuda_time_ms, gbps, summarize
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -153,7 +153,7 @@ def run(ctx) -> Dict[str, Any]:
     gc.collect()
     torch.cuda.empty_cache()
     summary["model"] = ("t_step = bytes_on_device / hbm_read_gbps + bytes_on_host / link.zero_copy_read_gbps "
-                        "(cxlalloc.bench.model.ceiling_tokens_per_s)")
+                        "(cxlalloc_apps.bench.model.ceiling_tokens_per_s)")
     w.record["summary"] = summary
     return w.finish()
 
