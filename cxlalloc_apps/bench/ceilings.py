@@ -149,7 +149,7 @@ def run(ctx) -> Dict[str, Any]:
         if best:
             summary["link"][backend] = {k: best.get(k) for k in ("numa_node", "zero_copy_read_gbps", "h2d_gbps",
                                                                   "d2h_gbps", "requested_node")}
-    del src, srcf, dst
+    src = srcf = dst = None  # release the tensors (a `del` would leave the lambdas above unbound names)
     gc.collect()
     torch.cuda.empty_cache()
     summary["model"] = ("t_step = bytes_on_device / hbm_read_gbps + bytes_on_host / link.zero_copy_read_gbps "
