@@ -56,7 +56,7 @@
 #
 # Then, here: unpack and publish (benchmarks/README.md, "How to run on the device"):
 #   python -m cxlalloc_apps.bench.report --import <files_at>/results.tar.gz \
-#       --results benchmarks/results --plots benchmarks/results/plots --readme README.md
+#       --results benchmarks/results --plots benchmarks/results/plots --readme benchmarks/README.md
 # ----------------------------------------------------------------------------
 set -u
 
@@ -88,7 +88,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 # The torch adapter is built once into cxlalloc's cache (~/.cache/cxlalloc, or $CXLALLOC_CACHE_DIR) and
 # reused by every later process, the GPU tests' and the benchmark workers' included, and by a second run.
 unset CXLALLOC  # the benchmarks enable cxlalloc themselves, per variant
-BENCH="$PY -m cxlalloc bench --quick --out $RES --no-progress"
+BENCH="$PY -m cxlalloc_apps.bench --quick --out $RES --no-progress"  # = cxlalloc bench, also when built in place (no entry points)
 
 # name|time box (s)|command (run with bash -c in the repository root)
 STEPS=(

@@ -630,3 +630,26 @@ def test_reuse_bench_records_hit_vs_recompute_and_the_bound(tmp_path, monkeypatc
                                                                                  / (r["link_gbps"] * 1e9)))
     sweep = {r["block_tokens"]: r for r in rec["results"] if r.get("kind") == "block_sweep"}
     assert sorted(sweep) == [32, 64] and all(r["hit_tokens"] == 128 for r in sweep.values())
+
+
+def test_report_writes_the_cpu_section_from_the_kv_reuse_records(tmp_path):
+    """The CPU results of benchmarks/README.md come from the committed reuse and
+    kvserver records, labelled simulation/CPU, between their own markers; a
+    page without those markers gets no CPU section."""
+    results = os.path.join(ROOT, "benchmarks", "results")
+    page = tmp_path / "page.md"
+    page.write_text("intro\n\n<!-- bench-cpu:start -->\nold\n<!-- bench-cpu:end -->\n\nfooter\n")
+    plain = tmp_path / "plain.md"
+    plain.write_text("intro\n")
+    for target in (page, plain):
+        assert report.main(["--results", results, "--plots", str(tmp_path / "plots"), "--readme", str(target)]) == 0
+    text = page.read_text()
+    assert text.startswith("intro\n") and "<!-- bench-cpu:end -->\n\nfooter\n" in text and "\nold\n" not in text
+    cpu = text.split("<!-- bench-cpu:start -->")[1].split("<!-- bench-cpu:end -->")[0]
+    assert "**Simulation/CPU**" in cpu
+    assert "| TTFT recompute | 477 ms | 909 ms | 1,801 ms | 4,094 ms |" in cpu
+    assert "| TTFT hit | 97 ms | 115 ms | 130 ms | 173 ms |" in cpu
+    assert "**0.070 s** with the hit vs **1.016 s** recomputing (14.5x)" in cpu
+    assert "| kill -9 of 1 of 4 writers mid-insert | 11,064 committed blocks logged, 0 missing, 0 torn" in cpu
+    assert "<!-- bench-cpu:start -->" not in plain.read_text()
+    assert "GPU numbers pending" in plain.read_text()
