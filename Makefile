@@ -7,7 +7,7 @@ PYTHON := $(VENV)/bin/python
 # and what the same limit does to it); `make demo DEMO_ARGS=` runs cxlalloc alone.
 DEMO_ARGS ?= --compare
 
-.PHONY: setup demo test build clean dev-build coverage
+.PHONY: setup demo test lint format-check build clean dev-build coverage
 
 setup:
 	bash scripts/bootstrap.sh $(VENV)
@@ -15,8 +15,24 @@ setup:
 demo: setup
 	$(PYTHON) examples/generate.py $(DEMO_ARGS) $(ARGS)
 
-test: setup
+test: setup lint
 	$(PYTHON) -m pytest -q -ra tests $(ARGS)
+
+# The linter (rules in pyproject.toml, [tool.ruff]); `make test` runs it first.
+LINT_PATHS := cxlalloc cxlalloc_apps tests scripts examples
+lint: setup
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+
+# C++ formatting against .clang-format, only where clang-format is installed.
+CPP_SOURCES = $(shell find csrc -name '*.cpp' -o -name '*.h')
+format-check:
+	@if ! command -v clang-format >/dev/null 2>&1; then \
+		echo "format-check: clang-format not installed; skipped"; \
+	elif [ ! -f .clang-format ]; then \
+		echo "format-check: no .clang-format in the repository; skipped"; \
+	else \
+		clang-format --dry-run --Werror $(CPP_SOURCES); \
+	fi
 
 # The coverage matrix (docs/coverage.md, docs/coverage.json): every causal-LM / seq2seq
 # architecture of the installed transformers, plain vs wrapped with KV spilling.  Reruns

@@ -29,6 +29,13 @@ ParallelCompile(
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+# `cxlalloc bench|demo`: the product's CLI finds these apps through this
+# entry-point group (cxlalloc/cli.py), so no module of cxlalloc/ imports them.
+# tests/app/conftest.py reads these two literals for checkouts whose installed
+# metadata predates them.
+APP_GROUP = "cxlalloc.apps"
+APP_COMMANDS = {"bench": "cxlalloc_apps.bench.cli:main", "demo": "cxlalloc_apps.demo:main"}
+
 
 def _cuda_include():
     """Return the CUDA include dir holding cuda.h, or None (then cuda_min.h is used)."""
@@ -136,11 +143,12 @@ setup(
     version="0.1.0",
     description="Tiered PyTorch CUDA allocator: VRAM first, then host/CXL NUMA memory, KV-cache aware",
     license="Apache-2.0",
-    # Every package under cxlalloc/, so a new one (cxlalloc/kvstore/, ...) is in a
-    # non-editable install without a change here (tests/app/test_install.py).
-    packages=find_packages(include=["cxlalloc", "cxlalloc.*"]),
-    # the main job's default document (cxlalloc/demo/app.py: DEFAULT_DOCUMENT)
-    package_data={"cxlalloc": ["py.typed"], "cxlalloc.demo": ["data/*.txt"]},
+    # Every package under cxlalloc/ (the product) and cxlalloc_apps/ (the benchmarks
+    # and the main job, shipped beside it), so a new one is in a non-editable
+    # install without a change here (tests/app/test_install.py).
+    packages=find_packages(include=["cxlalloc", "cxlalloc.*", "cxlalloc_apps", "cxlalloc_apps.*"]),
+    # the main job's default document (cxlalloc_apps/demo/app.py: DEFAULT_DOCUMENT)
+    package_data={"cxlalloc": ["py.typed"], "cxlalloc_apps.demo": ["data/*.txt"]},
     ext_modules=[core] + ([sim] if sim.sources else []),
     cmdclass={"build_py": BuildPyWithStartupHook},
     python_requires=">=3.10",
@@ -155,6 +163,7 @@ setup(
         # building the torch adapter at run time (global mode)
         "torch": ["ninja"],
     },
-    entry_points={"console_scripts": ["cxlalloc=cxlalloc.cli:main"]},
+    entry_points={"console_scripts": ["cxlalloc=cxlalloc.cli:main"],
+                  APP_GROUP: [f"{name}={target}" for name, target in APP_COMMANDS.items()]},
     zip_safe=False,
 )

@@ -3,8 +3,8 @@
     cxlalloc info [--json] [--simulate]      GPUs, driver, capabilities, NUMA nodes,
                                              the node "auto" picks and why, backends
     cxlalloc run [options] -- CMD ...        run CMD with CXLALLOC set from the options
-    cxlalloc bench ...                       benchmarks (cxlalloc.bench.cli)
-    cxlalloc demo ...                        the main job: HuggingFace generate() past VRAM (cxlalloc.demo)
+    cxlalloc bench ...                       benchmarks (the app cxlalloc_apps.bench, found by entry point)
+    cxlalloc demo ...                        the main job: HuggingFace generate() past VRAM (cxlalloc_apps.demo)
     cxlalloc kv-server ...                   shared KV cache server (cxlalloc.kvstore.server_cli)
 
 Exit codes: 0 success (also when the reader of stdout closes it early, as
@@ -281,32 +281,56 @@ def cmd_run(args) -> int:
     return 0  # not reached
 
 
-# ----------------------------------------------------------------- bench / demo
-# Subcommands implemented elsewhere, imported only when used.
-DELEGATES = {"bench": ("cxlalloc.bench.cli", "benchmarks"), "demo": ("cxlalloc.demo", "HuggingFace generate() demo"),
-             "kv-server": ("cxlalloc.kvstore.server_cli", "shared KV cache server")}
+# ----------------------------------------------------------------- bench / demo / kv-server
+# Subcommands implemented elsewhere, imported only when used.  bench and demo
+# are apps shipped beside the product (cxlalloc_apps/): the product never
+# imports them, it finds them through the entry-point group setup.py declares.
+APP_GROUP = "cxlalloc.apps"
+APPS = {"bench": "benchmarks", "demo": "HuggingFace generate() demo"}
+PRODUCT_COMMANDS = {"kv-server": ("cxlalloc.kvstore.server_cli", "shared KV cache server")}
+DELEGATES = [*APPS, *PRODUCT_COMMANDS]
 
 
-def _delegate(module: str, what: str, argv: List[str]) -> int:
+def _app_entry_point(name: str):
+    """The ``cxlalloc.apps`` entry point called ``name``, or None when no
+    installed distribution declares it."""
+    from importlib.metadata import entry_points
+
+    return next((ep for ep in entry_points(group=APP_GROUP) if ep.name == name), None)
+
+
+def _run_main(main, what: str, argv: List[str]) -> int:
     try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        print(f"cxlalloc {what}: not available in this installation ({module} could not be imported: {e})",
-              file=sys.stderr)
-        return 2
-    main = getattr(mod, "main", None)
-    if main is None:
-        print(f"cxlalloc {what}: {module} has no main()", file=sys.stderr)
-        return 2
-    try:
-        rc = main(argv, prog=f"python -m cxlalloc {what_name(module)}")
+        rc = main(argv, prog=f"python -m cxlalloc {what}")
     except TypeError:  # a main() without prog
         rc = main(argv)
     return int(rc or 0)
 
 
-def what_name(module: str) -> str:
-    return next(k for k, (m, _) in DELEGATES.items() if m == module)
+def _delegate(name: str, argv: List[str]) -> int:
+    """Run subcommand ``name`` (an app of :data:`APPS` or one of
+    :data:`PRODUCT_COMMANDS`) with ``argv``; its exit status, or 2 with one
+    line on stderr when it is not installed."""
+    if name in PRODUCT_COMMANDS:
+        module = PRODUCT_COMMANDS[name][0]
+        try:
+            main = importlib.import_module(module).main
+        except (ImportError, AttributeError) as e:
+            print(f"cxlalloc {name}: not available in this installation ({module}: {e})", file=sys.stderr)
+            return 2
+        return _run_main(main, name, argv)
+    ep = _app_entry_point(name)
+    if ep is None:
+        print(f"cxlalloc {name}: not installed (no '{APP_GROUP}' entry point named '{name}'; reinstall cxlalloc "
+              "with pip, which ships cxlalloc_apps)", file=sys.stderr)
+        return 2
+    try:
+        main = ep.load()
+    except (ImportError, AttributeError) as e:
+        print(f"cxlalloc {name}: not available in this installation ({ep.value} could not be loaded: {e})",
+              file=sys.stderr)
+        return 2
+    return _run_main(main, name, argv)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -334,10 +358,11 @@ def make_parser() -> argparse.ArgumentParser:
     pr.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...")
     pr.set_defaults(func=cmd_run)
 
-    for name, (module, text) in DELEGATES.items():
-        ps = sub.add_parser(name, help=f"{text} ({module})", add_help=False)
+    helps = {**APPS, **{name: f"{text} ({module})" for name, (module, text) in PRODUCT_COMMANDS.items()}}
+    for name in DELEGATES:
+        ps = sub.add_parser(name, help=helps[name], add_help=False)
         ps.add_argument("rest", nargs=argparse.REMAINDER)
-        ps.set_defaults(func=lambda a, m=module, n=name: _delegate(m, n, a.rest))
+        ps.set_defaults(func=lambda a, n=name: _delegate(n, a.rest))
     return p
 
 
@@ -348,8 +373,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         # bench/demo own their arguments (argparse's REMAINDER would refuse a
         # leading option such as --help), so hand them over untouched.
         if argv and argv[0] in DELEGATES:
-            module = DELEGATES[argv[0]][0]
-            return _delegate(module, argv[0], argv[1:])
+            return _delegate(argv[0], argv[1:])
         args = make_parser().parse_args(argv)
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit

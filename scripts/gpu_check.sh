@@ -34,7 +34,7 @@
 # has no .git).
 #
 # Safety: device_limit emulates a small GPU; managed memory is never requested
-# beyond half of the card's free memory (cxlalloc/bench/guard.py, checked in
+# beyond half of the card's free memory (cxlalloc_apps/bench/guard.py, checked in
 # every benchmark before each managed allocation); nothing changes the card's
 # settings.  Safe to run twice (it starts from a clean work folder).
 #
@@ -55,8 +55,8 @@
 #   into /tmp/site (pip --no-index --no-deps --target) and puts it on PYTHONPATH.
 #
 # Then, here: unpack and publish (benchmarks/README.md, "How to run on the device"):
-#   python -m cxlalloc.bench.report --import <files_at>/results.tar.gz \
-#       --results benchmarks/results --plots benchmarks/results/plots --readme README.md
+#   python -m cxlalloc_apps.bench.report --import <files_at>/results.tar.gz \
+#       --results benchmarks/results --plots benchmarks/results/plots --readme benchmarks/README.md
 # ----------------------------------------------------------------------------
 set -u
 
@@ -88,7 +88,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 # The torch adapter is built once into cxlalloc's cache (~/.cache/cxlalloc, or $CXLALLOC_CACHE_DIR) and
 # reused by every later process, the GPU tests' and the benchmark workers' included, and by a second run.
 unset CXLALLOC  # the benchmarks enable cxlalloc themselves, per variant
-BENCH="$PY -m cxlalloc bench --quick --out $RES --no-progress"
+BENCH="$PY -m cxlalloc_apps.bench --quick --out $RES --no-progress"  # = cxlalloc bench, also when built in place (no entry points)
 
 # name|time box (s)|command (run with bash -c in the repository root)
 STEPS=(
@@ -104,7 +104,7 @@ STEPS=(
   "reuse|90|$BENCH --only reuse --time-budget \$STEP_BUDGET"
   "decode|130|$BENCH --only decode --time-budget \$STEP_BUDGET"
   "rightsizing|90|$BENCH --only rightsizing --time-budget \$STEP_BUDGET"
-  "report|40|$PY -m cxlalloc.bench.report --results $RES --plots $RES/plots --readme $RES/README_section.md"
+  "report|40|$PY -m cxlalloc_apps.bench.report --results $RES --plots $RES/plots --readme $RES/README_section.md"
   "pack|20|(internal) write $OUTDIR/summary.json, pack $WORK into $OUTDIR/results.tar.gz, keep $OUTDIR/log.txt"
 )
 

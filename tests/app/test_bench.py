@@ -10,8 +10,8 @@ import tarfile
 
 import pytest
 
-from cxlalloc.bench import decode, guard, meta, report, rightsizing
-from cxlalloc.bench.model import SHAPES, ceiling_tokens_per_s
+from cxlalloc_apps.bench import decode, guard, meta, report, rightsizing
+from cxlalloc_apps.bench.model import SHAPES, ceiling_tokens_per_s
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB = 1 << 30
@@ -125,7 +125,7 @@ def test_simulate_honours_contexts_batches_models_and_records_what_ran(tmp_path)
 
 @pytest.mark.skipif(_has_cuda(), reason="checks the no-GPU path")
 def test_without_gpu_the_gpu_benchmarks_are_recorded_as_skipped(tmp_path):
-    from cxlalloc.bench import cli
+    from cxlalloc_apps.bench import cli
 
     assert cli.main(["--out", str(tmp_path), "--no-progress", "--only", "ceilings,rightsizing,decode"]) == 0
     for name in ("ceilings", "rightsizing", "decode"):
@@ -173,7 +173,7 @@ def test_gpu_check_dry_run_lists_every_step(tmp_path):
     assert "pytest -m gpu -q" in text and "--timeout=" in text
     assert "python3 -m cxlalloc info --json" in text or "-m cxlalloc info --json" in text
     assert "--only decode" in text and "--quick" in text
-    assert "cxlalloc.bench.report" in text
+    assert "cxlalloc_apps.bench.report" in text
     assert "results.tar.gz" in text and "summary.json" in text and "log.txt" in text
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
     p2 = subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", "gpu_check.sh")], capture_output=True, text=True)
@@ -214,7 +214,7 @@ def test_managed_guard_refuses_over_budget_grid():
 
 
 def test_worker_refuses_a_managed_cell_over_the_cap():
-    from cxlalloc.bench.worker import Worker
+    from cxlalloc_apps.bench.worker import Worker
 
     w = Worker({"cells": [], "free_bytes_at_start": 8 * GiB}, None)
     assert w._guard({"id": "x", "managed_bytes": 0}) is None
@@ -511,7 +511,7 @@ def test_worker_process_protocol_on_cpu(tmp_path):
     # A worker past its deadline starts nothing; one that is killed leaves its unfinished cells as not_run.
     import io
 
-    from cxlalloc.bench.worker import Worker
+    from cxlalloc_apps.bench.worker import Worker
 
     buf = io.StringIO()
     Worker(dict(spec, deadline_unix=1.0, cells=[dict(cell, id="z")]), buf).run()
@@ -528,7 +528,7 @@ def test_decode_orchestration_budgets_guard_and_ratios(tmp_path, monkeypatch):
     native group runs first, cxlalloc groups get budgets from its peaks,
     managed cells over the guard are refused, rows reach the record as they
     come, and the summary holds the ratios."""
-    from cxlalloc.bench import cli
+    from cxlalloc_apps.bench import cli
 
     specs = []
 
@@ -593,7 +593,7 @@ def test_bench_switches_off_transformers_progress_bars(tmp_path, monkeypatch):
     import functools
 
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
-    from cxlalloc.bench import cli
+    from cxlalloc_apps.bench import cli
 
     monkeypatch.setattr(gguf_utils, "tqdm", gguf_utils.tqdm if not isinstance(gguf_utils.tqdm, functools.partial)
                         else gguf_utils.tqdm.func)
@@ -606,8 +606,8 @@ def test_reuse_bench_records_hit_vs_recompute_and_the_bound(tmp_path, monkeypatc
     whole document, loads exactly its KV bytes, and carries the bound
     prefill / (prefix bytes / link GB/s) computed from the same run."""
     import torch
-    from cxlalloc.bench import cli, reuse
-    from cxlalloc.bench.model import SHAPES, build_model
+    from cxlalloc_apps.bench import cli, reuse
+    from cxlalloc_apps.bench.model import SHAPES, build_model
 
     monkeypatch.setattr(reuse, "_cpu_model", lambda: (build_model(SHAPES["tiny"], device="cpu", dtype=torch.float32),
                                                       "tiny (fp32, random weights)"))
@@ -616,7 +616,7 @@ def test_reuse_bench_records_hit_vs_recompute_and_the_bound(tmp_path, monkeypatc
                      "--no-progress"]) == 0
     rec = json.loads((tmp_path / "reuse.json").read_text())
     assert meta.validate_record(rec) == [] and rec["status"] == "ok" and rec["simulated"] is True
-    from cxlalloc.bench.model import llama_config
+    from cxlalloc_apps.bench.model import llama_config
 
     cfg = llama_config(SHAPES["tiny"], 65536)
     row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
@@ -630,3 +630,26 @@ def test_reuse_bench_records_hit_vs_recompute_and_the_bound(tmp_path, monkeypatc
                                                                                  / (r["link_gbps"] * 1e9)))
     sweep = {r["block_tokens"]: r for r in rec["results"] if r.get("kind") == "block_sweep"}
     assert sorted(sweep) == [32, 64] and all(r["hit_tokens"] == 128 for r in sweep.values())
+
+
+def test_report_writes_the_cpu_section_from_the_kv_reuse_records(tmp_path):
+    """The CPU results of benchmarks/README.md come from the committed reuse and
+    kvserver records, labelled simulation/CPU, between their own markers; a
+    page without those markers gets no CPU section."""
+    results = os.path.join(ROOT, "benchmarks", "results")
+    page = tmp_path / "page.md"
+    page.write_text("intro\n\n<!-- bench-cpu:start -->\nold\n<!-- bench-cpu:end -->\n\nfooter\n")
+    plain = tmp_path / "plain.md"
+    plain.write_text("intro\n")
+    for target in (page, plain):
+        assert report.main(["--results", results, "--plots", str(tmp_path / "plots"), "--readme", str(target)]) == 0
+    text = page.read_text()
+    assert text.startswith("intro\n") and "<!-- bench-cpu:end -->\n\nfooter\n" in text and "\nold\n" not in text
+    cpu = text.split("<!-- bench-cpu:start -->")[1].split("<!-- bench-cpu:end -->")[0]
+    assert "**Simulation/CPU**" in cpu
+    assert "| TTFT recompute | 477 ms | 909 ms | 1,801 ms | 4,094 ms |" in cpu
+    assert "| TTFT hit | 97 ms | 115 ms | 130 ms | 173 ms |" in cpu
+    assert "**0.070 s** with the hit vs **1.016 s** recomputing (14.5x)" in cpu
+    assert "| kill -9 of 1 of 4 writers mid-insert | 11,064 committed blocks logged, 0 missing, 0 torn" in cpu
+    assert "<!-- bench-cpu:start -->" not in plain.read_text()
+    assert "GPU numbers pending" in plain.read_text()

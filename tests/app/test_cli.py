@@ -121,15 +121,24 @@ def test_run_with_a_malformed_inherited_variable_says_why_once():
     assert r.stderr.splitlines()[-1].startswith("cxlalloc run: "), r.stderr
 
 
-@pytest.mark.parametrize("sub,module", [("bench", "cxlalloc.bench.cli"), ("demo", "cxlalloc.demo")])
+@pytest.mark.parametrize("sub,module", [("bench", "cxlalloc_apps.bench.cli"), ("demo", "cxlalloc_apps.demo")])
 def test_bench_and_demo_are_registered(sub, module):
-    import importlib.util
+    """The product's CLI finds the apps by entry point (setup.py's group), not by import."""
+    from cxlalloc import cli as product_cli
 
-    if importlib.util.find_spec(module) is not None:
-        pytest.skip(f"{module} exists: its own tests cover it")
-    r = cli(sub, "--help")
-    assert r.returncode == 2
-    assert r.stderr.startswith(f"cxlalloc {sub}: not available in this installation ({module} could not be imported")
+    ep = product_cli._app_entry_point(sub)
+    assert ep is not None and ep.value == f"{module}:main"
+    assert ep.load().__module__.startswith(f"cxlalloc_apps.{sub}")
+
+
+def test_an_app_that_is_not_installed_says_so_in_one_line(monkeypatch, capsys):
+    from cxlalloc import cli as product_cli
+
+    monkeypatch.setattr(product_cli, "_app_entry_point", lambda name: None)
+    assert product_cli.main(["demo", "--help"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("cxlalloc demo: not installed (no 'cxlalloc.apps' entry point named 'demo'")
 
 
 def test_console_script_and_help():

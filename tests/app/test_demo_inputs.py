@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cxlalloc.demo import app as demo
+from cxlalloc_apps.demo import app as demo
 
 ROOT = Path(__file__).resolve().parents[2]
 PROG = "python -m cxlalloc demo"

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cxlalloc.demo.app import default_device_limit
+from cxlalloc_apps.demo.app import default_device_limit
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20

@@ -59,7 +59,7 @@ def test_generate_py_runs_in_simulation_and_reports(tmp_path):
 def _usage_error(capsys, argv) -> str:
     """Run the demo's main() in-process (arguments are checked before torch is
     imported); return its error line after asserting argparse's exit status 2."""
-    from cxlalloc.demo import app as demo
+    from cxlalloc_apps.demo import app as demo
 
     with pytest.raises(SystemExit) as e:
         demo.main(argv, prog=PROG)

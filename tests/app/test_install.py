@@ -1,5 +1,5 @@
 """What a non-editable install (``pip install .``) ships: every module of the
-package, the main job's default document (package data), the torch adapter's
+product and of the apps beside it, the ``cxlalloc.apps`` entry points, the main job's default document (package data), the torch adapter's
 sources (built at run time), the start-up hook, and (the wheel) both compiled
 libraries.  An editable install reads all of these from the source tree, so only
 a build shows a file that is left out."""
@@ -14,13 +14,14 @@ import zipfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DOCUMENT = "cxlalloc/demo/data/tide_stations_report.txt"
+DOCUMENT = "cxlalloc_apps/demo/data/tide_stations_report.txt"
 
 
 def expected_files():
     """Paths (inside site-packages) that an install must hold, from the source tree."""
     out = {DOCUMENT, "cxlalloc/py.typed", "cxlalloc-startup.pth", "cxlalloc/_adapter_src/capi/c_api.h"}
-    for path in glob.glob(os.path.join(ROOT, "cxlalloc", "**", "*.py"), recursive=True):
+    for path in (glob.glob(os.path.join(ROOT, "cxlalloc", "**", "*.py"), recursive=True)
+                 + glob.glob(os.path.join(ROOT, "cxlalloc_apps", "**", "*.py"), recursive=True)):
         out.add(os.path.relpath(path, ROOT).replace(os.sep, "/"))
     for path in glob.glob(os.path.join(ROOT, "csrc", "torch", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "torch",
                                                                                                   "*.h")):
@@ -42,7 +43,7 @@ def test_build_py_ships_modules_document_and_adapter_sources(tmp_path):
 
 def _source_copy(dest):
     """The files a build reads (so that the build writes nothing into the checkout)."""
-    keep = ("csrc", "cxlalloc", "setup.py", "pyproject.toml", "cxlalloc-startup.pth", "README.md", "LICENSE")
+    keep = ("csrc", "cxlalloc", "cxlalloc_apps", "setup.py", "pyproject.toml", "cxlalloc-startup.pth", "README.md", "LICENSE")
     skip = shutil.ignore_patterns("__pycache__", "*.so", "*.o", "_adapter_src")
     for name in keep:
         src = os.path.join(ROOT, name)
@@ -67,8 +68,16 @@ def test_wheel_ships_document_adapter_sources_and_libraries(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         document = z.read(DOCUMENT)
+        (ep_file,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        entry_points = z.read(ep_file).decode()
     missing = sorted(expected_files() - names)
     assert not missing, f"the wheel lacks {missing}"
     for lib in ("_C", "_simcuda"):
         assert any(n.startswith(f"cxlalloc/{lib}.") and n.endswith(".so") for n in names), lib
     assert document == open(os.path.join(ROOT, DOCUMENT), "rb").read()
+    from tests.app.conftest import declared_apps
+
+    group, commands = declared_apps()
+    assert f"[{group}]" in entry_points
+    for name, target in commands.items():
+        assert f"{name} = {target}" in entry_points, entry_points

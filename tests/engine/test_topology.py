@@ -455,7 +455,7 @@ def test_online_node_directory_missing_and_extra(tmp_path):
 
 
 def test_unreadable_attribute_and_directory_in_place_of_file(tmp_path):
-    fs = single_node(tmp_path)
+    single_node(tmp_path)
     (tmp_path / "devices/system/node/node0/meminfo").unlink()
     (tmp_path / "devices/system/node/node0/meminfo").mkdir()  # read() fails with EISDIR
     (tmp_path / "devices/system/node/has_cpu").unlink()

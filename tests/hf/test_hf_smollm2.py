@@ -50,14 +50,14 @@ def chat(tok, questions):
 
 
 def document_prompt(tok, chars=2500):
-    from cxlalloc.demo.app import DEFAULT_DOCUMENT
+    from cxlalloc_apps.demo.app import DEFAULT_DOCUMENT
 
     doc = DEFAULT_DOCUMENT.read_text()[:chars]
     return chat(tok, [f"{doc}\n\nQuestion: Where does Station Sill North stand, and when was it installed?"])
 
 
 def test_smollm2_greedy_identical_while_kv_spills(fresh_sim, smollm2):
-    from cxlalloc.demo.app import weight_footprint
+    from cxlalloc_apps.demo.app import weight_footprint
 
     model, tok = smollm2
     inp = document_prompt(tok)
@@ -122,7 +122,7 @@ def test_smollm2_prefix_reuse_questions_then_chat_identical(fresh_sim, smollm2):
     turn whose prompt holds the previous answer; tokens equal the model without
     reuse, and the second and third requests hit the stored blocks."""
     model, tok = smollm2
-    from cxlalloc.demo.app import DEFAULT_DOCUMENT
+    from cxlalloc_apps.demo.app import DEFAULT_DOCUMENT
 
     doc = DEFAULT_DOCUMENT.read_text()[:1500]
     qs = ["Where does Station Sill North stand?", "When was the network founded?"]

@@ -158,7 +158,7 @@ class _Logged:
 
 
 def _logged_worker(role: str, params: dict, path: str) -> _Logged:
-    return _Logged([sys.executable, "-m", "cxlalloc.bench.kvserver", "--worker", role, json.dumps(params)], path)
+    return _Logged([sys.executable, "-m", "cxlalloc_apps.bench.kvserver", "--worker", role, json.dumps(params)], path)
 
 
 def _last_json(text: str) -> dict:
@@ -314,7 +314,7 @@ WRITER = textwrap.dedent("""
     # A raw-protocol client that inserts key-patterned blocks and logs each committed key.
     import mmap, socket, sys, os, json
     from cxlalloc.kvstore import protocol as P
-    from cxlalloc.bench.kvserver import block_key, pattern
+    from cxlalloc_apps.bench.kvserver import block_key, pattern
     p = json.loads(sys.argv[1])
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.settimeout(5); s.connect(p["socket"])
     P.send_msg(s, {"op": "hello", "v": P.PROTOCOL_VERSION, "pid": os.getpid(), "want_fd": True, "name": "writer"})
@@ -707,7 +707,7 @@ PARTS = {"ttft": part_ttft, "concurrency": part_concurrency, "redis": part_redis
 
 
 def run(ctx) -> Dict[str, Any]:
-    from cxlalloc.bench.meta import RecordWriter, new_record
+    from cxlalloc_apps.bench.meta import RecordWriter, new_record
 
     params = {"parts": list(PARTS), "quick": ctx.quick, "model": MODEL,
               "units": "seconds (s), bytes, blocks/s, GB/s = 1e9 bytes/s",
@@ -740,6 +740,6 @@ def _worker_main(role: str, params: str) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         sys.exit(_worker_main(sys.argv[2], sys.argv[3]))
-    from cxlalloc.bench.cli import main
+    from cxlalloc_apps.bench.cli import main
 
     sys.exit(main(["--only", "kvserver"] + sys.argv[1:]))

@@ -46,8 +46,8 @@ import statistics
 import time
 from typing import Any, Dict, Optional
 
-from cxlalloc.bench.meta import RecordWriter, new_record
-from cxlalloc.bench.model import SHAPES, build_model
+from cxlalloc_apps.bench.meta import RecordWriter, new_record
+from cxlalloc_apps.bench.model import SHAPES, build_model
 
 MiB = 1 << 20
 GiB = 1 << 30

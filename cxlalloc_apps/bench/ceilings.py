@@ -39,9 +39,9 @@ from typing import Any, Dict, List, Optional
 
 import cxlalloc
 from cxlalloc import topology
-from cxlalloc.bench import guard
-from cxlalloc.bench.meta import RecordWriter, new_record
-from cxlalloc.bench.timing import cuda_time_ms, gbps, summarize
+from cxlalloc_apps.bench import guard
+from cxlalloc_apps.bench.meta import RecordWriter, new_record
+from cxlalloc_apps.bench.timing import cuda_time_ms, gbps, summarize
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -149,11 +149,11 @@ def run(ctx) -> Dict[str, Any]:
         if best:
             summary["link"][backend] = {k: best.get(k) for k in ("numa_node", "zero_copy_read_gbps", "h2d_gbps",
                                                                   "d2h_gbps", "requested_node")}
-    del src, srcf, dst
+    src = srcf = dst = None  # release the tensors (a `del` would leave the lambdas above unbound names)
     gc.collect()
     torch.cuda.empty_cache()
     summary["model"] = ("t_step = bytes_on_device / hbm_read_gbps + bytes_on_host / link.zero_copy_read_gbps "
-                        "(cxlalloc.bench.model.ceiling_tokens_per_s)")
+                        "(cxlalloc_apps.bench.model.ceiling_tokens_per_s)")
     w.record["summary"] = summary
     return w.finish()
 

@@ -5,7 +5,7 @@ The budget emulates a small GPU: weights + the final KV cache of 8
 sequences + 1.5 GiB for activations (``budget_bytes`` in the record).  Each
 variant decodes ``new_tokens`` tokens at growing batch sizes until its first
 failure (native: out of memory; cxlalloc: the host tier's limit, or the time
-budget), in its own worker process (:mod:`cxlalloc.bench.worker`):
+budget), in its own worker process (:mod:`cxlalloc_apps.bench.worker`):
 
 ``native_limit``  plain transformers under ``set_per_process_memory_fraction``
 ``cxlalloc``      global mode, ``backend="auto"``, KV-aware policy, same budget
@@ -20,10 +20,10 @@ import os
 import time
 from typing import Any, Dict, List
 
-from cxlalloc.bench import guard
-from cxlalloc.bench.decode import HOST_MARGIN, WORKER_GRACE_S, gpu_free_bytes, prefill_chunk, run_worker
-from cxlalloc.bench.meta import RecordWriter, new_record
-from cxlalloc.bench.model import GiB, SHAPES
+from cxlalloc_apps.bench import guard
+from cxlalloc_apps.bench.decode import HOST_MARGIN, WORKER_GRACE_S, gpu_free_bytes, prefill_chunk, run_worker
+from cxlalloc_apps.bench.meta import RecordWriter, new_record
+from cxlalloc_apps.bench.model import GiB, SHAPES
 
 ACTIVATION_ALLOWANCE = 3 * GiB // 2
 FIT_BATCH = 8

@@ -34,9 +34,9 @@ from typing import Any, Dict, List, Optional
 
 import cxlalloc
 from cxlalloc import _C
-from cxlalloc.bench import guard
-from cxlalloc.bench.meta import RecordWriter, new_record
-from cxlalloc.bench.timing import summarize
+from cxlalloc_apps.bench import guard
+from cxlalloc_apps.bench.meta import RecordWriter, new_record
+from cxlalloc_apps.bench.timing import summarize
 
 MiB = 1 << 20
 GiB = 1 << 30

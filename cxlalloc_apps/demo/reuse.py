@@ -29,7 +29,7 @@ import time
 from typing import List, Optional
 
 from cxlalloc.config import format_bytes
-from cxlalloc.demo.measure import Timer
+from cxlalloc_apps.demo.measure import Timer
 
 FOLLOW_UPS = [
     "Summarize your last answer in one short sentence.",
@@ -61,7 +61,7 @@ def _plan(document: str, questions: List[str]):
 def run_requests(model, tok, plan, args, pad_id, device, reuse: bool, progress=None) -> List[dict]:
     """Run every request of ``plan`` in order; returns one row per request.
 
-    ``progress``: a :class:`cxlalloc.demo.progress.Progress` shown per request, or None."""
+    ``progress``: a :class:`cxlalloc_apps.demo.progress.Progress` shown per request, or None."""
     import cxlalloc.hf as hf
 
     rows = []

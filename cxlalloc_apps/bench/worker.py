@@ -1,4 +1,4 @@
-"""One decode worker process: ``python -m cxlalloc.bench.worker SPEC.json OUT.jsonl``.
+"""One decode worker process: ``python -m cxlalloc_apps.bench.worker SPEC.json OUT.jsonl``.
 
 Why a process per variant group: cxlalloc's global mode must be enabled
 before CUDA is initialised (so each cxlalloc configuration needs a fresh
@@ -7,7 +7,7 @@ variants, and a hang must be killable by the parent's time box without
 losing the cells already measured.  Every finished cell is appended to
 ``OUT.jsonl`` at once (flushed), one JSON object per line.
 
-SPEC (written by :mod:`cxlalloc.bench.decode`)::
+SPEC (written by :mod:`cxlalloc_apps.bench.decode`)::
 
     {"group": "cxlalloc:host-vmm", "kind": "native" | "cxlalloc",
      "device": 0, "device_type": "cuda" | "cpu" (cpu: plumbing tests only),
@@ -40,8 +40,8 @@ import traceback
 from typing import Any, Dict, List, Optional
 
 import cxlalloc
-from cxlalloc.bench.guard import ManagedMemoryGuardError, check_managed
-from cxlalloc.bench.model import SHAPES, build_model
+from cxlalloc_apps.bench.guard import ManagedMemoryGuardError, check_managed
+from cxlalloc_apps.bench.model import SHAPES, build_model
 
 # torch and cxlalloc.hf (which imports torch and transformers) are imported in
 # Worker.setup(), after cxlalloc.enable(): global mode is installed before
@@ -536,7 +536,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _die_with_parent()
     if len(argv) != 2:
-        print("usage: python -m cxlalloc.bench.worker SPEC.json OUT.jsonl", file=sys.stderr)
+        print("usage: python -m cxlalloc_apps.bench.worker SPEC.json OUT.jsonl", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         spec = json.load(f)

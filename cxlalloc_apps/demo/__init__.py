@@ -10,6 +10,6 @@ Modules:
     data/     the default document (package data: a non-editable install ships it)
 """
 
-from cxlalloc.demo.app import main  # noqa: F401
+from cxlalloc_apps.demo.app import main  # noqa: F401
 
 __all__ = ["main"]

@@ -1,6 +1,6 @@
 """Measurements for the demo: generate() timing through a streamer (TTFT,
 prefill/decode tokens/s, TPOT) that also drives the progress display
-(:mod:`cxlalloc.demo.progress`), and the bytes transformers' own
+(:mod:`cxlalloc_apps.demo.progress`), and the bytes transformers' own
 ``DynamicLayer`` copies per step (its ``torch.cat``).
 
 torch and transformers are imported where they are used (the demo checks its
@@ -25,7 +25,7 @@ class Timer:
     """
 
     def __init__(self, progress=None):
-        """``progress``: a :class:`cxlalloc.demo.progress.GenerationProgress`
+        """``progress``: a :class:`cxlalloc_apps.demo.progress.GenerationProgress`
         (told when the prefill starts, of each token, and of the end), or None."""
         self.t0 = 0.0
         self.t_tokens: List[float] = []

@@ -45,17 +45,17 @@ import traceback
 from typing import Callable, Dict, List, Optional, Tuple
 
 from cxlalloc import _C
-from cxlalloc.bench.meta import BENCHMARKS, OPT_IN, RecordWriter, new_record
-from cxlalloc.bench.model import SHAPES
-from cxlalloc.bench.timing import Deadline
-from cxlalloc.demo.progress import quiet_third_party
-from cxlalloc.usage import OneLineParser
+from cxlalloc_apps.bench.meta import BENCHMARKS, OPT_IN, RecordWriter, new_record
+from cxlalloc_apps.bench.model import SHAPES
+from cxlalloc_apps.bench.timing import Deadline
+from cxlalloc_apps.third_party import quiet_third_party
+from cxlalloc_apps.usage import OneLineParser
 
 
 def _runner(name: str) -> Callable:
     import importlib
 
-    return importlib.import_module(f"cxlalloc.bench.{name}").run
+    return importlib.import_module(f"cxlalloc_apps.bench.{name}").run
 
 
 def _csv(kind, choices=None, lo=None, hi=None):
@@ -217,7 +217,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.ceiling_bytes is not None and args.ceiling_bytes < 1 << 20:
         parser.error(f"--ceiling-bytes: {args.ceiling_bytes} is below 1 MiB ({1 << 20} bytes)")
     if args.simulate and "decode" in names:
-        from cxlalloc.bench.decode import sim_grid_error
+        from cxlalloc_apps.bench.decode import sim_grid_error
 
         err = sim_grid_error(args.models, args.contexts, args.batches, args.new_tokens)
         if err:

@@ -6,7 +6,7 @@ the prefill, then a bar of new tokens).  Outside a terminal (a log, CI): plain
 lines, a few per stage, never a redrawn bar.  ``--no-progress``: nothing.
 
 Third-party bars (transformers' weight loading, its GGUF de-quantization) are
-switched off by the demo in every case (:func:`quiet_third_party`): this
+switched off by the demo in every case (:func:`cxlalloc_apps.third_party.quiet_third_party`): this
 module's lines say the same once, and a log never fills with ``\\r`` redraws.
 rich is imported where it is used (the demo checks its arguments first).
 """
@@ -120,23 +120,3 @@ class GenerationProgress:
             self.t0 = 0.0
 
 
-def quiet_third_party() -> None:
-    """Switch off transformers' own progress bars: its weight-loading bars
-    (``disable_progress_bar``) and the GGUF de-quantization loop, which calls
-    plain ``tqdm`` (not transformers' switchable one, as of 5.17-5.24)."""
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except Exception:  # a progress bar is never worth failing the demo over
-        pass
-    try:
-        import functools
-
-        import transformers.modeling_gguf_pytorch_utils as gguf_utils
-
-        tq = getattr(gguf_utils, "tqdm", None)
-        if tq is not None and not isinstance(tq, functools.partial):
-            gguf_utils.tqdm = functools.partial(tq, disable=True)
-    except Exception:
-        pass

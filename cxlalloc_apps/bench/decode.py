@@ -35,18 +35,18 @@ row says which mode ran.
 The budget: the native run of each point (model, context, batch) measures
 its peak reserved device memory P (prefill chunked so that activations stay
 small next to the KV cache); the budget that forces a fraction f of the final
-KV bytes K to the host is ``P + 256 MiB - f * K`` (:func:`cxlalloc.bench.worker.budget_from_peak`).
+KV bytes K to the host is ``P + 256 MiB - f * K`` (:func:`cxlalloc_apps.bench.worker.budget_from_peak`).
 The fraction actually on the host during decode is measured from cxlalloc's
 per-class statistics and reported (``measured_host_fraction``).
 
 Reported per run: TTFT (s, prefill + first token), decode tokens/s (all
 sequences, steps after the first token), the link-bound ceiling at that spill
-fraction (:func:`cxlalloc.bench.model.ceiling_tokens_per_s`, from the
+fraction (:func:`cxlalloc_apps.bench.model.ceiling_tokens_per_s`, from the
 bandwidths the ``ceilings`` benchmark measured in the same output folder) and
 the ratio to it, and ratios to the other variants at the same point.
 
 Managed memory: every managed (or ``auto``) cell's request is checked against
-half of the card's free memory (:mod:`cxlalloc.bench.guard`) before any cell
+half of the card's free memory (:mod:`cxlalloc_apps.bench.guard`) before any cell
 runs; offending cells are refused and recorded.
 """
 
@@ -61,12 +61,12 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from cxlalloc.bench import guard
-from cxlalloc.bench.meta import RecordWriter, new_record
-from cxlalloc.bench.model import GiB, MiB, SHAPES, ceiling_tokens_per_s
+from cxlalloc_apps.bench import guard
+from cxlalloc_apps.bench.meta import RecordWriter, new_record
+from cxlalloc_apps.bench.model import GiB, MiB, SHAPES, ceiling_tokens_per_s
 # The budget rule lives in the worker, the lower module: it also applies it to
 # cells whose native peak it measured itself (budget_bytes None).
-from cxlalloc.bench.worker import BUDGET_SLACK, Worker, budget_from_peak  # noqa: F401
+from cxlalloc_apps.bench.worker import BUDGET_SLACK, Worker, budget_from_peak  # noqa: F401
 from cxlalloc.config import OPTION_NAMES
 
 BACKENDS = ("host-vmm", "managed", "pinned")
@@ -309,7 +309,7 @@ def run_worker(spec: Dict[str, Any], work_dir: str, timeout_s: float, log=print)
     killed = None
     with open(log_path, "w") as logf:
         _install_sigterm()
-        proc = subprocess.Popen([sys.executable, "-m", "cxlalloc.bench.worker", spec_path, out_path], stdout=logf,
+        proc = subprocess.Popen([sys.executable, "-m", "cxlalloc_apps.bench.worker", spec_path, out_path], stdout=logf,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
         _LIVE_WORKERS[proc.pid] = proc
         try:
@@ -479,7 +479,7 @@ def _brief(r: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
 # ----------------------------------------------------------------- entry
 def run(ctx) -> Dict[str, Any]:
     """The decode benchmark (see the module docstring).  ``ctx`` is a
-    :class:`cxlalloc.bench.cli.BenchContext`."""
+    :class:`cxlalloc_apps.bench.cli.BenchContext`."""
     simulate = ctx.simulate
     # The quick grid keeps two spill fractions: its time box holds ~20 cells in 5 worker processes.
     fractions = tuple(ctx.args.fractions or (QUICK["fractions"] if ctx.quick and not simulate else FRACTIONS))

