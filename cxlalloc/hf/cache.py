@@ -167,7 +167,7 @@ class CxlCache(DynamicCache):
             store.ensure(need)
         for layer in layers:
             layer.plan(tokens)
-        for layer in windows:  # sliding-window layers (cxlalloc.hf.sliding): each plans itself, or not
+        for layer in windows:  # sliding-window layers (cxlalloc.hf.layers.sliding): each plans itself, or not
             layer.plan_window(int(tokens), int(batch), guess)
         return True
 

@@ -116,7 +116,7 @@ class CxlHybridLayer(_HybridCalls, LinearAttentionLayer, CxlKVLayer, _LinearStat
 
 class CxlHybridSlidingLayer(_HybridCalls, LinearAttentionLayer, CxlSlidingLayer, _LinearState):
     """``LinearAttentionAndSlidingWindowAttentionLayer``: the sliding-window K/V in
-    a bounded extent (:class:`~cxlalloc.hf.sliding.CxlSlidingLayer`), the
+    a bounded extent (:class:`~cxlalloc.hf.layers.sliding.CxlSlidingLayer`), the
     conv/recurrent state transformers' own (fixed size, reported untiered)."""
 
     is_compileable = False
