@@ -27,9 +27,11 @@ budget, with identical tokens.
 
 Modules:
     wrap      wrap()/unwrap()/stats(): the generate() hook, weights placed in the allocator, copies
-    cache     CxlCache / CxlKVLayer: a transformers DynamicCache whose full-attention K/V live in cxlalloc
-    layers    the tiered counterparts of transformers' other layer kinds (indexed, hybrid)
-    sliding   CxlSlidingLayer: a sliding-window layer in a bounded extent
+    cache     CxlCache: a transformers DynamicCache whose layers live in cxlalloc (the container only)
+    layers    every tiered layer class (full, sliding, indexed, hybrid) and LAYER_CLASSES, the one
+              mapping from transformers' layer kinds to them
+    pool      KVPool: one cache's allocator, counters and shared full-attention store
+    indices   batch-row and crop arguments normalised for every layer kind; all-or-nothing crop
     encdec    CxlEncoderDecoderCache: encoder-decoder models' self- and cross-attention caches
     model_caches  Cxl<Name>: a model's own DynamicCache subclass (MiniMaxCache) with tiered layers
     coverage  which layers are tiered, which are left to transformers; CacheCoverageWarning
@@ -37,9 +39,9 @@ Modules:
     compat    the differences between the transformers versions supported
 """
 
-from cxlalloc.hf.cache import CxlCache, CxlKVLayer  # noqa: F401
-from cxlalloc.hf.layers import CxlHybridLayer, CxlHybridSlidingLayer, CxlIndexedLayer  # noqa: F401  (registers)
-from cxlalloc.hf.sliding import CxlSlidingLayer  # noqa: F401
+from cxlalloc.hf.cache import CxlCache  # noqa: F401
+from cxlalloc.hf.layers import (CxlHybridLayer, CxlHybridSlidingLayer, CxlIndexedLayer, CxlKVLayer,  # noqa: F401
+                                CxlSlidingLayer)
 from cxlalloc.hf.encdec import CxlEncoderDecoderCache  # noqa: F401
 from cxlalloc.hf.coverage import CacheCoverageWarning  # noqa: F401
 from cxlalloc.hf.compat import cache_kwarg, returned_cache  # noqa: F401

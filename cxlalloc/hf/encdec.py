@@ -20,7 +20,8 @@ from typing import Optional
 
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache
 
-from cxlalloc.hf.cache import PICKLE_ERROR, CxlCache
+from cxlalloc.hf.cache import CxlCache
+from cxlalloc.hf.pool import PICKLE_ERROR
 
 # kv_stats keys that add up over the two caches (bytes and counts).
 _SUMMED = ("kv_device_bytes", "kv_host_bytes", "kv_reserved_bytes", "kv_live_bytes", "cxl_layers", "other_layers",

@@ -57,8 +57,8 @@ from typing import Any, List, Optional
 import torch
 
 from cxlalloc.config import make_config, parse_env
-from cxlalloc.hf.cache import CxlCache, CxlKVLayer
-from cxlalloc.hf.layers import STOCK_KIND
+from cxlalloc.hf.cache import CxlCache
+from cxlalloc.hf.layers import STOCK_KIND, CxlKVLayer
 from cxlalloc.kvstore import keys as kvkeys
 from cxlalloc.kvstore.layout import BlockLayout, check_block_tokens
 from cxlalloc.kvstore.open import open_store

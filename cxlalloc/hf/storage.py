@@ -24,7 +24,7 @@ SmolLM2-135M in fp32 at batch 1, 2 MiB / 45 KiB = 45 tokens) instead of one chun
 layer per K/V (2 MiB = 2,730 tokens of one SmolLM2 layer), and commits one chunk per
 step at most instead of ``2 * n_layers``.
 
-Nothing here knows transformers; :mod:`cxlalloc.hf.cache` builds the layers on it.
+Nothing here knows transformers; :mod:`cxlalloc.hf.layers` builds the layers on it.
 """
 
 from __future__ import annotations

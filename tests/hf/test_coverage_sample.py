@@ -48,7 +48,7 @@ SPILLED6 = (4096, 20480)
 WINDOW = (4096, 12288)  # a bounded window extent per sliding layer (and the full layers'), one chunk in VRAM
 ENC_DEC = {"self:CxlKVLayer": 2, "cross:CxlKVLayer": 2}
 
-# Every layer kind whose KV grows with the context is tiered (cxlalloc/hf/layers.py, sliding.py, encdec.py,
+# Every layer kind whose KV grows with the context is tiered (cxlalloc/hf/layers/, encdec.py,
 # model_caches.py); what is left to transformers (SSM / conv / lightning-attention state, fixed size) is said
 # once (CacheCoverageWarning: warned).
 EXPECTED = {

@@ -15,7 +15,8 @@ from tests.helpers.hf_util import MiB, gen, tiny_llama, tiny_qwen2_sliding, torc
 
 import cxlalloc.hf as hf
 from cxlalloc.hf import CxlCache, CxlKVLayer, cache_kwarg
-from cxlalloc.hf.cache import GRAD_ACROSS_FORWARDS, batch_rows
+from cxlalloc.hf.indices import batch_rows
+from cxlalloc.hf.pool import GRAD_ACROSS_FORWARDS
 from cxlalloc.hf.compat import POSITIVE_CROP_RAISES
 from transformers import DynamicCache
 

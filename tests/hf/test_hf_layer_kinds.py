@@ -1,4 +1,4 @@
-"""Indexed (DSA) and attention+SSM layers in cxlalloc (cxlalloc/hf/layers.py).
+"""Indexed (DSA) and attention+SSM layers in cxlalloc (cxlalloc/hf/layers/indexed.py, hybrid.py).
 
 Oracles: transformers' DynamicIndexedLayer / DynamicCache fed the same states,
 and unwrapped generate() on tiny DeepSeek-V3.2 (DynamicIndexedLayer) and
@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicIndexedLayer
 
 import cxlalloc.hf as hf
 from cxlalloc.hf import CxlCache, CxlHybridLayer, CxlIndexedLayer, CxlKVLayer, returned_cache
-from cxlalloc.hf.cache import KVPool
+from cxlalloc.hf.pool import KVPool
 from cxlalloc.hf.reuse import KVReuseWarning
 
 CHUNK = 2 * MiB

@@ -1,4 +1,4 @@
-"""Sliding-window layers in a bounded cxlalloc extent (cxlalloc/hf/sliding.py).
+"""Sliding-window layers in a bounded cxlalloc extent (cxlalloc/hf/layers/sliding.py).
 
 Oracle: transformers' own DynamicSlidingWindowLayer fed the same K/V (every
 returned tensor, the cached window, get_seq_length and get_mask_sizes equal),
@@ -14,8 +14,8 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import cxlalloc.hf as hf
 from cxlalloc.hf import CxlCache, CxlSlidingLayer, returned_cache
-from cxlalloc.hf.cache import KVPool
-from cxlalloc.hf.sliding import window_capacity
+from cxlalloc.hf.layers.sliding import window_capacity
+from cxlalloc.hf.pool import KVPool
 
 CHUNK = 2 * MiB
 # B=2, H=4, D=1024 fp32: 64 KiB of K+V per token, 32 tokens per 2 MiB chunk, so
@@ -259,7 +259,7 @@ def test_forward_with_grad_through_windows_like_dynamic_cache(fresh_sim):
     loss and gradients DynamicCache gives; a prompt cached without grad then a
     forward with grad too; a second forward with grad through the same cache
     is refused (CxlCache stores K/V detached), nothing written."""
-    from cxlalloc.hf.cache import GRAD_ACROSS_FORWARDS
+    from cxlalloc.hf.pool import GRAD_ACROSS_FORWARDS
     from transformers import DynamicCache
 
     def loss_and_grads(model, cache, ids, pos):

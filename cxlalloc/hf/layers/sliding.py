@@ -47,7 +47,7 @@ from typing import Optional, Tuple
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from cxlalloc.hf.cache import GRAD_ACROSS_FORWARDS, PICKLE_ERROR, KVPool, _shallow_copy
+from cxlalloc.hf.pool import GRAD_ACROSS_FORWARDS, PICKLE_ERROR, KVPool, _shallow_copy
 from cxlalloc.hf.storage import Geometry, KVStorage, grown_capacity
 
 # Rows a bounded extent holds beyond the window: (window - 1) // EXTRA_DIVISOR, at
@@ -96,7 +96,7 @@ class WindowStore:
     def _set_end(self, end: int) -> None:
         self.end = end
         # Rows a beam reorder must move (apply_pending reorders [0, live)): never lowered here, so a
-        # crop put back by CxlCache's all-or-nothing crop (cxlalloc.hf.cache.crop_layers) stays covered.
+        # crop put back by CxlCache's all-or-nothing crop (cxlalloc.hf.indices.crop_layers) stays covered.
         self.store.live_tokens = max(self.store.live_tokens, end)
 
     def compact(self) -> None:
@@ -159,7 +159,7 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
     """transformers' ``DynamicSlidingWindowLayer`` with its K/V in a bounded cxlalloc extent.
 
     Args:
-        pool: the owning cache's :class:`~cxlalloc.hf.cache.KVPool` (allocator, counters).
+        pool: the owning cache's :class:`~cxlalloc.hf.pool.KVPool` (allocator, counters).
         sliding_window: the window ``w`` in tokens (>= 2): the layer caches the
             last ``w - 1`` tokens.
 
@@ -174,6 +174,7 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
     """
 
     is_compileable = False  # engine calls inside update (the window's extent is made lazily)
+    shares_full_store = False  # a bounded extent per layer (CxlCache gives it no shared slot)
     # Never set _layer_type: transformers would register the class globally.
 
     def __init__(self, pool: KVPool, sliding_window: int):
@@ -187,6 +188,13 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
         self._wplan = None
         self._wplan_used = False
         super().__init__(sliding_window=int(sliding_window))
+
+    @classmethod
+    def from_stock(cls, stock: DynamicSlidingWindowLayer, pool: KVPool,
+                   slot: Optional[int] = None) -> Optional["CxlSlidingLayer"]:
+        """The tiered counterpart of transformers' ``stock`` layer (its window kept), or
+        None for a window under 2 tokens (it caches no token: left to transformers)."""
+        return cls(pool, stock.sliding_window) if int(stock.sliding_window) >= 2 else None
 
     @property
     def _keep(self) -> int:

@@ -1,41 +1,20 @@
-"""Tiered counterparts of transformers' cache layer kinds other than plain full attention.
+"""``DynamicIndexedLayer`` (Dynamic Sparse Attention: DeepSeek-V3.2, GLM-MoE-DSA, ...) in cxlalloc.
 
-Facts about transformers' layers: docs/sources.md#transformers-layer-kinds.
-Which stock layer becomes which (registered in :data:`cxlalloc.hf.cache.TIERED_LAYERS`,
-used by :class:`~cxlalloc.hf.CxlCache`; the table is in docs/huggingface.md#what-runs-where):
-
-| transformers 5.24 layer (``cache_utils.py``) | cxlalloc.hf layer | in the extents |
-|---|---|---|
-| ``DynamicLayer`` (full attention) | :class:`~cxlalloc.hf.CxlKVLayer` | K/V (shared store) |
-| ``DynamicIndexedLayer`` (DSA: DeepSeek-V3.2, GLM-MoE-DSA, ...) | :class:`CxlIndexedLayer` | K/V (shared store) + indexer keys (a store per layer) |
-| ``LinearAttentionAndFullAttentionLayer`` (``"hybrid"``) | :class:`CxlHybridLayer` | K/V (shared store); conv/recurrent state stays torch's (fixed size) |
-| ``DynamicSlidingWindowLayer`` (sliding / chunked) | :class:`~cxlalloc.hf.sliding.CxlSlidingLayer` | the window, bounded |
-| ``LinearAttentionAndSlidingWindowAttentionLayer`` (``"hybrid_sliding"``) | :class:`CxlHybridSlidingLayer` | the window; state stays torch's |
-
-Each keeps the stock class's other methods and attributes (``update_indexer``,
-``indexer_position_ids``, ``update_conv_state``, ``has_previous_state``, ...)
-behaving as the stock class does.  Only exact stock types are replaced: a
-model's own subclass keeps its behaviour and is reported as left to
-transformers (:mod:`cxlalloc.hf.coverage`).
+:class:`CxlIndexedLayer` keeps its K/V in the shared full-attention store (it is a
+:class:`~cxlalloc.hf.layers.full.CxlKVLayer`) and its indexer keys in a cxlalloc
+extent of its own.  Facts about transformers' layer: docs/sources.md#transformers-layer-kinds.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Optional
 
 import torch
-from transformers.cache_utils import (DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer,
-                                      LinearAttentionAndFullAttentionLayer,
-                                      LinearAttentionAndSlidingWindowAttentionLayer, LinearAttentionLayer)
+from transformers.cache_utils import DynamicIndexedLayer
 
-from cxlalloc.hf.cache import TIERED_LAYERS, CxlKVLayer, KVPool
-from cxlalloc.hf.sliding import CxlSlidingLayer
+from cxlalloc.hf.layers.full import CxlKVLayer
+from cxlalloc.hf.pool import KVPool
 from cxlalloc.hf.storage import Geometry, KVStorage
-
-# Attributes of transformers' LinearAttentionCacheLayerMixin (the fixed-size SSM / conv state).
-LINEAR_STATE_ATTRS = ("number_of_states", "conv_states", "recurrent_states", "is_conv_states_initialized",
-                      "is_recurrent_states_initialized", "has_previous_state", "conv_kernel_size", "record_past")
 
 
 class CxlIndexedLayer(CxlKVLayer):
@@ -53,12 +32,19 @@ class CxlIndexedLayer(CxlKVLayer):
         cxlalloc.OutOfMemoryError: neither tier has room.
     """
 
+    shares_full_store = True
+
     def __init__(self, pool: KVPool, share_slot: Optional[int] = None):
         super().__init__(pool, share_slot)
         self._istore: Optional[KVStorage] = None
         self._ilen = 0
         self.indexer_position_ids: Optional[torch.Tensor] = None
         self.is_indexer_initialized = False
+
+    @classmethod
+    def from_stock(cls, stock: DynamicIndexedLayer, pool: KVPool, slot: Optional[int]) -> "CxlIndexedLayer":
+        """The tiered counterpart of transformers' ``stock`` layer (see :meth:`CxlKVLayer.from_stock`)."""
+        return cls(pool, slot)
 
     @property
     def indexer_keys(self) -> Optional[torch.Tensor]:
@@ -190,124 +176,3 @@ class CxlIndexedLayer(CxlKVLayer):
                 new.__dict__[k] = extra.__dict__[k]
         new.__class__ = CxlIndexedLayer
         return new
-
-
-class _LinearState:
-    """The fixed-size conv/recurrent state half of a hybrid layer: transformers'
-    own ``LinearAttentionLayer`` code and tensors (torch's memory, not tiered)."""
-
-    def _copy_linear_state(self, src, memo) -> None:
-        for k in LINEAR_STATE_ATTRS:
-            if k in src.__dict__:
-                self.__dict__[k] = copy.deepcopy(src.__dict__[k], memo)
-
-
-class _HybridCalls:
-    """What both hybrid layers do with a Cache call: the linear-attention
-    (conv/recurrent state) half is transformers' own code, the attention half
-    (``_attn``: :class:`CxlKVLayer` or :class:`CxlSlidingLayer`) cxlalloc's;
-    each call goes to both, state first, as the stock classes do."""
-
-    _attn: type
-
-    def lazy_initialization(self, *args, **kwargs) -> None:
-        # As the stock classes: two positional args from update() (attention), keywords from the state updates.
-        if len(args) == 2 and not kwargs:
-            self._attn.lazy_initialization(self, *args)
-        if not args and len(kwargs) in (1, 2, 3):
-            LinearAttentionLayer.lazy_initialization(self, **kwargs)
-
-    def offload(self) -> None:
-        pass
-
-    def prefetch(self) -> None:
-        pass
-
-    def reset(self) -> None:
-        LinearAttentionLayer.reset(self)
-        self._attn.reset(self)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        LinearAttentionLayer.reorder_cache(self, beam_idx)
-        self._attn.reorder_cache(self, beam_idx)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        LinearAttentionLayer.crop(self, tokens_to_remove)
-        self._attn.crop(self, tokens_to_remove)
-
-
-class CxlHybridLayer(_HybridCalls, LinearAttentionLayer, CxlKVLayer, _LinearState):
-    """``LinearAttentionAndFullAttentionLayer`` (Falcon-H1-, Zamba-style layers
-    holding attention K/V and an SSM/conv state): the attention half's K/V in
-    the shared full-attention store; the conv/recurrent state (fixed size, no
-    token axis) is transformers' own code and memory, reported by
-    :mod:`cxlalloc.hf.coverage` as untiered fixed-size state."""
-
-    is_compileable = False  # as the stock class: the attention half grows
-
-    _attn = CxlKVLayer
-
-    def __init__(self, pool: KVPool, share_slot: Optional[int] = None, number_of_states: int = 1):
-        CxlKVLayer.__init__(self, pool, share_slot)
-        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
-
-    def _reorder_extra(self, beam_idx: torch.LongTensor) -> None:
-        LinearAttentionLayer.reorder_cache(self, beam_idx)
-
-    # batch_repeat_interleave / batch_select_indices: the stock class inherits
-    # DynamicLayer's (K/V only), so do these (CxlKVLayer's; _batch_extra a no-op).
-
-    def _empty_like(self, pool: KVPool, memo) -> "CxlHybridLayer":
-        new = CxlHybridLayer(pool, self._share_slot, self.number_of_states)
-        new._copy_linear_state(self, memo)
-        return new
-
-    def __deepcopy__(self, memo):
-        new = CxlKVLayer.__deepcopy__(self, memo)
-        new.__class__ = CxlHybridLayer
-        _LinearState._copy_linear_state(new, self, memo)
-        return new
-
-
-class CxlHybridSlidingLayer(_HybridCalls, LinearAttentionLayer, CxlSlidingLayer, _LinearState):
-    """``LinearAttentionAndSlidingWindowAttentionLayer``: the sliding-window K/V in
-    a bounded extent (:class:`~cxlalloc.hf.sliding.CxlSlidingLayer`), the
-    conv/recurrent state transformers' own (fixed size, reported untiered)."""
-
-    is_compileable = False
-
-    _attn = CxlSlidingLayer
-
-    def __init__(self, pool: KVPool, sliding_window: int, number_of_states: int = 1):
-        CxlSlidingLayer.__init__(self, pool, sliding_window)
-        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
-
-
-def _states(layer) -> int:
-    return int(getattr(layer, "number_of_states", 1))
-
-
-def _sliding(layer, pool, slot):
-    return CxlSlidingLayer(pool, layer.sliding_window) if int(layer.sliding_window) >= 2 else None
-
-
-def _hybrid_sliding(layer, pool, slot):
-    return (CxlHybridSlidingLayer(pool, layer.sliding_window, _states(layer))
-            if int(layer.sliding_window) >= 2 else None)
-
-
-TIERED_LAYERS.update({
-    DynamicIndexedLayer: (True, lambda layer, pool, slot: CxlIndexedLayer(pool, slot)),
-    LinearAttentionAndFullAttentionLayer: (True, lambda layer, pool, slot: CxlHybridLayer(pool, slot, _states(layer))),
-    DynamicSlidingWindowLayer: (False, _sliding),
-    LinearAttentionAndSlidingWindowAttentionLayer: (False, _hybrid_sliding),
-})
-
-# Tiered class -> the stock kind it stands for (the names hf.stats() reports).
-STOCK_KIND = {
-    CxlKVLayer: DynamicLayer.__name__,
-    CxlIndexedLayer: DynamicIndexedLayer.__name__,
-    CxlHybridLayer: LinearAttentionAndFullAttentionLayer.__name__,
-    CxlSlidingLayer: DynamicSlidingWindowLayer.__name__,
-    CxlHybridSlidingLayer: LinearAttentionAndSlidingWindowAttentionLayer.__name__,
-}
