@@ -1,4 +1,4 @@
-// Timing helpers for the allocation benchmark (cxlalloc/bench/allocation.py).
+// Timing helpers for the allocation benchmark (cxlalloc_apps/bench/allocation.py).
 //
 // Why in C++: one cached malloc/free pair of the engine takes well under a
 // microsecond, while a Python loop around the bindings costs about as much

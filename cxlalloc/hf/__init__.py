@@ -22,7 +22,7 @@ copy.deepcopy / pickle / torch.save of a wrapped model give an unwrapped copy
 (UnwrappedCopyWarning); a CxlCache can be deep-copied but not pickled.
 
 Requires transformers >= 5.17 (tested on 5.17 and 5.24).  ``python -m cxlalloc demo``
-(:mod:`cxlalloc.demo`) is the main job: a real model's generate() past the VRAM
+(:mod:`cxlalloc_apps.demo`) is the main job: a real model's generate() past the VRAM
 budget, with identical tokens.
 
 Modules:
