@@ -161,7 +161,8 @@ class KVServer:
                   "clients": len(clients), "peak_clients": c["peak_clients"], "connections_total": c["connections"],
                   "refused_full": c["refused_full"], "refused_denied": c["refused_denied"],
                   "protocol_errors": c["protocol_errors"], "bad_requests": c["bad_requests"],
-                  "corrupt_blocks": c["corrupt_blocks"], "requests": c["requests"], "redis_mode": self.redis_mode if self.redis is not None else None,
+                  "corrupt_blocks": c["corrupt_blocks"], "requests": c["requests"],
+                  "redis_mode": self.redis_mode if self.redis is not None else None,
                   "strict_placement": self.strict_placement}
         return {"server": server, "pool": pool, "rates": self.sampler.rates(counters),
                 "redis": self.redis.stats() if self.redis is not None else None, "clients": clients}
