@@ -27,12 +27,19 @@ What each generation mode reuses and stores:
   ``pad + hit`` over the rows (left padding ``pad``; the pad positions get zero
   K/V, which the attention mask hides).  A right-padded or otherwise
   non-left-padded batch reuses nothing (counted as ``skipped``);
-* a cache passed in by the caller, ``inputs_embeds``, ``use_cache=False``, a
+* a cache passed in by the caller, ``use_cache=False``, a
   static/quantized/offloaded cache: no lookup and no store (counted);
+* ``inputs_embeds`` or any other tensor argument that can change K/V for the
+  same ids (``pixel_values``, ``position_ids``, ``cache_position``,
+  ``token_type_ids``, a 4-D attention mask): no lookup and no store
+  (``skipped_inputs``; a warning naming the argument, once);
 * per call: ``generate(..., cache_salt="tenant")`` overrides the namespace and
   ``generate(..., kv_reuse=False)`` turns reuse off for that call.
 
-Correctness: a load that fails (out of memory, a block whose size does not
+Correctness: the fingerprint digests every weight byte at each call (no
+in-place update gives a stale hit; :class:`~cxlalloc.kvstore.keys.WeightsWatch`);
+every loaded block's checksum is checked (``kv_store_verify``), a corrupt one
+is dropped and recomputed (``corrupt_blocks``).  A load that fails (out of memory, a block whose size does not
 match) empties the cache and the call recomputes the whole prompt, counted in
 ``load_failures``; a hit is never partially applied.  K/V of generated tokens
 were computed one token at a time; a later prefill of the same tokens computes
