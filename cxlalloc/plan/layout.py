@@ -201,6 +201,9 @@ def _layer_types(d: Dict[str, Any], n_layers: int, notes: List[str]) -> List[str
             p = int(d.get("sliding_window_pattern") or 6)
             lt = ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(n_layers)]
             notes.append(f"layer_types: sliding, a full layer every {p} (Gemma3 sliding_window_pattern)")
+        elif mt == "falcon_h1":
+            lt = ["hybrid"] * n_layers  # FalconH1Config.layers_block_type: attention + Mamba-2 in every layer
+            notes.append("layer_types: every layer attention + Mamba-2 (FalconH1Config's rule)")
         elif sw is not None:
             lt = ["sliding_attention"] * n_layers
         elif d.get("attention_chunk_size") is not None:
