@@ -1,0 +1,107 @@
+"""Planned vs measured: the planner's decode and prefix-load bounds against the
+records one ``cxlalloc bench`` run wrote (``scripts/gpu_check.sh``'s ``plan`` step).
+
+    python -m cxlalloc.plan.check RESULTS_DIR [--out plan_check.json]
+
+For each measured row it computes what the planner's formulas give from the
+same run's measured ceilings (``ceilings.json``: HBM read rate, host-tier
+zero-copy read rate) and the row's own bytes, and the error
+``measured / planned - 1`` (positive: slower than the bound):
+
+* ``decode.json`` rows (``status`` ok): TPOT = ``batch / decode_tokens_per_s``
+  against ``t_step = (W + (1 - f) K) / B_hbm + f K / B_link`` with ``W`` the
+  row's ``weight_bytes``, ``K`` its live KV bytes (``kv_final_bytes``) and ``f``
+  its ``spill`` share (:mod:`cxlalloc.plan.planner`);
+* ``reuse.json`` ``ttft`` rows: the prefix load ``load_ms`` against
+  ``bytes_loaded / link_gbps`` (the row's measured H2D rate).
+
+Rows without the numbers needed are listed under ``skipped`` with the reason.
+Writes JSON; never needs a GPU (it reads records).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+
+def _load(path: str) -> Optional[Dict[str, Any]]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _link(ceil: Optional[Dict[str, Any]]) -> Optional[float]:
+    rates = [v.get("zero_copy_read_gbps") for v in ((ceil or {}).get("summary", {}).get("link") or {}).values()
+             if isinstance(v, dict) and v.get("zero_copy_read_gbps")]
+    return max(rates) if rates else None
+
+
+def compare(results: str) -> Dict[str, Any]:
+    """Planned vs measured for the records in folder ``results`` (see the module docstring)."""
+    ceil = _load(os.path.join(results, "ceilings.json"))
+    hbm = ((ceil or {}).get("summary") or {}).get("hbm_read_gbps")
+    link = _link(ceil)
+    out: Dict[str, Any] = {"results": results, "hbm_read_gbps": hbm, "link_read_gbps": link,
+                           "decode": [], "reuse": [], "skipped": []}
+    dec = _load(os.path.join(results, "decode.json"))
+    for r in (dec or {}).get("results", []):
+        rid = r.get("id") or f"{r.get('variant')}|{r.get('model')}|{r.get('context')}|{r.get('batch')}"
+        if r.get("status") != "ok" or not r.get("decode_tokens_per_s"):
+            continue
+        f = float(r.get("spill") or 0.0)
+        W, K, b = r.get("weight_bytes"), r.get("kv_final_bytes"), r.get("batch")
+        if not (hbm and W and K and b) or (f > 0 and not link):
+            out["skipped"].append({"id": rid, "why": "no measured HBM/link rate or no weight/KV bytes in the row"})
+            continue
+        planned = (W + (1 - f) * K) / (hbm * 1e9) + (f * K / (link * 1e9) if f else 0.0)
+        measured = b / r["decode_tokens_per_s"]
+        out["decode"].append({"id": rid, "variant": r.get("variant"), "backend": r.get("backend"),
+                              "context": r.get("context"), "batch": b, "spill": f,
+                              "planned_tpot_ms": planned * 1e3, "measured_tpot_ms": measured * 1e3,
+                              "error": measured / planned - 1})
+    reu = _load(os.path.join(results, "reuse.json"))
+    for r in (reu or {}).get("results", []):
+        if r.get("kind") != "ttft" or r.get("status") != "ok":
+            continue
+        if not (r.get("bytes_loaded") and r.get("link_gbps") and r.get("load_ms")):
+            out["skipped"].append({"id": r.get("part"), "why": "no bytes_loaded / link_gbps / load_ms"})
+            continue
+        planned = r["bytes_loaded"] / (r["link_gbps"] * 1e9)
+        out["reuse"].append({"id": r.get("part"), "prefix_tokens": r.get("prefix_tokens"),
+                             "planned_load_ms": planned * 1e3, "measured_load_ms": r["load_ms"],
+                             "error": r["load_ms"] / 1e3 / planned - 1,
+                             "measured_hit_ttft_ms": r.get("hit_ttft_ms"),
+                             "measured_recompute_ttft_ms": r.get("recompute_ttft_ms")})
+    for key in ("decode", "reuse"):
+        errs = [abs(x["error"]) for x in out[key]]
+        out[f"{key}_max_abs_error"] = max(errs) if errs else None
+    out["simulated"] = bool((dec or {}).get("simulated") or (reu or {}).get("simulated"))
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cxlalloc.plan.check",
+                                description="planned vs measured decode/prefix-load times of one bench run")
+    p.add_argument("results", help="folder holding the run's ceilings.json, decode.json, reuse.json")
+    p.add_argument("--out", default=None, help="write the comparison here (default: RESULTS/plan_check.json)")
+    a = p.parse_args(argv)
+    if not os.path.isdir(a.results):
+        p.error(f"results: {a.results!r} is not a folder")
+    rec = compare(a.results)
+    path = a.out or os.path.join(a.results, "plan_check.json")
+    with open(path, "w") as f:
+        json.dump(rec, f, indent=1)
+    print(f"plan check: {len(rec['decode'])} decode rows (max |error| {rec['decode_max_abs_error']}), "
+          f"{len(rec['reuse'])} reuse rows (max |error| {rec['reuse_max_abs_error']}), "
+          f"{len(rec['skipped'])} skipped; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
