@@ -29,7 +29,7 @@ states each and the assumptions; :func:`plan` returns them in the record):
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from cxlalloc.plan import hardware
 from cxlalloc.plan.layout import (DEFAULT_CHUNK_BYTES, SHARED_KINDS, SLIDING_KINDS, Layout, cache_bytes, dtype_bytes,
