@@ -274,6 +274,9 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
             "reuse pool bound: one distinct prefix per user",
         ],
     }
+    if records and measured is None:
+        record["assumptions"].append(f"no measured ceilings record of {preset.name} in {', '.join(records)}: "
+                                     f"datasheet rates")
     if st is None:
         record["assumptions"].append("stateful layers whose state size the config does not give: not counted")
     cc = list(curve_contexts or [c for c in (4096, 8192, 16384, 32768, 65536, 131072)])

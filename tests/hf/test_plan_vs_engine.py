@@ -14,7 +14,7 @@ import gc
 import json
 
 import pytest
-from tests.helpers.hf_kinds import tiny_deepseek_v32, tiny_falcon_h1
+from tests.helpers.hf_kinds import tiny_deepseek_v32, tiny_falcon_h1, tiny_gemma3
 from tests.helpers.hf_util import MiB, _seeded, gen, padded_batch, torch
 
 import transformers as T
@@ -66,6 +66,7 @@ CASES = {
     "mistral-sliding": (mistral_sliding, 8, 600, 24, {"sliding_attention": 2}),
     "qwen2-mixed": (qwen2_mixed, 4, 300, 12, {"full_attention": 2, "sliding_attention": 2}),
     "gemma2-alternating": (gemma2_alternating, 4, 200, 12, {"sliding_attention": 2, "full_attention": 2}),
+    "gemma3-5to1": (tiny_gemma3, 2, 9, 10, {"sliding_attention": 5, "full_attention": 1}),
     "deepseek-v32-indexed": (tiny_deepseek_v32, 2, 9, 10, {"indexed_attention": 2}),
     "falcon-h1-hybrid": (tiny_falcon_h1, 8, 520, 10, {"hybrid": 2}),
 }
@@ -124,3 +125,14 @@ def test_planned_kv_bytes_and_spill_boundary_match_the_engine(fresh_sim, case):
 def test_planned_parameters_are_the_models(case):
     m = CASES[case][0]()
     assert read_layout(json.loads(json.dumps(m.config.to_dict()))).params == m.num_parameters()
+
+
+@pytest.mark.parametrize("make", [qwen2_mixed, gemma2_alternating, tiny_gemma3, tiny_falcon_h1, mistral_sliding])
+def test_configs_saved_without_layer_types_read_as_transformers_builds_them(make):
+    """An older config.json has no ``layer_types``: the planner's per-class rules
+    (Qwen2 max_window_layers, Gemma 2/3 alternation, Falcon-H1 hybrid, a plain
+    sliding_window) give the layer kinds transformers' config class computes."""
+    cfg = make().config
+    d = json.loads(json.dumps(cfg.to_dict()))
+    d.pop("layer_types", None)
+    assert [la.kind for la in read_layout(d).layers] == [la.kind for la in read_layout(cfg).layers]
