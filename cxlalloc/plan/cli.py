@@ -119,8 +119,11 @@ def make_parser(prog: str = "cxlalloc plan") -> OneLineParser:
                    help="dense BF16 TFLOPS for prefill (default: the preset's)")
     p.add_argument("--link-gbps", type=_positive("--link-gbps"), default=None,
                    help="GPU-host link per direction, GB/s (default: a measured record, else PCIe theoretical)")
-    p.add_argument("--host-bytes", type=size("--host-bytes"), default=512e9,
-                   help="host/CXL memory per GPU for KV (default 512GB)")
+    p.add_argument("--host-bytes", type=size("--host-bytes"), default=None,
+                   help="host/CXL memory per GPU for KV (default: from --info, else 512GB)")
+    p.add_argument("--info", metavar="JSON|here", default=None,
+                   help="host/CXL node sizes (and the GPU's memory) from a `cxlalloc info --json` file, or 'here' "
+                        "for this machine's NUMA nodes")
     p.add_argument("--host-node", type=_node, default="dram",
                    help=f"host/CXL memory bandwidth: {', '.join(hardware.HOST_NODES)} or GB/s (default dram)")
     p.add_argument("--headroom", type=size("--headroom"), default=None,
@@ -153,10 +156,19 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc plan") -> int:
     args = make_parser(prog).parse_args(argv)
     records = [] if args.no_records else (args.records or ([DEFAULT_RECORDS] if os.path.isdir(DEFAULT_RECORDS) else []))
     try:
+        info = None
+        if args.info == "here":
+            info = hardware.info_here()
+        elif args.info:
+            try:
+                with open(args.info) as f:
+                    info = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"--info: cannot read {args.info!r} as a `cxlalloc info --json` record: {e}") from None
         rec = plan(resolve_model(args.model), context=args.context, users=args.users, weight_dtype=args.weight_dtype,
                    kv_dtype=args.kv_dtype, reuse=args.reuse, gpu=args.gpu, hbm_bytes=args.hbm_bytes,
                    hbm_gbps=args.hbm_gbps, bf16_tflops=args.tflops, link_gbps=args.link_gbps,
-                   host_bytes=args.host_bytes, host_node=args.host_node, headroom_bytes=args.headroom,
+                   host_bytes=args.host_bytes, host_node=args.host_node, info=info, headroom_bytes=args.headroom,
                    tpot_slo_ms=args.tpot_slo_ms, mfu=args.mfu, weight_bytes=args.weight_bytes, records=records)
     except (ValueError, FileNotFoundError) as e:
         fail(prog, str(e))

@@ -127,3 +127,48 @@ def host_node(key: str) -> Tuple[float, str]:
     if k not in HOST_NODES:
         raise ValueError(f"--host-node must be one of {', '.join(HOST_NODES)} or a number of GB/s, got {key!r}")
     return HOST_NODES[k]
+
+
+def from_info(info: Dict[str, Any]) -> Dict[str, Any]:
+    """Host/CXL memory and VRAM from a ``cxlalloc info --json`` record (or
+    ``{"numa": {"topology": read_topology(), ...}}`` for this machine).
+
+    Host bytes: the total of the CPU-less / CXL memory nodes if there are any
+    (where cxlalloc's ``auto`` node choice puts the host tier), else the node
+    ``auto`` picks (else the largest node).  Per GPU: divided by the GPUs
+    listed (at least 1).  ``hbm_bytes``: the first GPU's memory, if listed.
+
+    Returns ``{"host_bytes_per_gpu", "host_nodes", "gpus", "hbm_bytes", "gpu_name", "source"}``.
+
+    Raises:
+        ValueError: the record lists no memory node.
+    """
+    numa = info.get("numa") or {}
+    nodes = [n for n in ((numa.get("topology") or {}).get("nodes") or [])
+             if n.get("has_memory", True) and (n.get("total_bytes") or 0) > 0]
+    if not nodes:
+        raise ValueError("--info: the record lists no NUMA node with memory (numa.topology.nodes)")
+    far = [n for n in nodes if n.get("cxl") or not n.get("has_cpu", True)]
+    if far:
+        chosen, what = far, "CPU-less/CXL node"
+    else:
+        auto = (numa.get("auto_node") or {}).get("node")
+        chosen = [n for n in nodes if n.get("id") == auto] or [max(nodes, key=lambda n: n["total_bytes"])]
+        what = "host node"
+    devs = list(((info.get("gpu") or {}).get("devices")) or [])
+    n_gpus = max(1, len(devs))
+    total = sum(int(n["total_bytes"]) for n in chosen)
+    ids = ", ".join(str(n.get("id")) for n in chosen)
+    return {"host_bytes_per_gpu": total / n_gpus, "host_nodes": [n.get("id") for n in chosen], "gpus": len(devs),
+            "hbm_bytes": float(devs[0]["total_bytes"]) if devs and devs[0].get("total_bytes") else None,
+            "gpu_name": devs[0].get("name") if devs else None,
+            "source": f"cxlalloc info: {what}{'s' if len(chosen) > 1 else ''} {ids}, {total / 1e9:.1f} GB"
+                      + (f" over {n_gpus} GPUs" if n_gpus > 1 else "")}
+
+
+def info_here() -> Dict[str, Any]:
+    """This machine's NUMA topology in the shape :func:`from_info` reads (no GPU query)."""
+    from cxlalloc import topology
+
+    topo = topology.read_topology()
+    return {"numa": {"topology": topo, "auto_node": topology.choose_host_node(topo, -1, "auto")}}

@@ -122,7 +122,7 @@ def _check(name: str, value, lo=None, hi=None, integer=False):
 def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "bf16",
          kv_dtype: Optional[str] = None, reuse: float = 0.0, gpu: str = "h200", hbm_bytes: Optional[float] = None,
          hbm_gbps: Optional[float] = None, bf16_tflops: Optional[float] = None, link_gbps: Optional[float] = None,
-         host_bytes: float = 512e9, host_node: Any = "dram", headroom_bytes: Optional[float] = None,
+         host_bytes: Optional[float] = None, host_node: Any = "dram", info: Optional[Dict[str, Any]] = None, headroom_bytes: Optional[float] = None,
          tpot_slo_ms: Optional[float] = 50.0, mfu: float = 0.4, weight_bytes: Optional[float] = None,
          records: Sequence[str] = (), chunk_bytes: int = DEFAULT_CHUNK_BYTES,
          curve_contexts: Optional[Sequence[int]] = None, curve_users: Optional[Sequence[int]] = None) -> Dict[str, Any]:
@@ -138,7 +138,10 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
         reuse: share of each prompt served from the prefix reuse pool (0..1).
         gpu: preset name (``h100``, ``h200``, ``b200``, ``l40s``); ``hbm_bytes``,
             ``hbm_gbps`` (GB/s), ``bf16_tflops``, ``link_gbps`` override it.
-        host_bytes: host/CXL bytes available per GPU for KV.
+        host_bytes: host/CXL bytes available per GPU for KV (default: from
+            ``info``, else 512 GB).
+        info: a ``cxlalloc info --json`` record (:func:`cxlalloc.plan.hardware.from_info`):
+            the host/CXL node sizes, and the GPU's memory when ``hbm_bytes`` is not given.
         host_node: ``dram``, ``cxl-x8``, ``cxl-x16`` or a bandwidth in GB/s of
             the host/CXL memory (the GPU reads it at ``min(link, node)``).
         headroom_bytes: VRAM left to activations (default :func:`default_headroom`).
@@ -164,7 +167,13 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
     users = _check("--users", users, 1, integer=True)
     reuse = _check("--reuse", reuse, 0.0, 1.0)
     mfu = _check("--mfu", mfu, 0.01, 1.0)
-    host_bytes = _check("--host-bytes", host_bytes, 0.0)
+    from_info = hardware.from_info(info) if info is not None else None
+    if host_bytes is not None:
+        host_bytes, host_src = _check("--host-bytes", host_bytes, 0.0), "--host-bytes"
+    elif from_info is not None:
+        host_bytes, host_src = from_info["host_bytes_per_gpu"], from_info["source"]
+    else:
+        host_bytes, host_src = 512e9, "default 512 GB per GPU"
     if tpot_slo_ms is not None:
         tpot_slo_ms = _check("--tpot-slo-ms", tpot_slo_ms, 0.001)
     layout = read_layout(model)
@@ -172,8 +181,12 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
     ke = dtype_bytes(kv_dtype or weight_dtype, "--kv-dtype")
     preset = hardware.gpu_preset(gpu)
     measured = hardware.measured_ceilings(preset, list(records)) if records else None
-    hbm = float(hbm_bytes) if hbm_bytes else preset.hbm_bytes
-    hbm_src = "--hbm-bytes" if hbm_bytes else f"{preset.name} {preset.source}"
+    if hbm_bytes:
+        hbm, hbm_src = float(hbm_bytes), "--hbm-bytes"
+    elif from_info is not None and from_info["hbm_bytes"]:
+        hbm, hbm_src = from_info["hbm_bytes"], f"cxlalloc info: {from_info['gpu_name']}"
+    else:
+        hbm, hbm_src = preset.hbm_bytes, f"{preset.name} {preset.source}"
     if hbm_gbps:
         bw, bw_src = float(hbm_gbps), "--hbm-gbps"
     elif measured:
@@ -233,7 +246,8 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
                    "mfu": mfu, "chunk_bytes": int(chunk_bytes)},
         "hardware": {"gpu": preset.name, "hbm_bytes": hbm, "hbm_source": hbm_src, "hbm_gbps": bw, "hbm_gbps_source": bw_src,
                      "bf16_tflops": tflops, "link_gbps": link, "link_source": link_src, "host_node_gbps": node_gbps,
-                     "host_node_source": node_src, "host_read_gbps": read, "measured_record": measured},
+                     "host_node_source": node_src, "host_read_gbps": read,
+                     "host_bytes_per_gpu": host_bytes, "host_bytes_source": host_src, "measured_record": measured},
         "kv": {"bytes_per_token": per_tok, "per_sequence_live_bytes": seq_live,
                "sliding_windows": sorted({la.window for la in layout.layers if la.kind in SLIDING_KINDS}),
                "state_bytes_per_sequence": st, "target_cache_bytes": kv_target,

@@ -54,6 +54,7 @@ def rows(rec: Dict[str, Any]) -> List[tuple]:
              f"{gp['without_host_capacity_only']} / {gp['with_host_capacity_only']}"
              + (f"  (ratio {gp['ratio_capacity_only']:.2f}, TPOT {_ms(gp['tpot_ms_capacity_only'])})"
                 if gp["ratio_capacity_only"] else "")),
+            ("hardware", "host/CXL memory per GPU", f"{_b(hw['host_bytes_per_gpu'])} ({hw['host_bytes_source']})"),
             ("hardware", "HBM", f"{hw['hbm_gbps']:,.0f} GB/s ({hw['hbm_gbps_source']})"),
             ("hardware", "host read", f"{hw['host_read_gbps']:,.1f} GB/s = min(link {hw['link_gbps']:.1f}: "
              f"{hw['link_source']}; node {hw['host_node_gbps']:.0f}: {hw['host_node_source']})")]

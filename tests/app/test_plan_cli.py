@@ -120,3 +120,21 @@ def test_plan_check_compares_records(tmp_path):
     assert d["planned_tpot_ms"] == pytest.approx(planned * 1e3) and d["measured_tpot_ms"] == pytest.approx(40.0)
     assert d["error"] == pytest.approx(0.040 / planned - 1)
     assert out["reuse"][0]["planned_load_ms"] == pytest.approx(20.0) and out["reuse"][0]["error"] == pytest.approx(0.25)
+
+
+def test_host_and_vram_from_cxlalloc_info():
+    """The H200 machine's `cxlalloc info --json` (2026-11-30): one 8.95 GB host node, 150.1 GB of VRAM."""
+    info = os.path.join(ROOT, "benchmarks", "results", "gpu-smoke-h200-2026-11-30", "info.json")
+    p = plan("--model", "llama-3.1-8b", "--json", "--no-records", "--info", info)
+    assert p.returncode == 0, p.stderr
+    hw = json.loads(p.stdout)["hardware"]
+    assert hw["host_bytes_per_gpu"] == 8_954_298_368 and "host node 0" in hw["host_bytes_source"]
+    assert hw["hbm_bytes"] == 150_109_880_320 and "NVIDIA H200" in hw["hbm_source"]
+    cxl = {"gpu": {"devices": [{"name": "G", "total_bytes": 80e9}] * 2},
+           "numa": {"auto_node": {"node": 0}, "topology": {"nodes": [
+               {"id": 0, "has_cpu": True, "total_bytes": 500e9},
+               {"id": 2, "has_cpu": False, "cxl": True, "total_bytes": 256e9},
+               {"id": 3, "has_cpu": False, "cxl": True, "total_bytes": 256e9}]}}}
+    from cxlalloc.plan.hardware import from_info
+    got = from_info(cxl)
+    assert got["host_bytes_per_gpu"] == 256e9 and got["host_nodes"] == [2, 3] and got["gpus"] == 2
