@@ -333,6 +333,9 @@ def read_layout(source: Any) -> Layout:
         state = (d_ssm + 2 * groups * d_state) * d_conv + m_heads * m_head * d_state
         notes.append("hybrid state: Mamba-2 conv (d_ssm + 2 n_groups d_state) x d_conv + recurrent "
                      "n_heads x d_head x d_state elements per sequence per layer")
+    if d.get("is_encoder_decoder"):
+        notes.append("encoder-decoder: the decoder's self-attention cache is planned; the cross-attention K/V "
+                     "(encoder length, fixed) is not")
     vocab = int(_first(d, "vocab_size", default=32000))
     params, active, src = _params(d, hidden, n_layers, heads, kv_heads, head_dim, vocab, notes)
     name = str(_first(d, "_name_or_path", "name", default="") or d.get("model_type") or "model")
@@ -369,7 +372,8 @@ def cache_bytes(layout: Layout, batch: int, tokens: int, kv_elem: float, prompt:
                 chunk: int = DEFAULT_CHUNK_BYTES) -> Dict[str, int]:
     """Bytes the engine commits (class ``kv``) for one ``CxlCache`` of ``batch``
     sequences holding ``tokens`` tokens each, after a prefill of ``prompt``
-    tokens (default ``tokens``) and one token per decode step.
+    tokens and one token per decode step (default: the most it reaches, as
+    after a short prompt decoded to ``tokens``).
 
     * shared store (full, indexed, hybrid layers): ``ceil(tokens * row / chunk)``
       chunks, ``row = n_shared * batch * H_kv * (D_k + D_v) * e``;
@@ -380,7 +384,7 @@ def cache_bytes(layout: Layout, batch: int, tokens: int, kv_elem: float, prompt:
 
     Returns ``{"shared": .., "indexer": .., "sliding": .., "total": ..}`` in bytes.
     """
-    prompt = tokens if prompt is None else int(prompt)
+    prompt = 1 if prompt is None else int(prompt)
     geo = layout.shared_geometry()
     n_shared = layout.count(*SHARED_KINDS)
     shared = _chunks(tokens * n_shared * batch * geo.kv_elems * kv_elem, chunk) if geo is not None else 0

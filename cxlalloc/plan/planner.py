@@ -51,19 +51,21 @@ class _Model:
     def __init__(self, layout: Layout, weight_bytes: float, kv_elem: float, hbm: float, hbm_gbps: float,
                  read_gbps: float, tflops: float, mfu: float, headroom: float, host_bytes: float, chunk: int):
         self.layout, self.W, self.e = layout, float(weight_bytes), kv_elem
+        # Fixed-size state (SSM/conv) of stateful layers stays in transformers' memory: VRAM, untiered.
+        self.state = float(state_bytes(layout, kv_elem) or 0)
         self.hbm, self.hbm_gbps, self.read_gbps = hbm, hbm_gbps, read_gbps
         self.tflops, self.mfu, self.headroom, self.host, self.chunk = tflops, mfu, headroom, host_bytes, chunk
 
-    def budget(self, g: int) -> float:
-        """KV bytes a group of ``g`` GPUs keeps in VRAM."""
-        return g * (self.hbm - self.headroom) - self.W
+    def budget(self, g: int, users: int = 0) -> float:
+        """KV bytes a group of ``g`` GPUs keeps in VRAM (less ``users`` sequences' fixed state)."""
+        return g * (self.hbm - self.headroom) - self.W - users * self.state
 
     def kv(self, users: int, context: int) -> int:
         return cache_bytes(self.layout, users, context, self.e, chunk=self.chunk)["total"] if users else 0
 
     def host_share(self, users: int, context: int, g: int) -> float:
         k = self.kv(users, context)
-        return max(0.0, k - max(0.0, self.budget(g))) / k if k else 0.0
+        return max(0.0, k - max(0.0, self.budget(g, users))) / k if k else 0.0
 
     def step_s(self, users: int, context: int, g: int, host: bool = True) -> float:
         live = users * live_kv_bytes(self.layout, context, self.e)
@@ -90,8 +92,8 @@ class _Model:
         return flops / (g * self.tflops * 1e12 * self.mfu)
 
     def fits(self, users: int, context: int, g: int, host: bool, slo_s: Optional[float]) -> bool:
-        cap = self.budget(g) + (g * self.host if host else 0.0)
-        if self.kv(users, context) > cap:
+        room = self.budget(g, users)
+        if room < 0 or self.kv(users, context) > room + (g * self.host if host else 0.0):
             return False
         return slo_s is None or self.step_s(users, context, g, host) <= slo_s
 
@@ -230,7 +232,7 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
     # Operating point with the host tier: the target's users spread over n_with GPUs.
     u_op = math.ceil(users / (n_with // g)) if n_with else 0
     kv_op = m.kv(u_op, context)
-    host_op = max(0.0, kv_op - m.budget(g))
+    host_op = max(0.0, kv_op - m.budget(g, u_op))
     prefix_tokens = int(round(reuse * context))
     load_bytes = live_kv_bytes(layout, prefix_tokens, ke)
     cold = m.prefill_s(context, context, g)
@@ -253,7 +255,8 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
                "state_bytes_per_sequence": st, "target_cache_bytes": kv_target,
                "target_cache_bytes_by_store": cache_bytes(layout, users, context, ke, chunk=int(chunk_bytes))},
         "vram": {"per_gpu_bytes": hbm, "weights_per_gpu": W / g, "headroom_per_gpu": head,
-                 "kv_per_gpu": min(kv_op, max(0.0, m.budget(g))) / g, "kv_room_per_gpu": m.budget(g) / g},
+                 "kv_per_gpu": min(kv_op, max(0.0, m.budget(g, u_op))) / g, "kv_room_per_gpu": m.budget(g) / g,
+                 "state_per_gpu": u_op * m.state / g},
         "capacity": {"group_gpus": g, "sequences_per_group_vram_only": u_vram,
                      "sequences_per_group_with_host": u_host,
                      "sequences_per_gpu_vram_only": u_vram / g, "sequences_per_gpu_with_host": u_host / g},
@@ -288,6 +291,9 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
             "reuse pool bound: one distinct prefix per user",
         ],
     }
+    if m.state:
+        record["assumptions"].append(f"fixed-size state of stateful layers (SSM/conv): {m.state / 1e6:.2f} MB per "
+                                     f"sequence in VRAM (transformers' memory, untiered)")
     if records and measured is None:
         record["assumptions"].append(f"no measured ceilings record of {preset.name} in {', '.join(records)}: "
                                      f"datasheet rates")

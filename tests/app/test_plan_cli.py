@@ -138,3 +138,26 @@ def test_host_and_vram_from_cxlalloc_info():
     from cxlalloc.plan.hardware import from_info
     got = from_info(cxl)
     assert got["host_bytes_per_gpu"] == 256e9 and got["host_nodes"] == [2, 3] and got["gpus"] == 2
+
+
+def test_fixed_state_takes_vram_and_sliding_layers_count_their_whole_extent():
+    from cxlalloc.plan import plan
+    from cxlalloc.plan.layout import cache_bytes, read_layout, state_bytes
+
+    base = {"model_type": "falcon_h1", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 65536}
+    mamba = dict(base, mamba_d_ssm=4096, mamba_n_heads=64, mamba_d_head=64, mamba_d_state=128, mamba_d_conv=4,
+                 mamba_n_groups=1)
+    lay = read_layout(mamba)
+    # per layer (4096 + 2 x 128) x 4 conv + 64 x 64 x 128 recurrent elements, bf16, 32 layers
+    assert state_bytes(lay, 2) == 32 * ((4096 + 256) * 4 + 64 * 64 * 128) * 2
+    r = plan(mamba, context=32768, users=64, tpot_slo_ms=None, records=())
+    room = r["vram"]["kv_room_per_gpu"]
+    n = max(u for u in range(1, 64) if cache_bytes(lay, u, 32768, 2)["total"] + u * state_bytes(lay, 2) <= room)
+    assert r["capacity"]["sequences_per_group_vram_only"] == n
+    assert r["vram"]["state_per_gpu"] == r["decode"]["sequences_per_group_at_target"] * state_bytes(lay, 2)
+    # A 4096-token window at 32K context: every sliding layer holds its whole extent (1.25x the window)
+    sw = plan(dict(base, model_type="mistral", sliding_window=4096), context=32768, users=8, records=())
+    per_layer = 8 * 8 * 256 * 2  # 8 sequences x 8 KV heads x (128 + 128) x bf16
+    rows = -(-(4095 + 1023) * per_layer // (2 << 20)) * (2 << 20)
+    assert sw["kv"]["target_cache_bytes"] == 32 * rows
