@@ -300,7 +300,7 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
     if st is None:
         record["assumptions"].append("stateful layers whose state size the config does not give: not counted")
     cc = list(curve_contexts or [c for c in (4096, 8192, 16384, 32768, 65536, 131072)])
-    cu = list(curve_users or [1, 8, 16, 32, 64, 128, 256])
+    cu = list(curve_users or [2 ** i for i in range(11)])  # 1 .. 1024 sequences per model copy
     record["curves"] = {
         "contexts": cc,
         "sequences_per_group_vram_only": [m.max_users(c, g, False, slo) for c in cc],
