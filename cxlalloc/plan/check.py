@@ -13,7 +13,10 @@ zero-copy read rate) and the row's own bytes, and the error
   row's ``weight_bytes``, ``K`` its live KV bytes (``kv_final_bytes``) and ``f``
   its ``spill`` share (:mod:`cxlalloc.plan.planner`);
 * ``reuse.json`` ``ttft`` rows: the prefix load ``load_ms`` against
-  ``bytes_loaded / link_gbps`` (the row's measured H2D rate).
+  ``bytes_loaded / link_gbps`` (the row's measured H2D rate); and, for the
+  GPU run's ``llama-8b`` shape on a GPU with a preset, the cold TTFT
+  (``recompute_ttft_ms``) against the planner's prefill bound at
+  ``DEFAULT_MFU``, with the MFU the measurement implies.
 
 Rows without the numbers needed are listed under ``skipped`` with the reason.
 Writes JSON; never needs a GPU (it reads records).
@@ -26,6 +29,30 @@ import json
 import os
 import sys
 from typing import Any, Dict, List, Optional
+
+from cxlalloc.plan import hardware
+from cxlalloc.plan.planner import PlanModel
+from cxlalloc.plan.layout import read_layout
+
+DEFAULT_MFU = 0.4
+# The models the reuse benchmark runs, by the label its record carries, as configs
+# (cxlalloc/bench/model.py's ``llama-8b`` shape: Llama-3.1-8B with a 32,000-token vocabulary).
+RECORD_MODELS = {
+    "llama-8b shape": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                       "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                       "head_dim": 128, "vocab_size": 32000, "tie_word_embeddings": False},
+}
+
+
+def _prefill_model(rec: Dict[str, Any]) -> Optional[PlanModel]:
+    label = str((rec.get("parameters") or {}).get("model") or "")
+    cfg = next((c for k, c in RECORD_MODELS.items() if label.startswith(k)), None)
+    name = str(((rec.get("hardware") or {}).get("gpu") or {}).get("name") or "")
+    gpu = next((g for g in hardware.GPUS.values() if g.match.lower() in name.lower()), None)
+    if cfg is None or gpu is None or rec.get("simulated"):
+        return None
+    return PlanModel(read_layout(cfg), 0, 2, gpu.hbm_bytes, gpu.hbm_gbps, gpu.link_gbps, gpu.bf16_tflops, 1.0, 0, 0,
+                  2 << 20)
 
 
 def _load(path: str) -> Optional[Dict[str, Any]]:
@@ -66,6 +93,7 @@ def compare(results: str) -> Dict[str, Any]:
                               "planned_tpot_ms": planned * 1e3, "measured_tpot_ms": measured * 1e3,
                               "error": measured / planned - 1})
     reu = _load(os.path.join(results, "reuse.json"))
+    pm = _prefill_model(reu or {})
     for r in (reu or {}).get("results", []):
         if r.get("kind") != "ttft" or r.get("status") != "ok":
             continue
@@ -78,6 +106,12 @@ def compare(results: str) -> Dict[str, Any]:
                              "error": r["load_ms"] / 1e3 / planned - 1,
                              "measured_hit_ttft_ms": r.get("hit_ttft_ms"),
                              "measured_recompute_ttft_ms": r.get("recompute_ttft_ms")})
+        if pm is not None and r.get("prompt_tokens") and r.get("recompute_ttft_ms"):
+            peak_s = pm.prefill_s(r["prompt_tokens"], r["prompt_tokens"], 1)  # at 100% of the dense peak
+            row = out["reuse"][-1]
+            row["planned_cold_ttft_ms"] = peak_s / DEFAULT_MFU * 1e3
+            row["cold_ttft_error"] = r["recompute_ttft_ms"] / row["planned_cold_ttft_ms"] - 1
+            row["implied_mfu"] = peak_s * 1e3 / r["recompute_ttft_ms"]
     for key in ("decode", "reuse"):
         errs = [abs(x["error"]) for x in out[key]]
         out[f"{key}_max_abs_error"] = max(errs) if errs else None

@@ -45,8 +45,10 @@ def default_headroom(hbm_bytes: float) -> int:
     return int(max(2 * GiB, 0.10 * hbm_bytes))
 
 
-class _Model:
-    """The numbers of one plan (inputs resolved), with its step and prefill times."""
+class PlanModel:
+    """The numbers of one plan (inputs resolved), with its step and prefill
+    times (seconds) and capacity search; :mod:`cxlalloc.plan.check` uses it for
+    the bounds of measured records."""
 
     def __init__(self, layout: Layout, weight_bytes: float, kv_elem: float, hbm: float, hbm_gbps: float,
                  read_gbps: float, tflops: float, mfu: float, headroom: float, host_bytes: float, chunk: int):
@@ -210,7 +212,7 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
     tflops = float(bf16_tflops) if bf16_tflops else preset.bf16_tflops
     head = float(headroom_bytes) if headroom_bytes is not None else default_headroom(hbm)
     W = float(weight_bytes) if weight_bytes else layout.params * we
-    m = _Model(layout, W, ke, hbm, bw, read, tflops, mfu, head, host_bytes, int(chunk_bytes))
+    m = PlanModel(layout, W, ke, hbm, bw, read, tflops, mfu, head, host_bytes, int(chunk_bytes))
     g = next((n for n in GROUPS if m.budget(n) > 0 and m.max_users(context, n, True, None) > 0), None)
     if g is None:
         raise ValueError(f"the weights ({W / 1e9:.1f} GB) and one sequence of {context} tokens fit no group of up to "

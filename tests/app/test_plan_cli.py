@@ -161,3 +161,20 @@ def test_fixed_state_takes_vram_and_sliding_layers_count_their_whole_extent():
     per_layer = 8 * 8 * 256 * 2  # 8 sequences x 8 KV heads x (128 + 128) x bf16
     rows = -(-(4095 + 1023) * per_layer // (2 << 20)) * (2 << 20)
     assert sw["kv"]["target_cache_bytes"] == 32 * rows
+
+
+def test_plan_check_cold_ttft_of_the_gpu_reuse_record(tmp_path):
+    from cxlalloc.plan.check import compare
+
+    (tmp_path / "reuse.json").write_text(json.dumps({
+        "simulated": False, "hardware": {"gpu": {"name": "NVIDIA H200"}},
+        "parameters": {"model": "llama-8b shape (bf16, random weights)"},
+        "results": [{"part": "ttft P=8192", "kind": "ttft", "status": "ok", "bytes_loaded": 1e9, "link_gbps": 50.0,
+                     "load_ms": 25.0, "prefix_tokens": 8192, "prompt_tokens": 8208, "recompute_ttft_ms": 500.0}]}))
+    row = compare(str(tmp_path))["reuse"][0]
+    # 2 x params x T + 32 layers x 2 x 32 heads x 128 x T^2, at 989 TFLOPS
+    params = 32 * (4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) + 2 * 32000 * 4096 + 4096
+    T = 8208
+    peak_ms = (2 * params * T + 32 * 2 * 32 * 128 * T * T) / 989e12 * 1e3
+    assert row["implied_mfu"] == pytest.approx(peak_ms / 500.0)
+    assert row["planned_cold_ttft_ms"] == pytest.approx(peak_ms / 0.4)
