@@ -31,8 +31,8 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from cxlalloc.plan import hardware
-from cxlalloc.plan.planner import PlanModel
 from cxlalloc.plan.layout import read_layout
+from cxlalloc.plan.planner import PlanModel
 
 DEFAULT_MFU = 0.4
 # The models the reuse benchmark runs, by the label its record carries, as configs
