@@ -9,16 +9,16 @@ Exit codes: 0 success; 2 bad usage (one line naming the option and its allowed v
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import sys
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 from cxlalloc.plan import hardware
 from cxlalloc.plan.layout import DTYPE_BYTES
 from cxlalloc.plan.planner import plan
-from cxlalloc.usage import OneLineParser, fail
 
 PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 DEFAULT_RECORDS = os.path.join("benchmarks", "results")
@@ -86,8 +86,18 @@ def _node(text: str):
     return v
 
 
-class _Parser(OneLineParser):
-    """One-line errors; a type's ValueError message (it names the option) is shown as is."""
+def fail(prog: str, message: str) -> NoReturn:
+    """Exit with status 2 after one ``PROG: error: MESSAGE`` line on stderr."""
+    sys.stderr.write(f"{prog}: error: {' '.join(str(message).split())}\n")
+    raise SystemExit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (no usage block; ``--help``
+    shows the usage), and a type's ValueError message (it names the option) as is."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(self.prog, message)
 
     def _get_value(self, action, arg_string):
         try:
@@ -96,7 +106,7 @@ class _Parser(OneLineParser):
             self.error(str(e))
 
 
-def make_parser(prog: str = "cxlalloc plan") -> OneLineParser:
+def make_parser(prog: str = "cxlalloc plan") -> argparse.ArgumentParser:
     dtypes = sorted(DTYPE_BYTES)
     p = _Parser(prog=prog, description="Right-sizing: KV bytes per token (exact, per layer kind), the VRAM split, "
                 "sequences per GPU with and without the host/CXL tier, decode and TTFT bounds, and the GPU count "
