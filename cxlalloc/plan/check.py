@@ -36,7 +36,7 @@ from cxlalloc.plan.planner import PlanModel
 
 DEFAULT_MFU = 0.4
 # The models the reuse benchmark runs, by the label its record carries, as configs
-# (cxlalloc/bench/model.py's ``llama-8b`` shape: Llama-3.1-8B with a 32,000-token vocabulary).
+# (cxlalloc_apps/bench/model.py's ``llama-8b`` shape: Llama-3.1-8B with a 32,000-token vocabulary).
 RECORD_MODELS = {
     "llama-8b shape": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
                        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,

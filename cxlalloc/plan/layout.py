@@ -46,7 +46,7 @@ STATE_KINDS = ("hybrid", "hybrid_sliding", "linear_attention", "conv")
 NO_KV_KINDS = ("linear_attention", "conv", "dummy")
 KNOWN_KINDS = SHARED_KINDS + SLIDING_KINDS + NO_KV_KINDS
 
-# cxlalloc.hf.sliding.window_capacity: rows a bounded sliding extent holds beyond the window
+# cxlalloc.hf.layers.sliding.window_capacity: rows a bounded sliding extent holds beyond the window
 # (keep // EXTRA_DIVISOR, at least MIN_EXTRA_TOKENS).  Mirrored here (that module imports torch);
 # tests/hf/test_plan_vs_engine.py asserts the two agree.
 EXTRA_DIVISOR = 4
@@ -58,7 +58,7 @@ DEFAULT_CHUNK_BYTES = 2 << 20  # the CUDA VMM granularity cxlalloc's extents use
 def window_capacity(sliding_window: int) -> int:
     """Tokens a sliding-window layer's bounded extent asks for (before rounding
     to whole chunks): ``w - 1 + max((w - 1) // 4, 16)``, as
-    ``cxlalloc.hf.sliding.window_capacity``."""
+    ``cxlalloc.hf.layers.sliding.window_capacity``."""
     keep = int(sliding_window) - 1
     return keep + max(keep // EXTRA_DIVISOR, MIN_EXTRA_TOKENS)
 

@@ -9,7 +9,7 @@ states each and the assumptions; :func:`plan` returns them in the record):
   weights, tensor-parallel), a headroom of ``max(2 GiB, 10% of VRAM)`` left to
   torch's activations (``cxlalloc.hf.wrap``'s default on a GPU), and KV in the rest.
 * Decode step (one token per sequence, every byte read once, as the bench's
-  ceiling model ``cxlalloc/bench/model.py``)::
+  ceiling model ``cxlalloc_apps/bench/model.py``)::
 
       t_step = (W + (1 - f) K) / (g B_hbm) + f K / (g B_read)
 

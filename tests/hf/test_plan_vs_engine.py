@@ -21,7 +21,7 @@ import transformers as T
 
 import cxlalloc.hf as hf
 from cxlalloc.hf import returned_cache
-from cxlalloc.hf.sliding import window_capacity as engine_window_capacity
+from cxlalloc.hf.layers.sliding import window_capacity as engine_window_capacity
 from cxlalloc.plan.layout import cache_bytes, kv_bytes_per_token, read_layout, state_bytes, window_capacity
 
 CHUNK = 2 * MiB
