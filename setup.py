@@ -148,7 +148,8 @@ setup(
     # install without a change here (tests/app/test_install.py).
     packages=find_packages(include=["cxlalloc", "cxlalloc.*", "cxlalloc_apps", "cxlalloc_apps.*"]),
     # the main job's default document (cxlalloc_apps/demo/app.py: DEFAULT_DOCUMENT)
-    package_data={"cxlalloc": ["py.typed"], "cxlalloc_apps.demo": ["data/*.txt"]},
+    package_data={"cxlalloc": ["py.typed"], "cxlalloc_apps.demo": ["data/*.txt"],
+                  "cxlalloc.plan": ["presets/*.json"]},  # cxlalloc plan's model configs
     ext_modules=[core] + ([sim] if sim.sources else []),
     cmdclass={"build_py": BuildPyWithStartupHook},
     python_requires=">=3.10",

@@ -1,4 +1,4 @@
-"""``python -m cxlalloc`` / ``cxlalloc``: info, run, bench, demo, kv-server.
+"""``python -m cxlalloc`` / ``cxlalloc``: info, run, plan, bench, demo, kv-server.
 
     cxlalloc info [--json] [--simulate]      GPUs, driver, capabilities, NUMA nodes,
                                              the node "auto" picks and why, backends
@@ -6,6 +6,7 @@
     cxlalloc bench ...                       benchmarks (the app cxlalloc_apps.bench, found by entry point)
     cxlalloc demo ...                        the main job: HuggingFace generate() past VRAM (cxlalloc_apps.demo)
     cxlalloc kv-server ...                   shared KV cache server (cxlalloc.kvstore.server_cli)
+    cxlalloc plan --model M ...              right-sizing: KV bytes, VRAM split, GPUs with/without CXL (cxlalloc.plan.cli)
 
 Exit codes: 0 success (also when the reader of stdout closes it early, as
 ``| head`` does: no traceback); 2 bad usage or options; ``run`` returns CMD's
@@ -287,7 +288,8 @@ def cmd_run(args) -> int:
 # imports them, it finds them through the entry-point group setup.py declares.
 APP_GROUP = "cxlalloc.apps"
 APPS = {"bench": "benchmarks", "demo": "HuggingFace generate() demo"}
-PRODUCT_COMMANDS = {"kv-server": ("cxlalloc.kvstore.server_cli", "shared KV cache server")}
+PRODUCT_COMMANDS = {"kv-server": ("cxlalloc.kvstore.server_cli", "shared KV cache server"),
+                    "plan": ("cxlalloc.plan.cli", "right-sizing: KV bytes, VRAM split, GPUs with and without CXL")}
 DELEGATES = [*APPS, *PRODUCT_COMMANDS]
 
 
@@ -336,7 +338,7 @@ def _delegate(name: str, argv: List[str]) -> int:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cxlalloc", description="Tiered PyTorch CUDA allocator: VRAM, then host/CXL "
                                 "NUMA memory. See docs/pytorch-integration.md.")
-    sub = p.add_subparsers(dest="command", metavar="{info,run,bench,demo,kv-server}")
+    sub = p.add_subparsers(dest="command", metavar="{info,run,bench,demo,kv-server,plan}")
     sub.required = True
 
     pi = sub.add_parser("info", help="GPUs, driver, capabilities, NUMA nodes, node choice, backends")

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 GiB = 1 << 30
 MiB = 1 << 20
 STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "kvserver", "reuse", "decode",
-         "rightsizing", "report", "pack")
+         "plan", "rightsizing", "report", "pack")
 
 
 def _env():
@@ -174,6 +174,7 @@ def test_gpu_check_dry_run_lists_every_step(tmp_path):
     assert "python3 -m cxlalloc info --json" in text or "-m cxlalloc info --json" in text
     assert "--only decode" in text and "--quick" in text
     assert "cxlalloc_apps.bench.report" in text
+    assert "-m cxlalloc.plan.check" in text and "plan_check.json" in text
     assert "results.tar.gz" in text and "summary.json" in text and "log.txt" in text
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
     p2 = subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", "gpu_check.sh")], capture_output=True, text=True)
