@@ -16,7 +16,9 @@ of the machine shares the one pool on the CXL node.  LMCache config::
       remote_storage_plugin.cxlalloc.module_path: cxlalloc.kvstore.lmcache_plugin
       remote_storage_plugin.cxlalloc.class_name: CxlallocConnectorAdapter
       remote_storage_plugin.cxlalloc.url: cxlalloc:///run/cxlalloc/kv.sock?timeout=5
-    # or, LMCache's older single-remote form:  remote_url: cxlalloc:///run/cxlalloc/kv.sock
+
+(LMCache's older ``remote_url`` finds only its built-in adapters: list the
+plugin as above.)
 
 URL options (``?timeout=5&namespace=tenant-a``):
     timeout     seconds for each kv-server request (default 5)
@@ -450,8 +452,10 @@ class CxlallocConnectorAdapter(ConnectorAdapter):
     """LMCache's adapter for ``cxlalloc://`` URLs and the ``cxlalloc`` remote-storage plugin.
 
     With ``remote_storage_plugins: ["cxlalloc"]`` (or ``"cxlalloc.<instance>"``)
-    the URL comes from ``extra_config["remote_storage_plugin.<name>.url"]``
-    (default ``cxlalloc:///run/cxlalloc/kv.sock``); with ``remote_url`` it is that URL.
+    LMCache asks it for ``plugin://<name>``; the kv-server's URL comes from
+    ``extra_config["remote_storage_plugin.<name>.url"]`` (default
+    ``cxlalloc:///run/cxlalloc/kv.sock``).  A ``cxlalloc://`` URL given
+    directly (``CreateConnector``) is used as it is.
     """
 
     def __init__(self) -> None:
