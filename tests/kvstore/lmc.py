@@ -46,15 +46,12 @@ def import_lmcache():
     return lmcache
 
 
-def config_yaml(path: str, url: str, *, cpu_gb: float = 0.05, extra: str = "") -> str:
-    """Write an LMCache config at ``path`` that loads the plugin for the kv-server at ``url``."""
-    remote = ("remote_storage_plugins: [\"cxlalloc\"]\nextra_config:\n"
-              "  remote_storage_plugin.cxlalloc.module_path: cxlalloc.kvstore.lmcache_plugin\n"
-              "  remote_storage_plugin.cxlalloc.class_name: CxlallocConnectorAdapter\n"
-              f"  remote_storage_plugin.cxlalloc.url: \"{url}\"\n")
+def config_yaml(path: str, url: str, *, cpu_gb: float = 0.05) -> str:
+    """Write at ``path`` the LMCache config ``cxlalloc info`` prints (tiny chunks, unfull chunks kept)."""
+    from cxlalloc.kvstore.engines import lmcache_yaml
+
     with open(path, "w") as f:
-        f.write(f"chunk_size: {CHUNK_TOKENS}\nlocal_cpu: true\nmax_local_cpu_size: {cpu_gb}\n"
-                f"remote_serde: naive\nsave_unfull_chunk: true\n{extra}{remote}")
+        f.write(lmcache_yaml(url, chunk_size=CHUNK_TOKENS, local_cpu_gb=cpu_gb, extra="save_unfull_chunk: true\n"))
     return path
 
 
