@@ -82,4 +82,33 @@ def kvbm_host_tier_lines(node: int, gib: int) -> List[str]:
             f"numactl --membind={int(node)} <your Dynamo worker command>"]
 
 
-__all__ = ["lmcache_yaml", "vllm_kv_transfer_config", "kvbm_host_tier_lines", "PLUGIN_MODULE", "PLUGIN_CLASS"]
+def engine_lines(node: int, node_free_bytes: Optional[int], socket_path: str = DEFAULT_SOCKET) -> dict:
+    """The lines ``cxlalloc info`` prints for serving engines on this machine (docs/engines.md explains them).
+
+    Args:
+        node: the NUMA node the kv-server's pool and KVBM's G2 go on (``info``'s
+            ``numa_node auto`` choice: a CPU-less/CXL node when there is one).
+        node_free_bytes: the node's free memory (G2 is sized at half of it, at
+            least 1 GiB); None when unknown (G2: 16 GiB).
+
+    Returns:
+        ``{"node", "kv_server", "lmcache_config_file", "lmcache_yaml", "vllm", "sglang", "dynamo",
+        "kvbm_g2": [lines], "status"}`` (strings).
+    """
+    g2 = max(1, int(node_free_bytes // 2 // (1 << 30))) if node_free_bytes else 16
+    cfg = "/etc/cxlalloc/lmcache.yaml"
+    return {
+        "node": int(node),
+        "kv_server": f"cxlalloc kv-server --numa-node {int(node)} --size 50% --socket {socket_path}",
+        "lmcache_config_file": cfg,
+        "lmcache_yaml": lmcache_yaml(socket_path),
+        "vllm": f"LMCACHE_CONFIG_FILE={cfg} vllm serve <model> --kv-transfer-config '{vllm_kv_transfer_config()}'",
+        "sglang": f"LMCACHE_CONFIG_FILE={cfg} python -m sglang.launch_server --model-path <model> --enable-lmcache",
+        "dynamo": (f"LMCACHE_CONFIG_FILE={cfg} python -m dynamo.vllm --model <model> "
+                   f"--kv-transfer-config '{vllm_kv_transfer_config()}'"),
+        "kvbm_g2": kvbm_host_tier_lines(node, g2),
+        "status": "not yet run with an engine on a GPU",
+    }
+
+
+__all__ = ["engine_lines", "lmcache_yaml", "vllm_kv_transfer_config", "kvbm_host_tier_lines", "PLUGIN_MODULE", "PLUGIN_CLASS"]
