@@ -154,6 +154,14 @@ def namespace_of(tenant: str, key: "CacheEngineKey") -> str:
     return ns
 
 
+def _run_end(names: Sequence[Tuple[str, bytes]], start: int) -> int:
+    """End of the run of ``names[start:]`` in the same namespace (one kv-server request each)."""
+    end = start + 1
+    while end < len(names) and names[end][0] == names[start][0]:
+        end += 1
+    return end
+
+
 def _bytes_of(memory_obj: "MemoryObj") -> torch.Tensor:
     """The logical bytes of a memory object as a 1-D uint8 CPU tensor (no copy)."""
     n = memory_obj.get_size()
@@ -232,10 +240,7 @@ class CxlallocConnector(RemoteConnector):
         names = [_names(self.tenant, k) for k in keys]
         n = 0
         while n < len(keys):
-            ns = names[n][0]
-            end = n + 1
-            while end < len(keys) and names[end][0] == ns:
-                end += 1
+            ns, end = names[n][0], _run_end(names, n)
             run = names[n:end]
             try:
                 with self.store.lookup(ns, [sk for _, sk in run]) as lease:
@@ -372,10 +377,7 @@ class CxlallocConnector(RemoteConnector):
         names = [_names(self.tenant, k) for k in keys]
         i = 0
         while i < len(keys):
-            ns = names[i][0]
-            j = i + 1
-            while j < len(keys) and names[j][0] == ns:
-                j += 1
+            ns, j = names[i][0], _run_end(names, i)
             try:
                 lease = self.store.lookup(ns, [sk for _, sk in names[i:j]])
             except Exception as e:
