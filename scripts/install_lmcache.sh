@@ -8,7 +8,7 @@
 # So it goes into DIR with --no-deps, the venv keeping torch, transformers and numpy, and the tests append DIR
 # to sys.path (tests/kvstore/lmc.py; CXLALLOC_LMCACHE_SITE names another folder).  In an engine's own
 # environment (vLLM, SGLang, Dynamo) use `pip install 'cxlalloc[lmcache]'` instead.
-# About 660 MB (cupy and the CUDA Python bindings included); 1.5 min on the 2-core CI machine.
+# About 660 MB (cupy and the CUDA Python bindings included); measured 151 s on a shared 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR="${1:-.lmcache-site}"
