@@ -128,18 +128,18 @@ def parse_url(url: str) -> Tuple[str, float, str]:
     return path, timeout, ns
 
 
-def server_key(key: "CacheEngineKey") -> bytes:
+def server_key(key: CacheEngineKey) -> bytes:
     """The kv-server key of an LMCache chunk key: BLAKE2b-256 of ``key.to_string()`` (32 bytes)."""
     return hashlib.blake2b(b"cxlalloc-lmcache/1|" + key.to_string().encode(), digest_size=32).digest()
 
 
 @functools.lru_cache(maxsize=_KEY_CACHE)
-def _names(tenant: str, key: "CacheEngineKey") -> Tuple[str, bytes]:
+def _names(tenant: str, key: CacheEngineKey) -> Tuple[str, bytes]:
     """(namespace, server key) of a chunk, remembered: a prefix lookup names the same chunks again and again."""
     return namespace_of(tenant, key), server_key(key)
 
 
-def namespace_of(tenant: str, key: "CacheEngineKey") -> str:
+def namespace_of(tenant: str, key: CacheEngineKey) -> str:
     """The kv-server namespace of a chunk: ``tenant/model@world_size@worker_id@dtype[@tags]``.
 
     Longer than the protocol's 256 characters (a long model path, many tags):
@@ -162,11 +162,12 @@ def _run_end(names: Sequence[Tuple[str, bytes]], start: int) -> int:
     return end
 
 
-def _bytes_of(memory_obj: "MemoryObj") -> torch.Tensor:
-    """The logical bytes of a memory object as a 1-D uint8 CPU tensor (no copy)."""
+def _bytes_of(memory_obj: MemoryObj) -> torch.Tensor:
+    """The logical bytes of a memory object as a 1-D uint8 tensor (no copy), on the
+    object's device: a GPU-resident one is copied to or from the pool over the link."""
     n = memory_obj.get_size()
     raw = getattr(memory_obj, "raw_data", None)
-    if isinstance(raw, torch.Tensor) and raw.device.type == "cpu" and raw.is_contiguous():
+    if isinstance(raw, torch.Tensor) and raw.is_contiguous():
         return raw.view(-1).view(torch.uint8)[:n] if raw.dtype != torch.uint8 else raw.view(-1)[:n]
     buf = memory_obj.byte_array
     return torch.frombuffer(buf, dtype=torch.uint8, count=n) if n else torch.empty(0, dtype=torch.uint8)
@@ -177,8 +178,9 @@ class CxlallocConnector(RemoteConnector):
 
     Args:
         url: ``cxlalloc:///path/kv.sock`` with optional ``timeout``/``namespace``.
-        loop: LMCache's event loop (the async methods run on it; copies run on
-            a small thread pool of this connector so the loop keeps serving).
+        loop: LMCache's event loop (the async methods run on it; requests
+            moving 1 MiB or more run on a small thread pool of this connector
+            so the loop keeps serving).
         local_cpu_backend: LMCache's ``LocalCPUBackend``: gets allocate their
             memory objects from it.
         config, metadata: LMCache's engine config and metadata (chunk shapes).
@@ -225,7 +227,7 @@ class CxlallocConnector(RemoteConnector):
         n = _HEAD.size + meta_len
         return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
-    def _groups(self, keys: Sequence["CacheEngineKey"]) -> Dict[str, List[int]]:
+    def _groups(self, keys: Sequence[CacheEngineKey]) -> Dict[str, List[int]]:
         """Indices of ``keys`` by namespace (in order)."""
         out: Dict[str, List[int]] = {}
         for i, k in enumerate(keys):
@@ -233,7 +235,7 @@ class CxlallocConnector(RemoteConnector):
         return out
 
     # ------------------------------------------------------------ lookups
-    def _prefix(self, keys: Sequence["CacheEngineKey"]) -> int:
+    def _prefix(self, keys: Sequence[CacheEngineKey]) -> int:
         """How many of ``keys`` are stored, counted from the first, stopping at the first miss
         (one kv-server lookup per namespace run; the pins are released at once)."""
         self.counters.add("lookups")
@@ -253,28 +255,28 @@ class CxlallocConnector(RemoteConnector):
                 break
         return n
 
-    def exists_sync(self, key: "CacheEngineKey") -> bool:
+    def exists_sync(self, key: CacheEngineKey) -> bool:
         """True when the kv-server holds ``key`` (or its Redis tier does: it is read back into the pool)."""
         return self._prefix([key]) == 1
 
-    async def exists(self, key: "CacheEngineKey") -> bool:
+    async def exists(self, key: CacheEngineKey) -> bool:
         return self.exists_sync(key)  # one short request: on the loop (see _INLINE_BYTES)
 
     def support_batched_contains(self) -> bool:
         return True
 
-    def batched_contains(self, keys: List["CacheEngineKey"]) -> int:
+    def batched_contains(self, keys: List[CacheEngineKey]) -> int:
         """Chunks stored, by prefix: counting stops at the first miss (one lookup for the whole prefix)."""
         return self._prefix(list(keys))
 
     def support_batched_async_contains(self) -> bool:
         return True
 
-    async def batched_async_contains(self, lookup_id: str, keys: List["CacheEngineKey"], pin: bool = False) -> int:
+    async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey], pin: bool = False) -> int:
         return self._prefix(list(keys))
 
     # ------------------------------------------------------------ puts
-    def _put_many(self, keys: Sequence["CacheEngineKey"], objs: Sequence["MemoryObj"]) -> int:
+    def _put_many(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> int:
         """Reserve, copy (one copy per block), commit; returns the blocks published."""
         self.counters.add("puts")
         self.counters.add("put_blocks", len(keys))
@@ -326,19 +328,19 @@ class CxlallocConnector(RemoteConnector):
         self.counters.add("stored_blocks", published)
         return published
 
-    async def put(self, key: "CacheEngineKey", memory_obj: "MemoryObj"):
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj):
         """Store one chunk (LMCache keeps its own reference counting of ``memory_obj``)."""
         await self._run(memory_obj.get_size(), self._put_many, [key], [memory_obj])
 
     def support_batched_put(self) -> bool:
         return True
 
-    async def batched_put(self, keys: List["CacheEngineKey"], memory_objs: List["MemoryObj"]):
+    async def batched_put(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]):
         """Store chunks with one reservation and one commit per namespace."""
         await self._run(sum(m.get_size() for m in memory_objs), self._put_many, list(keys), list(memory_objs))
 
     # ------------------------------------------------------------ gets
-    def _read(self, key: "CacheEngineKey", view: torch.Tensor) -> Optional["MemoryObj"]:
+    def _read(self, key: CacheEngineKey, view: torch.Tensor) -> Optional[MemoryObj]:
         """A memory object holding the block in ``view`` (a pinned slot), or None."""
         meta_len = self._meta_bytes()
         hdr = self._header_bytes(meta_len)
@@ -367,11 +369,11 @@ class CxlallocConnector(RemoteConnector):
         self._warn_once("bad:" + why, f"{why}: treated as a miss")
         return None
 
-    def _get_many(self, keys: Sequence["CacheEngineKey"], prefix_only: bool) -> List[Optional["MemoryObj"]]:
+    def _get_many(self, keys: Sequence[CacheEngineKey], prefix_only: bool) -> List[Optional[MemoryObj]]:
         """Memory objects for ``keys`` (None for a miss).  ``prefix_only``: stop at the first miss."""
         self.counters.add("gets")
         self.counters.add("get_blocks", len(keys))
-        out: List[Optional["MemoryObj"]] = [None] * len(keys)
+        out: List[Optional[MemoryObj]] = [None] * len(keys)
         if not self.have_metadata:
             return out
         names = [_names(self.tenant, k) for k in keys]
@@ -400,21 +402,21 @@ class CxlallocConnector(RemoteConnector):
                 i = j
         return out
 
-    async def get(self, key: "CacheEngineKey") -> Optional["MemoryObj"]:
+    async def get(self, key: CacheEngineKey) -> Optional[MemoryObj]:
         """The chunk of ``key`` in a memory object from LMCache's allocator, or None."""
         return (await self._run(self._chunk_bytes(1), self._get_many, [key], True))[0]
 
     def support_batched_get(self) -> bool:
         return True
 
-    async def batched_get(self, keys: List["CacheEngineKey"]) -> List[Optional["MemoryObj"]]:
+    async def batched_get(self, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
         """Chunks of ``keys`` (None for each miss); a stored run is one lookup."""
         return await self._run(self._chunk_bytes(len(keys)), self._get_many, list(keys), False)
 
     def support_batched_get_non_blocking(self) -> bool:
         return True
 
-    async def batched_get_non_blocking(self, lookup_id: str, keys: List["CacheEngineKey"]) -> List["MemoryObj"]:
+    async def batched_get_non_blocking(self, lookup_id: str, keys: List[CacheEngineKey]) -> List[MemoryObj]:
         """The stored prefix of ``keys`` (LMCache's prefetch): stops at the first miss."""
         got = await self._run(self._chunk_bytes(len(keys)), self._get_many, list(keys), True)
         return [mo for mo in got if mo is not None]
@@ -487,7 +489,7 @@ class CxlallocConnectorAdapter(ConnectorAdapter):
             return True
         return url.startswith("plugin://") and extract_plugin_type(url[len("plugin://"):]) == PLUGIN_TYPE
 
-    def create_connector(self, context: "ConnectorContext") -> "RemoteConnector":
+    def create_connector(self, context: ConnectorContext) -> RemoteConnector:
         url = context.url
         if url.startswith("plugin://"):
             name = url[len("plugin://"):]

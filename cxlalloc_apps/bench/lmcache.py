@@ -176,6 +176,18 @@ class _Engine:
         self._t.join(5)
 
 
+def _server_args(nbytes: int, n: int) -> List[str]:
+    """A kv-server whose pool holds one round of ``n`` chunks of ``nbytes`` (plus the plugin's header):
+    slabs of at least 4 MiB, a page multiple, each a whole number of chunks."""
+    page = os.sysconf("SC_PAGESIZE")
+    slot = nbytes + 4096                                   # the plugin's header fits in the extra page
+    chunk = max(4 * MiB // slot, 1) * slot
+    chunk = (chunk + page - 1) // page * page
+    per = chunk // slot
+    size = -(-n // per) * chunk
+    return ["--size", str(size), "--chunk", str(chunk)]
+
+
 def _store(eng: _Engine, keys, src) -> float:
     """Seconds to copy ``src`` into one memory object per key and put them all (waited for)."""
     done: List[Any] = []
@@ -253,9 +265,8 @@ def run(ctx) -> Dict[str, Any]:
 
     torch.set_num_threads(1)  # one copy thread per path: the same for all three
     work = tempfile.mkdtemp(prefix="lmcb-", dir="/tmp")
-    srv = redis = None
+    redis = None
     try:
-        srv = _Server(work, ["--size", "1GiB", "--chunk", "32MiB"], "kv.sock").start()
         redis = _Redis(work)
         cpu_gb = max(0.5, 3 * total / 1e9)
         for nbytes in SIZES:
@@ -267,9 +278,16 @@ def run(ctx) -> Dict[str, Any]:
                     w.skip(f"{kind}-{nbytes}", "time budget used up")
                     continue
                 ctx.log(f"lmcache: {kind}, {nbytes // KiB} KiB chunks x {n}")
-                eng = None
+                eng = srv = None
                 try:
-                    eng = _Engine(kind, nbytes, work, srv.socket, redis.url, cpu_gb)
+                    if kind == "cxlalloc":
+                        srv = _Server(work, _server_args(nbytes, n), f"kv-{nbytes}.sock").start()
+                    eng = _Engine(kind, nbytes, work, srv.socket if srv else "", redis.url, cpu_gb)
+                    # round 0 is the cold one (fresh pages of the pool, Redis's and LMCache's first
+                    # allocations); the timed rounds reuse them, as a long-running server does
+                    cold = _store(eng, eng.keys(n, 0), src)
+                    if kind == "local_cpu":
+                        eng.cpu.clear()
                     st, gt, rt = [], [], []
                     for r in range(repeats):
                         keys = eng.keys(n, r + 1)
@@ -282,11 +300,14 @@ def run(ctx) -> Dict[str, Any]:
                             eng.cpu.clear()  # the next repeat's chunks need the buffer
                     b = n * nbytes
                     w.add({"kind": "throughput", "backend": kind, "chunk_bytes": nbytes, "chunks": n,
-                           "store_GBps": b / statistics.median(st) / 1e9, "get_GBps": b / statistics.median(gt) / 1e9,
+                           "store_GBps": b / statistics.median(st) / 1e9, "store_cold_GBps": b / cold / 1e9,
+                           "get_GBps": b / statistics.median(gt) / 1e9,
                            "retrieve_GBps": b / statistics.median(rt) / 1e9, **lk, "status": "ok",
                            "method": "LMCache backend API from LMCache's own config (batched_submit_put_task waited "
                                      "for by its completion callback; batched_get_blocking; contains; "
-                                     "batched_contains), median of repeats, one process"})
+                                     "batched_contains), median of repeats after an untimed cold round (its store "
+                                     "is store_cold_GBps), one process; the kv-server's pool holds one round, so "
+                                     "each round's puts evict the last one's and reuse its pages"})
                 except Exception as e:
                     import traceback
 
@@ -294,10 +315,10 @@ def run(ctx) -> Dict[str, Any]:
                 finally:
                     if eng is not None:
                         eng.close()
+                    if srv is not None:
+                        srv.stop()
         _ratios(w)
     finally:
-        if srv is not None:
-            srv.stop()
         if redis is not None:
             redis.stop()
         shutil.rmtree(work, ignore_errors=True)
