@@ -128,7 +128,7 @@ class _Engine:
         from lmcache.v1.metadata import LMCacheMetadata
         from lmcache.v1.storage_backend import CreateStorageBackends
 
-        from cxlalloc.kvstore.engines import lmcache_yaml
+        from cxlalloc.kvstore import lmcache_yaml
 
         path = os.path.join(work, f"{kind}-{nbytes}.yaml")
         if kind == "cxlalloc":

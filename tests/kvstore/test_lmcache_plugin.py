@@ -16,7 +16,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from tests.kvstore.kvutil import ROOT, subprocess_env
 from tests.kvstore.lmc import CHUNK_TOKENS, LMCACHE_VERSION, Engine, config_yaml, import_lmcache, lmcache_site, same_bytes
