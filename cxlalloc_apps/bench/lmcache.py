@@ -41,9 +41,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -89,34 +87,6 @@ def _import_lmcache() -> str:
     from lmcache.v1.storage_backend.connector import ConnectorAdapter  # noqa: F401
 
     return lmcache.__version__
-
-
-class _Redis:
-    def __init__(self, work: str):
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (Debian: apt-get install -y redis-server)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", work], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        t0 = time.monotonic()
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    break
-            except OSError:
-                if time.monotonic() - t0 > 10:
-                    raise RuntimeError("redis-server did not start")
-                time.sleep(0.02)
-        time.sleep(0.1)
-        self.url = f"redis://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 class _Engine:
@@ -243,7 +213,7 @@ def _lookups(eng: _Engine, keys, seconds: float) -> Dict[str, float]:
 
 
 def run(ctx) -> Dict[str, Any]:
-    from cxlalloc_apps.bench.kvserver import _Server
+    from cxlalloc_apps.bench.kvserver import _Redis, _Server
     from cxlalloc_apps.bench.meta import RecordWriter, new_record
 
     quick = ctx.quick
