@@ -12,10 +12,14 @@
 #   kv-server with a client process on the GPU: pool chunks registered, a hit
 #   loaded into VRAM, identical tokens; under a minute), reuse (TTFT of a
 #   prefix hit vs a full prefill up to 32K tokens on an 8B-shaped model, load
-#   GB/s vs the measured H2D rate), decode, plan (the planner's decode and
+#   GB/s vs the measured H2D rate), lmcache (LMCache with the cxlalloc://
+#   plugin: KV from VRAM through LMCache into the kv-server's pool and back,
+#   byte-identical; runs only where lmcache is installed: its ~660 MB cannot be
+#   carried, and the machine has no network for pip, nor for vLLM), decode, plan (the planner's decode and
 #   prefix-load bounds against this run's decode/reuse records, from its
 #   measured ceilings: results/plan_check.json with each row's error; a few
-#   seconds, no GPU work), rightsizing, report, pack
+#   seconds, no GPU work), rightsizing,
+#   report, pack
 # The two short benchmarks run before the tests (they have never run on a
 # GPU; a minute buys their first numbers); decode takes what the tests leave,
 # and right-sizing runs only if time remains (it is recorded as skipped
@@ -104,6 +108,7 @@ STEPS=(
   "pytest-gpu|170|$PY -m pytest -m gpu -q -ra --timeout=60 -p no:cacheprovider --junitxml=$RES/pytest.xml --ignore=tests/kvstore tests; rc=\$?; if [ \$rc -eq 5 ]; then echo 'no GPU-marked tests collected'; exit 0; fi; exit \$rc"
   "kvserver|60|$PY -c 'import msgpack' || { echo 'msgpack is missing on this machine: carry its wheel in .whl/ (see the header)'; exit 1; }; $PY -m pytest -m gpu -q -ra --timeout=50 -p no:cacheprovider --junitxml=$RES/pytest-kvserver.xml tests/kvstore/test_kv_gpu.py"
   "reuse|90|$BENCH --only reuse --time-budget \$STEP_BUDGET"
+  "lmcache|45|$PY -c 'import lmcache, msgpack' 2>/dev/null || { echo 'lmcache (or msgpack) is not installed on this machine: the plugin step did not run (pip install \"cxlalloc[lmcache]\" where a network is reachable; vLLM too)'; exit 0; }; $PY -m pytest -m gpu -q -ra -s --timeout=40 -p no:cacheprovider --junitxml=$RES/pytest-lmcache.xml tests/kvstore/test_lmcache_gpu.py"
   "decode|130|$BENCH --only decode --time-budget \$STEP_BUDGET"
   "plan|20|$PY -m cxlalloc.plan.check $RES --out $RES/plan_check.json"
   "rightsizing|90|$BENCH --only rightsizing --time-budget \$STEP_BUDGET"
