@@ -1,0 +1,240 @@
+"""Continuous batching of a wrapped model on cxlalloc's tiers (cxlalloc/hf/paged.py).
+
+transformers' own continuous batching (``generate_batch``, the manager of
+``init_continuous_batching``) on an unwrapped copy of the same model is the
+reference: tokens must be identical per request (greedy).  The wrapped model's
+paged cache lives in a cxlalloc extent past a device budget smaller than the
+batch's KV, so blocks sit on the host tier; a KV store keeps complete blocks
+so that a later batch loads stored prefixes instead of prefilling them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import warnings
+
+import pytest
+
+from tests.helpers.hf_util import MiB, tiny_llama, tiny_qwen2_sliding, torch
+
+import cxlalloc.hf as hf
+from cxlalloc.hf.paged import ContinuousBatchingWarning, CxlPagedAttentionCache, plan_moves
+
+from transformers import GenerationConfig  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+
+PAGE = 64
+# 4 layers x 2 (K, V) x 4 heads x 32 dims x fp32 x 64 tokens = 256 KiB per block: 8 blocks per 2 MiB chunk.
+BLOCK_BYTES = 4 * 2 * 4 * 32 * 4 * PAGE
+DEVICE_LIMIT = 8 * MiB  # the tiny model's weights take one segment (4 MiB); 4 MiB of VRAM left for KV
+
+
+def model():
+    return tiny_llama(hidden=128, layers=4, heads=4, kv_heads=4, head_dim=32)
+
+
+def greedy(n):
+    return GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def cb_config(**kw):
+    kw.setdefault("page_size", PAGE)
+    kw.setdefault("max_batch_tokens", 512)
+    return ContinuousBatchingConfig(**kw)
+
+
+def prompts(n, base, step, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 1000, (base + step * i,), generator=g).tolist() for i in range(n)]
+
+
+def reference(ps, gen):
+    """Plain transformers continuous batching, with room for every block."""
+    out = model().generate_batch(ps, generation_config=gen, continuous_batching_config=cb_config(num_blocks=256))
+    return [o.generated_tokens for o in out.values()]
+
+
+def tokens(out):
+    return [o.generated_tokens for o in out.values()]
+
+
+def cb_stats(m):
+    return hf.stats(m)["hf"]["continuous_batching"]
+
+
+def test_plan_moves_keeps_newest_blocks_in_vram():
+    # chunks 0..5 on device is full (3 slots); the hot chunks ranked 0 (newest) .. 2
+    demote, promote = plan_moves({4: 0, 5: 0, 1: 2}, on_device=[0, 1, 2], device_slots=3)
+    assert promote == [4, 5]
+    assert sorted(demote) == [0, 2]  # cold chunks go first; chunk 1 (hot, rank 2) stays
+    # nothing cold left: a hot chunk is demoted only for a hotter one
+    demote, promote = plan_moves({0: 1, 1: 1, 2: 1, 7: 0}, on_device=[0, 1, 2], device_slots=3)
+    assert promote == [7] and len(demote) == 1 and demote[0] in (0, 1, 2)
+    # room left: promotions without demotions
+    assert plan_moves({3: 0}, on_device=[0], device_slots=4) == ([], [3])
+    assert plan_moves({}, on_device=[0, 1], device_slots=2) == ([], [])
+
+
+def test_generate_batch_past_the_device_budget():
+    """More requests in flight than the device budget's blocks: all finish with
+    transformers' tokens, KV on the host tier, blocks placed per batch."""
+    ps = prompts(6, 300, 17)
+    gen = greedy(12)
+    m = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ContinuousBatchingWarning)  # a fully tiered path says nothing
+        out = m.generate_batch(ps, generation_config=gen, continuous_batching_config=cb_config())
+    assert tokens(out) == reference(ps, gen)
+    s = cb_stats(m)
+    c, cache = s["counters"], s["cache"]
+    assert s["tiered"] is True and s["prefix_sharing"] is True
+    device_blocks = (4 * MiB) // BLOCK_BYTES  # 16
+    assert cache["block_bytes"] == BLOCK_BYTES
+    assert cache["num_blocks"] > device_blocks  # default: the device room, and as much again on the host tier
+    assert cache["kv_device_bytes"] <= 4 * MiB and cache["kv_host_bytes"] > 0
+    assert c["peak_kv_host_bytes"] > 0
+    per_request = -(-(300 + 12) // PAGE)  # at least 5 blocks each
+    assert c["max_requests_in_flight"] * per_request > device_blocks  # more in flight than VRAM alone holds
+    assert c["promoted_bytes"] > 0 and c["placement_failures"] == 0
+    assert c["caches"] == 1 and c["managers"] == 1
+    assert hf.stats(m)["kv"]["peak_host_bytes"] > 0
+
+
+def test_manager_preempts_into_the_host_tier_swap_pool():
+    """init_continuous_batching's manager: a cache too small for all requests
+    preempts into the swap pool, which lives on the host tier, exactly sized."""
+    ps = prompts(5, 150, 21, seed=3)
+    gen = greedy(110)
+    m = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0)
+    gib = 4 * MiB / (1 << 30)
+    manager = m.init_continuous_batching(generation_config=gen,
+                                         continuous_batching_config=cb_config(num_blocks=16, cpu_offload_space=gib))
+    manager.start()
+    try:
+        ids = manager.add_requests(inputs=ps, max_new_tokens=110)
+        got = {}
+        while len(got) < len(ids):
+            r = manager.get_result(timeout=60)
+            assert r is not None, "the manager stopped answering"
+            if r.is_finished():
+                got[r.request_id] = r.generated_tokens
+    finally:
+        manager.stop(block=True, timeout=10)
+    assert [got[i] for i in ids] == reference(ps, gen)
+    s = cb_stats(m)
+    pool, c = s["swap_pool"], s["counters"]
+    assert pool["enabled"] and pool["tier"] == "host"
+    assert pool["bytes"] == pool["sectors"] * s["cache"]["sector_bytes"] == 4 * MiB
+    assert pool["host_bytes"] == pool["reserved_bytes"] and pool["device_bytes"] == 0
+    assert c["preemptions"] > 0 and c["swapped_requests"] == c["preemptions"] and c["reprefilled_requests"] == 0
+    manager.destroy()
+
+
+def test_num_blocks_beyond_both_tiers_is_refused():
+    m = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=4 * MiB, device_headroom=0)
+    with pytest.raises(ValueError, match=r"num_blocks=1000.*host_limit"):
+        m.init_continuous_batching(generation_config=greedy(2),
+                                   continuous_batching_config=cb_config(num_blocks=1000))._create_batch_processor()
+
+
+def _rag(seed, docs):
+    """Six questions over three documents of 4 blocks each (the documents first)."""
+    g = torch.Generator().manual_seed(seed)
+    return [docs[i % 3] + torch.randint(3, 1000, (20 + i,), generator=g).tolist() for i in range(6)]
+
+
+def _docs():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 1000, (4 * PAGE,), generator=g).tolist() for _ in range(3)]
+
+
+def _second_batch_hits(make_store):
+    docs = _docs()
+    gen = greedy(6)
+    first = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0,
+                    kv_store=make_store())
+    ps1 = _rag(1, docs)
+    assert tokens(first.generate_batch(ps1, generation_config=gen, continuous_batching_config=cb_config())) \
+        == reference(ps1, gen)
+    c1 = cb_stats(first)["counters"]
+    assert c1["stored_blocks"] == 12  # the three documents' complete blocks (the questions end mid-block)
+    # A second model (same weights: same fingerprint) and a new manager: nothing of the documents is in its VRAM.
+    second = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0,
+                     kv_store=make_store())
+    ps2 = _rag(2, docs)
+    assert tokens(second.generate_batch(ps2, generation_config=gen, continuous_batching_config=cb_config())) \
+        == reference(ps2, gen)
+    c2 = cb_stats(second)["counters"]
+    # No document token was prefilled again: each document loaded once from the store, its other request
+    # shares those blocks in VRAM.
+    assert c2["store_hit_tokens"] == 3 * 4 * PAGE and c2["store_hit_blocks"] == 12
+    assert c2["reprefills_avoided"] == 3
+    assert c2["store_hit_tokens"] + c2["vram_hit_tokens"] == 6 * 4 * PAGE
+    assert c2["bytes_loaded"] == 12 * BLOCK_BYTES and c2["store_failures"] == 0
+    assert cb_stats(second)["kv_store"]["enabled"] is True
+
+
+def test_stored_prefixes_reload_from_the_in_process_store():
+    from cxlalloc.kvstore import LocalBlockStore
+
+    holder = {}
+
+    def store():
+        if "s" not in holder:
+            import cxlalloc
+
+            holder["a"] = cxlalloc.Allocator(simulate=True, device_limit=4 * MiB, host_limit=32 * MiB)
+            holder["s"] = LocalBlockStore(holder["a"], limit=16 * MiB)
+        return holder["s"]
+
+    _second_batch_hits(store)
+
+
+def test_stored_prefixes_reload_from_a_kv_server():
+    from cxlalloc.kvstore.server import KVServer
+
+    d = tempfile.mkdtemp(prefix="kvcb-", dir="/tmp")
+    server = KVServer(32 * MiB, 0, os.path.join(d, "kv.sock"), chunk_bytes=4 * MiB).start()
+    try:
+        _second_batch_hits(lambda: "unix://" + server.socket_path)
+    finally:
+        server.stop(0.5)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_sliding_model_is_tiered_and_says_once_that_prefixes_are_not_shared():
+    ps = prompts(3, 60, 13)
+    gen = greedy(5)
+
+    def qwen():
+        return tiny_qwen2_sliding(window=16)
+
+    ref = qwen().generate_batch(ps, generation_config=gen,
+                                continuous_batching_config=cb_config(page_size=16, num_blocks=128))
+    m = hf.wrap(qwen(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            out = m.generate_batch(ps, generation_config=gen, continuous_batching_config=cb_config(page_size=16))
+            assert tokens(out) == tokens(ref)
+    said = [x for x in w if issubclass(x.category, ContinuousBatchingWarning)]
+    assert len(said) == 1 and "not shared" in str(said[0].message) and "sliding_attention" in str(said[0].message)
+    s = cb_stats(m)
+    assert s["tiered"] is True and s["prefix_sharing"] is False
+    assert "full attention" in s["prefix_sharing_off_reason"]
+    assert s["cache"]["layer_kinds"] == ["full_attention", "sliding_attention"]
+    assert s["counters"]["peak_kv_host_bytes"] > 0
+
+
+def test_unwrap_gives_back_transformers_paged_cache():
+    m = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0)
+    assert "init_continuous_batching" in m.__dict__
+    hf.unwrap(m)
+    assert "init_continuous_batching" not in m.__dict__
+    manager = m.init_continuous_batching(generation_config=greedy(2),
+                                         continuous_batching_config=cb_config(num_blocks=8))
+    bp = manager._create_batch_processor()
+    assert not isinstance(bp.cache, CxlPagedAttentionCache)
+    manager.destroy()
