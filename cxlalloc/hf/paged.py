@@ -445,17 +445,39 @@ class CxlPagedAttentionCache(PagedAttentionCache):
             fresh = [i for i, b in enumerate(table)
                      if (i >= len(before) or not before[i]) and full.ledger.block_to_hash.get(b) is not None]
             if fresh:
-                self._store_blocks(full, table, token_ids, fresh)
+                self._store_blocks(full, request_id, table, token_ids, fresh)
 
         full.mark_complete_blocks = mark_complete_blocks
+        self._keys: Dict[str, List[bytes]] = {}  # request -> store keys of its complete blocks so far
 
-    def _store_blocks(self, full, table, token_ids, positions: List[int]) -> None:
+    def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
+        """transformers' release of a request's blocks; also drops its store keys."""
+        if self.store_on:
+            self._keys.pop(request_id, None)
+        super().free_blocks(request_id, no_cache)
+
+    def free_all_requests(self, clear_ledgers: bool = False) -> None:
+        if self.store_on:
+            self._keys.clear()
+        super().free_all_requests(clear_ledgers)
+
+    def _chain(self, request_id: str, token_ids, n: int) -> List[bytes]:
+        """The store keys of the request's first ``n`` blocks, extending the
+        chain kept per request (hashing each block once, not the whole prefix
+        at every completed block)."""
+        keys = self._keys.setdefault(request_id, [])
+        if len(keys) < n:
+            P = self.page_size
+            more = token_ids[len(keys) * P:n * P]
+            keys.extend(kvkeys.chain_keys(self.root(), torch.tensor(more, dtype=torch.long), P,
+                                          start_key=keys[-1] if keys else None))
+        return keys[:n]
+
+    def _store_blocks(self, full, request_id: str, table, token_ids, positions: List[int]) -> None:
         t0 = time.perf_counter()
         stored = nbytes = 0
         try:
-            n = max(positions) + 1
-            keys = kvkeys.chain_keys(self.root(), torch.tensor(token_ids[:n * self.page_size], dtype=torch.long),
-                                     self.page_size)
+            keys = self._chain(request_id, token_ids, max(positions) + 1)
             want = [(i, keys[i]) for i in positions if i < len(keys)]
             if not want:
                 return
@@ -533,9 +555,13 @@ class CxlPagedAttentionCache(PagedAttentionCache):
                     self.pool.allocate_sector(full.index)
             blocks = self.pool.get_free_blocks(full.index, extra)
             t0 = time.perf_counter()
-            for j, b in enumerate(blocks):
-                self._block_view(full, b).copy_(self._store_rows(lease.views[have + j], full))
-            _sync(self.device)
+            try:
+                for j, b in enumerate(blocks):
+                    self._block_view(full, b).copy_(self._store_rows(lease.views[have + j], full))
+                _sync(self.device)
+            except BaseException:
+                self.pool.free_blocks(full.index, blocks)  # never half applied: the request prefills instead
+                raise
             dt = time.perf_counter() - t0
         finally:
             lease.close()

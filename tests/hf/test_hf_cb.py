@@ -174,6 +174,7 @@ def _second_batch_hits(make_store):
     assert c2["store_hit_tokens"] + c2["vram_hit_tokens"] == 6 * 4 * PAGE
     assert c2["bytes_loaded"] == 12 * BLOCK_BYTES and c2["store_failures"] == 0
     assert cb_stats(second)["kv_store"]["enabled"] is True
+    assert c2["peak_kv_host_bytes"] > 0  # the hits landed in a cache that spans both tiers
 
 
 def test_stored_prefixes_reload_from_the_in_process_store():
