@@ -62,16 +62,24 @@ import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from transformers.generation.continuous_batching import continuous_api as _tf_api
-from transformers.generation.continuous_batching.cache import PagedAttentionCache
-from transformers.generation.continuous_batching.cache_allocators import CachePool
-from transformers.generation.continuous_batching.cache_allocators.cache_allocator import compute_block_hash
 
 from cxlalloc.config import format_bytes
+from cxlalloc.hf.compat import continuous_batching_gap
 from cxlalloc.kvstore import keys as kvkeys
 from cxlalloc.kvstore.layout import BlockLayout
 
 GiB = 1 << 30
+
+CB_GAP = continuous_batching_gap()  # None: this transformers has what is replaced here
+if CB_GAP is None:
+    from transformers.generation.continuous_batching import continuous_api as _tf_api
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.cache_allocators import CachePool
+    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import compute_block_hash
+else:  # stand-ins so the module imports; install() leaves continuous batching to transformers and says so
+    _tf_api = None
+    PagedAttentionCache = CachePool = object
+    compute_block_hash = None
 
 
 class ContinuousBatchingWarning(UserWarning):
@@ -209,7 +217,7 @@ class _LowestFirstPool(CachePool):
 
 
 _TLS = threading.local()  # the CBState of the wrapped manager building its cache on this thread
-_STOCK_CACHE = PagedAttentionCache
+_STOCK_CACHE = PagedAttentionCache  # transformers' class (continuous_api's name is rebound to _paged_cache)
 _patch_lock = threading.Lock()
 
 
@@ -754,14 +762,20 @@ def install(model, wrap_state) -> CBState:
     ``continuous_batching_context_manager`` and transformers' serving code)
     build its paged cache on cxlalloc (an instance attribute; :func:`uninstall`
     removes it).  Returns the :class:`CBState` kept in the wrap state."""
-    _patch_transformers()
     cb = CBState(model, wrap_state)
     orig = model.init_continuous_batching
     cb.orig_init = orig
+    if CB_GAP is None:
+        _patch_transformers()
+    else:
+        cb.untiered_reason = CB_GAP
 
     def init_continuous_batching(*args, **kwargs):
         manager = orig(*args, **kwargs)
-        if getattr(manager, "_cxlalloc_cb", None) is None:
+        if cb.untiered_reason is not None and CB_GAP is not None:
+            cb.warn_once("untiered", f"cxlalloc.hf: continuous batching of {type(model).__name__} is not tiered: "
+                         f"{CB_GAP}; its paged KV cache is transformers' own, in torch's memory", stacklevel=3)
+        elif getattr(manager, "_cxlalloc_cb", None) is None:
             _attach(cb, manager)
         return manager
 

@@ -239,3 +239,25 @@ def test_unwrap_gives_back_transformers_paged_cache():
     bp = manager._create_batch_processor()
     assert not isinstance(bp.cache, CxlPagedAttentionCache)
     manager.destroy()
+
+
+def test_a_transformers_without_the_pieces_is_left_untiered_and_says_so_once(monkeypatch):
+    """Where the paged cache cannot be replaced (another transformers), the
+    path runs as transformers' own, says so once, and stats() says untiered."""
+    from cxlalloc.hf import paged
+
+    monkeypatch.setattr(paged, "CB_GAP", "transformers X lacks the continuous-batching modules cxlalloc uses")
+    m = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0)
+    assert cb_stats(m)["tiered"] is False
+    ps = prompts(2, 20, 5)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            out = m.generate_batch(ps, generation_config=greedy(3),
+                                   continuous_batching_config=cb_config(num_blocks=16))
+    said = [x for x in w if issubclass(x.category, ContinuousBatchingWarning)]
+    assert len(said) == 1 and "is not tiered" in str(said[0].message)
+    assert tokens(out) == reference(ps, greedy(3))
+    s = cb_stats(m)
+    assert s["tiered"] is False and "lacks" in s["untiered_reason"] and s["cache"] is None
+    assert s["counters"]["caches"] == 0
