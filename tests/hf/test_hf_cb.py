@@ -139,6 +139,44 @@ def test_num_blocks_beyond_both_tiers_is_refused():
                                    continuous_batching_config=cb_config(num_blocks=1000))._create_batch_processor()
 
 
+def test_a_prefix_the_paged_cache_forgot_is_loaded_from_the_store():
+    """One manager, requests one after another through a 16-block cache: the
+    first document's blocks are evicted (their hashes forgotten, as
+    transformers does under pressure) by the next four, yet its next question
+    prefills only the question: the document comes back from the store."""
+    docs = [torch.randint(3, 1000, (4 * PAGE,), generator=torch.Generator().manual_seed(20 + i)).tolist()
+            for i in range(5)]
+
+    def ask(d, seed):
+        return docs[d] + torch.randint(3, 1000, (10,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    seq = [ask(0, 1), ask(1, 2), ask(2, 3), ask(3, 4), ask(4, 5), ask(0, 6)]
+    gen = greedy(2)
+    m = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0, kv_store=True)
+    manager = m.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config(num_blocks=16))
+    manager.start()
+    got = []
+    try:
+        for p in seq:
+            rid = manager.add_request(p, max_new_tokens=2)
+            r = manager.get_result(request_id=rid, timeout=60)
+            while r is not None and not r.is_finished():
+                r = manager.get_result(request_id=rid, timeout=60)
+            assert r is not None, "the manager stopped answering"
+            got.append(r.generated_tokens)
+            if len(got) == 5:
+                before = dict(cb_stats(m)["counters"])
+    finally:
+        manager.stop(block=True, timeout=10)
+    assert got == reference(seq, gen)
+    c = cb_stats(m)["counters"]
+    assert before["stored_blocks"] == 5 * 4 and before["store_hit_tokens"] == 0
+    assert c["vram_hit_tokens"] == 0  # the paged cache had forgotten the document
+    assert c["store_hit_tokens"] - before["store_hit_tokens"] == 4 * PAGE
+    assert c["reprefills_avoided"] == 1 and c["stored_blocks"] == before["stored_blocks"]  # nothing stored twice
+    manager.destroy()
+
+
 def _rag(seed, docs):
     """Six questions over three documents of 4 blocks each (the documents first)."""
     g = torch.Generator().manual_seed(seed)
