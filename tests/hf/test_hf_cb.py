@@ -299,3 +299,19 @@ def test_a_transformers_without_the_pieces_is_left_untiered_and_says_so_once(mon
     s = cb_stats(m)
     assert s["tiered"] is False and "lacks" in s["untiered_reason"] and s["cache"] is None
     assert s["counters"]["caches"] == 0
+
+
+def test_seeded_sampling_matches_transformers():
+    """do_sample with ContinuousBatchingConfig(seed=...): the same tokens as
+    transformers' own paged cache of the same size, with blocks on the host tier."""
+    ps = prompts(4, 150, 30)
+    gen = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=0.9, top_k=50, eos_token_id=-1,
+                           pad_token_id=0)
+
+    def run(mm):
+        return tokens(mm.generate_batch(ps, generation_config=gen, continuous_batching_config=cb_config(num_blocks=40,
+                                                                                                       seed=7)))
+
+    m = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0)
+    assert run(m) == run(model())
+    assert cb_stats(m)["cache"]["kv_host_bytes"] > 0
