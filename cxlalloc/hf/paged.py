@@ -264,7 +264,6 @@ class CxlPagedAttentionCache(PagedAttentionCache):
         super().__init__(config, probe, device, distributed_helper, dtype, model_supports_logits_to_keep)
         bps = self.bytes_per_sector
         full = next(iter(self.cache_allocators.values()))
-        self.block_bytes = sum(ca.bytes_per_block for ca in self.cache_allocators.values())
         self.model_block_bytes = full.bytes_per_page * config.num_hidden_layers  # page_size tokens, every layer
         self.num_sectors = self._plan_sectors(asked_blocks)
         total = (self.num_sectors + 2) * bps
@@ -288,16 +287,26 @@ class CxlPagedAttentionCache(PagedAttentionCache):
         self._setup_store(config)
 
     # ------------------------------------------------------------------ sizing
-    def _plan_sectors(self, asked_blocks: Optional[int]) -> int:
-        bps = self.bytes_per_sector
+    def _rooms(self) -> Tuple[int, int]:
+        """(device bytes KV may still take: the device limit less what is
+        reserved, the headroom and ``kv_device_limit``'s rest; host bytes free)."""
         s = self.allocator.stats()
         dev, host = s["device"], s["host"]
-        dev_room = max(0, int(dev.get("limit_bytes", 0)) - int(dev.get("reserved_bytes", 0)))
-        kv_cap = self.allocator.info().get("kv_device_limit")
-        if isinstance(kv_cap, int) and kv_cap > 0:
-            dev_room = min(dev_room, max(0, kv_cap - int(s["kv"]["device_bytes"])))
-        host_room = max(0, int(host.get("limit_bytes", 0)) - int(host.get("reserved_bytes", 0)))
-        chunk = int(self.allocator.info().get("device_granularity") or (2 << 20))
+        dev_room = int(dev.get("limit_bytes", 0)) - int(dev.get("reserved_bytes", 0)) - self._headroom
+        if self._kv_cap:
+            dev_room = min(dev_room, self._kv_cap - int(s["kv"]["device_bytes"]))
+        host_room = int(host.get("limit_bytes", 0)) - int(host.get("reserved_bytes", 0))
+        return max(0, dev_room), max(0, host_room)
+
+    def _plan_sectors(self, asked_blocks: Optional[int]) -> int:
+        bps = self.bytes_per_sector
+        info = self.allocator.info()
+        kv_cap, headroom = info.get("kv_device_limit"), info.get("device_headroom")
+        self._kv_cap = kv_cap if isinstance(kv_cap, int) and kv_cap > 0 else 0
+        self._headroom = headroom if isinstance(headroom, int) and headroom > 0 else 0
+        self.movable = bool(info.get("demotion_supported", True))
+        dev_room, host_room = self._rooms()
+        chunk = int(info.get("device_granularity") or (2 << 20))
         # Whole chunks on each tier (the extent commits chunk by chunk), the two trash sectors included.
         room = (dev_room // chunk) * chunk + (host_room // chunk) * chunk
         if asked_blocks is not None:
@@ -340,7 +349,12 @@ class CxlPagedAttentionCache(PagedAttentionCache):
 
     def place(self, states) -> None:
         """Promote the chunks of the scheduled requests' blocks (newest first)
-        to VRAM, demoting cold ones to make room (:func:`plan_moves`)."""
+        to VRAM, demoting cold ones to make room (:func:`plan_moves`).  With a
+        backend that cannot move chunks (``pinned``) the placement stays as
+        committed."""
+        if not self.movable:
+            self._note_tiers()
+            return
         rank: Dict[int, int] = {}
         for ca in self.cache_allocators.values():  # each views the whole tensor in blocks of its own size
             size = ca.bytes_per_block
@@ -355,8 +369,7 @@ class CxlPagedAttentionCache(PagedAttentionCache):
                             rank[c] = r
         tiers = self._chunk_tiers()
         on_device = [c for c, t in tiers.items() if t == "device"]
-        s = self.allocator.stats()["device"]
-        free_chunks = max(0, int(s["limit_bytes"]) - int(s["reserved_bytes"])) // self.chunk
+        free_chunks = self._rooms()[0] // self.chunk
         demote, promote = plan_moves(rank, on_device, len(on_device) + free_chunks)
         moved_down = moved_up = 0
         failures = 0
@@ -372,12 +385,17 @@ class CxlPagedAttentionCache(PagedAttentionCache):
             except Exception:  # no room after all (another allocation took it): keep it where it is
                 failures += 1
                 break
-        desc = self.describe()
         with self.cb.lock:
             k = self.cb.counters
             k.promoted_bytes += moved_up
             k.demoted_bytes += moved_down
             k.placement_failures += failures
+        self._note_tiers()
+
+    def _note_tiers(self) -> None:
+        desc = self.describe()
+        with self.cb.lock:
+            k = self.cb.counters
             k.peak_kv_device_bytes = max(k.peak_kv_device_bytes, desc["kv_device_bytes"])
             k.peak_kv_host_bytes = max(k.peak_kv_host_bytes, desc["kv_host_bytes"])
             self.cb.last_cache = desc
@@ -616,6 +634,7 @@ class CxlPagedAttentionCache(PagedAttentionCache):
             "max_batch_tokens": int(self.max_batch_tokens),
             "layer_kinds": sorted(self.cache_allocators),
             "store": bool(self.store_on),
+            "open_ms": round(self.open_ms, 3),
         }
 
 
