@@ -35,6 +35,12 @@ def model():
     return tiny_llama(hidden=128, layers=4, heads=4, kv_heads=4, head_dim=32)
 
 
+def wrapped(make=None, **kw):
+    """A model wrapped under the tests' budget: 4 MiB of VRAM for KV, 64 MiB on the host tier."""
+    kw.setdefault("host_limit", 64 * MiB)
+    return hf.wrap((make or model)(), device_limit=DEVICE_LIMIT, device_headroom=0, **kw)
+
+
 def greedy(n):
     return GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
 
@@ -82,7 +88,7 @@ def test_generate_batch_past_the_device_budget():
     transformers' tokens, KV on the host tier, blocks placed per batch."""
     ps = prompts(6, 300, 17)
     gen = greedy(12)
-    m = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0)
+    m = wrapped()
     with warnings.catch_warnings():
         warnings.simplefilter("error", ContinuousBatchingWarning)  # a fully tiered path says nothing
         out = m.generate_batch(ps, generation_config=gen, continuous_batching_config=cb_config())
@@ -107,7 +113,7 @@ def test_manager_preempts_into_the_host_tier_swap_pool():
     preempts into the swap pool, which lives on the host tier, exactly sized."""
     ps = prompts(5, 150, 21, seed=3)
     gen = greedy(110)
-    m = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0)
+    m = wrapped()
     gib = 4 * MiB / (1 << 30)
     manager = m.init_continuous_batching(generation_config=gen,
                                          continuous_batching_config=cb_config(num_blocks=16, cpu_offload_space=gib))
@@ -133,7 +139,7 @@ def test_manager_preempts_into_the_host_tier_swap_pool():
 
 
 def test_num_blocks_beyond_both_tiers_is_refused():
-    m = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=4 * MiB, device_headroom=0)
+    m = wrapped(host_limit=4 * MiB)
     with pytest.raises(ValueError, match=r"num_blocks=1000.*host_limit"):
         m.init_continuous_batching(generation_config=greedy(2),
                                    continuous_batching_config=cb_config(num_blocks=1000))._create_batch_processor()
@@ -152,7 +158,7 @@ def test_a_prefix_the_paged_cache_forgot_is_loaded_from_the_store():
 
     seq = [ask(0, 1), ask(1, 2), ask(2, 3), ask(3, 4), ask(4, 5), ask(0, 6)]
     gen = greedy(2)
-    m = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0, kv_store=True)
+    m = wrapped(kv_store=True)
     manager = m.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config(num_blocks=16))
     manager.start()
     got = []
@@ -188,22 +194,21 @@ def _docs():
     return [torch.randint(3, 1000, (4 * PAGE,), generator=g).tolist() for _ in range(3)]
 
 
+def _rag_batch(store, seed, docs):
+    """A fresh wrapped model (same weights: same fingerprint) and manager runs the questions of ``seed``."""
+    m = wrapped(kv_store=store)
+    ps, gen = _rag(seed, docs), greedy(6)
+    assert tokens(m.generate_batch(ps, generation_config=gen, continuous_batching_config=cb_config())) \
+        == reference(ps, gen)
+    return m
+
+
 def _second_batch_hits(make_store):
     docs = _docs()
-    gen = greedy(6)
-    first = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0,
-                    kv_store=make_store())
-    ps1 = _rag(1, docs)
-    assert tokens(first.generate_batch(ps1, generation_config=gen, continuous_batching_config=cb_config())) \
-        == reference(ps1, gen)
-    c1 = cb_stats(first)["counters"]
+    c1 = cb_stats(_rag_batch(make_store(), 1, docs))["counters"]
     assert c1["stored_blocks"] == 12  # the three documents' complete blocks (the questions end mid-block)
-    # A second model (same weights: same fingerprint) and a new manager: nothing of the documents is in its VRAM.
-    second = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0,
-                     kv_store=make_store())
-    ps2 = _rag(2, docs)
-    assert tokens(second.generate_batch(ps2, generation_config=gen, continuous_batching_config=cb_config())) \
-        == reference(ps2, gen)
+    # A second model and manager: nothing of the documents is in its VRAM.
+    second = _rag_batch(make_store(), 2, docs)
     c2 = cb_stats(second)["counters"]
     # No document token was prefilled again: each document loaded once from the store, its other request
     # shares those blocks in VRAM.
@@ -252,7 +257,7 @@ def test_sliding_model_is_tiered_and_says_once_that_prefixes_are_not_shared():
 
     ref = qwen().generate_batch(ps, generation_config=gen,
                                 continuous_batching_config=cb_config(page_size=16, num_blocks=128))
-    m = hf.wrap(qwen(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0)
+    m = wrapped(qwen)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for _ in range(2):
@@ -268,7 +273,7 @@ def test_sliding_model_is_tiered_and_says_once_that_prefixes_are_not_shared():
 
 
 def test_unwrap_gives_back_transformers_paged_cache():
-    m = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0)
+    m = wrapped()
     assert "init_continuous_batching" in m.__dict__
     hf.unwrap(m)
     assert "init_continuous_batching" not in m.__dict__
@@ -285,7 +290,7 @@ def test_a_transformers_without_the_pieces_is_left_untiered_and_says_so_once(mon
     from cxlalloc.hf import paged
 
     monkeypatch.setattr(paged, "CB_GAP", "transformers X lacks the continuous-batching modules cxlalloc uses")
-    m = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0)
+    m = wrapped()
     assert cb_stats(m)["tiered"] is False
     ps = prompts(2, 20, 5)
     with warnings.catch_warnings(record=True) as w:
@@ -312,6 +317,6 @@ def test_seeded_sampling_matches_transformers():
         return tokens(mm.generate_batch(ps, generation_config=gen, continuous_batching_config=cb_config(num_blocks=40,
                                                                                                        seed=7)))
 
-    m = hf.wrap(model(), device_limit=DEVICE_LIMIT, host_limit=64 * MiB, device_headroom=0)
+    m = wrapped()
     assert run(m) == run(model())
     assert cb_stats(m)["cache"]["kv_host_bytes"] > 0
