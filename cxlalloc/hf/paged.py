@@ -482,6 +482,27 @@ class CxlPagedAttentionCache(PagedAttentionCache):
             self._keys.pop(request_id, None)
         super().free_blocks(request_id, no_cache)
 
+    def mark_complete_blocks(self, state, complete_blocks) -> None:
+        """transformers' hashing of the blocks the last forward completed; and,
+        for a request that just finished, the store of its complete blocks
+        transformers never hashed: it skips finished requests
+        (``PagedAttentionCache.mark_complete_blocks``), so a request answered
+        in one token (its prompt's blocks) would otherwise be lost when its
+        blocks are freed right after."""
+        super().mark_complete_blocks(state, complete_blocks)
+        if not self.store_on or not complete_blocks or getattr(state.status, "name", None) != "FINISHED":
+            return
+        full = self.cache_allocators["full_attention"]
+        table = full.block_table.get(state.request_id)
+        if not table:  # async batching freed it already
+            return
+        token_ids = state.initial_tokens + state.generated_tokens
+        # K/V are in the cache for every token but the last generated one (never run through the model)
+        n = min(len(table), min(int(state.position_offset), len(token_ids) - 1) // self.page_size)
+        todo = [i for i in range(n) if full.ledger.block_to_hash.get(table[i]) is None]
+        if todo:
+            self._store_blocks(full, state.request_id, table, token_ids, todo)
+
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         if self.store_on:
             self._keys.clear()

@@ -320,3 +320,17 @@ def test_seeded_sampling_matches_transformers():
     m = wrapped()
     assert run(m) == run(model())
     assert cb_stats(m)["cache"]["kv_host_bytes"] > 0
+
+
+def test_a_request_answered_in_one_token_still_stores_its_prompt():
+    """transformers never hashes the blocks of a request that finishes on its
+    first token; they are stored anyway before its blocks are freed, and the
+    next request over the same document loads them."""
+    doc = torch.randint(3, 1000, (2 * PAGE,), generator=torch.Generator().manual_seed(3)).tolist()
+    ps = [doc + [5, 6, 7], doc + [8, 9]]
+    m = wrapped(kv_store=True)
+    for p in ps:  # one manager each: nothing survives in VRAM between them
+        out = m.generate_batch([p], generation_config=greedy(1), continuous_batching_config=cb_config())
+        assert tokens(out) == reference([p], greedy(1))
+    c = cb_stats(m)["counters"]
+    assert c["stored_blocks"] == 2 and c["store_hit_tokens"] == 2 * PAGE and c["reprefills_avoided"] == 1
