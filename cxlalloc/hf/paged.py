@@ -429,9 +429,7 @@ class CxlPagedAttentionCache(PagedAttentionCache):
         L = config.num_hidden_layers
         self.layout = BlockLayout(self.page_size, self.dtype, tuple((full.num_key_value_heads, full.head_dim,
                                                                      full.head_dim) for _ in range(L)))
-        check = getattr(reuse.store, "check_block_bytes", None)
-        if check is not None:
-            check(self.layout.block_bytes)
+        reuse.store.check_block_bytes(self.layout.block_bytes)
         self.reuse = reuse
         self.ns = reuse.opts.cache_salt or ""
         self._root = None
@@ -549,9 +547,8 @@ class CxlPagedAttentionCache(PagedAttentionCache):
             k.stored_blocks += stored
             k.bytes_stored += nbytes
             k.store_ms += dt * 1e3
-        rec = getattr(self.reuse.store, "record_store", None)
-        if rec is not None and nbytes:
-            rec(nbytes, dt)
+        if nbytes:
+            self.reuse.store.record_store(nbytes, dt)
 
     def search_prefix_match(self, request_id: str, prompt_ids: list) -> int:
         """transformers' match against the blocks in the cache, then, with a KV
@@ -571,10 +568,11 @@ class CxlPagedAttentionCache(PagedAttentionCache):
             return matched
         try:
             loaded = self._load_blocks(full, request_id, prompt_ids, have, max_blocks)
-        except Exception:
+        except Exception:  # never a wrong token: the request prefills what was not loaded
             loaded = 0
             with self.cb.lock:
                 self.cb.counters.store_failures += 1
+            self.reuse.store.record_failure()
         return (have + loaded) * P
 
     def _load_blocks(self, full, request_id: str, prompt_ids: list, have: int, max_blocks: int) -> int:
@@ -631,9 +629,7 @@ class CxlPagedAttentionCache(PagedAttentionCache):
             k.reprefills_avoided += 1
             k.bytes_loaded += nbytes
             k.load_ms += dt * 1e3
-        rec = getattr(self.reuse.store, "record_load", None)
-        if rec is not None:
-            rec(nbytes, dt)
+        self.reuse.store.record_load(nbytes, dt)
         return extra
 
     # ------------------------------------------------------------------ stats
