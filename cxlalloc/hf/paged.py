@@ -48,7 +48,8 @@ turns prefix sharing off (the store is then off too, the cache is still
 tiered), and tensor parallelism (left to transformers, untiered).
 
 ``hf.stats(model)["hf"]["continuous_batching"]`` reports what happened
-(docs/huggingface.md#continuous-batching).
+(docs/huggingface.md#continuous-batching).  What this module relies on in
+transformers' code: docs/sources.md#transformers-continuous-batching.
 """
 
 from __future__ import annotations
