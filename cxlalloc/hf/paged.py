@@ -653,6 +653,7 @@ class CxlPagedAttentionCache(PagedAttentionCache):
             "layer_kinds": sorted(self.cache_allocators),
             "store": bool(self.store_on),
             "open_ms": round(self.open_ms, 3),
+            "attention_mask_bytes": int(getattr(self, "mask_bytes", 0)),
         }
 
 
@@ -748,6 +749,28 @@ def _hook_batches(cb: CBState, bp) -> None:
     bp.prepare_next_batch = prepare_next_batch
 
 
+MASK_WARN_BYTES = 2 * GiB  # attention masks this large can take the VRAM left to torch (not measured on a GPU)
+
+
+def _mask_bytes(bp) -> int:
+    """Bytes of the attention masks transformers allocated for this batch
+    processor (``sdpa``/``eager``: ``(1, 1, M, N + M)`` per layer type, per
+    IO pair with async batching; none with flash attention)."""
+    ios = [bp.inputs_and_outputs]
+    for pair in getattr(bp.inputs_and_outputs, "io_pairs", ()) or ():
+        ios += [getattr(pair, "host_io", None), getattr(pair, "device_io", None)]
+    total, seen = 0, set()
+    for io in ios:
+        masks = getattr(io, "attention_mask", None)
+        for t in (masks.values() if isinstance(masks, dict) else ()):
+            if torch.is_tensor(t):
+                key = t.untyped_storage().data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    total += t.numel() * t.element_size()
+    return total
+
+
 def _untiered_reason(manager) -> Optional[str]:
     dh = getattr(manager, "distributed_helper", None)
     if dh is not None and getattr(dh, "tp_size", 1) > 1:
@@ -781,6 +804,12 @@ def _attach(cb: CBState, manager) -> None:
         if isinstance(cache, CxlPagedAttentionCache):
             with cb.lock:
                 cb.counters.caches += 1
+            cache.mask_bytes = _mask_bytes(bp)
+            if cache.mask_bytes > MASK_WARN_BYTES:
+                cb.warn_once("mask", f"cxlalloc.hf: continuous batching of {type(cb.model).__name__}: transformers' "
+                             f"attention masks take {format_bytes(cache.mask_bytes)} of torch's memory for "
+                             f"{cache.num_blocks} blocks (they grow with the cache under sdpa/eager); use a flash "
+                             "attention implementation, a smaller max_batch_tokens or num_blocks", stacklevel=4)
             cb._cache = weakref.ref(cache)
             cb.last_cache = cache.describe()
             _host_swap_pool(cb, bp, gib)

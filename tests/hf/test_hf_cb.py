@@ -105,6 +105,8 @@ def test_generate_batch_past_the_device_budget():
     assert c["max_requests_in_flight"] * per_request > device_blocks  # more in flight than VRAM alone holds
     assert c["promoted_bytes"] > 0 and c["placement_failures"] == 0
     assert c["caches"] == 1 and c["managers"] == 1
+    # sdpa: one (1, 1, M, N + M) fp32 mask, N = the cache's tokens
+    assert cache["attention_mask_bytes"] == 512 * (cache["num_blocks"] * PAGE + 512) * 4
     assert hf.stats(m)["kv"]["peak_host_bytes"] > 0
 
 
