@@ -458,14 +458,14 @@ class PrefixReuse:
             for lease in leases:
                 lease.close()
             if corrupt:
-                self._drop_corrupt(ns, corrupt)
+                self.drop_corrupt(ns, corrupt)
         rec.hit_tokens = C
         rec.reused_tokens = sum(max(0, min(h, C - p)) for p, h in zip(pads, hits)) * expand
         rec.bytes_loaded = nbytes
         rec.load_ms = dt * 1e3
         self.store.record_load(nbytes, dt)
 
-    def _drop_corrupt(self, ns: str, keys: List[bytes]) -> None:
+    def drop_corrupt(self, ns: str, keys: List[bytes]) -> None:
         """Count blocks whose checksum failed and ask the store to drop them
         (so this call's store step writes them again, recomputed)."""
         with self._lock:

@@ -9,22 +9,15 @@ import warnings
 
 import pytest
 
-from tests.helpers.hf_util import MiB, assert_same_tokens, gen, tiny_llama, torch
+from tests.helpers.hf_util import assert_same_tokens, gen, tiny_llama, torch
 
 import cxlalloc.hf as hf
 from cxlalloc.hf.reuse import KVReuseWarning
 from cxlalloc.kvstore import keys as K
 
-BT = 8
+from tests.hf.test_hf_reuse import wrap  # the same wrap() options (8-token blocks)
+
 KW = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
-
-
-def wrap(model, **kw):
-    kw.setdefault("device_limit", 64 * MiB)
-    kw.setdefault("host_limit", 256 * MiB)
-    kw.setdefault("kv_store", True)
-    kw.setdefault("block_tokens", BT)
-    return hf.wrap(model, **kw)
 
 
 def prompt(n=41, seed=3):
