@@ -78,7 +78,8 @@ def test_a_flipped_byte_in_the_kv_server_pool_is_caught_on_load(kv_server, fresh
     mm = other.mapping()
     mm[off + 7] ^= 0xFF
     assert other.call("discard", ns="", keys=[ks[0]])["dropped"] == 0  # a sound block is never dropped
-    out, st = _gen(m, p)
+    with pytest.warns(KVReuseWarning, match="failed their checksum on load"):
+        out, st = _gen(m, p)
     assert st["last"]["hit_tokens"] == BT and st["counters"]["corrupt_blocks"] == 1
     assert srv.stats()["server"]["corrupt_blocks"] == 1
     assert torch.equal(out, ref.generate(p, max_new_tokens=6, min_new_tokens=6, do_sample=False))
