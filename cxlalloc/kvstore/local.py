@@ -293,6 +293,7 @@ class LocalBlockStore(AccountedStore):
         Keys: ``kind``, ``node``, ``capacity_bytes``, ``used_bytes``,
         ``blocks``, ``lookups``, ``lookup_blocks``, ``hit_blocks``,
         ``hit_tokens``, ``miss_blocks``, ``hit_rate`` (hit/looked-up blocks),
+        ``index_bytes_per_block`` (the index's memory per stored block),
         ``stored_blocks``, ``evicted_blocks``, ``dropped_blocks`` (no room),
         ``bytes_loaded``/``bytes_stored`` and ``load_GBps``/``store_GBps``
         (copies timed by the caller), ``load_failures`` (fell back to
@@ -301,7 +302,8 @@ class LocalBlockStore(AccountedStore):
         with self._lock:
             c = dict(vars(self.index.c))
             c["used_bytes"] = self.index.used_bytes
-            c["blocks"] = self.index.blocks()
+            c["blocks"] = self.index.blocks()  # running counts: O(1) at any store size
+            c["index_bytes_per_block"] = round(self.index.memory_per_block(), 1)
             c["namespaces"] = {ns: b for ns, b in self.index.ns_bytes.items() if b}
         c.update(self.counters.snapshot())
         a = self._arena.stats()

@@ -243,7 +243,7 @@ class RedisLink:
             return []
         nbytes = len(got[0])
         got = [d for d in itertools.takewhile(lambda d: len(d) == nbytes, got)]
-        if nbytes > st.index.largest_block():
+        if st.index.slot_size(nbytes) > st.index.largest_block():
             return []
         with st.lock:
             slots = st.index.reserve(iks[:len(got)], nbytes, ns, owner)

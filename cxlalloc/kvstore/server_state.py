@@ -85,6 +85,9 @@ class ServerState:
         quotas: ``{namespace: bytes}``; ``default_quota``: bytes for any other namespace.
         max_clients: owners at once (:meth:`admit` refuses more).
         allow_uids: if given, only these uids may be admitted.
+        max_reserve_bytes: slot bytes one owner may hold WRITING at once
+            (default: half the pool); a reservation past it is refused
+            (``limit``).  Slots are page multiples, so ``nbytes=1`` counts 4 KiB.
 
     ``placement`` (``entries -> entries to publish``) and ``tier`` (an object
     with ``evicted(entry)``, ``write_through(entries) -> int`` and
@@ -95,17 +98,20 @@ class ServerState:
 
     def __init__(self, size: int, node: int, chunk_bytes: int, *, quotas: Optional[Dict[str, int]] = None,
                  default_quota: Optional[int] = None, max_clients: int = 256,
-                 allow_uids: Optional[Sequence[int]] = None):
+                 allow_uids: Optional[Sequence[int]] = None, max_reserve_bytes: Optional[int] = None):
         self.size, self.node, self.chunk_bytes = int(size), int(node), int(chunk_bytes)
+        self.max_reserve_bytes = int(max_reserve_bytes) if max_reserve_bytes else max(self.size // 2, 1)
         self.max_clients = int(max_clients)
         self.allow_uids = None if allow_uids is None else set(allow_uids)
         self.pool_id = secrets.token_hex(8)
         self.lock = threading.Lock()
         self.owners: Dict[int, Owner] = {}
         self.c = {"connections": 0, "refused_full": 0, "refused_denied": 0, "protocol_errors": 0,
+                  "refused_too_large": 0, "refused_busy": 0, "refused_timeout": 0, "bad_frames": 0,
                   "bad_requests": 0, "hit_bytes": 0, "redis_hit_blocks": 0, "redis_hit_bytes": 0, "redis_put_blocks": 0,
                   "placement_verified_bytes": 0, "placement_misplaced_bytes": 0, "placement_unverified_bytes": 0,
-                  "placement_skipped_bytes": 0, "misplaced_dropped_blocks": 0, "peak_clients": 0, "requests": 0}
+                  "placement_skipped_bytes": 0, "misplaced_dropped_blocks": 0, "peak_clients": 0, "requests": 0,
+                  "refused_reserve_budget": 0}
         self.placement = None
         self.tier = None
         # No engine: the kernel's own mbind/move_pages place and verify pages;
@@ -113,7 +119,10 @@ class ServerState:
         self.arena = _C.HostArena(None, self.size, self.node, True)
         self.mem = (ctypes.c_char * self.arena.size).from_address(self.arena.base)
         self.view = memoryview(self.mem).cast("B")
-        self.index = BlockIndex(self.size, self.chunk_bytes)
+        # Page-granular slots: a block starts on a page (the placement check
+        # and the clients' copies work in pages) and a 1-byte request holds
+        # one page, never a per-byte structure.
+        self.index = BlockIndex(self.size, self.chunk_bytes, granule=os.sysconf("SC_PAGESIZE"))
         # After construction: BlockIndex copies its quotas argument into a plain dict.
         self.index.quotas = _Quotas(quotas or {}, default_quota)
 
@@ -236,10 +245,11 @@ class ServerState:
 
         Raises:
             protocol.RemoteError: ``too_large`` (a block above one chunk),
-                ``limit`` (MAX_LEASES_PER_CLIENT open reservations).
+                ``limit`` (MAX_LEASES_PER_CLIENT open reservations, or the
+                owner's WRITING slots would pass ``max_reserve_bytes``).
         """
         o = self.owner(cid)
-        if nbytes > self.index.largest_block():
+        if self.index.slot_size(nbytes) > self.index.largest_block():
             raise P.RemoteError("too_large", f"a block of {nbytes} bytes is larger than one chunk of this kv-server "
                                              f"({self.chunk_bytes} bytes, --chunk); raise --chunk or lower "
                                              "block_tokens")
@@ -248,6 +258,12 @@ class ServerState:
             if len(o.reservations) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open reservations; commit or "
                                              "abort some")
+            want = self.index.writing_bytes(o) + len(ik) * self.index.slot_size(nbytes)
+            if want > self.max_reserve_bytes:
+                self.c["refused_reserve_budget"] += 1
+                raise P.RemoteError("limit", f"this reservation would hold {want} bytes of slots unpublished (blocks "
+                                             f"are rounded up to {self.index.granule}-byte pages); a client may hold "
+                                             f"{self.max_reserve_bytes} (--max-reserve); commit or abort some")
             entries = self.index.reserve(ik, nbytes, ns, o, tokens)
             if not any(e is not None for e in entries):
                 return {"res": 0, "slots": [None] * len(entries)}
@@ -309,9 +325,10 @@ class ServerState:
             used = self.index.used_bytes
             n_entries = len(self.index.entries)
             ns_bytes = {ns: b for ns, b in self.index.ns_bytes.items() if b}
-            writing = sum(1 for o in self.owners.values() for v in o.reservations.values() for e in v
-                          if e is not None)
-            pinned = sum(len(mine) for mine in self.index._pins.values())
+            writing = self.index.writing_blocks   # running counts: stats never scan the blocks
+            pinned = self.index.pinned_blocks
+            slot_bytes = self.index.slot_bytes
+            per_block = self.index.memory_per_block()
             clients = [{"id": o.id, "pid": o.pid, "uid": o.uid, "name": o.name, "leases": len(o.leases),
                         "reservations": len(o.reservations), "requests": o.requests,
                         "connected_s": round(time.time() - o.since, 1)} for o in self.owners.values()]
@@ -319,7 +336,9 @@ class ServerState:
             default_quota = self.index.quotas.default
         pool = {
             "capacity_bytes": self.size, "mapped_bytes": self.arena.size, "chunk_bytes": self.chunk_bytes,
-            "used_bytes": used, "committed_bytes": self.committed_bytes(),
+            "used_bytes": used, "slot_bytes": slot_bytes, "committed_bytes": self.committed_bytes(),
+            "index_bytes_per_block": round(per_block, 1), "max_reserve_bytes": self.max_reserve_bytes,
+            "refused_reserve_budget": c["refused_reserve_budget"],
             "blocks": n_entries - writing, "writing_blocks": writing, "pinned_blocks": pinned,
             "lookups": ic["lookups"], "lookup_blocks": ic["lookup_blocks"], "hit_blocks": ic["hit_blocks"],
             "hit_tokens": ic["hit_tokens"], "hit_bytes": c["hit_bytes"], "miss_blocks": ic["miss_blocks"],
