@@ -55,20 +55,22 @@ READY = "ready"
 
 
 class Entry:
-    """One block: ``nbytes`` bytes at ``offset`` of the arena, in a slot of ``size`` bytes.
+    """One block: ``nbytes`` bytes at ``offset`` of the arena (in a slot of
+    ``BlockIndex.slot_size(nbytes)`` bytes, in chunk ``offset // chunk_bytes``).
 
     ``prev``/``next`` link it into the index's LRU, ``nprev``/``nnext`` into
     its namespace's (intrusive lists: no per-block dict entry for the LRU).
+    Compact on purpose (``__slots__``, nothing derivable stored): the index
+    holds one per block, up to millions.
     """
 
-    __slots__ = ("key", "offset", "nbytes", "size", "ns", "tokens", "state", "pins", "writer", "chunk",
+    __slots__ = ("key", "offset", "nbytes", "ns", "tokens", "state", "pins", "writer",
                  "prev", "next", "nprev", "nnext")
 
     def __init__(self, key: bytes, offset: int, nbytes: int, ns: str, tokens: int, state: str = WRITING,
-                 pins: int = 0, writer: Optional[Hashable] = None, chunk: int = -1, size: int = 0):
+                 pins: int = 0, writer: Optional[Hashable] = None):
         self.key, self.offset, self.nbytes, self.ns, self.tokens = key, offset, nbytes, ns, tokens
-        self.state, self.pins, self.writer, self.chunk = state, pins, writer, chunk
-        self.size = size or nbytes
+        self.state, self.pins, self.writer = state, pins, writer
         self.prev = self.next = self.nprev = self.nnext = None
 
     def __repr__(self) -> str:
@@ -340,7 +342,7 @@ class BlockIndex:
         return i, off
 
     def _release_slot(self, e: Entry) -> None:
-        i, size = e.chunk, e.size
+        i, size = e.offset // self.chunk_bytes, self.slot_size(e.nbytes)
         self._used[i] -= 1
         base = i * self.chunk_bytes
         if self._used[i] == 0:  # empty: the whole chunk is one tail again
@@ -373,7 +375,7 @@ class BlockIndex:
         else:
             self._writing_done(e)
         self.used_bytes -= e.nbytes
-        self.slot_bytes -= e.size
+        self.slot_bytes -= self.slot_size(e.nbytes)
         self.ns_bytes[e.ns] -= e.nbytes
         if not self.ns_bytes[e.ns]:
             del self.ns_bytes[e.ns]
@@ -384,7 +386,7 @@ class BlockIndex:
         mine = self._writing.get(w)
         if mine is not None and mine.pop(e.key, None) is not None:
             self.writing_blocks -= 1
-            self._writing_bytes[w] -= e.size
+            self._writing_bytes[w] -= self.slot_size(e.nbytes)
             if not mine:
                 del self._writing[w]
                 del self._writing_bytes[w]
@@ -441,8 +443,8 @@ class BlockIndex:
                 self.c.dropped_blocks += 1
                 out.append(None)
                 continue
-            i, off = got
-            e = Entry(k, off, nbytes, ns, tokens, WRITING, 0, owner, i, size)
+            _, off = got
+            e = Entry(k, off, nbytes, ns, tokens, WRITING, 0, owner)
             self.entries[k] = e
             mine = self._writing.get(owner)
             if mine is None:
@@ -513,26 +515,28 @@ class BlockIndex:
         """Bytes of index memory per stored block (0.0 when empty).
 
         Measured from the objects' sizes (``sys.getsizeof``: the entry with
-        its GC header, its key, and the key's share of the ``entries`` hash
-        table); the LRU links live in the entry.  Pins and WRITING blocks add
-        per-owner dict entries while held (not counted: they are transient)."""
+        its GC header, its key, its offset (an int object), and its share of
+        the ``entries`` hash table); the LRU links live in the entry.  Pins
+        and WRITING blocks add per-owner dict entries while held (not counted:
+        they are transient)."""
         n = len(self.entries)
         if not n:
             return 0.0
-        e = self._lru.head or next(iter(self.entries.values()))
-        return (sys.getsizeof(self.entries) + n * (sys.getsizeof(e) + sys.getsizeof(e.key))) / n
+        e = self._lru.tail or next(iter(self.entries.values()))
+        per = sys.getsizeof(e) + sys.getsizeof(e.key) + (sys.getsizeof(e.offset) if e.offset > 256 else 0)
+        return sys.getsizeof(self.entries) / n + per
 
     def check(self) -> None:
         """Verify the invariants of the module docstring; raise AssertionError."""
         es = list(self.entries.values())
         assert self.used_bytes == sum(e.nbytes for e in es), "used_bytes"
-        assert self.slot_bytes == sum(e.size for e in es), "slot_bytes"
+        assert self.slot_bytes == sum(self.slot_size(e.nbytes) for e in es), "slot_bytes"
         per_ns = collections.Counter()
         for e in es:
             per_ns[e.ns] += e.nbytes
         for ns, b in self.ns_bytes.items():
             assert per_ns.get(ns, 0) == b, f"ns_bytes[{ns}]"
-        used = collections.Counter(e.chunk for e in es)
+        used = collections.Counter(e.offset // self.chunk_bytes for e in es)
         free_by_chunk = collections.defaultdict(list)
         for i, free in enumerate(self._free):
             for s, offs in (free or {}).items():
@@ -547,7 +551,7 @@ class BlockIndex:
             assert self._tails.t[self._tails.p + i] == self._csize[i] - self._top[i], f"chunk {i} tail"
             if self._used[i] == 0:
                 assert self._top[i] == 0 and not self._free[i], f"empty chunk {i} not reset"
-        spans = sorted([(e.offset, e.size, e.chunk) for e in es]
+        spans = sorted([(e.offset, self.slot_size(e.nbytes), e.offset // self.chunk_bytes) for e in es]
                        + [(o, s, i) for i, lst in free_by_chunk.items() for o, s in lst])
         for a, n, i in spans:
             base = i * self.chunk_bytes
@@ -571,7 +575,7 @@ class BlockIndex:
         for e in writing:
             assert self._writing[e.writer][e.key] is e, "writing owner"
         for w, mine in self._writing.items():
-            assert self._writing_bytes[w] == sum(e.size for e in mine.values()), "writing bytes"
+            assert self._writing_bytes[w] == sum(self.slot_size(e.nbytes) for e in mine.values()), "writing bytes"
         assert self.used_bytes <= self.capacity_bytes, "over capacity"
         for ns, q in self.quotas.items():
             assert self.ns_bytes.get(ns, 0) <= q, f"namespace {ns} over quota"

@@ -50,6 +50,19 @@ def _libc_madvise():
 _madvise = _libc_madvise()
 
 
+def _libc_mincore():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        fn.restype = ctypes.c_int
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_mincore = _libc_mincore()
+
+
 class PlacementVerifier:
     """Page-by-page placement checks (``move_pages``) of committed blocks.
 
@@ -119,8 +132,13 @@ class PlacementVerifier:
                 # The client wrote these pages through its own mapping; read one
                 # byte of each so they are in this process's page table too
                 # (move_pages reports pages of the caller's mappings only).
-                # They exist already: nothing is allocated.
-                self._touch(e.offset, e.nbytes)
+                # Only pages the pool already holds are read: a read fault on
+                # a never-written page of the memfd would allocate it.
+                resident = self._touch(e.offset, e.nbytes)
+                if not resident:
+                    unpop += e.nbytes
+                    keep.append(e)
+                    continue
                 chk = st.arena.verify(e.offset, e.nbytes)
             except Exception:
                 unpop += e.nbytes
@@ -144,14 +162,25 @@ class PlacementVerifier:
             st.c["placement_unverified_bytes"] += unpop
             st.c["misplaced_dropped_blocks"] += dropped
 
-    def _touch(self, off: int, n: int) -> None:
+    def _touch(self, off: int, n: int) -> int:
+        """Map into this process the pages of ``[off, off + n)`` the pool holds
+        (``mincore``: in the memfd's page cache); never-written pages are left
+        alone, so a check never commits memory.  Returns pages mapped."""
         page = self._page
         first = off - off % page
-        if _madvise is not None and _madvise(self.state.arena.base + first, off + n - first, _MADV_POPULATE_READ) == 0:
-            return
+        npages = -(-(off + n - first) // page)
+        base = self.state.arena.base + first
+        vec = ctypes.create_string_buffer(npages)
+        if _mincore is None or _mincore(base, npages * page, vec) != 0:
+            return 0  # cannot tell which pages exist: verify nothing rather than allocate
+        present = [i for i, b in enumerate(vec.raw) if b & 1]
+        if len(present) == npages and _madvise is not None and \
+                _madvise(base, npages * page, _MADV_POPULATE_READ) == 0:
+            return npages
         mem = self.state.mem
-        for p in range(first, off + n, page):  # kernels before 5.14: one read per page
-            mem[p]  # noqa: B018 - a read fault maps the page
+        for i in present:  # one read per resident page: a read of a cached page maps it, allocates nothing
+            mem[first + i * page]  # noqa: B018
+        return len(present)
 
 
 class RateSampler:

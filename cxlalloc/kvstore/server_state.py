@@ -111,7 +111,7 @@ class ServerState:
                   "bad_requests": 0, "hit_bytes": 0, "redis_hit_blocks": 0, "redis_hit_bytes": 0, "redis_put_blocks": 0,
                   "placement_verified_bytes": 0, "placement_misplaced_bytes": 0, "placement_unverified_bytes": 0,
                   "placement_skipped_bytes": 0, "misplaced_dropped_blocks": 0, "peak_clients": 0, "requests": 0,
-                  "refused_reserve_budget": 0}
+                  "refused_reserve_budget": 0, "reserve_budget_blocks": 0}
         self.placement = None
         self.tier = None
         # No engine: the kernel's own mbind/move_pages place and verify pages;
@@ -246,7 +246,8 @@ class ServerState:
         Raises:
             protocol.RemoteError: ``too_large`` (a block above one chunk),
                 ``limit`` (MAX_LEASES_PER_CLIENT open reservations, or the
-                owner's WRITING slots would pass ``max_reserve_bytes``).
+                owner's WRITING slots are at ``max_reserve_bytes`` already;
+                keys past it get no slot, counted as ``reserve_budget_blocks``).
         """
         o = self.owner(cid)
         if self.index.slot_size(nbytes) > self.index.largest_block():
@@ -258,13 +259,19 @@ class ServerState:
             if len(o.reservations) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open reservations; commit or "
                                              "abort some")
-            want = self.index.writing_bytes(o) + len(ik) * self.index.slot_size(nbytes)
-            if want > self.max_reserve_bytes:
+            # The keys past the owner's budget get no slot (as when the pool is
+            # full); a reservation of which nothing fits is refused.
+            fit = (self.max_reserve_bytes - self.index.writing_bytes(o)) // self.index.slot_size(nbytes)
+            if fit <= 0 and ik:
                 self.c["refused_reserve_budget"] += 1
-                raise P.RemoteError("limit", f"this reservation would hold {want} bytes of slots unpublished (blocks "
-                                             f"are rounded up to {self.index.granule}-byte pages); a client may hold "
-                                             f"{self.max_reserve_bytes} (--max-reserve); commit or abort some")
-            entries = self.index.reserve(ik, nbytes, ns, o, tokens)
+                raise P.RemoteError("limit", f"this client holds {self.index.writing_bytes(o)} bytes of slots "
+                                             f"unpublished (blocks are rounded up to {self.index.granule}-byte pages); "
+                                             f"a client may hold {self.max_reserve_bytes} (--max-reserve); commit or "
+                                             "abort some")
+            entries = self.index.reserve(ik[:fit], nbytes, ns, o, tokens)
+            if fit < len(ik):
+                self.c["reserve_budget_blocks"] += len(ik) - fit
+                entries += [None] * (len(ik) - fit)
             if not any(e is not None for e in entries):
                 return {"res": 0, "slots": [None] * len(entries)}
             rid = o.new_id()
@@ -338,7 +345,7 @@ class ServerState:
             "capacity_bytes": self.size, "mapped_bytes": self.arena.size, "chunk_bytes": self.chunk_bytes,
             "used_bytes": used, "slot_bytes": slot_bytes, "committed_bytes": self.committed_bytes(),
             "index_bytes_per_block": round(per_block, 1), "max_reserve_bytes": self.max_reserve_bytes,
-            "refused_reserve_budget": c["refused_reserve_budget"],
+            "refused_reserve_budget": c["refused_reserve_budget"], "reserve_budget_blocks": c["reserve_budget_blocks"],
             "blocks": n_entries - writing, "writing_blocks": writing, "pinned_blocks": pinned,
             "lookups": ic["lookups"], "lookup_blocks": ic["lookup_blocks"], "hit_blocks": ic["hit_blocks"],
             "hit_tokens": ic["hit_tokens"], "hit_bytes": c["hit_bytes"], "miss_blocks": ic["miss_blocks"],
