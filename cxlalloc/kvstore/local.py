@@ -274,7 +274,8 @@ class LocalBlockStore(AccountedStore):
                     continue
             keep.append(e)
         with self._lock:
-            self.index.abort([e for e in entries if e not in keep], owner)
+            kept = set(map(id, keep))
+            self.index.abort([e for e in entries if id(e) not in kept], owner)
             return self.index.publish(keep, owner)
 
     def _abort(self, entries, owner) -> None:

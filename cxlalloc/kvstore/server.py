@@ -74,7 +74,7 @@ class KVServer:
         io_timeout: seconds a reply may take to be sent.
         max_frame, max_buffered, frame_timeout, max_objects, backlog: the
             transport's bounds (:class:`~cxlalloc.kvstore.server_transport.Transport`).
-        max_reserve_bytes: slot bytes one client may hold unpublished (default half the pool).
+        max_reserve_bytes: slot bytes one client may hold unpublished (default the whole pool).
 
     Raises:
         ValueError: a bad size/chunk/mode/group, naming the option.

@@ -132,9 +132,10 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
                    help="maps and lists in one request (default 64); more is answered 'bad_request' and closed")
     p.add_argument("--backlog", type=int, default=DEFAULT_BACKLOG, metavar="N",
                    help="connects queued before they are accepted (default 4096, capped by net.core.somaxconn)")
-    p.add_argument("--max-reserve", default="50%", metavar="SIZE",
+    p.add_argument("--max-reserve", default="100%", metavar="SIZE",
                    help="bytes one client may hold reserved and not yet committed (blocks rounded up to pages), "
-                        "or a share of --size (default 50%%); past it a reserve is answered 'limit'")
+                        "or a share of --size (default 100%%; lower it when clients do not trust each other); keys past it "
+                        "get no slot, and a reserve of which none fits is answered 'limit'")
     p.add_argument("--strict-placement", action="store_true", help="drop blocks whose pages are not on the node")
     p.add_argument("--redis", default=None, metavar="URL", help="a Redis/Valkey tier below the pool: "
                    "redis://[user:password@]host:port/db or rediss://... (TLS)")

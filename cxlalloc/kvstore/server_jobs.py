@@ -284,7 +284,8 @@ class RedisLink:
             written.append(e)
         keep = self.placement(written)
         with st.lock:
-            st.index.abort([e for e in slots if e is not None and e not in keep], owner)
+            kept = set(map(id, keep))
+            st.index.abort([e for e in slots if e is not None and id(e) not in kept], owner)
             st.index.publish(keep, owner)
             pinned = st.index.match([e.key for e in keep], owner)
             st.index.c.lookups -= 1  # part of this lookup

@@ -201,7 +201,7 @@ def test_a_one_byte_reserve_is_answered_at_once_with_one_page(server_proc):
     r = c.call("reserve", ns="", keys=[key(1)], nbytes=1, tokens=1)
     assert r["ok"] and r["res"] and r["slots"] == [0] and time.monotonic() - t0 < 1.0
     r = c.call("reserve", ns="", keys=[key(i) for i in range(2, 65536)], nbytes=1, tokens=1)
-    assert r["ok"] and sum(s is not None for s in r["slots"]) == 65534  # 65535 pages of 4 KiB < 512 MiB budget
+    assert r["ok"] and sum(s is not None for s in r["slots"]) == 65534  # 65535 pages of 4 KiB < the 1 GiB pool
     pool = sp.status()["pool"]
     assert pool["writing_blocks"] == 65535 and pool["slot_bytes"] == 65535 * 4096
     assert rss(pid) - base < 64 * MiB, rss(pid) - base  # 65535 entries, not 65535 x 256 Mi slots
