@@ -30,7 +30,7 @@ Invariants (checked by :meth:`BlockIndex.check`)::
     used_bytes      = sum(e.nbytes for e in entries)            (READY + WRITING)
     ns_bytes[ns]    = sum(e.nbytes for e in entries if e.ns == ns)
     chunk.used      = number of entries in the chunk; every slot below its top
-    a READY entry with pins == 0 is in the LRU (and its namespace's); no other is
+    a READY entry with pins == 0 is in the LRU (and its namespace's, under a quota); no other is
     an entry is never evicted while pinned (read) or WRITING (written)
 
 States: ``reserve()`` creates a WRITING entry owned by its writer, invisible to
@@ -58,30 +58,47 @@ class Entry:
     """One block: ``nbytes`` bytes at ``offset`` of the arena (in a slot of
     ``BlockIndex.slot_size(nbytes)`` bytes, in chunk ``offset // chunk_bytes``).
 
-    ``prev``/``next`` link it into the index's LRU, ``nprev``/``nnext`` into
-    its namespace's (intrusive lists: no per-block dict entry for the LRU).
-    Compact on purpose (``__slots__``, nothing derivable stored): the index
-    holds one per block, up to millions.
+    ``prev``/``next`` link it into the index's LRU (an intrusive list: no
+    per-block dict entry for the LRU).  Its state is WRITING while it has a
+    ``writer``, READY after.  Compact on purpose (``__slots__``, nothing
+    derivable stored): the index holds one per block, up to millions.
     """
 
-    __slots__ = ("key", "offset", "nbytes", "ns", "tokens", "state", "pins", "writer",
-                 "prev", "next", "nprev", "nnext")
+    __slots__ = ("key", "offset", "nbytes", "ns", "tokens", "pins", "writer", "prev", "next")
 
-    def __init__(self, key: bytes, offset: int, nbytes: int, ns: str, tokens: int, state: str = WRITING,
+    def __init__(self, key: bytes, offset: int, nbytes: int, ns: str, tokens: int,
                  pins: int = 0, writer: Optional[Hashable] = None):
         self.key, self.offset, self.nbytes, self.ns, self.tokens = key, offset, nbytes, ns, tokens
-        self.state, self.pins, self.writer = state, pins, writer
-        self.prev = self.next = self.nprev = self.nnext = None
+        self.pins, self.writer = pins, writer
+        self.prev = self.next = None
+
+    @property
+    def state(self) -> str:
+        """WRITING (reserved, invisible) or READY (published)."""
+        return WRITING if self.writer is not None else READY
 
     def __repr__(self) -> str:
         return f"Entry({self.key.hex()[:8]}, off={self.offset}, nbytes={self.nbytes}, {self.state}, pins={self.pins})"
 
 
+class QuotaEntry(Entry):
+    """An entry of a namespace with a quota: also linked into its namespace's
+    LRU (``nprev``/``nnext``), which the quota evicts from first.  Entries of
+    other namespaces do without the two links (16 bytes a block)."""
+
+    __slots__ = ("nprev", "nnext")
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.nprev = self.nnext = None
+
+
 class _Lru:
     """An intrusive doubly-linked list of entries, oldest first (O(1) add, remove, oldest).
 
-    ``ns=False`` uses the entries' ``prev``/``next`` links, ``ns=True`` their
-    ``nprev``/``nnext`` (one entry is in the global list and its namespace's)."""
+    ``ns=False`` uses the entries' ``prev``/``next`` links, ``ns=True`` the
+    ``nprev``/``nnext`` of a :class:`QuotaEntry` (in the global list and its
+    namespace's)."""
 
     __slots__ = ("head", "tail", "n", "_p", "_n")
 
@@ -257,14 +274,16 @@ class BlockIndex:
 
     def _lru_add(self, e: Entry) -> None:
         self._lru.add(e)
-        self._ns_lru(e.ns).add(e)
+        if type(e) is QuotaEntry:
+            self._ns_lru(e.ns).add(e)
 
     def _lru_remove(self, e: Entry) -> None:
         self._lru.remove(e)
-        lru = self._lru_ns[e.ns]
-        lru.remove(e)
-        if not lru.n:
-            del self._lru_ns[e.ns]
+        if type(e) is QuotaEntry:
+            lru = self._lru_ns[e.ns]
+            lru.remove(e)
+            if not lru.n:
+                del self._lru_ns[e.ns]
 
     # ------------------------------------------------------------ reads
     def match(self, keys: Sequence[bytes], owner: Hashable) -> List[Entry]:
@@ -432,6 +451,9 @@ class BlockIndex:
         """
         self.check_block_bytes(nbytes)
         size = self.slot_size(nbytes)
+        make = QuotaEntry if self.quotas.get(ns) is not None else Entry
+        if owner is None:
+            raise ValueError("cxlalloc.kvstore: a reservation needs an owner (None marks a READY block)")
         out: List[Optional[Entry]] = []
         for k in keys:
             if k in self.entries:
@@ -444,7 +466,7 @@ class BlockIndex:
                 out.append(None)
                 continue
             _, off = got
-            e = Entry(k, off, nbytes, ns, tokens, WRITING, 0, owner)
+            e = make(k, off, nbytes, ns, tokens, 0, owner)
             self.entries[k] = e
             mine = self._writing.get(owner)
             if mine is None:
@@ -467,7 +489,7 @@ class BlockIndex:
             if e is None or self.entries.get(e.key) is not e or e.state != WRITING or e.writer != owner:
                 continue
             self._writing_done(e)
-            e.state, e.writer = READY, None
+            e.writer = None  # READY
             self._lru_add(e)
             self.c.stored_blocks += 1
             self.c.stored_bytes += e.nbytes
@@ -500,8 +522,7 @@ class BlockIndex:
 
     def clear(self, ns: Optional[str] = None) -> int:
         """Drop every READY, unpinned block (of namespace ``ns``).  Returns blocks dropped."""
-        lru = self._lru_ns.get(ns) if ns is not None else self._lru
-        victims = list(lru) if lru is not None else []
+        victims = [e for e in self._lru if ns is None or e.ns == ns]  # an operator's command: one pass
         for e in victims:
             self._forget(e)
         return len(victims)
@@ -562,7 +583,8 @@ class BlockIndex:
         assert len(in_lru) == self._lru.n, "lru length"
         for e in es:
             assert (id(e) in in_lru) == (e.state == READY and e.pins == 0), f"lru membership of {e.key.hex()[:8]}"
-        assert sum(lru.n for lru in self._lru_ns.values()) == self._lru.n, "namespace lru lengths"
+        assert sum(lru.n for lru in self._lru_ns.values()) == sum(type(e) is QuotaEntry for e in self._lru), \
+            "namespace lru lengths"
         pins = collections.Counter()
         for mine in self._pins.values():
             for k, n in mine.items():
