@@ -36,31 +36,19 @@ REDIS_MODES = ("evict", "through")
 _MADV_POPULATE_READ = 22  # linux/mman.h, Linux 5.14+
 
 
-def _libc_madvise():
+def _libc(name: str, *argtypes):
+    """libc's ``name`` with ``argtypes``, returning int; None where it is missing."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+        fn.argtypes = list(argtypes)
         fn.restype = ctypes.c_int
         return fn
     except (OSError, AttributeError):
         return None
 
 
-_madvise = _libc_madvise()
-
-
-def _libc_mincore():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).mincore
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-        fn.restype = ctypes.c_int
-        return fn
-    except (OSError, AttributeError):
-        return None
-
-
-_mincore = _libc_mincore()
+_madvise = _libc("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_mincore = _libc("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
 
 
 class PlacementVerifier:
