@@ -130,7 +130,7 @@ class LocalBlockStore(AccountedStore):
             through the simulated NUMA records.
         limit: ``kv_store_limit``: bytes, a size string, or a fraction of the
             allocator's host tier (default 25%).
-        chunk_bytes: slab and GPU-registration unit (bytes; default 256 MiB,
+        chunk_bytes: placement and GPU-registration unit (bytes; default 256 MiB,
             at most the limit).
         quotas: ``{cache_salt: bytes}`` per-namespace limits (None: the store's).
         strict_placement: drop a block whose pages did not land on the node

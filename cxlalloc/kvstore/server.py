@@ -60,7 +60,7 @@ class KVServer:
         size: pool bytes (exact; the mapping is rounded up to the page size).
         node: NUMA node of the pool.
         socket_path: unix socket to listen on.
-        chunk_bytes: slab and client GPU-registration unit (page multiple, <= 64 GiB, <= size).
+        chunk_bytes: placement and client GPU-registration unit (page multiple, <= 64 GiB, <= size).
         socket_mode: permission bits of the socket file (who may attach).
         group: group (name or gid) of the socket file.
         quotas: ``{namespace: bytes}``; ``default_quota``: bytes for any other namespace.

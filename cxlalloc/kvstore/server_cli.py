@@ -108,7 +108,7 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
                    "memory ('50%%'); exact, committed only as blocks are written")
     p.add_argument("--numa-node", default="auto", help="NUMA node of the pool: auto (a CPU-less/CXL node if any) or "
                    "a node id (default auto)")
-    p.add_argument("--chunk", default=None, help="slab and client GPU-registration unit (default 256MiB, or the "
+    p.add_argument("--chunk", default=None, help="placement and client GPU-registration unit (default 256MiB, or the "
                    "pool when smaller; at most 64GiB; a block is at most one chunk)")
     p.add_argument("--socket-mode", default="0660", help="permission bits of the socket file: who may attach "
                    "(default 0660: owner and group)")

@@ -81,7 +81,7 @@ class ServerState:
     Args:
         size: pool bytes (exact; the mapping is rounded up to the page size).
         node: NUMA node of the pool.
-        chunk_bytes: slab unit of the index (bytes).
+        chunk_bytes: placement unit of the index (bytes; slots are pages within it).
         quotas: ``{namespace: bytes}``; ``default_quota``: bytes for any other namespace.
         max_clients: owners at once (:meth:`admit` refuses more).
         allow_uids: if given, only these uids may be admitted.

@@ -1,4 +1,4 @@
-"""BlockIndex: slabs, LRU eviction, pins, write-then-publish, quotas, dead owners.
+"""BlockIndex: chunks and slots, LRU eviction, pins, write-then-publish, quotas, dead owners.
 
 Pure bookkeeping, so the randomized test checks the invariants after every one
 of thousands of operations."""
@@ -110,10 +110,10 @@ def test_block_larger_than_the_store_is_refused_naming_the_option():
         ix.reserve([key(1)], 9 * KiB, "", "w")
 
 
-def test_an_emptied_slab_takes_another_block_size():
-    ix = BlockIndex(16 * KiB, 8 * KiB)  # two slabs
-    put(ix, [1, 2, 3, 4])  # 4 KiB blocks fill both slabs
-    put(ix, [9], nbytes=8 * KiB)  # must empty one slab: evicts the two oldest
+def test_an_emptied_chunk_takes_another_block_size():
+    ix = BlockIndex(16 * KiB, 8 * KiB)  # two chunks
+    put(ix, [1, 2, 3, 4])  # 4 KiB blocks fill both chunks
+    put(ix, [9], nbytes=8 * KiB)  # must empty one chunk (or its top slots): evicts the two oldest
     assert ix.contains(key(9)) and not ix.contains(key(1)) and not ix.contains(key(2))
     assert ix.contains(key(3)) and ix.contains(key(4))
     ix.check()
