@@ -209,6 +209,7 @@ class RedisTier:
         self._state_logged_at = -1e9
         self._state_suppressed = 0
         self.config_warnings: Optional[List[str]] = None  # None until checked (check_config)
+        self._config_lock = threading.Lock()
         self._writer = threading.Thread(target=self._drain, name="cxlalloc-redis-writer", daemon=True)
         self._writer.start()
 
@@ -261,6 +262,10 @@ class RedisTier:
         ``CONFIG GET``; where CONFIG is refused (managed services rename or
         disable it), says so once instead.  Returns the warnings (also kept in
         ``config_warnings``); [] when unreachable (checked again later)."""
+        with self._config_lock:  # the writer thread checks at start; a caller may at the same time
+            return self._check_config()
+
+    def _check_config(self) -> List[str]:
         if self.config_warnings is not None:
             return self.config_warnings
         out: List[str] = []
