@@ -10,8 +10,8 @@ variant (side by side):
 ``wrapped``
     the same model wrapped (:func:`cxlalloc.hf.wrap`, ``device_limit`` = its
     weights' segment + the same KV budget, the host tier behind it) with
-    ``num_blocks`` left to cxlalloc (device room + as much again on the host
-    tier).
+    ``num_blocks`` = ``host_factor`` (4) x the budget's blocks: the rest on
+    the host tier.
 ``wrapped+store``
     as ``wrapped`` with ``kv_store=True`` (the in-process store): complete
     blocks are written through, and a prefix the paged cache forgot is loaded
@@ -23,7 +23,9 @@ document + a ``question_tokens`` question, all arriving at once) and ``chats``
 two-turn conversations (turn 2 = turn 1's prompt + its reply + a new
 question, submitted when turn 1 finishes).  Greedy, ``new_tokens`` each.
 
-Per variant: requests in flight (most at once: overlapping
+Every variant runs ``rounds`` times (3; ``--quick``: 1), interleaved, so that
+load on a shared machine falls on all of them; rows ``kind="round"`` hold each
+run, rows ``kind="variant"`` the medians.  Per variant: requests in flight (most at once: overlapping
 ``GenerationOutput.lifespan`` intervals, the same for every variant),
 throughput (generated tokens / wall seconds), TTFT p50/p99 (first token's
 ``timestamps[0]`` - ``created_time``; ms), preemptions (requests evicted:
@@ -42,7 +44,8 @@ A larger budget (everything fits in the device tier; ``no-spill``) runs
 when nothing spills (goal <= 3 %).
 
 CPU (simulation): a tiny Llama (4 layers, fp32, random weights), 2,048-token
-documents; the tiers are the simulated driver's and compute is the CPU's.
+documents; the tiers are the simulated driver's and compute is the CPU's.  On
+a GPU the same workload runs on it (not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from cxlalloc_apps.bench.meta import RecordWriter, new_record
 
 MiB = 1 << 20
 WEIGHT_SEGMENT = 4 * MiB  # the tiny model's weights fill one 4 MiB device segment of the wrapped model
+CHUNK = 2 * MiB  # cxlalloc's placement granule (extent chunk)
 
 
 @dataclasses.dataclass
@@ -70,12 +74,15 @@ class Workload:
     chats: int = 3
     zipf_s: float = 1.1
     page: int = 64
-    budget_blocks: int = 48  # the device KV budget, in blocks (plain's num_blocks)
+    budget_blocks: int = 40  # the device KV budget, in blocks (plain's num_blocks)
+    host_factor: int = 4  # the wrapped variants' num_blocks = host_factor x budget_blocks (the rest on the host tier)
     max_batch_tokens: int = 512
     seed: int = 0
 
 
-QUICK = Workload(documents=3, doc_tokens=1024, rag=6, chats=2, budget_blocks=24)
+QUICK = Workload(documents=3, doc_tokens=1024, rag=6, chats=2, budget_blocks=20)
+ROUNDS = 3  # interleaved rounds of every variant (medians), full workload
+QUICK_ROUNDS = 1
 
 
 def _model(device: str = "cpu", vocab: int = 1000):
@@ -271,7 +278,7 @@ def probe(model, cb_config, gen, docs: List[List[int]], question_tokens: int, se
 
 
 def _variant(name: str, w: Workload, budget_blocks: int, docs, reqs, gen, *, wrapped: bool, store: bool,
-             probe_docs: bool, fixed_blocks: bool = False, device: str = "cpu") -> Dict[str, Any]:
+             probe_docs: bool, num_blocks: Optional[int] = None, device: str = "cpu") -> Dict[str, Any]:
     import cxlalloc.hf as hf
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -279,12 +286,16 @@ def _variant(name: str, w: Workload, budget_blocks: int, docs, reqs, gen, *, wra
     bb = block_bytes(model, w.page)
     kw = dict(page_size=w.page, max_batch_tokens=w.max_batch_tokens)
     if wrapped:
-        opts = dict(device_limit=WEIGHT_SEGMENT + budget_blocks * bb, host_limit=512 * MiB, device_headroom=0)
+        # no-spill: 2 chunks more, for the paged extent's rounding to 2 MiB chunks and its spare sectors, so that
+        # every block is in VRAM; under the budget plain and wrapped get exactly the same device bytes for KV.
+        slack = 2 * CHUNK if num_blocks == budget_blocks else 0
+        opts = dict(device_limit=WEIGHT_SEGMENT + budget_blocks * bb + slack, host_limit=512 * MiB,
+                    device_headroom=0)
         if store:
             opts["kv_store"] = True
         model = hf.wrap(model, **opts)
-    if not wrapped or fixed_blocks:  # no-spill: the wrapped cache gets plain's blocks, all of them in VRAM
-        kw["num_blocks"] = budget_blocks
+    # plain: the blocks the device budget holds; wrapped: num_blocks (None: cxlalloc's default sizing)
+    kw["num_blocks"] = num_blocks if wrapped else budget_blocks
     counts = _Counts()
     counts.install(_cache_classes())
     try:
@@ -313,83 +324,116 @@ def _variant(name: str, w: Workload, budget_blocks: int, docs, reqs, gen, *, wra
     return row
 
 
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def aggregate(rounds: List[dict]) -> Dict[str, Any]:
+    """One variant over its rounds: medians of tokens/s and TTFT p50/p99, the
+    largest in-flight count, every probe sample."""
+    out = {"variant": rounds[0]["variant"], "rounds": len(rounds), "num_blocks": rounds[0]["num_blocks"],
+           "budget_blocks": rounds[0]["budget_blocks"]}
+    for k in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "wall_s"):
+        out[k] = _median([r[k] for r in rounds])
+    for k in ("max_in_flight", "preemptions", "reset_and_reprefilled"):
+        out[k] = max(r[k] for r in rounds)
+    probes = [x for r in rounds for x in r.get("probe_ttft_ms", [])]
+    if probes:
+        out["probe_ttft_ms_median"] = _median(probes)
+        out["probe_ttft_ms_min"] = round(min(probes), 2)
+    if "cxlalloc" in rounds[0]:
+        out["store_hit_tokens"] = max(r["cxlalloc"]["store_hit_tokens"] or 0 for r in rounds)
+        out["reprefills_avoided"] = max(r["cxlalloc"]["reprefills_avoided"] or 0 for r in rounds)
+        out["peak_kv_host_bytes"] = max(r["cxlalloc"]["peak_kv_host_bytes"] or 0 for r in rounds)
+    return out
+
+
 def run(ctx) -> Dict[str, Any]:
     """``bench --only cb``: the record ``cb.json`` (and ``cb.png``)."""
     import torch
     from transformers import GenerationConfig
 
     w = QUICK if ctx.quick else Workload()
+    rounds = QUICK_ROUNDS if ctx.quick else ROUNDS
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     on_gpu = ctx.gpu_ready()[0]
-    params = dataclasses.asdict(w)
-    params.update(model="tiny Llama (4 layers, hidden 128, 4 KV heads x 32, fp32, random weights)",
-                  no_spill_budget_blocks=None, units="ms, tokens/s, bytes",
-                  timer="time.perf_counter (transformers' GenerationOutput created_time / timestamps / lifespan)")
     device = f"cuda:{ctx.device}" if on_gpu else "cpu"
-    params["device"] = device
+    params = dataclasses.asdict(w)
+    params.update(model="tiny Llama (4 layers, hidden 128, 4 KV heads x 32, fp32, random weights)", device=device,
+                  rounds=rounds, units="ms, tokens/s, bytes",
+                  timer="time.perf_counter (transformers' GenerationOutput created_time / timestamps / lifespan)")
     wr = RecordWriter(ctx.out_dir, new_record("cb", params, not on_gpu, ctx.argv, ctx.device))
     if not on_gpu:
         wr.note("CPU run: the simulated CUDA driver holds the tiers and the model computes on the CPU; throughput "
                 "and TTFT are CPU compute, not GPU figures")
     model = _model()
-    docs, reqs = make_stream(w, int(model.config.vocab_size))
+    vocab = int(model.config.vocab_size)
+    docs, reqs = make_stream(w, vocab)
     bb = block_bytes(model, w.page)
+    del model
     per_request = -(-(w.doc_tokens + 2 * w.question_tokens + 2 * w.new_tokens) // w.page)
     all_blocks = per_request * (len(reqs) + w.chats) + 8
     wr.record["parameters"].update(no_spill_budget_blocks=all_blocks, block_bytes=bb, batch_kv_bytes=all_blocks * bb,
-                                   requests=len(reqs) + w.chats)
-    del model
+                                   requests=len(reqs) + w.chats, wrapped_num_blocks=w.host_factor * w.budget_blocks)
     gen = GenerationConfig(max_new_tokens=w.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    plan = [("plain", w.budget_blocks, False, False, True), ("wrapped", w.budget_blocks, True, False, False),
-            ("wrapped+store", w.budget_blocks, True, True, True),
-            ("plain no-spill", all_blocks, False, False, False), ("wrapped no-spill", all_blocks, True, False, False)]
+    # (name, device budget in blocks, wrapped, kv_store, restart probe, num_blocks for a wrapped variant)
+    plan = [("plain", w.budget_blocks, False, False, True, None),
+            ("wrapped", w.budget_blocks, True, False, False, w.host_factor * w.budget_blocks),
+            ("wrapped+store", w.budget_blocks, True, True, True, w.host_factor * w.budget_blocks),
+            ("plain no-spill", all_blocks, False, False, False, None),
+            ("wrapped no-spill", all_blocks, True, False, False, all_blocks)]
     # Warm-up (not recorded): the first manager of a process pays one-time costs (kernels, threads, the
     # simulated driver's first mappings) that would otherwise land on whichever variant runs first.
     ctx.log("bench cb: warm-up")
     warm = dataclasses.replace(w, documents=1, rag=2, chats=0)
-    _variant("warm-up", warm, all_blocks, *make_stream(warm, 1000), gen, wrapped=False, store=False, probe_docs=False,
-             device=device)
-    _variant("warm-up", warm, w.budget_blocks, *make_stream(warm, 1000), gen, wrapped=True, store=True,
-             probe_docs=False, device=device)
-    rows: Dict[str, dict] = {}
-    for name, budget, wrapped, store, probe_docs in plan:
-        if ctx.deadline.expired():
-            wr.skip(name, "time budget")
-            continue
-        ctx.log(f"bench cb: {name} ({budget} blocks of device budget)")
-        try:
-            row = _variant(name, w, budget, docs, reqs, gen, wrapped=wrapped, store=store, probe_docs=probe_docs,
-                           fixed_blocks="no-spill" in name, device=device)
-        except Exception as e:
-            wr.error(name, e)
-            continue
-        rows[name] = row
-        wr.add(dict({k: v for k, v in row.items() if k != "tokens"}, kind="variant", status="ok",
-                    method="one ContinuousBatchingManager per variant, the same seeded request stream"))
-    ref = rows.get("plain", {}).get("tokens")
-    summary: Dict[str, Any] = {}
-    for name, row in rows.items():
-        if ref is not None and name != "plain":
-            base = rows["plain no-spill"]["tokens"] if "no-spill" in name and "plain no-spill" in rows else ref
-            summary[f"{name}: tokens identical to plain"] = row["tokens"] == base
-    p, t, s = rows.get("plain"), rows.get("wrapped"), rows.get("wrapped+store")
-    if p and t:
-        summary["in_flight_ratio_wrapped_vs_plain"] = round(t["max_in_flight"] / max(1, p["max_in_flight"]), 2)
-        summary["throughput_ratio_wrapped_vs_plain"] = round(t["tokens_per_s"] / p["tokens_per_s"], 3)
-    if p and s:
-        summary["in_flight_ratio_store_vs_plain"] = round(s["max_in_flight"] / max(1, p["max_in_flight"]), 2)
-        summary["throughput_ratio_store_vs_plain"] = round(s["tokens_per_s"] / p["tokens_per_s"], 3)
-        summary["ttft_p50_ratio_store_vs_plain"] = round(s["ttft_p50_ms"] / p["ttft_p50_ms"], 3)
-        if p.get("probe_ttft_ms") and s.get("probe_ttft_ms"):
-            summary["probe_ttft_ms_plain_median"] = round(statistics.median(p["probe_ttft_ms"]), 2)
-            summary["probe_ttft_ms_store_median"] = round(statistics.median(s["probe_ttft_ms"]), 2)
-            summary["probe_ttft_ratio_store_vs_plain"] = round(
-                summary["probe_ttft_ms_store_median"] / summary["probe_ttft_ms_plain_median"], 3)
-    pn, tn = rows.get("plain no-spill"), rows.get("wrapped no-spill")
-    if pn and tn:
+    for wrapped in (False, True):
+        _variant("warm-up", warm, w.budget_blocks, *make_stream(warm, vocab), gen, wrapped=wrapped, store=wrapped,
+                 probe_docs=False, num_blocks=2 * w.budget_blocks, device=device)
+    per: Dict[str, List[dict]] = {}
+    for i in range(rounds):  # variants interleaved, so that load on a shared machine falls on all of them
+        for name, budget, wrapped, store, probe_docs, num_blocks in plan:
+            if ctx.deadline.expired():
+                wr.skip(f"{name} round {i}", "time budget")
+                continue
+            ctx.log(f"bench cb: round {i + 1}/{rounds}: {name} ({budget} blocks of device budget)")
+            try:
+                row = _variant(name, w, budget, docs, reqs, gen, wrapped=wrapped, store=store, probe_docs=probe_docs,
+                               num_blocks=num_blocks, device=device)
+            except Exception as e:
+                wr.error(f"{name} round {i}", e)
+                continue
+            per.setdefault(name, []).append(row)
+            wr.add(dict({k: v for k, v in row.items() if k != "tokens"}, kind="round", round=i, status="ok",
+                        method="one ContinuousBatchingManager per variant and round, the same seeded request stream"))
+    summary: Dict[str, Any] = {"variants": {}}
+    ref = {"plain": per.get("plain", [{}])[0].get("tokens"), "no-spill": per.get("plain no-spill", [{}])[0].get(
+        "tokens")}
+    for name, rows in per.items():
+        agg = aggregate(rows)
+        base = ref["no-spill" if "no-spill" in name else "plain"]
+        agg["tokens_identical_to_plain"] = base is not None and all(r["tokens"] == base for r in rows)
+        summary["variants"][name] = agg
+        wr.add(dict(agg, kind="variant", status="ok", method=f"median over {len(rows)} interleaved rounds"))
+    v = summary["variants"]
+    p, t, st = v.get("plain"), v.get("wrapped"), v.get("wrapped+store")
+
+    def ratio(a, b, key):
+        return round(a[key] / b[key], 3) if a and b and a.get(key) and b.get(key) else None
+
+    summary.update(
+        in_flight_ratio_wrapped_vs_plain=ratio(t, p, "max_in_flight"),
+        in_flight_ratio_store_vs_plain=ratio(st, p, "max_in_flight"),
+        throughput_ratio_wrapped_vs_plain=ratio(t, p, "tokens_per_s"),
+        throughput_ratio_store_vs_plain=ratio(st, p, "tokens_per_s"),
+        ttft_p50_ratio_store_vs_plain=ratio(st, p, "ttft_p50_ms"),
+        ttft_p99_ratio_store_vs_plain=ratio(st, p, "ttft_p99_ms"),
+        probe_ttft_ratio_store_vs_plain=ratio(st, p, "probe_ttft_ms_median"))
+    pn, tn = v.get("plain no-spill"), v.get("wrapped no-spill")
+    if pn and tn and pn.get("tokens_per_s"):
         summary["no_spill_overhead"] = round(1 - tn["tokens_per_s"] / pn["tokens_per_s"], 3)
+    summary["all_tokens_identical"] = bool(v) and all(a["tokens_identical_to_plain"] for a in v.values())
     wr.record["summary"] = summary
-    wr.flush()
     rec = wr.finish()
     try:
         plot(rec, os.path.join(ctx.out_dir, "cb.png"))
@@ -423,10 +467,11 @@ def plot(rec: Dict[str, Any], path: str) -> Optional[str]:
     axes[2].set_xticklabels(names, rotation=30)
     axes[2].set_ylabel("TTFT (ms)")
     axes[2].legend()
-    probes = [(r["variant"], statistics.median(r["probe_ttft_ms"])) for r in rows if r.get("probe_ttft_ms")]
+    probes = [(r["variant"], r["probe_ttft_ms_median"]) for r in rows if r.get("probe_ttft_ms_median")]
     if probes:
         axes[3].bar([n for n, _ in probes], [v for _, v in probes], color="tab:green")
         axes[3].set_ylabel(f"TTFT after a restart (ms), {rec['parameters'].get('doc_tokens')}-token prefix")
+        axes[3].set_yscale("log")
     for ax in axes:
         ax.grid(True, axis="y", alpha=0.3)
     sim = rec.get("simulated", False)
