@@ -66,21 +66,23 @@ CHUNK = 2 * MiB  # cxlalloc's placement granule (extent chunk)
 
 @dataclasses.dataclass
 class Workload:
+    """The request stream and the budget (tokens, blocks of ``page`` tokens; ``zipf_s``: popularity exponent)."""
+
     documents: int = 6
     doc_tokens: int = 2048
     question_tokens: int = 16
-    new_tokens: int = 8
+    new_tokens: int = 32
     rag: int = 14
     chats: int = 3
     zipf_s: float = 1.1
     page: int = 64
-    budget_blocks: int = 40  # the device KV budget, in blocks (plain's num_blocks)
+    budget_blocks: int = 36  # the device KV budget, in blocks (plain's num_blocks): one document + 4 blocks
     host_factor: int = 4  # the wrapped variants' num_blocks = host_factor x budget_blocks (the rest on the host tier)
     max_batch_tokens: int = 512
     seed: int = 0
 
 
-QUICK = Workload(documents=3, doc_tokens=1024, rag=6, chats=2, budget_blocks=20)
+QUICK = Workload(documents=3, doc_tokens=1024, new_tokens=8, rag=6, chats=2, budget_blocks=20)
 ROUNDS = 3  # interleaved rounds of every variant (medians), full workload
 QUICK_ROUNDS = 1
 
@@ -336,6 +338,7 @@ def aggregate(rounds: List[dict]) -> Dict[str, Any]:
            "budget_blocks": rounds[0]["budget_blocks"]}
     for k in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "wall_s"):
         out[k] = _median([r[k] for r in rounds])
+        out[k + "_range"] = [min(r[k] for r in rounds), max(r[k] for r in rounds)]
     for k in ("max_in_flight", "preemptions", "reset_and_reprefilled"):
         out[k] = max(r[k] for r in rounds)
     probes = [x for r in rounds for x in r.get("probe_ttft_ms", [])]

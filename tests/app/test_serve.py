@@ -72,8 +72,8 @@ def served(tmp_path_factory):
     env.pop("CXLALLOC", None)
     log = open(os.path.join(d, "server.log"), "w+")
     proc = subprocess.Popen([sys.executable, "-m", "cxlalloc", "serve", d, "--port", str(port), "--device", "cpu",
-                             "--device-limit", "8MiB", "--host-limit", "64MiB", "--cb-block-size", "16",
-                             "--cb-num-blocks", "64", "--cb-max-batch-tokens", "256"],
+                             "--device-limit", "8MiB", "--host-limit", "64MiB", "--kv-store", "local",
+                             "--cb-block-size", "16", "--cb-num-blocks", "64", "--cb-max-batch-tokens", "256"],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 150
@@ -159,6 +159,10 @@ def test_four_concurrent_multi_turn_conversations_streamed_and_not(served):
     st = _get(f"http://127.0.0.1:{port}/v1/cxlalloc/stats")
     hf = next(iter(st.values()))["hf"]
     assert hf["weights_placed"] and hf["weight_bytes"] > 0  # the served model is the wrapped one
+    cb = hf["continuous_batching"]  # the server's continuous batching ran on the tiers, its blocks stored
+    assert cb["tiered"] is True and cb["cache"]["num_blocks"] == 64
+    assert cb["counters"]["scheduled_requests"] >= 8 and cb["counters"]["max_requests_in_flight"] >= 2
+    assert cb["kv_store"]["enabled"] is True and cb["counters"]["stored_blocks"] > 0
 
 
 @pytest.mark.parametrize("argv, needle", [
