@@ -474,7 +474,6 @@ def plot(rec: Dict[str, Any], path: str) -> Optional[str]:
     if probes:
         axes[3].bar([n for n, _ in probes], [v for _, v in probes], color="tab:green")
         axes[3].set_ylabel(f"TTFT after a restart (ms), {rec['parameters'].get('doc_tokens')}-token prefix")
-        axes[3].set_yscale("log")
     for ax in axes:
         ax.grid(True, axis="y", alpha=0.3)
     sim = rec.get("simulated", False)
