@@ -437,12 +437,7 @@ def run(ctx) -> Dict[str, Any]:
         summary["no_spill_overhead"] = round(1 - tn["tokens_per_s"] / pn["tokens_per_s"], 3)
     summary["all_tokens_identical"] = bool(v) and all(a["tokens_identical_to_plain"] for a in v.values())
     wr.record["summary"] = summary
-    rec = wr.finish()
-    try:
-        plot(rec, os.path.join(ctx.out_dir, "cb.png"))
-    except Exception as e:  # a missing matplotlib never loses the record
-        ctx.log(f"bench cb: no plot ({type(e).__name__}: {e})")
-    return rec
+    return wr.finish_and_plot(plot, ctx.log)
 
 
 def plot(rec: Dict[str, Any], path: str) -> Optional[str]:

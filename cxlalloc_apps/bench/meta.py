@@ -354,6 +354,17 @@ class RecordWriter:
             return "partial"
         return "ok"
 
+    def finish_and_plot(self, plot, log) -> Dict[str, Any]:
+        """:meth:`finish`, then ``plot(record, <out>/<benchmark>.png)``; a plot
+        that fails (no matplotlib, say) is logged with ``log`` and never loses
+        the record.  Returns the record."""
+        rec = self.finish()
+        try:
+            plot(rec, os.path.join(os.path.dirname(self.path), f"{rec['benchmark']}.png"))
+        except Exception as e:
+            log(f"bench {rec['benchmark']}: no plot ({type(e).__name__}: {e})")
+        return rec
+
     def finish(self, status: Optional[str] = None) -> Dict[str, Any]:
         r = self.record
         if status is None:
