@@ -153,7 +153,9 @@ setup(
     ext_modules=[core] + ([sim] if sim.sources else []),
     cmdclass={"build_py": BuildPyWithStartupHook},
     python_requires=">=3.10",
-    install_requires=["numpy"],
+    # xxhash: the per-block checksum and the weights digest (cxlalloc.kvstore.layout/keys), pinned: its digests
+    # are stored, so another algorithm or version must never be picked up silently
+    install_requires=["numpy", "xxhash==4.1.0"],
     extras_require={
         "hf": ["transformers>=5.0", "accelerate", "gguf", "msgpack>=1.0"],
         # cxlalloc kv-server (msgpack: the protocol, also for its clients; redis: the Redis/Valkey tier;

@@ -430,7 +430,7 @@ class CxlPagedAttentionCache(PagedAttentionCache):
         L = config.num_hidden_layers
         self.layout = BlockLayout(self.page_size, self.dtype, tuple((full.num_key_value_heads, full.head_dim,
                                                                      full.head_dim) for _ in range(L)))
-        reuse.store.check_block_bytes(self.layout.block_bytes)
+        reuse.store.check_block_bytes(self.layout.stored_bytes)
         self.reuse = reuse
         self.ns = reuse.opts.cache_salt or ""
         self._root = None
@@ -439,7 +439,11 @@ class CxlPagedAttentionCache(PagedAttentionCache):
         self._wrap_allocator(full)
 
     def root(self) -> bytes:
-        fp = self.reuse.fingerprint()
+        """The chain root of this paged cache.  The fingerprint (a digest of
+        every weight byte, ``PrefixReuse.fingerprint``) is taken once per
+        paged cache, i.e. per ``generate_batch()`` call or continuous-batching
+        manager: the weights must not change in place while one serves."""
+        fp = self._root_fp if self._root_fp is not None else self.reuse.fingerprint()
         if self._root is None or fp != self._root_fp:
             self._root = kvkeys.root_key(fp, self.layout.signature(), self.page_size, self.reuse.opts.cache_salt)
             self._root_fp = fp
@@ -527,14 +531,18 @@ class CxlPagedAttentionCache(PagedAttentionCache):
             want = [(i, keys[i]) for i in positions if i < len(keys)]
             if not want:
                 return
-            res = self.reuse.store.reserve(self.ns, [k for _, k in want], self.layout.block_bytes, self.page_size)
+            res = self.reuse.store.reserve(self.ns, [k for _, k in want], self.layout.stored_bytes, self.page_size)
             try:
-                for (i, _), view in zip(want, res.views):
+                written = []
+                for (i, k), view in zip(want, res.views):
                     if view is None:  # already stored
                         continue
                     self._store_rows(view, full).copy_(self._block_view(full, table[i]))
+                    written.append((k, view))
                     nbytes += self.layout.block_bytes
                 _sync(self.device)
+                for k, view in written:  # the checksum trailer, over the bytes that landed
+                    self.layout.seal(view, k)
                 stored = res.commit()
             finally:
                 res.abort()
@@ -583,14 +591,20 @@ class CxlPagedAttentionCache(PagedAttentionCache):
         with self.cb.lock:
             self.cb.counters.store_lookups += 1
         lease = self.reuse.store.lookup(self.ns, keys)
+        corrupt = []
         try:
             n_hit = lease.blocks
+            for j in range(have, n_hit):
+                v = lease.views[j]
+                if v.numel() != self.layout.stored_bytes:
+                    return 0
+                if self.reuse.opts.kv_store_verify and not self.layout.verify(v, keys[j]):
+                    corrupt.append(keys[j])  # used up to the block before; dropped and stored anew
+                    n_hit = j
+                    break
             extra = n_hit - have
             if extra <= 0:
                 return 0
-            for v in lease.views[have:n_hit]:
-                if v.numel() != self.layout.block_bytes:
-                    return 0
             # Fresh blocks, as can_store_request_tokens would get them (sectors first); none: load nothing.
             missing = extra - self.pool.count_free_blocks(full.index)
             if missing > 0:
@@ -611,6 +625,8 @@ class CxlPagedAttentionCache(PagedAttentionCache):
             dt = time.perf_counter() - t0
         finally:
             lease.close()
+            if corrupt:
+                self.reuse.drop_corrupt(self.ns, corrupt)
         # Hash them as transformers would (chained over the tokens), so later requests share them in VRAM.
         parent = None
         table = full.block_table.setdefault(request_id, [])

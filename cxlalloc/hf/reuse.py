@@ -27,12 +27,19 @@ What each generation mode reuses and stores:
   ``pad + hit`` over the rows (left padding ``pad``; the pad positions get zero
   K/V, which the attention mask hides).  A right-padded or otherwise
   non-left-padded batch reuses nothing (counted as ``skipped``);
-* a cache passed in by the caller, ``inputs_embeds``, ``use_cache=False``, a
+* a cache passed in by the caller, ``use_cache=False``, a
   static/quantized/offloaded cache: no lookup and no store (counted);
+* ``inputs_embeds`` or any other tensor argument that can change K/V for the
+  same ids (``pixel_values``, ``position_ids``, ``cache_position``,
+  ``token_type_ids``, a 4-D attention mask): no lookup and no store
+  (``skipped_inputs``; a warning naming the argument, once);
 * per call: ``generate(..., cache_salt="tenant")`` overrides the namespace and
   ``generate(..., kv_reuse=False)`` turns reuse off for that call.
 
-Correctness: a load that fails (out of memory, a block whose size does not
+Correctness: the fingerprint digests every weight byte at each call (no
+in-place update gives a stale hit; :class:`~cxlalloc.kvstore.keys.WeightsWatch`);
+every loaded block's checksum is checked (``kv_store_verify``), a corrupt one
+is dropped and recomputed (``corrupt_blocks``).  A load that fails (out of memory, a block whose size does not
 match) empties the cache and the call recomputes the whole prompt, counted in
 ``load_failures``; a hit is never partially applied.  K/V of generated tokens
 were computed one token at a time; a later prefill of the same tokens computes
@@ -65,7 +72,13 @@ from cxlalloc.kvstore.open import open_store
 from cxlalloc.kvstore.store import BlockStore
 
 DEFAULT_BLOCK_TOKENS = 64
-REUSE_OPTIONS = ("kv_store", "kv_store_limit", "block_tokens", "cache_salt", "kv_store_fingerprint")
+REUSE_OPTIONS = ("kv_store", "kv_store_limit", "block_tokens", "cache_salt", "kv_store_fingerprint",
+                 "kv_store_verify")
+# generate() arguments that never change a K/V value beyond what the block key covers (the token ids; a 2-D
+# attention mask is checked to be left padding).  Any other tensor argument (inputs_embeds, pixel_values,
+# position_ids, cache_position, token_type_ids, a 4-D mask, ...) may change K/V for the same ids: no lookup,
+# no store for that call, said once per argument name.
+_KEYED_INPUTS = frozenset({"input_ids", "inputs", "attention_mask"})
 
 
 class KVReuseWarning(UserWarning):
@@ -80,7 +93,8 @@ class ReuseOptions:
     kv_store_limit: Any = None
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     cache_salt: Optional[str] = None
-    kv_store_fingerprint: str = "sampled"
+    kv_store_fingerprint: str = kvkeys.DEFAULT_WEIGHT_MODE
+    kv_store_verify: bool = True
 
 
 def parse_reuse_options(options: dict) -> Optional[ReuseOptions]:
@@ -110,12 +124,17 @@ def parse_reuse_options(options: dict) -> Optional[ReuseOptions]:
     if salt is not None and not isinstance(salt, str):
         raise ValueError(f"cxlalloc option 'cache_salt': {salt!r} is not a string (a namespace such as a tenant id)")
     fp = got.get("kv_store_fingerprint")
-    fp = "sampled" if fp is None else fp
+    fp = kvkeys.DEFAULT_WEIGHT_MODE if fp is None else fp
     if fp not in kvkeys.WEIGHT_MODES:
         raise ValueError(f"cxlalloc option 'kv_store_fingerprint': {fp!r} is not allowed; allowed: "
                          f"{', '.join(kvkeys.WEIGHT_MODES)}")
+    verify = got.get("kv_store_verify")
+    verify = True if verify is None else verify
+    if not isinstance(verify, bool):
+        raise ValueError(f"cxlalloc option 'kv_store_verify': {verify!r} is not allowed; allowed: True, False "
+                         "(check each loaded block's checksum)")
     return ReuseOptions(kv_store=store, kv_store_limit=got.get("kv_store_limit"), block_tokens=bt, cache_salt=salt,
-                        kv_store_fingerprint=fp)
+                        kv_store_fingerprint=fp, kv_store_verify=verify)
 
 
 def _env_kv_store() -> Optional[str]:
@@ -147,6 +166,30 @@ class CallRecord:
     namespace: Optional[str] = None
 
 
+def _has_tensor(v) -> bool:
+    if torch.is_tensor(v):
+        return True
+    if isinstance(v, (list, tuple)):
+        return any(torch.is_tensor(x) for x in v)
+    if isinstance(v, dict):
+        return any(torch.is_tensor(x) for x in v.values())
+    return False
+
+
+def _unkeyed_inputs(kwargs: dict, cache_kw: str) -> List[str]:
+    """generate() arguments of this call that may change K/V without
+    changing the token ids: every tensor argument but the ids and a 2-D
+    attention mask (a 4-D mask is a custom attention pattern)."""
+    out = []
+    for name, v in kwargs.items():
+        if name in (cache_kw, "past_key_values", "cache") or not _has_tensor(v):
+            continue
+        if name in _KEYED_INPUTS and not (name == "attention_mask" and torch.is_tensor(v) and v.dim() != 2):
+            continue
+        out.append(name)
+    return sorted(out)
+
+
 class _Call:
     """Per-call state between the generate() wrapper and the cache hook."""
 
@@ -160,6 +203,7 @@ class _Call:
         self.beam = False
         self.eos: List[int] = []
         self.pads: List[int] = []
+        self.fp: Optional[bytes] = None  # the fingerprint at the start of the call (K/V computed by those weights)
         self.record = CallRecord()
 
 
@@ -191,13 +235,16 @@ class PrefixReuse:
         self.block_tokens = opts.block_tokens
         self.layout: Optional[BlockLayout] = None
         self.off_reason: Optional[str] = None
+        self._weights = kvkeys.WeightsWatch(model, opts.kv_store_fingerprint)
         self._fingerprint: Optional[bytes] = None
-        self._weights_version = None
         self._roots = {}
+        self._warned_inputs = set()
+        self._warned_corrupt = False
         self._tls = threading.local()
         self._lock = threading.Lock()
         self.counters = {"calls": 0, "calls_with_hit": 0, "hit_tokens": 0, "prompt_tokens": 0, "stored_blocks": 0,
-                         "skipped_calls": 0, "load_failures": 0}
+                         "skipped_calls": 0, "load_failures": 0, "skipped_inputs": 0, "corrupt_blocks": 0,
+                         "fingerprint_changes": 0, "fingerprint_ms": 0.0}
         self.last: Optional[CallRecord] = None
         self._probe()
 
@@ -240,19 +287,29 @@ class PrefixReuse:
             self._dtypes = [layer._store.g.dtype for layer in kv]
         finally:
             cache.release()
-        self.store.check_block_bytes(self.layout.block_bytes)
+        self.store.check_block_bytes(self.layout.stored_bytes)
 
     def fingerprint(self) -> bytes:
-        """The model fingerprint, recomputed when a parameter changed since."""
-        ver = kvkeys.weights_version(self.model)
-        if self._fingerprint is None or ver != self._weights_version:
-            self._fingerprint = kvkeys.model_fingerprint(self.model, self.opts.kv_store_fingerprint)
-            self._weights_version = ver
-            self._roots = {}
-        return self._fingerprint
+        """The model fingerprint, checked at each call (:class:`~cxlalloc.kvstore.keys.WeightsWatch`:
+        by default a digest of every byte of every parameter and buffer, so no in-place update
+        escapes it); counts ``fingerprint_changes`` and ``fingerprint_ms``."""
+        t0 = time.perf_counter()
+        fp = self._weights.fingerprint()
+        dt = (time.perf_counter() - t0) * 1e3
+        with self._lock:
+            self.counters["fingerprint_ms"] += dt
+            if fp != self._fingerprint:
+                if self._fingerprint is not None:
+                    self.counters["fingerprint_changes"] += 1
+                self._fingerprint = fp
+                self._roots = {}
+        return fp
 
-    def root(self, salt: Optional[str]) -> bytes:
-        fp = self.fingerprint()
+    def root(self, salt: Optional[str], fp: Optional[bytes] = None) -> bytes:
+        """The chain root of namespace ``salt`` for fingerprint ``fp`` (the current one when None)."""
+        fp = self.fingerprint() if fp is None else fp
+        if fp != self._fingerprint:
+            return kvkeys.root_key(fp, self.layout.signature(), self.block_tokens, salt)
         r = self._roots.get(salt)
         if r is None:
             r = self._roots[salt] = kvkeys.root_key(fp, self.layout.signature(), self.block_tokens, salt)
@@ -275,6 +332,19 @@ class PrefixReuse:
         if ids is None or not torch.is_tensor(ids) or ids.dim() != 2 or ids.dtype not in (torch.long, torch.int):
             call.enabled = False
             call.record.skipped = "no input_ids tensor (inputs_embeds or another input)"
+        unkeyed = _unkeyed_inputs(kwargs, self.cache_kw)
+        if unkeyed and call.enabled and enabled:
+            call.enabled = False
+            call.record.skipped = (f"generate({', '.join(unkeyed)}=...) can change K/V without changing the token "
+                                   "ids (the block key)")
+            with self._lock:
+                self.counters["skipped_inputs"] += 1
+                new = [n for n in unkeyed if n not in self._warned_inputs]
+                self._warned_inputs.update(new)
+            if new:
+                warnings.warn(f"cxlalloc.hf: kv_store: generate({', '.join(new)}=...) can change K/V without "
+                              "changing the token ids, which is all a block key covers; such calls do no lookup "
+                              "and no store (said once per argument)", KVReuseWarning, stacklevel=4)
         if not enabled:
             call.record.skipped = "kv_reuse=False"
         elif self.layout is None:
@@ -350,10 +420,11 @@ class PrefixReuse:
 
     def _load(self, call: _Call, cache: CxlCache, ids: torch.Tensor, pads: List[int], expand: int) -> None:
         layout, bt, rec = self.layout, self.block_tokens, call.record
-        root = self.root(call.salt)
+        call.fp = self.fingerprint()
+        root = self.root(call.salt, call.fp)
         ns = call.salt or ""
         L = int(ids.shape[1])
-        leases, hits = [], []
+        leases, hits, corrupt = [], [], []
         try:
             for r in range(ids.shape[0]):
                 tokens = ids[r, pads[r]:]
@@ -361,15 +432,21 @@ class PrefixReuse:
                 keys = kvkeys.chain_keys(root, tokens, bt, max_blocks=max_blocks)
                 lease = self.store.lookup(ns, keys)
                 leases.append(lease)
-                hits.append(lease.blocks * bt)
+                good = lease.blocks
+                for j, v in enumerate(lease.views):
+                    if v.numel() != layout.stored_bytes:
+                        raise ValueError(f"a stored block of {v.numel()} bytes, expected {layout.stored_bytes}")
+                    if self.opts.kv_store_verify and not layout.verify(v, keys[j]):
+                        # A bit flipped in the pool (another client's bug, a bad DIMM) or bytes under the
+                        # wrong key: use the blocks before it, drop it, recompute from there.
+                        good = j
+                        corrupt.append(keys[j])
+                        break
+                hits.append(good * bt)
             rec.row_hit_tokens = list(hits)
             C = min(min(p + h for p, h in zip(pads, hits)), L - 1)
             if C <= 0 or not any(min(h, C - p) > 0 for p, h in zip(pads, hits)):
                 return
-            for lease in leases:
-                for v in lease.views:
-                    if v.numel() != layout.block_bytes:
-                        raise ValueError(f"a stored block of {v.numel()} bytes, expected {layout.block_bytes}")
             t0 = time.perf_counter()
             geoms = [(h, dk, dv, dt) for (h, dk, dv), dt in zip(layout.slots, self._dtypes)]
             places = cache.open_prefix(geoms, ids.shape[0] * expand, C)
@@ -380,11 +457,30 @@ class PrefixReuse:
         finally:
             for lease in leases:
                 lease.close()
+            if corrupt:
+                self.drop_corrupt(ns, corrupt)
         rec.hit_tokens = C
         rec.reused_tokens = sum(max(0, min(h, C - p)) for p, h in zip(pads, hits)) * expand
         rec.bytes_loaded = nbytes
         rec.load_ms = dt * 1e3
         self.store.record_load(nbytes, dt)
+
+    def drop_corrupt(self, ns: str, keys: List[bytes]) -> None:
+        """Count blocks whose checksum failed and ask the store to drop them
+        (so this call's store step writes them again, recomputed)."""
+        with self._lock:
+            self.counters["corrupt_blocks"] += len(keys)
+        if not self._warned_corrupt:
+            self._warned_corrupt = True
+            warnings.warn(f"cxlalloc.hf: kv_store: {len(keys)} stored block(s) failed their checksum on load; "
+                          "they were dropped and recomputed (counted in reuse counters 'corrupt_blocks'; said "
+                          "once)", KVReuseWarning, stacklevel=5)
+        discard = getattr(self.store, "discard", None)
+        if discard is not None:
+            try:
+                discard(ns, keys)
+            except Exception:  # dropping is best effort: the answer is already right
+                pass
 
     def _copy_in(self, places, leases, pads, C, expand) -> int:
         """Write the hit K/V into the cache's storage; returns bytes copied from the store."""
@@ -467,7 +563,7 @@ class PrefixReuse:
         L = int(call.input_ids.shape[1])
         seqs = seqs.detach().to("cpu", torch.long)
         layout, bt = self.layout, self.block_tokens
-        root = self.root(call.salt)
+        root = self.root(call.salt, call.fp)
         ns = call.salt or ""
         # (cache row, that row's token ids, tokens of it to store)
         if call.beam:  # the prompt only: beams' cache rows are not the returned sequences
@@ -493,14 +589,18 @@ class PrefixReuse:
             seen.update(k for _, k in new)
             if not new:
                 continue
-            res = self.store.reserve(ns, [k for _, k in new], layout.block_bytes, bt)
+            res = self.store.reserve(ns, [k for _, k in new], layout.stored_bytes, bt)
             try:
-                for (j, _), view in zip(new, res.views):
+                written = []
+                for (j, k), view in zip(new, res.views):
                     if view is None:
                         continue
                     self._copy_out(places, r, pad + j * bt, view)
+                    written.append((k, view))
                     nbytes += layout.block_bytes
                 _sync(places[0][0].g.device)
+                for k, view in written:  # after the copies landed: the checksum covers the bytes readers get
+                    layout.seal(view, k)
                 stored += res.commit()
             finally:
                 res.abort()

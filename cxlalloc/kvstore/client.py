@@ -408,6 +408,19 @@ class RemoteBlockStore(AccountedStore):
         self._count("hit_blocks", len(views))
         return RemoteLease(self, c, int(reply["lease"]), views)
 
+    def discard(self, ns: str, keys: Sequence[bytes]) -> int:
+        """Report blocks whose checksum failed on load: the server verifies
+        each and drops it (``corrupt_blocks`` in its stats).  Returns how many
+        it dropped (0 when the server is away)."""
+        c = self._get_conn()
+        if c is None or not keys:
+            return 0
+        try:
+            return int(c.request({"op": "discard", "ns": ns, "keys": list(keys)}).get("dropped", 0))
+        except (_Broken, P.RemoteError) as e:
+            self._failed(e, c if isinstance(e, _Broken) else None)
+            return 0
+
     def _fallback_lookup(self, ns, keys):
         if self.fallback is None:
             return _Nothing()

@@ -315,6 +315,18 @@ class BlockIndex:
         self.c.miss_blocks += len(keys) - len(out)
         return out
 
+    def discard(self, keys: Sequence[bytes], corrupt: Callable[[Entry], bool]) -> int:
+        """Drop the READY, unpinned entries of ``keys`` for which ``corrupt(entry)``
+        is true (a reader found their checksum wrong; the store checks again, so
+        no caller can drop a sound block).  Returns how many were dropped."""
+        n = 0
+        for k in keys:
+            e = self.entries.get(k)
+            if e is not None and e.state == READY and e.pins == 0 and corrupt(e):
+                self._forget(e)
+                n += 1
+        return n
+
     def contains(self, key: bytes) -> bool:
         e = self.entries.get(key)
         return e is not None and e.state == READY

@@ -37,6 +37,7 @@ from cxlalloc import _C
 from cxlalloc.config import format_bytes, parse_size_or_fraction
 from cxlalloc.kvstore.handles import ScopedHandle
 from cxlalloc.kvstore.index import BlockIndex, Entry
+from cxlalloc.kvstore.layout import verify_stored
 from cxlalloc.kvstore.store import AccountedStore, hit_rate
 
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -164,7 +165,7 @@ class LocalBlockStore(AccountedStore):
                                 on_evict=self._evicted if lower is not None else None)
         super().__init__(("placement_verified_bytes", "placement_misplaced_bytes",
                                        "placement_unverified_bytes", "register_failures", "lower_hit_blocks",
-                                       "lower_put_blocks"))
+                                       "lower_put_blocks", "corrupt_blocks"))
         self._warned = set()
 
     def check_block_bytes(self, nbytes: int) -> None:
@@ -281,6 +282,16 @@ class LocalBlockStore(AccountedStore):
     def _abort(self, entries, owner) -> None:
         with self._lock:
             self.index.abort(entries, owner)
+
+    def discard(self, ns: str, keys: Sequence[bytes]) -> int:
+        """Drop blocks a reader found corrupt (checksum trailer wrong,
+        :func:`~cxlalloc.kvstore.layout.verify_stored`): each is checked again
+        here and dropped only if it fails and nobody holds it.  Counts
+        ``corrupt_blocks``; returns how many were dropped."""
+        with self._lock:
+            n = self.index.discard(list(keys), lambda e: not verify_stored(self._view(e).numpy(), e.key))
+        self.counters.add("corrupt_blocks", n)
+        return n
 
     # ------------------------------------------------------------ accounting
     def clear(self, ns: Optional[str] = None) -> int:

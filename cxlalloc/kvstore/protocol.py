@@ -23,6 +23,7 @@ commit      res                                                     published
 abort       res                                                     (nothing)
 stats       (nothing)                                               stats (the server's counters)
 ping        (nothing)                                               (nothing)
+discard     ns, keys (blocks whose checksum failed on load)         dropped (the server verifies each first)
 ==========  =====================================================  ===========================================
 
 The connection is the owner of its leases (pinned READY blocks) and
@@ -53,7 +54,7 @@ DEFAULT_SOCKET = "/run/cxlalloc/kv.sock"
 SUN_PATH_MAX = 107             # bytes of a unix socket path (sockaddr_un.sun_path minus the NUL)
 _LEN = struct.Struct("!I")
 
-OPS = ("hello", "lookup", "release", "reserve", "commit", "abort", "stats", "ping")
+OPS = ("hello", "lookup", "release", "reserve", "commit", "abort", "stats", "ping", "discard")
 
 
 class ProtocolError(Exception):

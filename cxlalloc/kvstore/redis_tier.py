@@ -18,6 +18,16 @@ store the deployment already runs (docs/sources.md#kv-reuse).
 * **Reads are checked.**  A value is ``header + bytes``; the header holds a
   magic, a version, the namespaced key, the length and a CRC-32, so a
   truncated, foreign or mismatched value is refused (counted), never loaded.
+  CRC-32 catches accidents, not forgery: anyone who can write the database
+  can write a valid header and CRC over other K/V.
+* **Values authenticated with a key.**  With ``key_file`` (the kv-server's
+  ``--redis-key-file PATH``, the URL's ``?redis_key_file=PATH`` for an
+  in-process store) every value carries a keyed BLAKE2b-256 MAC (RFC 7693's
+  keyed mode) over its header (namespaced key, length, CRC) and bytes, and a
+  value without a valid MAC is refused and counted (``forged_values``): a
+  writer of the Redis database without the key can no longer inject K/V.
+  The key file must be readable by its owner only (mode 0600 or 0400) and
+  hold at least 16 bytes.  docs/kv-server.md has the threat model.
 * **A down or full Redis is a miss.**  Errors are counted, never raised into
   ``generate()``; while Redis is down (after a failure, for the backoff) reads
   return misses at once instead of waiting for a timeout.  A Redis at
@@ -32,7 +42,10 @@ store the deployment already runs (docs/sources.md#kv-reuse).
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import logging
+import os
 import struct
 import threading
 import time
@@ -51,29 +64,82 @@ _MAGIC = b"CXKV"
 _VERSION = 1
 _HEADER = struct.Struct("!4sHH32sQI")  # magic, version, flags, namespaced key, nbytes, crc32
 HEADER_BYTES = _HEADER.size
+FLAG_MAC = 1  # a MAC_BYTES keyed BLAKE2b of header + bytes follows the bytes
+MAC_BYTES = 32
+MIN_KEY_BYTES = 16
 _BACKOFF_MIN_S = 0.25
 _BACKOFF_MAX_S = 10.0
 _INFO_EVERY_S = 5.0
 STATE_LOG_EVERY_S = 30.0  # at most one up/down line per this many seconds; the others are counted in the next
 
 
-def pack_value(nskey: bytes, data) -> bytes:
+def _mac(mac_key: bytes, header: bytes, data) -> bytes:
+    h = hashlib.blake2b(key=mac_key, digest_size=MAC_BYTES, person=b"cxlalloc-kv-mac")
+    h.update(header)
+    h.update(data)
+    return h.digest()
+
+
+def pack_value(nskey: bytes, data, mac_key: Optional[bytes] = None) -> bytes:
+    """The Redis value of block ``nskey``: header, bytes, and with ``mac_key`` a MAC."""
     data = bytes(data)
-    return _HEADER.pack(_MAGIC, _VERSION, 0, nskey, len(data), zlib.crc32(data)) + data
+    header = _HEADER.pack(_MAGIC, _VERSION, FLAG_MAC if mac_key else 0, nskey, len(data), zlib.crc32(data))
+    return header + data + (_mac(mac_key, header, data) if mac_key else b"")
 
 
-def unpack_value(nskey: bytes, value: Optional[bytes]) -> Optional[bytes]:
+def unpack_value(nskey: bytes, value: Optional[bytes], mac_key: Optional[bytes] = None) -> Optional[bytes]:
     """The block bytes of a stored value, or None when it is not a whole,
-    intact value of this key (raises nothing)."""
-    if value is None or len(value) < HEADER_BYTES:
-        return None
-    magic, version, _flags, key, n, crc = _HEADER.unpack_from(value)
-    if magic != _MAGIC or version != _VERSION or key != nskey or len(value) - HEADER_BYTES != n:
-        return None
-    data = value[HEADER_BYTES:]
+    intact value of this key, or (with ``mac_key``) has no valid MAC under
+    that key (raises nothing; :func:`value_problem` says which)."""
+    return None if value_problem(nskey, value, mac_key) else value[HEADER_BYTES:HEADER_BYTES + _length(value)]
+
+
+def _length(value: bytes) -> int:
+    return _HEADER.unpack_from(value)[4]
+
+
+def value_problem(nskey: bytes, value: Optional[bytes], mac_key: Optional[bytes] = None) -> Optional[str]:
+    """None for a sound value of ``nskey``; else ``"missing"``, ``"bad"``
+    (truncated, foreign, another key's, CRC wrong) or ``"forged"`` (a key is
+    set and the MAC is absent or wrong)."""
+    if value is None:
+        return "missing"
+    if len(value) < HEADER_BYTES:
+        return "bad"
+    magic, version, flags, key, n, crc = _HEADER.unpack_from(value)
+    tail = MAC_BYTES if flags & FLAG_MAC else 0
+    if magic != _MAGIC or version != _VERSION or key != nskey or len(value) - HEADER_BYTES - tail != n:
+        return "bad"
+    data = memoryview(value)[HEADER_BYTES:HEADER_BYTES + n]
     if zlib.crc32(data) != crc:
-        return None
-    return data
+        return "bad"
+    if mac_key is not None:
+        if not tail or not hmac.compare_digest(_mac(mac_key, value[:HEADER_BYTES], data), value[HEADER_BYTES + n:]):
+            return "forged"
+    return None
+
+
+def read_key_file(path: str, option: str = "--redis-key-file") -> bytes:
+    """The MAC key in ``path`` (its bytes, a trailing newline dropped).
+
+    Raises:
+        ValueError: naming ``option``: the file cannot be read, is readable or
+            writable by group or others (allowed: mode 0600 or 0400), or holds
+            fewer than 16 bytes.
+    """
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            key = f.read().rstrip(b"\r\n")
+    except OSError as e:
+        raise ValueError(f"cxlalloc option '{option}': cannot read {path!r}: {e.strerror}") from None
+    if st.st_mode & 0o077:
+        raise ValueError(f"cxlalloc option '{option}': {path!r} has mode {st.st_mode & 0o777:04o}; a MAC key file "
+                         "must be readable by its owner only (chmod 600)")
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"cxlalloc option '{option}': {path!r} holds {len(key)} bytes; a MAC key needs at least "
+                         f"{MIN_KEY_BYTES} (e.g. head -c 32 /dev/urandom > {path})")
+    return key[:64]  # BLAKE2b takes keys of up to 64 bytes
 
 
 def redact_url(url: str) -> str:
@@ -114,7 +180,7 @@ def check_url(url, option: str = "--redis") -> str:
     return url
 
 
-OWN_URL_OPTIONS = ("prefix", "ttl", "queue")
+OWN_URL_OPTIONS = ("prefix", "ttl", "queue", "redis_key_file")
 
 
 def split_url_options(url: str):
@@ -143,10 +209,12 @@ class RedisTier:
         queue_bytes: bytes of blocks waiting to be written; past it puts are dropped.
         timeout: seconds for each connect, read and write.
         batch_keys: keys per ``MGET`` (a prefix lookup stops at the first miss).
+        key_file: a file holding the MAC key (``?redis_key_file=PATH`` in the
+            URL too): values are written with a MAC and read only with a valid one.
         **redis_kwargs: passed to ``redis.Redis.from_url`` (AUTH, TLS, ...).
 
     Raises:
-        ValueError: a bad URL, ttl, queue size or timeout (naming the option).
+        ValueError: a bad URL, ttl, queue size, timeout or key file (naming the option).
         ImportError: redis-py is not installed (``pip install redis``).
     """
 
@@ -154,10 +222,15 @@ class RedisTier:
 
     def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX, ttl: Optional[float] = None,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, timeout: float = DEFAULT_TIMEOUT_S, batch_keys: int = 8,
-                 option: str = "--redis", **redis_kwargs):
+                 option: str = "--redis", key_file: Optional[str] = None, **redis_kwargs):
         check_url(url, option)
         url, ours = split_url_options(url)
         prefix = ours.get("prefix", prefix)
+        if "redis_key_file" in ours:
+            key_file, key_option = ours["redis_key_file"], f"{option} ?redis_key_file"
+        else:
+            key_option = "--redis-key-file" if option == "--redis" else f"{option} ?redis_key_file"
+        self._mac_key = read_key_file(key_file, key_option) if key_file else None
         if "ttl" in ours:
             try:
                 ttl = float(ours["ttl"])
@@ -206,6 +279,7 @@ class RedisTier:
         self.info: Dict[str, int] = {}
         self._info_at = -1e9
         self.c = collections.Counter()
+        self._warned_forged = False
         self._state_logged_at = -1e9
         self._state_suppressed = 0
         self.config_warnings: Optional[List[str]] = None  # None until checked (check_config)
@@ -306,7 +380,7 @@ class RedisTier:
     def put_ns(self, nskey: bytes, data) -> bool:
         """:meth:`put` by namespaced key.  ``data`` must not change after the
         call (pass bytes: the pool slot may be reused at once)."""
-        value = pack_value(nskey, data)
+        value = pack_value(nskey, data, self._mac_key)
         with self._cv:
             if self._closed or self._q_bytes + len(value) > self.queue_bytes:
                 self.c["dropped_blocks"] += 1
@@ -460,13 +534,18 @@ class RedisTier:
                 values = self._r.mget([self._rkey(k) for k in part])
                 stop = False
                 for j, (k, v) in enumerate(zip(part, values)):
-                    data = unpack_value(k, v)
-                    if data is None:
-                        if v is not None:
+                    problem = value_problem(k, v, self._mac_key)
+                    if problem is not None:
+                        if problem != "missing":
                             with self._lock:
-                                self.c["bad_values"] += 1
+                                self.c["forged_values" if problem == "forged" else "bad_values"] += 1
+                            if problem == "forged" and not self._warned_forged:
+                                self._warned_forged = True
+                                log.warning("cxlalloc kv: a Redis value without a valid MAC was refused (key "
+                                            "%s...; counted in forged_values; said once)", self._rkey(k)[:40])
                         stop = True
                         break
+                    data = v[HEADER_BYTES:HEADER_BYTES + _length(v)]
                     out[i + j] = data
                     got += 1
                     nbytes += len(data)
@@ -494,6 +573,7 @@ class RedisTier:
         (queue full, closed, or refused), ``full_errors`` (Redis OOM),
         ``put_errors``, ``get_errors``, ``lookups``, ``lookup_blocks``,
         ``hit_blocks``, ``hit_bytes``, ``hit_rate``, ``bad_values``,
+        ``forged_values`` (no valid MAC while a key is set), ``authenticated``,
         ``skipped_down``, ``get_seconds``, ``load_seconds_per_block``,
         ``used_bytes``/``capacity_bytes`` (Redis ``used_memory``/``maxmemory``,
         refreshed every 5 s; capacity 0 = no limit), ``reconnects``.
@@ -506,8 +586,9 @@ class RedisTier:
         out = {k: int(c.get(k, 0)) for k in (
             "queued_blocks", "put_blocks", "put_bytes", "dropped_blocks", "dropped_bytes", "full_errors",
             "put_errors", "get_errors", "info_errors", "lookups", "lookup_blocks", "hit_blocks", "hit_bytes",
-            "bad_values", "skipped_down", "reconnects", "state_changes_not_logged")}
+            "bad_values", "forged_values", "skipped_down", "reconnects", "state_changes_not_logged")}
         out.update(kind=self.kind, url=self.url, prefix=self.prefix, ttl=self.ttl, up=up, last_error=err,
+                   authenticated=self._mac_key is not None,
                    queue_blocks=qn, queue_bytes=qb, queue_limit_bytes=self.queue_bytes,
                    used_bytes=info.get("used_memory"), capacity_bytes=info.get("maxmemory"),
                    maxmemory_policy=info.get("maxmemory_policy"), config_warnings=self.config_warnings)

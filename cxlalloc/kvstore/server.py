@@ -177,7 +177,8 @@ class KVServer:
                              "max_objects": self.transport.max_objects, "backlog": self.transport.backlog,
                              "max_clients": self.max_clients, "max_reserve": self.state.max_reserve_bytes},
                   "protocol_errors": c["protocol_errors"], "bad_requests": c["bad_requests"],
-                  "requests": c["requests"], "redis_mode": self.redis_mode if self.redis is not None else None,
+                  "corrupt_blocks": c["corrupt_blocks"], "requests": c["requests"],
+                  "redis_mode": self.redis_mode if self.redis is not None else None,
                   "strict_placement": self.strict_placement}
         return {"server": server, "pool": pool, "rates": self.sampler.rates(counters),
                 "redis": self.redis.stats() if self.redis is not None else None, "clients": clients}

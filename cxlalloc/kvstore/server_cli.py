@@ -149,6 +149,10 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
                    "(default 2)")
     p.add_argument("--redis-password-file", default=None, metavar="PATH", help="read the AUTH password from a file "
                    "(keeps it out of the command line)")
+    p.add_argument("--redis-key-file", default=None, metavar="PATH", help="authenticate Redis values with a keyed "
+                   "BLAKE2b MAC whose key is in PATH (mode 0600, at least 16 bytes): values written with it, values "
+                   "without a valid MAC refused (forged_values); without it anyone who can write the Redis database "
+                   "can inject K/V (docs/kv-server.md, threat model)")
     p.add_argument("--redis-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a redis-py connection option, e.g. ssl_ca_certs=/etc/ssl/ca.pem, ssl_certfile=..., "
                         "ssl_keyfile=..., ssl_cert_reqs=required, username=... (repeatable)")
@@ -255,7 +259,7 @@ def server_from_args(args) -> KVServer:
     if not args.redis:
         given = [f for f, v in (("--redis-option", args.redis_option), ("--redis-password-file",
                                                                         args.redis_password_file),
-                                ("--redis-ttl", args.redis_ttl)) if v]
+                                ("--redis-ttl", args.redis_ttl), ("--redis-key-file", args.redis_key_file)) if v]
         if given:
             raise ValueError(f"cxlalloc option '{given[0]}': given without --redis URL")
     redis = None
@@ -264,7 +268,7 @@ def server_from_args(args) -> KVServer:
 
         redis = RedisTier(args.redis, prefix=args.redis_prefix, ttl=args.redis_ttl,
                           queue_bytes=parse_size(args.redis_queue, "--redis-queue"), timeout=args.redis_timeout,
-                          **ropts)
+                          key_file=args.redis_key_file, **ropts)
     try:
         return KVServer(size, node, args.socket, chunk_bytes=chunk, socket_mode=mode, group=gid,
                         quotas=quotas, default_quota=default_quota, redis=redis, redis_mode=args.redis_mode,

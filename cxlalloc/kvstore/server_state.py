@@ -33,6 +33,7 @@ from cxlalloc import _C
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.index import BlockIndex, Entry
 from cxlalloc.kvstore.keys import namespaced_key
+from cxlalloc.kvstore.layout import verify_stored
 
 log = logging.getLogger("cxlalloc.kvstore.server")
 
@@ -112,7 +113,7 @@ class ServerState:
                   "bad_requests": 0, "hit_bytes": 0, "redis_hit_blocks": 0, "redis_hit_bytes": 0, "redis_put_blocks": 0,
                   "placement_verified_bytes": 0, "placement_misplaced_bytes": 0, "placement_unverified_bytes": 0,
                   "placement_skipped_bytes": 0, "misplaced_dropped_blocks": 0, "peak_clients": 0, "requests": 0,
-                  "refused_reserve_budget": 0, "reserve_budget_blocks": 0, "drop_us_max": 0}
+                  "refused_reserve_budget": 0, "reserve_budget_blocks": 0, "drop_us_max": 0, "corrupt_blocks": 0}
         self.placement = None
         self.tier = None
         # No engine: the kernel's own mbind/move_pages place and verify pages;
@@ -240,6 +241,20 @@ class ServerState:
                 if entries is not None:
                     self.index.unpin(entries, o)
                     n += 1
+        return n
+
+    def discard(self, cid: int, ns: str, keys: Sequence[bytes]) -> int:
+        """Drop the blocks ``keys`` of ``ns`` that a reader found corrupt: each
+        is verified here (its checksum trailer over the client's chained key,
+        :func:`~cxlalloc.kvstore.layout.verify_stored`) and dropped only when it
+        fails and no lease pins it, so a client cannot drop a sound block.
+        Counts ``corrupt_blocks``; returns how many were dropped."""
+        self.owner(cid)
+        by_nskey = {namespaced_key(ns, k): k for k in keys}
+        with self.lock:
+            n = self.index.discard(list(by_nskey),
+                                   lambda e: not verify_stored(self.block_bytes(e), by_nskey[e.key]))
+            self.c["corrupt_blocks"] += n
         return n
 
     def reserve(self, cid: int, ns: str, keys: Sequence[bytes], nbytes: int, tokens: int) -> dict:

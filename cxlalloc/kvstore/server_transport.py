@@ -383,6 +383,9 @@ class Transport:
     def _op_lookup(self, cid: int, msg: dict):
         return self.state.lookup(cid, P.check_ns(msg.get("ns")), P.check_keys(msg.get("keys")))
 
+    def _op_discard(self, cid: int, msg: dict):
+        return {"dropped": self.state.discard(cid, P.check_ns(msg.get("ns")), P.check_keys(msg.get("keys")))}
+
     def _op_release(self, cid: int, msg: dict):
         ids = msg.get("leases")
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):

@@ -123,6 +123,12 @@ class BlockStore(Protocol):
         ``load_GBps``, ``store_GBps``)."""
 
 
+# Optional member: ``discard(ns, keys) -> int`` drops blocks whose checksum
+# trailer (cxlalloc.kvstore.layout) failed on a reader's load; the store checks
+# each again and drops only failing, unpinned ones (LocalBlockStore,
+# RemoteBlockStore).  hf/reuse.py calls it when present.
+
+
 def missing_members(obj) -> List[str]:
     """The :class:`BlockStore` members ``obj`` lacks (empty for a store)."""
     names = ("kind", "lookup", "reserve", "check_block_bytes", "record_load", "record_store", "record_failure",

@@ -201,14 +201,16 @@ def test_namespaces_models_dtypes_and_changed_weights_never_hit(fresh_sim):
 def test_eviction_under_a_small_limit_keeps_tokens_right(fresh_sim):
     ref, m = tiny_llama(), tiny_llama()
     row = 2 * 2 * 2 * 16 * 4  # layers * K,V * kv_heads * head_dim * fp32 bytes per token
-    wrap(m, kv_store_limit=6 * BT * row)  # six blocks
+    block = BT * row + 16  # the payload and its checksum trailer
+    limit = 7 * 4096  # whole pages (the store's chunk unit): six blocks and their trailers
+    wrap(m, kv_store_limit=limit)
     kw = dict(max_new_tokens=4, do_sample=False)
     for seed in range(5):
         p = ids(33, seed=20 + seed)
         assert torch.equal(gen(m, input_ids=p, **kw).sequences, gen(ref, input_ids=p, **kw).sequences)
         st = hf.stats(m)["hf"]["reuse"]["store"]
-        assert st["used_bytes"] <= st["capacity_bytes"] == 6 * BT * row
-    assert st["evicted_blocks"] > 0 and st["blocks"] == 6
+        assert st["used_bytes"] <= st["capacity_bytes"] == limit
+    assert st["evicted_blocks"] > 0 and st["blocks"] == limit // block == 6
 
 
 def test_a_failed_load_falls_back_to_recompute(fresh_sim):

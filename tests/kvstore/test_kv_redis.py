@@ -239,9 +239,9 @@ def test_in_process_store_with_redis_below_identical_tokens(redis_server):
     p1, p2 = prompts()
     ref = tiny_llama()
     a = tiny_llama()
-    # 24 KiB holds 4 blocks of 6 KiB (3 layers x 2 heads x 32 x 4 B x 8 tokens): the first 4 blocks of p1
-    # are stored, then another document's blocks evict them to Redis.
-    hf.wrap(a, device_limit="256MiB", host_limit="512MiB", kv_store=rs.url, kv_store_limit="24KiB", block_tokens=8)
+    # 28 KiB (whole pages) holds 4 blocks of 6 KiB + a 16-byte checksum (3 layers x 2 heads x 32 x 4 B x 8
+    # tokens): the first 4 blocks of p1 are stored, then another document's blocks evict them to Redis.
+    hf.wrap(a, device_limit="256MiB", host_limit="512MiB", kv_store=rs.url, kv_store_limit="28KiB", block_tokens=8)
     out, r = generate(a, p1)
     assert torch.equal(out, ref.generate(p1, max_new_tokens=8, do_sample=False))
     _, r = generate(a, prompts(seed=99)[0])
@@ -249,7 +249,7 @@ def test_in_process_store_with_redis_below_identical_tokens(redis_server):
     assert r["store"]["evicted_blocks"] >= 4 and lower["queued_blocks"] >= 4
     assert _eventually(lambda: hf.stats(a)["hf"]["reuse"]["store"]["lower"]["put_blocks"] >= 4)
     b = tiny_llama()  # another store (another process, in real life), the same Redis
-    hf.wrap(b, device_limit="256MiB", host_limit="512MiB", kv_store=rs.url, kv_store_limit="24KiB", block_tokens=8)
+    hf.wrap(b, device_limit="256MiB", host_limit="512MiB", kv_store=rs.url, kv_store_limit="28KiB", block_tokens=8)
     out, r = generate(b, p2)
     assert r["last"]["hit_tokens"] >= 32, r["last"]
     assert torch.equal(out, ref.generate(p2, max_new_tokens=8, do_sample=False))
