@@ -62,6 +62,7 @@ class Owner:
         self.pid, self.uid, self.gid = pid, uid, gid
         self.name = ""
         self.hello = False
+        self.version = 0        # the protocol version of its hello
         self.since = time.time()
         self.leases: Dict[int, List[Entry]] = {}
         self.reservations: Dict[int, List[Optional[Entry]]] = {}
@@ -105,7 +106,8 @@ class ServerState:
         self.c = {"connections": 0, "refused_full": 0, "refused_denied": 0, "protocol_errors": 0,
                   "bad_requests": 0, "hit_bytes": 0, "redis_hit_blocks": 0, "redis_hit_bytes": 0, "redis_put_blocks": 0,
                   "placement_verified_bytes": 0, "placement_misplaced_bytes": 0, "placement_unverified_bytes": 0,
-                  "placement_skipped_bytes": 0, "misplaced_dropped_blocks": 0, "peak_clients": 0, "requests": 0}
+                  "placement_skipped_bytes": 0, "misplaced_dropped_blocks": 0, "peak_clients": 0, "requests": 0,
+                  "one_way_requests": 0, "one_way_errors": 0}
         self.placement = None
         self.tier = None
         # No engine: the kernel's own mbind/move_pages place and verify pages;
@@ -153,18 +155,21 @@ class ServerState:
         return self.owners[cid]
 
     def hello(self, cid: int, version, name: str) -> dict:
-        """Mark ``cid`` as greeted; returns what the pool is (for the ``hello`` reply).
+        """Mark ``cid`` as greeted; returns what the pool is (for the ``hello``
+        reply, ``v`` = the client's version, which the connection speaks).
 
         Raises:
-            protocol.RemoteError: ``bad_request`` for another protocol version.
+            protocol.RemoteError: ``bad_request`` for a version not in
+                ``protocol.SUPPORTED_VERSIONS``.
         """
-        if version != P.PROTOCOL_VERSION:
+        if isinstance(version, bool) or version not in P.SUPPORTED_VERSIONS:
             raise P.RemoteError("bad_request", f"protocol version {version!r} is not served here (this server "
-                                               f"speaks {P.PROTOCOL_VERSION})")
+                                               f"speaks {', '.join(map(str, P.SUPPORTED_VERSIONS))})")
         o = self.owner(cid)
         o.hello = True
+        o.version = int(version)
         o.name = str(name or "")[:64]
-        return {"v": P.PROTOCOL_VERSION, "pool_id": self.pool_id, "size": self.size, "mapped": self.arena.size,
+        return {"v": int(version), "pool_id": self.pool_id, "size": self.size, "mapped": self.arena.size,
                 "chunk_bytes": self.chunk_bytes, "node": self.node, "pid": os.getpid(),
                 "numa_method": self.arena.numa_method, "max_keys": P.MAX_KEYS}
 

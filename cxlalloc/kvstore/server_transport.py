@@ -163,6 +163,11 @@ class Transport:
                 except P.ConnectionClosed:
                     break
                 reply, fds = self.handle(owner, msg)
+                if owner.version >= 2 and P.is_one_way(msg):  # v2 release: acted on, never answered
+                    self.state.count("one_way_requests")
+                    if not reply.get("ok"):
+                        self.state.count("one_way_errors")
+                    continue
                 P.send_msg(sock, reply, fds)
         except P.ProtocolError as e:
             self.state.count("protocol_errors")
