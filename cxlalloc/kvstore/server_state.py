@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence
 from cxlalloc import _C
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.index import BlockIndex, Entry
-from cxlalloc.kvstore.keys import namespaced_key
+from cxlalloc.kvstore.keys import namespaced_keys
 
 log = logging.getLogger("cxlalloc.kvstore.server")
 
@@ -207,7 +207,7 @@ class ServerState:
             protocol.RemoteError: ``limit`` (MAX_LEASES_PER_CLIENT open leases).
         """
         o = self.owner(cid)
-        ik = [namespaced_key(ns, k) for k in keys]
+        ik = namespaced_keys(ns, keys)
         with self.lock:
             if len(o.leases) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open leases; release some")
@@ -248,7 +248,7 @@ class ServerState:
             raise P.RemoteError("too_large", f"a block of {nbytes} bytes is larger than one chunk of this kv-server "
                                              f"({self.chunk_bytes} bytes, --chunk); raise --chunk or lower "
                                              "block_tokens")
-        ik = [namespaced_key(ns, k) for k in keys]
+        ik = namespaced_keys(ns, keys)
         with self.lock:
             if len(o.reservations) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open reservations; commit or "

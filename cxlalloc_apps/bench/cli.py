@@ -23,6 +23,9 @@ Run only when named (``--only reuse``, ``--only kvserver``):
                CPU: SmolLM2-135M up to 2,048 tokens; GPU: an 8B shape up to 32K)
   kvserver     the kv-server across processes, N clients, the Redis tier, kill -9
                (:mod:`.kvserver`; CPU)
+  kvspeed      KV reuse side by side with what users pick instead: kv-server
+               lookups vs redis-py MGET, insert vs memcpy, chat turns vs a
+               by-hand DynamicCache, hits vs the deepcopy recipe (:mod:`.kvspeed`; CPU)
 
 Each writes ``DIR/<name>.json`` (:mod:`.meta` describes the record; decode's
 ``parameters`` hold the grid that ran: ``points``, ``models``, ``contexts``,
