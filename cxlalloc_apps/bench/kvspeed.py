@@ -129,6 +129,11 @@ def worker_lookup(p: dict) -> dict:
     with st.lookup("", keys) as lease:
         assert lease.blocks == len(keys)
     assert r.mget(keys[:1])[0] is not None
+    open(p["ready"], "w").close()  # the parent starts the phases once every client is here
+    while not os.path.exists(p["go"]):
+        time.sleep(0.005)
+    with open(p["go"]) as f:
+        t0 = float(f.read())
 
     def kv(n):
         with st.lookup("", keys[:n]) as lease:
@@ -146,13 +151,13 @@ def worker_lookup(p: dict) -> dict:
     for ph in p["phases"]:
         fn = kv if ph["system"] == "kv-server" else rd
         n = ph["keys"]
-        while time.time() < ph["start"]:
+        while time.time() < t0 + ph["start"]:
             time.sleep(0.001)
-        done, t0 = 0, time.perf_counter()
-        while time.time() < ph["end"]:
+        done, t1 = 0, time.perf_counter()
+        while time.time() < t0 + ph["end"]:
             fn(n)
             done += 1
-        out.append({"system": ph["system"], "keys": n, "requests": done, "seconds": time.perf_counter() - t0})
+        out.append({"system": ph["system"], "keys": n, "requests": done, "seconds": time.perf_counter() - t1})
     st.close()
     return {"phases": out}
 
@@ -178,7 +183,6 @@ def part_lookup(ctx, w, work: str) -> None:
     srv = _Server(work, ["--size", "256MiB", "--chunk", "16MiB"]).start()
     rs = _Redis(work).start()
     try:
-        from cxlalloc.kvstore import protocol as P  # noqa: F401  (the worker's client speaks it)
         import cxlalloc
         from cxlalloc.kvstore.client import RemoteBlockStore
 
@@ -200,19 +204,29 @@ def part_lookup(ctx, w, work: str) -> None:
             if ctx.deadline.expired():
                 w.skip(f"lookup clients={clients}", "time budget used up")
                 continue
-            t = time.time() + 8.0 + 1.2 * clients  # the workers' start-up (torch import) on a 2-core machine
+            t = 0.3  # seconds after every client is ready
             phases = []
             for i, n in enumerate(LOOKUP_KEYS):
                 order = ("kv-server", "redis") if i % 2 == 0 else ("redis", "kv-server")
                 for system in order:
                     phases.append({"system": system, "keys": n, "start": t, "end": t + phase_s})
                     t += phase_s + 0.2
+            go = os.path.join(work, f"go-{clients}")
             params = {"url": srv.url, "redis": rs.url, "keys": [k.hex() for k in keys], "block": LOOKUP_BLOCK,
-                      "counts": list(LOOKUP_KEYS), "phases": phases}
-            procs = [_spawn("lookup", params, os.path.join(work, f"lookup-{clients}-{i}.log")) for i in range(clients)]
+                      "counts": list(LOOKUP_KEYS), "phases": phases, "go": go}
+            procs = [_spawn("lookup", dict(params, ready=os.path.join(work, f"ready-{clients}-{i}")),
+                            os.path.join(work, f"lookup-{clients}-{i}.log")) for i in range(clients)]
+            deadline = time.monotonic() + 300
+            while not all(os.path.exists(os.path.join(work, f"ready-{clients}-{i}")) for i in range(clients)):
+                if time.monotonic() > deadline or any(pr.poll() is not None for pr, _, _ in procs):
+                    raise RuntimeError(f"a lookup client did not start: {open(procs[0][2], 'rb').read()[-800:]!r}")
+                time.sleep(0.05)
+            with open(go + ".tmp", "w") as f:
+                f.write(repr(time.time()))
+            os.replace(go + ".tmp", go)
             outs = []
             for proc, f, log in procs:
-                proc.wait(timeout=t - time.time() + 120)
+                proc.wait(timeout=t + 120)
                 f.close()
                 outs.append(_last_json(log))
             for n in LOOKUP_KEYS:
@@ -385,7 +399,7 @@ def part_chat(ctx, w, work: str) -> None:
         for a, m in arms.items():
             ids = torch.cat([hist[a], user[t]], 1)
             if a == "by_hand_dynamic_cache":
-                out, ms = _timed_generate(m, input_ids=ids, past_key_values=cache, **kw)
+                out, ms = _timed_generate(m, input_ids=ids, **{hf.cache_kwarg(m): cache}, **kw)
                 hits[a].append(None)
             else:
                 out, ms = _timed_generate(m, input_ids=ids, **kw)
@@ -428,7 +442,7 @@ def part_prefix(ctx, w, work: str) -> None:
     qs = [torch.randint(3, vocab, (1, QUESTION_TOKENS), generator=g) for _ in range(repeat + 1)]
     prefix = DynamicCache(config=base.config)
     with torch.no_grad():
-        base(doc, use_cache=True, past_key_values=prefix)
+        base(doc, use_cache=True, **{hf.cache_kwarg(base): prefix})
     ours = _wrap(base)
     blocks = _wrap(base, kv_conversation_limit=0)
     for m in (ours, blocks):  # the first request stores the document's blocks
@@ -441,7 +455,7 @@ def part_prefix(ctx, w, work: str) -> None:
         t0 = time.perf_counter()
         c = copy.deepcopy(prefix)
         dc_ms = (time.perf_counter() - t0) * 1e3
-        out_r, ms = _timed_generate(base, input_ids=ids, past_key_values=c, max_new_tokens=1)
+        out_r, ms = _timed_generate(base, input_ids=ids, **{hf.cache_kwarg(base): c}, max_new_tokens=1)
         t["deepcopy_recipe"].append(dc_ms + ms)
         for a, m in (("wrapped_kv_store", ours), ("wrapped_blocks_only", blocks)):
             out, ms = _timed_generate(m, input_ids=ids, max_new_tokens=1)
