@@ -22,6 +22,10 @@ Modules:
     client     RemoteBlockStore: a kv-server as a store (kv_store="unix:///path/kv.sock")
     redis_tier RedisTier: a Redis/Valkey tier below a pool (kv_store="redis://...", --redis)
     metrics    the kv-server's Prometheus metrics
+    lmcache_plugin  the kv-server as LMCache's ``cxlalloc://`` remote-storage plugin (serving engines;
+               needs ``cxlalloc[lmcache]``; not imported here)
+    engines    the config lines that put a serving engine's KV on the kv-server / the CXL node
+               (``cxlalloc info`` prints them; docs/engines.md)
 """
 
 # Imported when first used (PEP 562): the kv-server process needs neither torch
@@ -41,6 +45,8 @@ _EXPORTS = {
     "RemoteBlockStore": "cxlalloc.kvstore.client",
     "RedisTier": "cxlalloc.kvstore.redis_tier",
     "KVServer": "cxlalloc.kvstore.server",
+    "lmcache_yaml": "cxlalloc.kvstore.engines",
+    "engine_lines": "cxlalloc.kvstore.engines",
 }
 
 __all__ = sorted(_EXPORTS)

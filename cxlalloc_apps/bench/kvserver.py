@@ -122,6 +122,36 @@ class _Server:
                 self.kill()
 
 
+class _Redis:
+    """A local redis-server on a free 127.0.0.1 port, no persistence (``url``: ``redis://127.0.0.1:PORT``)."""
+
+    def __init__(self, work: str):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (Debian: apt-get install -y redis-server)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", work], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        t0 = time.monotonic()
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    break
+            except OSError:
+                if time.monotonic() - t0 > 10:
+                    raise RuntimeError("redis-server did not start")
+                time.sleep(0.02)
+        time.sleep(0.1)
+        self.url = f"redis://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 class _Logged:
     """A child process whose stdout goes to a file (not a pipe: reading a pipe
     line by line and then with communicate() can lose what the first read
@@ -493,23 +523,9 @@ def part_redis(ctx, w, work: str) -> None:
         return
     from cxlalloc.kvstore.redis_tier import RedisTier
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    rp = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                           "--dir", work], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
+    rp = _Redis(work)
+    url = rp.url + "/0"
     try:
-        t0 = time.monotonic()
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                if time.monotonic() - t0 > 10:
-                    raise RuntimeError("redis-server did not start")
-                time.sleep(0.02)
-        time.sleep(0.1)
         tier = RedisTier(url)
         for size in (64 << 10, 1 << 20, 8 << 20):
             keys = [block_key(size, j, b"r") for j in range(16)]
@@ -591,8 +607,7 @@ def part_redis(ctx, w, work: str) -> None:
                          "only) vs on a fresh server whose pool misses and loads the chain from Redis into the pool "
                          "(MGET + checks + copy into the pool), then returns offsets"})
     finally:
-        rp.kill()
-        rp.wait()
+        rp.stop()
 
 
 def part_crash(ctx, w, work: str) -> None:
