@@ -666,3 +666,20 @@ def test_lmcache_bench_chunk_shapes_have_the_sizes_it_reports():
         assert (kv, tokens, dim) == (2, lb.TOKENS, 128) and heads in (2, 4, 8)
         assert math.prod((layers, kv, tokens, heads, dim)) * 2 == nbytes  # bf16
     assert "lmcache" in meta.OPT_IN
+
+
+def test_kvspeed_is_opt_in_and_plots_its_ratios(tmp_path):
+    from cxlalloc_apps.bench import kvspeed as ks
+
+    assert "kvspeed" in meta.OPT_IN and set(ks.PARTS) == {"lookup", "insert", "chat", "prefix"}
+    rec = {"simulated": True, "results": [
+        *({"part": "lookup", "clients": c, "keys": n, "ratio_kvserver_over_redis": 1.0 + c / 10 + n / 1000}
+          for c in ks.LOOKUP_CLIENTS for n in ks.LOOKUP_KEYS),
+        {"part": "insert", "block_bytes": 64 << 10, "ratio_insert_over_memcpy": 0.5,
+         "ratio_one_per_reservation_over_memcpy": 0.1},
+        {"part": "chat", "ratio_wrapped_over_by_hand": 1.05,
+         "ttft_ms_per_turn": {"by_hand_dynamic_cache": [10, 11], "wrapped_kv_store": [10, 12]}},
+        {"part": "prefix", "prefix_tokens": 1024, "ttft_ms_median": {"deepcopy_recipe": 30, "wrapped_kv_store": 20}}]}
+    out = ks.plot(rec, str(tmp_path / "kvspeed.png"))
+    assert out and os.path.getsize(out) > 10_000
+    assert ks.plot({"results": []}, str(tmp_path / "none.png")) is None
