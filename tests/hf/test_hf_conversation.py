@@ -4,24 +4,10 @@ simulation.  The oracle is the unwrapped model recomputing every prompt."""
 
 import pytest
 
-from tests.helpers.hf_util import MiB, tiny_gpt2, tiny_llama, torch
+from tests.helpers.hf_util import tiny_gpt2, tiny_llama, torch
+from tests.hf.test_hf_reuse import BT, ids, wrap
 
 import cxlalloc.hf as hf
-
-BT = 8
-
-
-def wrap(model, **kw):
-    kw.setdefault("device_limit", 64 * MiB)
-    kw.setdefault("host_limit", 256 * MiB)
-    kw.setdefault("kv_store", True)
-    kw.setdefault("block_tokens", BT)
-    return hf.wrap(model, **kw)
-
-
-def ids(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 1000, (1, n), generator=g)
 
 
 def plain(model, **kw):
