@@ -488,7 +488,7 @@ def run(ctx) -> Dict[str, Any]:
     params = {"parts": list(PARTS), "quick": ctx.quick, "lookup_block_bytes": LOOKUP_BLOCK,
               "lookup_keys": list(LOOKUP_KEYS), "lookup_clients": list(LOOKUP_CLIENTS),
               "insert_sizes": [list(x) for x in INSERT_SIZES], "chat_turns": CHAT_TURNS,
-              "prefix_tokens": PREFIX_TOKENS,
+              "prefix_tokens": PREFIX_TOKENS, "torch_threads": 1,
               "units": "ms, requests/s, GB/s = 1e9 bytes/s; ratios as named (see each result's method)",
               "goals": {"lookup_1_16_keys": ">= 1.0 (kv-server / redis MGET)",
                         "insert_1MiB": ">= 0.8 (memcpy time / insert time)", "insert_64KiB": ">= 0.6",
@@ -504,6 +504,11 @@ def run(ctx) -> Dict[str, Any]:
         hf_logging.disable_progress_bar()
     except Exception:
         pass
+    import torch
+
+    # One compute thread for every side: on a loaded 2-core machine a second OpenMP thread spins and gets
+    # descheduled (measured: a 4 MiB copy_ at 1.5 s instead of 1 ms), which would slow whichever side ran then.
+    torch.set_num_threads(1)
     only = getattr(ctx.args, "kvspeed_parts", None)
     work = tempfile.mkdtemp(prefix="kvspeed-", dir="/tmp")  # short: unix socket paths hold 107 bytes
     try:
