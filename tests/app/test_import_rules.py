@@ -21,7 +21,7 @@ PACKAGES = ("cxlalloc", "cxlalloc_apps")
 # The compiled extensions (setup.py): modules without a .py file.
 EXTENSIONS = ("cxlalloc._C", "cxlalloc._simcuda")
 TOP_LEVEL = ("cxlalloc.config", "cxlalloc.allocator", "cxlalloc.engine", "cxlalloc.topology", "cxlalloc._sim",
-             "cxlalloc.cli")
+             "cxlalloc.cli", "cxlalloc.cli_usage", "cxlalloc.serve_cli")
 
 
 class Rule(NamedTuple):
