@@ -11,6 +11,7 @@ Public API:
     generate(model, *args, **kwargs)     wrap if needed, then model.generate(...)
     stats(model) -> dict                 allocator stats + per-cache KV counters ("hf")
     kv_cache(model), allocator(model)    the latest live CxlCache / the Allocator
+    forget_conversation(model)           release the previous turn's cache kept for the next turn (kv_store)
     CxlCache, CxlKVLayer                 the cache classes (transformers DynamicCache/DynamicLayer)
     CxlSlidingLayer, CxlIndexedLayer, CxlHybridLayer, CxlHybridSlidingLayer
                                          tiered sliding-window / indexed (DSA) / attention+SSM layers
@@ -49,10 +50,10 @@ from cxlalloc.hf.coverage import CacheCoverageWarning  # noqa: F401
 from cxlalloc.hf.paged import ContinuousBatchingWarning, CxlPagedAttentionCache  # noqa: F401
 from cxlalloc.hf.compat import cache_kwarg, returned_cache  # noqa: F401
 from cxlalloc.hf.storage import KVCounters  # noqa: F401
-from cxlalloc.hf.wrap import (UnwrappedCopyWarning, allocator, generate, is_wrapped, kv_cache, stats,  # noqa: F401
-                              unwrap, wrap)
+from cxlalloc.hf.wrap import (UnwrappedCopyWarning, allocator, forget_conversation, generate, is_wrapped,  # noqa: F401
+                              kv_cache, stats, unwrap, wrap)
 
-__all__ = ["wrap", "unwrap", "generate", "stats", "kv_cache", "allocator", "is_wrapped", "CxlCache", "CxlKVLayer",
+__all__ = ["wrap", "unwrap", "generate", "stats", "kv_cache", "forget_conversation", "allocator", "is_wrapped", "CxlCache", "CxlKVLayer",
            "KVCounters", "cache_kwarg", "returned_cache", "UnwrappedCopyWarning", "CxlSlidingLayer", "CxlIndexedLayer",
            "CxlHybridLayer", "CxlHybridSlidingLayer", "CxlEncoderDecoderCache", "CacheCoverageWarning",
            "ContinuousBatchingWarning", "CxlPagedAttentionCache"]

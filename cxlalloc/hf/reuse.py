@@ -15,6 +15,11 @@ With ``cxlalloc.hf.wrap(model, kv_store=...)`` every ``generate()`` call
 4. after the call, stores the full blocks of the prompt and of the generated
    tokens (up to each row's first EOS), so the next turn of a chat — whose
    prompt contains this answer — hits too.
+5. keeps a batch-1 call's cache as the "last conversation" (bounded by
+   ``kv_conversation_limit`` bytes): the next call whose prompt starts with
+   the tokens that cache holds continues it (cropped to the shared tokens,
+   no copy), so a chat turn prefills only its new tokens, the last partial
+   block of the previous turn included (``conversation_hits``).
 
 What each generation mode reuses and stores:
 
@@ -63,7 +68,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from cxlalloc.config import make_config, parse_env
+from cxlalloc.config import make_config, parse_env, parse_size
 from cxlalloc.hf.cache import CxlCache
 from cxlalloc.hf.layers import STOCK_KIND, CxlKVLayer
 from cxlalloc.kvstore import keys as kvkeys
@@ -72,8 +77,9 @@ from cxlalloc.kvstore.open import open_store
 from cxlalloc.kvstore.store import BlockStore
 
 DEFAULT_BLOCK_TOKENS = 64
+DEFAULT_CONVERSATION_LIMIT = 256 << 20   # bytes of KV the "last conversation" cache may keep (kv_conversation_limit)
 REUSE_OPTIONS = ("kv_store", "kv_store_limit", "block_tokens", "cache_salt", "kv_store_fingerprint",
-                 "kv_store_verify")
+                 "kv_store_verify", "kv_conversation_limit")
 # generate() arguments that never change a K/V value beyond what the block key covers (the token ids; a 2-D
 # attention mask is checked to be left padding).  Any other tensor argument (inputs_embeds, pixel_values,
 # position_ids, cache_position, token_type_ids, a 4-D mask, ...) may change K/V for the same ids: no lookup,
@@ -95,6 +101,7 @@ class ReuseOptions:
     cache_salt: Optional[str] = None
     kv_store_fingerprint: str = kvkeys.DEFAULT_WEIGHT_MODE
     kv_store_verify: bool = True
+    kv_conversation_limit: int = DEFAULT_CONVERSATION_LIMIT
 
 
 def parse_reuse_options(options: dict) -> Optional[ReuseOptions]:
@@ -133,8 +140,11 @@ def parse_reuse_options(options: dict) -> Optional[ReuseOptions]:
     if not isinstance(verify, bool):
         raise ValueError(f"cxlalloc option 'kv_store_verify': {verify!r} is not allowed; allowed: True, False "
                          "(check each loaded block's checksum)")
+    conv = got.get("kv_conversation_limit")
+    conv = DEFAULT_CONVERSATION_LIMIT if conv is None else parse_size(conv, "kv_conversation_limit")
     return ReuseOptions(kv_store=store, kv_store_limit=got.get("kv_store_limit"), block_tokens=bt, cache_salt=salt,
-                        kv_store_fingerprint=fp, kv_store_verify=verify)
+                        kv_store_fingerprint=fp, kv_store_verify=verify,
+                        kv_conversation_limit=conv)
 
 
 def _env_kv_store() -> Optional[str]:
@@ -164,6 +174,33 @@ class CallRecord:
     skipped: Optional[str] = None   # why no lookup was made
     fallback: Optional[str] = None  # why a load failed (then the prompt was recomputed)
     namespace: Optional[str] = None
+    conversation: bool = False      # the hit came from the previous turn's cache (sub-block reuse)
+
+
+@dataclasses.dataclass
+class _Conversation:
+    """The last conversation's cache, kept after its generate() returned (one per wrapped model).
+
+    ``ids`` (1-D int64, CPU) are the tokens whose K/V the cache holds, in
+    order (the prompt and the answer but its last token, which no forward
+    fed); ``root`` is the block-key root of that call (fingerprint, layout,
+    block size, namespace), so changed weights or another namespace never
+    continue it; ``nbytes`` the KV storage it holds (committed bytes, both tiers)."""
+
+    cache: CxlCache
+    ids: torch.Tensor
+    root: bytes
+    salt: Optional[str]
+    nbytes: int
+
+
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Tokens ``a`` (1-D) and ``b`` (1-D) share from their start (0 if none)."""
+    n = min(int(a.numel()), int(b.numel()))
+    if n == 0:
+        return 0
+    diff = (a[:n] != b[:n]).nonzero()
+    return int(diff[0, 0]) if diff.numel() else n
 
 
 def _has_tensor(v) -> bool:
@@ -199,6 +236,7 @@ class _Call:
         self.salt = salt
         self.enabled = enabled
         self.cache: Optional[CxlCache] = None
+        self.conversation_ok = True     # this call may take and leave a "last conversation" cache
         self.expand = 1
         self.beam = False
         self.eos: List[int] = []
@@ -244,7 +282,10 @@ class PrefixReuse:
         self._lock = threading.Lock()
         self.counters = {"calls": 0, "calls_with_hit": 0, "hit_tokens": 0, "prompt_tokens": 0, "stored_blocks": 0,
                          "skipped_calls": 0, "load_failures": 0, "skipped_inputs": 0, "corrupt_blocks": 0,
-                         "fingerprint_changes": 0, "fingerprint_ms": 0.0}
+                         "fingerprint_changes": 0, "fingerprint_ms": 0.0, "conversation_hits": 0,
+                         "conversation_hit_tokens": 0, "conversation_kept": 0, "conversation_too_large": 0,
+                         "conversation_dropped": 0}
+        self._conv: Optional[_Conversation] = None   # the "last conversation" cache (sub-block reuse)
         self.last: Optional[CallRecord] = None
         self._probe()
 
@@ -329,6 +370,10 @@ class PrefixReuse:
             ids = kwargs.get("inputs", args[0] if args else None)
         call = _Call(ids, kwargs.get("attention_mask"), salt, bool(enabled) and self.layout is not None)
         call.record.namespace = salt
+        # Assisted / prompt-lookup decoding crops and rolls the cache back with candidates: its final cache
+        # is not kept for the next turn (the block store still serves the call).
+        call.conversation_ok = (kwargs.get("assistant_model") is None and not kwargs.get("prompt_lookup_num_tokens")
+                                and self.opts.kv_conversation_limit > 0)
         if ids is None or not torch.is_tensor(ids) or ids.dim() != 2 or ids.dtype not in (torch.long, torch.int):
             call.enabled = False
             call.record.skipped = "no input_ids tensor (inputs_embeds or another input)"
@@ -365,12 +410,19 @@ class PrefixReuse:
         stack = getattr(self._tls, "calls", None)
         return stack[-1] if stack else None
 
-    def load(self, cache: CxlCache, generation_config, batch_size: int) -> None:
+    def load(self, cache: CxlCache, generation_config, batch_size: int,
+             max_cache_len: Optional[int] = None) -> Optional[CxlCache]:
         """Called by the cache hook with the fresh cache of this call: load the
-        hit into it (or leave it empty)."""
+        hit into it (or leave it empty).
+
+        Returns None, or the cache to use instead of ``cache`` (the caller
+        releases ``cache``): the previous turn's cache, cropped to the tokens
+        this prompt shares with it and reserved for ``max_cache_len`` tokens,
+        when the same conversation continues (batch 1, no padding, one
+        sequence; :meth:`_continue_conversation`)."""
         call = self._current()
         if call is None or call.cache is not None:
-            return
+            return None
         call.cache = cache
         expand = max(int(getattr(generation_config, "num_beams", 1) or 1),
                      int(getattr(generation_config, "num_return_sequences", 1) or 1))
@@ -393,6 +445,12 @@ class PrefixReuse:
             rec.skipped = "the attention mask is not left padding"
             return
         call.pads = pads
+        conv_hit = 0
+        if call.conversation_ok and expand == 1 and not call.beam and pads == [0] and ids.shape[0] == 1:
+            conv_hit = self._conversation_hit(call, ids[0])
+        L, bt = int(ids.shape[1]), self.block_tokens
+        if conv_hit and conv_hit >= (L - 1) // bt * bt:  # no block lookup can beat it
+            return self._continue_conversation(call, ids[0], conv_hit, max_cache_len)
         try:
             self._load(call, cache, ids, pads, expand)
         except Exception as exc:  # never a wrong token: recompute the whole prompt
@@ -402,6 +460,97 @@ class PrefixReuse:
             with self._lock:
                 self.counters["load_failures"] += 1
             self.store.record_failure()
+        if conv_hit > rec.hit_tokens:  # the previous turn covers more than the stored blocks
+            cache.reset()
+            rec.hit_tokens = rec.reused_tokens = rec.bytes_loaded = 0
+            rec.load_ms = 0.0
+            return self._continue_conversation(call, ids[0], conv_hit, max_cache_len)
+        return None
+
+    # ------------------------------------------------------------ the last conversation
+    def _conversation_hit(self, call: _Call, tokens: torch.Tensor) -> int:
+        """Tokens of ``tokens`` (this prompt, 1-D) the kept conversation holds
+        (0: none kept, another namespace or weights, or no shared start); at
+        most ``len(tokens) - 1``, so the last prompt token is prefilled."""
+        conv = self._conv
+        if conv is None or conv.salt != call.salt:
+            return 0
+        if conv.root != self.root(call.salt):  # the weights changed since: never continue it
+            self._drop_conversation(conv)
+            return 0
+        return min(common_prefix(conv.ids, tokens), int(tokens.numel()) - 1)
+
+    def _continue_conversation(self, call: _Call, tokens: torch.Tensor, hit: int,
+                               max_cache_len: Optional[int]) -> Optional[CxlCache]:
+        """Take the kept cache for this call, cropped to ``hit`` tokens; None
+        when another thread took it first or it cannot be reused (then the
+        call goes on with its own, empty or store-loaded, cache)."""
+        with self._lock:
+            conv, self._conv = self._conv, None
+        if conv is None:
+            return None
+        kc = conv.cache
+        try:
+            held = min(layer._len for layer in kc._cxl_layers())
+            if held > hit:
+                kc.crop(hit - held)  # drop the tokens this prompt does not share
+            if max_cache_len:
+                kc.reserve(int(max_cache_len))
+        except Exception as exc:  # never a wrong token: this call computes its prompt
+            kc.release()
+            call.record.fallback = f"conversation cache: {type(exc).__name__}: {exc}"
+            return None
+        call.cache = kc
+        rec = call.record
+        rec.hit_tokens = rec.reused_tokens = hit
+        rec.conversation = True
+        rec.row_hit_tokens = [hit]
+        with self._lock:
+            self.counters["conversation_hits"] += 1
+            self.counters["conversation_hit_tokens"] += hit
+        return kc
+
+    def _keep_conversation(self, call: _Call, output) -> None:
+        """After a batch-1 call: keep its cache as the last conversation (the
+        one kept before is released), if it fits ``kv_conversation_limit``
+        and the caller was not handed the cache (``return_dict_in_generate``
+        with ``past_key_values``: it is the caller's then)."""
+        cache = call.cache
+        seqs = output if torch.is_tensor(output) else getattr(output, "sequences", None)
+        if seqs is None or seqs.shape[0] != 1 or getattr(output, "past_key_values", None) is cache:
+            return
+        layers = cache._cxl_layers()
+        if not layers or any(layer._store is None for layer in layers):
+            return
+        held = min(layer._len for layer in layers)
+        if held <= 0 or seqs.shape[1] < held:
+            return
+        kv = cache.kv_stats()
+        nbytes = int(kv.get("kv_device_bytes", 0)) + int(kv.get("kv_host_bytes", 0))
+        if nbytes > self.opts.kv_conversation_limit:
+            with self._lock:
+                self.counters["conversation_too_large"] += 1
+            return
+        conv = _Conversation(cache, seqs[0, :held].detach().to("cpu", torch.long).clone(), self.root(call.salt),
+                             call.salt, nbytes)
+        with self._lock:
+            old, self._conv = self._conv, conv
+            self.counters["conversation_kept"] += 1
+        if old is not None and old.cache is not cache:
+            old.cache.release()
+
+    def _drop_conversation(self, conv: Optional[_Conversation] = None) -> None:
+        with self._lock:
+            if self._conv is None or (conv is not None and self._conv is not conv):
+                return
+            conv, self._conv = self._conv, None
+            self.counters["conversation_dropped"] += 1
+        conv.cache.release()
+
+    def forget_conversation(self) -> None:
+        """Release the kept "last conversation" cache now (its KV memory); the
+        next call starts from the block store.  ``cxlalloc.hf.forget_conversation(model)``."""
+        self._drop_conversation()
 
     @staticmethod
     def _left_pads(mask, shape) -> Optional[List[int]]:
@@ -541,6 +690,8 @@ class PrefixReuse:
                 self._store_call(call, output)
             except Exception as exc:  # storing is best effort: the answer is already right
                 rec.fallback = rec.fallback or f"store failed: {type(exc).__name__}: {exc}"
+            if call.conversation_ok and call.expand == 1 and not call.beam and call.pads == [0]:
+                self._keep_conversation(call, output)
         with self._lock:
             if rec.hit_tokens:
                 self.counters["calls_with_hit"] += 1
@@ -626,9 +777,17 @@ class PrefixReuse:
                                              non_blocking=True)
 
     # ------------------------------------------------------------ stats
+    def _conversation_stats(self) -> dict:
+        conv = self._conv
+        return {"limit_bytes": self.opts.kv_conversation_limit, "kept": conv is not None,
+                "kept_tokens": int(conv.ids.numel()) if conv is not None else 0,
+                "kept_bytes": conv.nbytes if conv is not None else 0}
+
     def stats(self) -> dict:
         """``{"enabled", "off_reason", "block_tokens", "layout", "namespace",
-        "counters", "last" (CallRecord of the latest call), "store" (its stats)}``."""
+        "counters", "last" (CallRecord of the latest call), "conversation"
+        (``limit_bytes``, ``kept``, ``kept_tokens``, ``kept_bytes``: the last
+        conversation's cache), "store" (its stats)}``."""
         with self._lock:
             counters = dict(self.counters)
             last = dataclasses.asdict(self.last) if self.last is not None else None
@@ -641,5 +800,6 @@ class PrefixReuse:
             "namespace": self.opts.cache_salt,
             "counters": counters,
             "last": last,
+            "conversation": self._conversation_stats(),
             "store": self.store.stats(),
         }

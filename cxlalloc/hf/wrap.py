@@ -548,7 +548,11 @@ def _make_prepare_hook(model, st: WrapState):
             cache = model_kwargs[name] = st.new_cache(model, int(max_cache_length) if max_cache_length else None)
             _keep_recording(made, cache)
             if st.reuse is not None:
-                st.reuse.load(cache, generation_config, batch_size)
+                kept = st.reuse.load(cache, generation_config, batch_size,
+                                     int(max_cache_length) if max_cache_length else None)
+                if kept is not None:  # the previous turn's cache continues (cxlalloc.hf.reuse)
+                    cache.release()
+                    model_kwargs[name] = kept
         elif (user is None and made is None and dynamic and getattr(generation_config, "use_cache", True) is not False
                 and own_cache_class(model) is not None):
             # A model that builds its own DynamicCache subclass in forward() (MiniMax): give it a tiered one.
@@ -591,7 +595,11 @@ def _make_generate(model, st: WrapState):
                 if st.reuse is not None and not isinstance(kwargs[name], CxlEncoderDecoderCache):
                     st.reuse.begin(args, kwargs)
                     began = True
-                    st.reuse.load(kwargs[name], _merged_generation_config(model, kwargs), _batch_of(args, kwargs))
+                    kept = st.reuse.load(kwargs[name], _merged_generation_config(model, kwargs),
+                                         _batch_of(args, kwargs))
+                    if kept is not None:  # the previous turn's cache continues (cxlalloc.hf.reuse)
+                        kwargs[name].release()
+                        kwargs[name] = kept
             st.note(kwargs.get(name))
         elif st.reuse is not None:
             st.reuse.begin(args, kwargs)
@@ -677,6 +685,8 @@ def unwrap(model):
     own memory.  Caches already created keep their storage until dropped.
     Returns ``model``."""
     st = _state(model)
+    if st.reuse is not None:
+        st.reuse.forget_conversation()
     if st.pre_hook is not None:
         st.pre_hook.remove()
     for name in INSTANCE_ATTRS:
@@ -701,6 +711,16 @@ def generate(model, *args, **kwargs):
 def allocator(model):
     """The :class:`cxlalloc.Allocator` behind a wrapped model."""
     return _state(model).allocator
+
+
+def forget_conversation(model) -> None:
+    """Release the previous turn's cache that ``kv_store`` reuse keeps for the
+    next turn of the same conversation (``kv_conversation_limit``), freeing
+    its KV memory now; the next generate() starts from the block store.
+    Nothing happens for a model without ``kv_store``."""
+    st = _state(model)
+    if st.reuse is not None:
+        st.reuse.forget_conversation()
 
 
 def kv_cache(model) -> Optional[CxlCache]:

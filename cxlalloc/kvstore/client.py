@@ -93,6 +93,24 @@ class _Conn:
             raise P.RemoteError(str(reply.get("code", "?")), str(reply.get("error", "")))
         return reply
 
+    @property
+    def one_way_release(self) -> bool:
+        """The server speaks protocol 2: a lease is released without waiting for a reply."""
+        return int(self.hello.get("v", 1)) >= 2
+
+    def send_one_way(self, msg: dict) -> None:
+        """Send a request the server does not answer (protocol 2's ``release``
+        with ``reply: False``); frames stay in order under the request lock."""
+        with self.lock:
+            if self.broken:
+                raise _Broken("the connection failed earlier")
+            try:
+                P.send_msg(self.sock, msg)
+            except (OSError, P.ProtocolError) as e:
+                self.broken = True
+                self._close_if_idle()
+                raise _Broken(f"{type(e).__name__}: {e}") from None
+
     def hold(self) -> None:
         with self._held:
             self.outstanding += 1
@@ -135,7 +153,11 @@ class RemoteLease(ScopedHandle):
         if conn is None:
             return
         try:
-            if not conn.broken:
+            if conn.broken:
+                pass  # closing the connection (unhold) drops the pins
+            elif conn.one_way_release:  # one round trip per hit: the release is not waited for
+                conn.send_one_way({"op": "release", "leases": [self._id], "reply": False})
+            else:
                 conn.request({"op": "release", "leases": [self._id]})
         except (_Broken, P.RemoteError) as e:
             self._store._failed(e, conn)

@@ -300,6 +300,24 @@ def namespaced_key(ns: str, key: bytes) -> bytes:
     return _h(b"cxlalloc-kv-ns/1", (ns or "").encode(), bytes(key))
 
 
+def namespaced_keys(ns: str, keys) -> list:
+    """``[namespaced_key(ns, k) for k in keys]`` with the namespace's part
+    hashed once (a copy of that hash state per key): the same names, a
+    request of many keys without re-hashing the prefix for each."""
+    h0 = hashlib.blake2b(digest_size=KEY_BYTES)
+    for p in (b"cxlalloc-kv-ns/1", (ns or "").encode()):
+        h0.update(len(p).to_bytes(8, "little"))
+        h0.update(p)
+    out = []
+    for k in keys:
+        k = bytes(k)
+        h = h0.copy()
+        h.update(len(k).to_bytes(8, "little"))
+        h.update(k)
+        out.append(h.digest())
+    return out
+
+
 REDIS_PREFIX = "cxlalloc:kv:"  # the default prefix of every Redis key (``?prefix=`` changes it)
 
 

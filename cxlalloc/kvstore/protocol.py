@@ -17,7 +17,7 @@ hello       v, pid, want_fd (bool), name                            v, pool_id, 
                                                                     numa_method, max_keys (+ the pool's fd
                                                                     by SCM_RIGHTS when want_fd)
 lookup      ns, keys                                                lease (0 = none), blocks [[off, n, tokens]]
-release     leases [ids]                                            released
+release     leases [ids], reply (bool, v2; default True)            released (no reply at all when reply=False)
 reserve     ns, keys, nbytes, tokens                                res (0 = none), slots [off | None]
 commit      res                                                     published
 abort       res                                                     (nothing)
@@ -25,6 +25,14 @@ stats       (nothing)                                               stats (the s
 ping        (nothing)                                               (nothing)
 discard     ns, keys (blocks whose checksum failed on load)         dropped (the server verifies each first)
 ==========  =====================================================  ===========================================
+
+Versions: a client says its ``v`` in ``hello`` and the server answers with
+the same ``v`` when it serves it (:data:`SUPPORTED_VERSIONS`).  Version 2 adds
+one thing: ``release`` with ``"reply": False`` is *one-way* — the server acts
+on it and sends nothing back, so a hit costs one waited round trip (``lookup``,
+then the lease's release goes out without waiting; it is done before the
+connection's next request is read, as frames are handled in order).  A
+version-1 client never sends it and gets every reply as before.
 
 The connection is the owner of its leases (pinned READY blocks) and
 reservations (WRITING blocks): when it closes, for any reason, the server
@@ -46,7 +54,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from cxlalloc.kvstore.handles import close_fds
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)    # hello versions a server serves (2: one-way release)
 MAX_FRAME = 64 << 20           # bytes of one message (a lookup of 65536 keys is ~2.4 MiB)
 MAX_KEYS = 65536               # keys in one lookup/reserve
 MAX_NS_CHARS = 256             # a namespace (cache_salt) name
@@ -246,6 +255,11 @@ def url_query(url: str) -> Dict[str, str]:
     return out
 
 
+def is_one_way(msg: Dict[str, Any]) -> bool:
+    """True for a request the server must not answer (v2: ``release`` with ``reply: False``)."""
+    return msg.get("op") == "release" and msg.get("reply") is False
+
+
 # ----------------------------------------------------------------- request checks (server side)
 def check_ns(v) -> str:
     if not isinstance(v, str) or len(v) > MAX_NS_CHARS:
@@ -282,6 +296,6 @@ def fd_is_shared_memory(fd: int) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_size > 0
 
 
-__all__ = ["PROTOCOL_VERSION", "MAX_FRAME", "MAX_KEYS", "OPS", "ProtocolError", "ConnectionClosed", "RemoteError",
+__all__ = ["PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "is_one_way", "MAX_FRAME", "MAX_KEYS", "OPS", "ProtocolError", "ConnectionClosed", "RemoteError",
            "encode", "decode", "send_msg", "recv_msg", "peer_credentials", "socket_path_from_url",
            "check_socket_path", "url_query"]

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence
 from cxlalloc import _C
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.index import BlockIndex, Entry
-from cxlalloc.kvstore.keys import namespaced_key
+from cxlalloc.kvstore.keys import namespaced_key, namespaced_keys
 from cxlalloc.kvstore.layout import verify_stored
 
 log = logging.getLogger("cxlalloc.kvstore.server")
@@ -63,6 +63,7 @@ class Owner:
         self.pid, self.uid, self.gid = pid, uid, gid
         self.name = ""
         self.hello = False
+        self.version = 0        # the protocol version of its hello
         self.since = time.time()
         self.leases: Dict[int, List[Entry]] = {}
         self.reservations: Dict[int, List[Optional[Entry]]] = {}
@@ -113,7 +114,8 @@ class ServerState:
                   "bad_requests": 0, "hit_bytes": 0, "redis_hit_blocks": 0, "redis_hit_bytes": 0, "redis_put_blocks": 0,
                   "placement_verified_bytes": 0, "placement_misplaced_bytes": 0, "placement_unverified_bytes": 0,
                   "placement_skipped_bytes": 0, "misplaced_dropped_blocks": 0, "peak_clients": 0, "requests": 0,
-                  "refused_reserve_budget": 0, "reserve_budget_blocks": 0, "drop_us_max": 0, "corrupt_blocks": 0}
+                  "refused_reserve_budget": 0, "reserve_budget_blocks": 0, "drop_us_max": 0, "corrupt_blocks": 0,
+                  "one_way_requests": 0, "one_way_errors": 0}
         self.placement = None
         self.tier = None
         # No engine: the kernel's own mbind/move_pages place and verify pages;
@@ -164,18 +166,21 @@ class ServerState:
         return self.owners[cid]
 
     def hello(self, cid: int, version, name: str) -> dict:
-        """Mark ``cid`` as greeted; returns what the pool is (for the ``hello`` reply).
+        """Mark ``cid`` as greeted; returns what the pool is (for the ``hello``
+        reply, ``v`` = the client's version, which the connection speaks).
 
         Raises:
-            protocol.RemoteError: ``bad_request`` for another protocol version.
+            protocol.RemoteError: ``bad_request`` for a version not in
+                ``protocol.SUPPORTED_VERSIONS``.
         """
-        if version != P.PROTOCOL_VERSION:
+        if isinstance(version, bool) or version not in P.SUPPORTED_VERSIONS:
             raise P.RemoteError("bad_request", f"protocol version {version!r} is not served here (this server "
-                                               f"speaks {P.PROTOCOL_VERSION})")
+                                               f"speaks {', '.join(map(str, P.SUPPORTED_VERSIONS))})")
         o = self.owner(cid)
         o.hello = True
+        o.version = int(version)
         o.name = str(name or "")[:64]
-        return {"v": P.PROTOCOL_VERSION, "pool_id": self.pool_id, "size": self.size, "mapped": self.arena.size,
+        return {"v": int(version), "pool_id": self.pool_id, "size": self.size, "mapped": self.arena.size,
                 "chunk_bytes": self.chunk_bytes, "node": self.node, "pid": os.getpid(),
                 "numa_method": self.arena.numa_method, "max_keys": P.MAX_KEYS}
 
@@ -216,7 +221,7 @@ class ServerState:
             protocol.RemoteError: ``limit`` (MAX_LEASES_PER_CLIENT open leases).
         """
         o = self.owner(cid)
-        ik = [namespaced_key(ns, k) for k in keys]
+        ik = namespaced_keys(ns, keys)
         with self.lock:
             if len(o.leases) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open leases; release some")
@@ -273,7 +278,7 @@ class ServerState:
             raise P.RemoteError("too_large", f"a block of {nbytes} bytes is larger than one chunk of this kv-server "
                                              f"({self.chunk_bytes} bytes, --chunk); raise --chunk or lower "
                                              "block_tokens")
-        ik = [namespaced_key(ns, k) for k in keys]
+        ik = namespaced_keys(ns, keys)
         with self.lock:
             if len(o.reservations) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open reservations; commit or "

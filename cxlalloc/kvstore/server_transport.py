@@ -315,6 +315,11 @@ class Transport:
                     break
                 sock.settimeout(self.io_timeout)
                 reply, fds = self.handle(owner, msg)
+                if owner.version >= 2 and P.is_one_way(msg):  # v2 release: acted on, never answered
+                    self.state.count("one_way_requests")
+                    if not reply.get("ok"):
+                        self.state.count("one_way_errors")
+                    continue
                 P.send_msg(sock, reply, fds)
         except (P.ProtocolError, P.RemoteError) as e:
             code = e.code if isinstance(e, P.RemoteError) else "bad_request"

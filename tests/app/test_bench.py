@@ -713,3 +713,20 @@ def test_cb_bench_records_every_variant_side_by_side(tmp_path, monkeypatch):
     for k in ("in_flight_ratio_wrapped_vs_plain", "probe_ttft_ratio_store_vs_plain", "no_spill_overhead"):
         assert isinstance(s[k], float), k
     assert (tmp_path / "cb.png").stat().st_size > 0
+
+
+def test_kvspeed_is_opt_in_and_plots_its_ratios(tmp_path):
+    from cxlalloc_apps.bench import kvspeed as ks
+
+    assert "kvspeed" in meta.OPT_IN and set(ks.PARTS) == {"lookup", "insert", "chat", "prefix"}
+    rec = {"simulated": True, "results": [
+        *({"part": "lookup", "clients": c, "keys": n, "ratio_kvserver_over_redis": 1.0 + c / 10 + n / 1000}
+          for c in ks.LOOKUP_CLIENTS for n in ks.LOOKUP_KEYS),
+        {"part": "insert", "block_bytes": 64 << 10, "ratio_insert_over_memcpy": 0.5,
+         "ratio_one_per_reservation_over_memcpy": 0.1},
+        {"part": "chat", "ratio_wrapped_over_by_hand": 1.05,
+         "ttft_ms_per_turn": {"by_hand_dynamic_cache": [10, 11], "wrapped_kv_store": [10, 12]}},
+        {"part": "prefix", "prefix_tokens": 1024, "ttft_ms_median": {"deepcopy_recipe": 30, "wrapped_kv_store": 20}}]}
+    out = ks.plot(rec, str(tmp_path / "kvspeed.png"))
+    assert out and os.path.getsize(out) > 10_000
+    assert ks.plot({"results": []}, str(tmp_path / "none.png")) is None

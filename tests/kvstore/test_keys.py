@@ -67,3 +67,12 @@ def test_weight_digest_of_a_large_tensor_samples_within_bounds_and_full_sees_eve
     assert K.weights_digest(m, "full") != d_full
     with pytest.raises(ValueError, match="kv_store_fingerprint"):
         K.weights_digest(m, "partial")
+
+
+def test_namespaced_keys_are_namespaced_key_of_each():
+    from cxlalloc.kvstore.keys import namespaced_key, namespaced_keys
+
+    ks = [bytes([i]) * 32 for i in range(5)]
+    for ns in ("", "tenant", "é"):
+        assert namespaced_keys(ns, ks) == [namespaced_key(ns, k) for k in ks]
+    assert namespaced_keys("a", ks) != namespaced_keys("b", ks) and namespaced_keys("a", []) == []

@@ -1,0 +1,613 @@
+"""KV reuse speed against what users would pick instead, side by side in one run.
+
+Four parts, each a ratio of two things measured in the same process and run,
+alternating, so load on a shared machine slows both sides:
+
+``lookup``
+    kv-server hits (``RemoteBlockStore.lookup`` of ``n`` 64 KiB blocks, each
+    copied out of the pool into a destination tensor, the lease released)
+    against redis-py ``MGET`` of the same ``n`` keys and bytes from a real
+    local ``redis-server`` (each value copied into the same destination), for
+    1, 16 and 512 keys and 1, 4 and 16 client processes.  Ratio: kv-server
+    requests/s over Redis requests/s (> 1: the kv-server is faster).
+``insert``
+    ``reserve`` + write + ``commit`` of a batch of new blocks (64 KiB and
+    1 MiB) against a plain memcpy of the same bytes into a preallocated,
+    already touched buffer (``torch.Tensor.copy_`` per block).  Ratio: memcpy
+    time over insert time (1.0: inserting costs nothing beyond the copy).
+    Also one block per reservation (the fixed cost of two round trips).
+``chat``
+    a 20-turn conversation (each user turn new tokens, a greedy answer) on the
+    wrapped model (``kv_store=True``: the last conversation's cache continues)
+    against the cache a user keeps by hand (transformers' ``DynamicCache``
+    passed to every ``generate()`` of the unwrapped model), and the wrapped
+    model with ``kv_conversation_limit=0`` (whole blocks from the store only).
+    Per turn: time to the first logits (the prefill).  Ratio: summed prefill
+    time over the by-hand cache's (< 1: faster); tokens compared.
+``prefix``
+    in-process hits on a shared 1,024-token document with different questions
+    against transformers' documented recipe (prefill the prefix once,
+    ``copy.deepcopy`` the cache per request:
+    https://huggingface.co/docs/transformers/kv_cache, "Prompt caching /
+    re-use a cache").  Ratio: TTFT over the recipe's (< 1: faster).
+
+Machine and units are in the record (CPU; the GPU side is cxlalloc's
+simulated driver, so these are CPU figures, not GPU ones).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+from cxlalloc_apps.bench.kvserver import REPO, _env, _Server, block_key, pattern
+from cxlalloc_apps.bench.meta import RecordWriter, new_record
+
+KiB, MiB = 1 << 10, 1 << 20
+LOOKUP_BLOCK = 64 * KiB
+LOOKUP_KEYS = (1, 16, 512)
+LOOKUP_CLIENTS = (1, 4, 16)
+INSERT_SIZES = ((64 * KiB, 64), (1 * MiB, 16))   # (block bytes, blocks per reservation)
+CHAT_TURNS = 20
+CHAT_USER_TOKENS = 24
+CHAT_ANSWER_TOKENS = 8
+PREFIX_TOKENS = 1024
+QUESTION_TOKENS = 16
+
+
+def _median(xs: List[float]) -> Optional[float]:
+    return statistics.median(xs) if xs else None
+
+
+# ----------------------------------------------------------------- redis
+class _Redis:
+    def __init__(self, work: str):
+        self.binary = shutil.which("redis-server")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.work = work
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "_Redis":
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", self.work], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        t0 = time.monotonic()
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    break
+            except OSError:
+                if time.monotonic() - t0 > 10:
+                    raise RuntimeError("redis-server did not start")
+                time.sleep(0.02)
+        time.sleep(0.1)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ----------------------------------------------------------------- lookup worker (a client process)
+def worker_lookup(p: dict) -> dict:
+    """Phases at fixed times: for each key count, kv-server then Redis (or
+    the other order), ``phase_s`` each; requests completed per phase."""
+    import redis
+    import torch
+
+    import cxlalloc
+    from cxlalloc.kvstore.client import RemoteBlockStore
+
+    torch.set_num_threads(1)
+    alloc = cxlalloc.Allocator(simulate=True, device_limit=64 * MiB, host_limit=256 * MiB)
+    st = RemoteBlockStore(p["url"], alloc, timeout=30)
+    r = redis.Redis.from_url(p["redis"], socket_timeout=30)
+    keys = [bytes.fromhex(k) for k in p["keys"]]
+    B = p["block"]
+    dst = torch.empty((max(p["counts"]), B), dtype=torch.uint8)
+    # warm: map the pool, register its chunks, open the Redis connection
+    with st.lookup("", keys) as lease:
+        assert lease.blocks == len(keys)
+    assert r.mget(keys[:1])[0] is not None
+    open(p["ready"], "w").close()  # the parent starts the phases once every client is here
+    while not os.path.exists(p["go"]):
+        time.sleep(0.005)
+    with open(p["go"]) as f:
+        t0 = float(f.read())
+
+    def kv(n):
+        with st.lookup("", keys[:n]) as lease:
+            if lease.blocks != n:
+                raise RuntimeError(f"kv-server hit {lease.blocks} of {n} blocks")
+            for i, v in enumerate(lease.views):
+                dst[i].copy_(v)
+
+    def rd(n):
+        vals = r.mget(keys[:n])
+        for i, v in enumerate(vals):
+            dst[i].copy_(torch.frombuffer(v, dtype=torch.uint8))
+
+    out = []
+    for ph in p["phases"]:
+        fn = kv if ph["system"] == "kv-server" else rd
+        n = ph["keys"]
+        while time.time() < t0 + ph["start"]:
+            time.sleep(0.001)
+        done, t1 = 0, time.perf_counter()
+        while time.time() < t0 + ph["end"]:
+            fn(n)
+            done += 1
+        out.append({"system": ph["system"], "keys": n, "requests": done, "seconds": time.perf_counter() - t1})
+    st.close()
+    return {"phases": out}
+
+
+def _spawn(role: str, params: dict, log: str):
+    f = open(log, "wb")
+    return subprocess.Popen([sys.executable, "-m", "cxlalloc_apps.bench.kvspeed", "--worker", role, json.dumps(params)],
+                            stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=REPO), f, log
+
+
+def _last_json(path: str) -> dict:
+    with open(path, "rb") as f:
+        lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.startswith("{")]
+    if not lines:
+        with open(path, "rb") as f:
+            raise RuntimeError(f"worker printed no result: {f.read().decode(errors='replace')[-1500:]}")
+    return json.loads(lines[-1])
+
+
+def part_lookup(ctx, w, work: str) -> None:
+    import redis
+
+    srv = _Server(work, ["--size", "256MiB", "--chunk", "16MiB"]).start()
+    rs = _Redis(work).start()
+    try:
+        import cxlalloc
+        from cxlalloc.kvstore.client import RemoteBlockStore
+
+        keys = [block_key(7, j, b"lk") for j in range(max(LOOKUP_KEYS))]
+        alloc = cxlalloc.Allocator(simulate=True, device_limit=64 * MiB, host_limit=256 * MiB)
+        st = RemoteBlockStore(srv.url, alloc)
+        res = st.reserve("", keys, LOOKUP_BLOCK, 16)
+        import torch
+
+        for k, v in zip(keys, res.views):
+            v.copy_(torch.frombuffer(bytearray(pattern(k, LOOKUP_BLOCK)), dtype=torch.uint8))
+        assert res.commit() == len(keys)
+        st.close()
+        r = redis.Redis.from_url(rs.url)
+        r.mset({k: pattern(k, LOOKUP_BLOCK) for k in keys})
+        r.close()
+        phase_s = 1.0 if ctx.quick else 1.5
+        for clients in LOOKUP_CLIENTS:
+            if ctx.deadline.expired():
+                w.skip(f"lookup clients={clients}", "time budget used up")
+                continue
+            t = 0.3  # seconds after every client is ready
+            phases = []
+            for i, n in enumerate(LOOKUP_KEYS):
+                order = ("kv-server", "redis") if i % 2 == 0 else ("redis", "kv-server")
+                for system in order:
+                    phases.append({"system": system, "keys": n, "start": t, "end": t + phase_s})
+                    t += phase_s + 0.2
+            go = os.path.join(work, f"go-{clients}")
+            params = {"url": srv.url, "redis": rs.url, "keys": [k.hex() for k in keys], "block": LOOKUP_BLOCK,
+                      "counts": list(LOOKUP_KEYS), "phases": phases, "go": go}
+            procs = [_spawn("lookup", dict(params, ready=os.path.join(work, f"ready-{clients}-{i}")),
+                            os.path.join(work, f"lookup-{clients}-{i}.log")) for i in range(clients)]
+            deadline = time.monotonic() + 300
+            while not all(os.path.exists(os.path.join(work, f"ready-{clients}-{i}")) for i in range(clients)):
+                if time.monotonic() > deadline or any(pr.poll() is not None for pr, _, _ in procs):
+                    raise RuntimeError(f"a lookup client did not start: {open(procs[0][2], 'rb').read()[-800:]!r}")
+                time.sleep(0.05)
+            with open(go + ".tmp", "w") as f:
+                f.write(repr(time.time()))
+            os.replace(go + ".tmp", go)
+            outs = []
+            for proc, f, log in procs:
+                proc.wait(timeout=t + 120)
+                f.close()
+                outs.append(_last_json(log))
+            for n in LOOKUP_KEYS:
+                rate = {}
+                for system in ("kv-server", "redis"):
+                    ph = [o for out in outs for o in out["phases"] if o["system"] == system and o["keys"] == n]
+                    rate[system] = sum(o["requests"] / o["seconds"] for o in ph)
+                w.add({"part": "lookup", "clients": clients, "keys": n, "block_bytes": LOOKUP_BLOCK,
+                       "kvserver_requests_per_s": round(rate["kv-server"], 1),
+                       "redis_mget_requests_per_s": round(rate["redis"], 1),
+                       "kvserver_GBps": round(rate["kv-server"] * n * LOOKUP_BLOCK / 1e9, 3),
+                       "redis_GBps": round(rate["redis"] * n * LOOKUP_BLOCK / 1e9, 3),
+                       "ratio_kvserver_over_redis": round(rate["kv-server"] / rate["redis"], 3) if rate["redis"] else None,
+                       "phase_s": phase_s,
+                       "method": "each client process (RemoteBlockStore; redis-py 1 connection) runs timed phases "
+                                 "at the same wall-clock times: kv-server = lookup of n keys (protocol 2: one "
+                                 "waited round trip, one-way release) + copy of each 64 KiB block into a "
+                                 "tensor; redis = MGET of the same n keys + copy of each value into the same "
+                                 "tensor; requests/s summed over clients; the two systems alternate per key count"})
+    finally:
+        srv.stop()
+        rs.stop()
+
+
+# ----------------------------------------------------------------- insert
+def part_insert(ctx, w, work: str) -> None:
+    import torch
+
+    import cxlalloc
+    from cxlalloc.kvstore.client import RemoteBlockStore
+
+    pool = 128 * MiB
+    srv = _Server(work, ["--size", "128MiB", "--chunk", "16MiB"], name="kvi.sock").start()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # both sides copy on one thread (no pool wake-ups on a loaded 2-core machine)
+    try:
+        alloc = cxlalloc.Allocator(simulate=True, device_limit=64 * MiB, host_limit=256 * MiB)
+        st = RemoteBlockStore(srv.url, alloc, timeout=30)
+        repeat = 9 if ctx.quick else 21
+        serial = [0]
+
+        def new_keys(n):
+            serial[0] += 1
+            return [block_key(serial[0], j, b"ins") for j in range(n)]
+
+        for B, per in INSERT_SIZES:
+            src = [torch.full((B,), j % 251, dtype=torch.uint8) for j in range(per)]
+            dst = torch.empty(per * B, dtype=torch.uint8)
+            dst.fill_(1)  # touched: memcpy into committed memory, as the pool is after the warm-up below
+            # warm-up: fill the whole pool once, so its pages are committed (eviction reuses them)
+            for _ in range(pool // (per * B) + 2):
+                res = st.reserve("", new_keys(per), B, 16)
+                for v, s in zip(res.views, src):
+                    if v is not None:
+                        v.copy_(s)
+                res.commit()
+
+            def insert(batch):
+                t0 = time.perf_counter()
+                for i in range(0, per, batch):
+                    res = st.reserve("", new_keys(batch), B, 16)
+                    for v, s in zip(res.views, src[i:i + batch]):
+                        if v is None:
+                            raise RuntimeError("no slot for a new block")
+                        v.copy_(s)
+                    if res.commit() != batch:
+                        raise RuntimeError("a block was not published")
+                return time.perf_counter() - t0
+
+            def memcpy():
+                t0 = time.perf_counter()
+                for j, s in enumerate(src):
+                    dst[j * B:(j + 1) * B].copy_(s)
+                return time.perf_counter() - t0
+
+            t_ins, t_one, t_cpy = [], [], []
+            for _ in range(repeat):
+                t_cpy.append(memcpy())
+                t_ins.append(insert(per))
+                t_one.append(insert(1))
+            ins, one, cpy = _median(t_ins), _median(t_one), _median(t_cpy)
+            best = {"insert_ms": min(t_ins) * 1e3, "insert_one_per_reservation_ms": min(t_one) * 1e3,
+                    "memcpy_ms": min(t_cpy) * 1e3}
+            w.add({"part": "insert", "block_bytes": B, "blocks_per_reservation": per,
+                   "insert_ms": round(ins * 1e3, 3), "insert_one_per_reservation_ms": round(one * 1e3, 3),
+                   "memcpy_ms": round(cpy * 1e3, 3),
+                   "insert_GBps": round(per * B / ins / 1e9, 3), "memcpy_GBps": round(per * B / cpy / 1e9, 3),
+                   "ratio_insert_over_memcpy": round(cpy / ins, 3),
+                   "ratio_one_per_reservation_over_memcpy": round(cpy / one, 3),
+                   "fixed_us_per_block": round((ins - cpy) / per * 1e6, 2),
+                   "fixed_us_per_block_one_per_reservation": round((one - cpy) / per * 1e6, 2),
+                   "min_ms": {k: round(v, 3) for k, v in best.items()},
+                   "ratio_insert_over_memcpy_of_minima": round(best["memcpy_ms"] / best["insert_ms"], 3),
+                   "repeat": repeat,
+                   "method": f"{per} new blocks of {B} bytes: one reserve of all {per} keys, a torch copy_ of "
+                             "each block into its slot in the mapped pool, one commit; vs a torch copy_ of each "
+                             "of the same blocks into a preallocated touched buffer; also the same blocks one "
+                             "reserve+commit each; medians of alternating repeats; the pool was filled once "
+                             "before (committed pages, eviction on)"})
+        st.close()
+    finally:
+        torch.set_num_threads(threads)
+        srv.stop()
+
+
+# ----------------------------------------------------------------- models
+def _model():
+    import torch
+
+    from cxlalloc_apps.bench.reuse import _cpu_model
+
+    torch.manual_seed(0)
+    return _cpu_model()
+
+
+class _FirstLogits:
+    def __init__(self):
+        self.t = None
+
+    def __call__(self, input_ids, scores):
+        if self.t is None:
+            self.t = time.perf_counter()
+        return scores
+
+
+def _wrap(base, **opts):
+    """A copy of ``base`` wrapped with KV reuse (tiers sized as the reuse benchmark does on the CPU)."""
+    import cxlalloc.hf as hf
+
+    m = copy.deepcopy(base)
+    wb = sum(p.numel() * p.element_size() for p in m.parameters())
+    return hf.wrap(m, kv_store=True, device_limit=wb + 512 * MiB, host_limit=1 << 30, **opts)
+
+
+def _timed_generate(model, **kw):
+    """(output, ms to the first logits)."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    stamp = _FirstLogits()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(logits_processor=LogitsProcessorList([stamp]), do_sample=False, pad_token_id=0, **kw)
+    return out, (stamp.t - t0) * 1e3
+
+
+def part_chat(ctx, w, work: str) -> None:
+    import torch
+    from transformers import DynamicCache
+
+    import cxlalloc.hf as hf
+
+    base, name = _model()
+    vocab = int(base.config.vocab_size)
+    turns = 8 if ctx.quick else CHAT_TURNS
+    byhand = base
+    ours = _wrap(base)
+    blocks = _wrap(base, kv_conversation_limit=0)
+    g = torch.Generator().manual_seed(42)
+    user = [torch.randint(3, vocab, (1, CHAT_USER_TOKENS), generator=g) for _ in range(turns)]
+    system = torch.randint(3, vocab, (1, 64), generator=g)
+    arms = {"by_hand_dynamic_cache": byhand, "wrapped_kv_store": ours, "wrapped_blocks_only": blocks}
+    hist = {a: system for a in arms}
+    cache = DynamicCache(config=base.config)
+    ttft = {a: [] for a in arms}
+    hits = {a: [] for a in arms}
+    equal = True
+    kw = dict(max_new_tokens=CHAT_ANSWER_TOKENS, min_new_tokens=CHAT_ANSWER_TOKENS)
+    for t in range(turns):
+        for a, m in arms.items():
+            ids = torch.cat([hist[a], user[t]], 1)
+            if a == "by_hand_dynamic_cache":
+                out, ms = _timed_generate(m, input_ids=ids, **{hf.cache_kwarg(m): cache}, **kw)
+                hits[a].append(None)
+            else:
+                out, ms = _timed_generate(m, input_ids=ids, **kw)
+                hits[a].append(hf.stats(m)["hf"]["reuse"]["last"]["hit_tokens"])
+            ttft[a].append(round(ms, 3))
+            hist[a] = out
+        equal = equal and all(torch.equal(hist["by_hand_dynamic_cache"], hist[a]) for a in arms)
+    tot = {a: sum(v) for a, v in ttft.items()}
+    later = {a: sum(v[1:]) for a, v in ttft.items()}
+    ref = tot["by_hand_dynamic_cache"]
+    w.add({"part": "chat", "model": name, "turns": turns, "user_tokens_per_turn": CHAT_USER_TOKENS,
+           "answer_tokens_per_turn": CHAT_ANSWER_TOKENS, "final_tokens": int(hist["wrapped_kv_store"].shape[1]),
+           "prefill_ms_total": {a: round(v, 1) for a, v in tot.items()},
+           "prefill_ms_turns_2_on": {a: round(v, 1) for a, v in later.items()},
+           "ratio_wrapped_over_by_hand": round(tot["wrapped_kv_store"] / ref, 3),
+           "ratio_wrapped_over_by_hand_turns_2_on": round(later["wrapped_kv_store"] / later["by_hand_dynamic_cache"], 3),
+           "ratio_blocks_only_over_by_hand": round(tot["wrapped_blocks_only"] / ref, 3),
+           "ttft_ms_per_turn": ttft, "hit_tokens_per_turn": hits, "tokens_equal": bool(equal),
+           "conversation_stats": hf.stats(ours)["hf"]["reuse"]["counters"],
+           "method": "one process, the three arms take turn t one after another (same weights, greedy): by hand "
+                     "= the unwrapped model with one transformers DynamicCache passed to every generate(); "
+                     "wrapped = hf.wrap(kv_store=True) (default kv_conversation_limit: the last conversation's "
+                     "cache continues); blocks only = kv_conversation_limit=0; prefill = ms from the generate() "
+                     "call to the first logits (a logits processor stamps it)"})
+    for m in (ours, blocks):
+        hf.unwrap(m)
+
+
+def part_prefix(ctx, w, work: str) -> None:
+    import torch
+    from transformers import DynamicCache
+
+    import cxlalloc.hf as hf
+
+    base, name = _model()
+    vocab = int(base.config.vocab_size)
+    repeat = 3 if ctx.quick else 5
+    g = torch.Generator().manual_seed(7)
+    doc = torch.randint(3, vocab, (1, PREFIX_TOKENS), generator=g)
+    qs = [torch.randint(3, vocab, (1, QUESTION_TOKENS), generator=g) for _ in range(repeat + 1)]
+    prefix = DynamicCache(config=base.config)
+    with torch.no_grad():
+        base(doc, use_cache=True, **{hf.cache_kwarg(base): prefix})
+    ours = _wrap(base)
+    blocks = _wrap(base, kv_conversation_limit=0)
+    for m in (ours, blocks):  # the first request stores the document's blocks
+        _timed_generate(m, input_ids=torch.cat([doc, qs[0]], 1), max_new_tokens=1)
+    t = {"deepcopy_recipe": [], "wrapped_kv_store": [], "wrapped_blocks_only": [], "recompute": []}
+    hit = {"wrapped_kv_store": [], "wrapped_blocks_only": []}
+    equal = True
+    for q in qs[1:]:
+        ids = torch.cat([doc, q], 1)
+        t0 = time.perf_counter()
+        c = copy.deepcopy(prefix)
+        dc_ms = (time.perf_counter() - t0) * 1e3
+        out_r, ms = _timed_generate(base, input_ids=ids, **{hf.cache_kwarg(base): c}, max_new_tokens=1)
+        t["deepcopy_recipe"].append(dc_ms + ms)
+        for a, m in (("wrapped_kv_store", ours), ("wrapped_blocks_only", blocks)):
+            out, ms = _timed_generate(m, input_ids=ids, max_new_tokens=1)
+            t[a].append(ms)
+            hit[a].append(hf.stats(m)["hf"]["reuse"]["last"]["hit_tokens"])
+            equal = equal and torch.equal(out, out_r)
+        out, ms = _timed_generate(base, input_ids=ids, max_new_tokens=1)
+        t["recompute"].append(ms)
+    med = {a: _median(v) for a, v in t.items()}
+    w.add({"part": "prefix", "model": name, "prefix_tokens": PREFIX_TOKENS, "question_tokens": QUESTION_TOKENS,
+           "repeat": repeat, "ttft_ms_median": {a: round(v, 2) for a, v in med.items()},
+           "ttft_ms": {a: [round(x, 2) for x in v] for a, v in t.items()}, "hit_tokens": hit,
+           "ratio_wrapped_over_recipe": round(med["wrapped_kv_store"] / med["deepcopy_recipe"], 3),
+           "ratio_blocks_only_over_recipe": round(med["wrapped_blocks_only"] / med["deepcopy_recipe"], 3),
+           "tokens_equal": bool(equal),
+           "method": "a 1,024-token document prefilled once into a DynamicCache; per request (document + a new "
+                     "16-token question): recipe = copy.deepcopy of that cache + generate() of the unwrapped model "
+                     "(time of both); wrapped = hf.wrap(kv_store=True) (the previous request's cache continues, "
+                     "cropped to the document); blocks only = kv_conversation_limit=0 (the document's blocks "
+                     "loaded from the in-process store); recompute = the unwrapped model without a cache; "
+                     "TTFT to the first logits, medians, arms alternating per request"})
+    for m in (ours, blocks):
+        hf.unwrap(m)
+
+
+PARTS = {"lookup": part_lookup, "insert": part_insert, "chat": part_chat, "prefix": part_prefix}
+
+
+def run(ctx) -> Dict[str, Any]:
+    params = {"parts": list(PARTS), "quick": ctx.quick, "lookup_block_bytes": LOOKUP_BLOCK,
+              "lookup_keys": list(LOOKUP_KEYS), "lookup_clients": list(LOOKUP_CLIENTS),
+              "insert_sizes": [list(x) for x in INSERT_SIZES], "chat_turns": CHAT_TURNS,
+              "prefix_tokens": PREFIX_TOKENS, "torch_threads": 1,
+              "units": "ms, requests/s, GB/s = 1e9 bytes/s; ratios as named (see each result's method)",
+              "goals": {"lookup_1_16_keys": ">= 1.0 (kv-server / redis MGET)",
+                        "insert_1MiB": ">= 0.8 (memcpy time / insert time)", "insert_64KiB": ">= 0.6",
+                        "chat": "<= 1.1 (wrapped prefill / by-hand cache prefill)"},
+              "where": "CPU; the GPU side is cxlalloc's simulated driver (CPU figures, not GPU ones)"}
+    w = RecordWriter(ctx.out_dir, new_record("kvspeed", params, True, ctx.argv, ctx.device))
+    w.note("CPU run on the machine in 'hardware' (shared with other work): the tiers are cxlalloc's simulated "
+           "driver; kv-server and redis-server run as local processes; not yet run on a GPU")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except Exception:
+        pass
+    import torch
+
+    # One compute thread for every side: on a loaded 2-core machine a second OpenMP thread spins and gets
+    # descheduled (measured: a 4 MiB copy_ at 1.5 s instead of 1 ms), which would slow whichever side ran then.
+    torch.set_num_threads(1)
+    only = getattr(ctx.args, "kvspeed_parts", None)
+    work = tempfile.mkdtemp(prefix="kvspeed-", dir="/tmp")  # short: unix socket paths hold 107 bytes
+    try:
+        for name, fn in PARTS.items():
+            if only and name not in only:
+                continue
+            if ctx.deadline.expired():
+                w.skip(name, "time budget used up")
+                continue
+            ctx.log(f"kvspeed: {name}")
+            try:
+                fn(ctx, w, work)
+            except Exception as e:
+                import traceback
+
+                w.error(name, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rec = w.finish()
+    try:
+        plot(rec, os.path.join(ctx.out_dir, "kvspeed.png"))
+    except Exception as e:  # a missing matplotlib never loses the record
+        ctx.log(f"bench kvspeed: no plot ({type(e).__name__}: {e})")
+    return rec
+
+
+def plot(rec: Dict[str, Any], path: str) -> Optional[str]:
+    """The four ratios against their goals (a dashed line at the goal)."""
+    res = rec.get("results", [])
+    if not res:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
+    lk = [r for r in res if r.get("part") == "lookup"]
+    a = axes[0]
+    for n in LOOKUP_KEYS:
+        rows = sorted((r for r in lk if r["keys"] == n), key=lambda r: r["clients"])
+        a.plot([r["clients"] for r in rows], [r["ratio_kvserver_over_redis"] for r in rows], "o-", label=f"{n} keys")
+    a.axhline(1.0, color="k", ls="--", lw=1)
+    a.set_xscale("log", base=2)
+    a.set_xlabel("client processes")
+    a.set_ylabel("kv-server / redis MGET (requests/s)")
+    a.set_title("lookup (64 KiB blocks)")
+    a.legend()
+    ins = [r for r in res if r.get("part") == "insert"]
+    a = axes[1]
+    x = [f"{r['block_bytes'] // KiB} KiB" for r in ins]
+    a.bar([i - 0.2 for i in range(len(ins))], [r["ratio_insert_over_memcpy"] for r in ins], 0.4, label="batched")
+    a.bar([i + 0.2 for i in range(len(ins))], [r["ratio_one_per_reservation_over_memcpy"] for r in ins], 0.4,
+          label="one per reservation")
+    a.set_xticks(range(len(ins)), x)
+    for i, goal in enumerate([0.6 if r["block_bytes"] < MiB else 0.8 for r in ins]):
+        a.hlines(goal, i - 0.45, i + 0.45, colors="k", linestyles="--", lw=1)
+    a.set_ylabel("memcpy time / insert time")
+    a.set_title("insert vs memcpy")
+    a.legend()
+    ch = [r for r in res if r.get("part") == "chat"]
+    a = axes[2]
+    if ch:
+        c = ch[0]
+        for arm, v in c["ttft_ms_per_turn"].items():
+            a.plot(range(1, len(v) + 1), v, "o-", ms=3, label=arm)
+        a.set_xlabel("turn")
+        a.set_ylabel("prefill (ms to first logits)")
+        a.set_title(f"chat: wrapped/by-hand = {c['ratio_wrapped_over_by_hand']}x")
+        a.legend(fontsize=8)
+    px = [r for r in res if r.get("part") == "prefix"]
+    a = axes[3]
+    if px:
+        p = px[0]
+        arms = list(p["ttft_ms_median"])
+        a.bar(range(len(arms)), [p["ttft_ms_median"][k] for k in arms])
+        a.set_xticks(range(len(arms)), [k.replace("_", "\n") for k in arms], fontsize=8)
+        a.set_ylabel("TTFT (ms, median)")
+        a.set_title(f"{p['prefix_tokens']}-token prefix hit")
+    sim = rec.get("simulated", False)
+    fig.suptitle(("SIMULATION (CPU compute, simulated tiers): " if sim else "") + "KV reuse speed side by side")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+WORKERS = {"lookup": worker_lookup}
+
+
+def _worker_main(role: str, params: str) -> int:
+    out = WORKERS[role](json.loads(params))
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # skip the interpreter's teardown (seconds with torch loaded)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        sys.exit(_worker_main(sys.argv[2], sys.argv[3]))
+    from cxlalloc_apps.bench.cli import main
+
+    sys.exit(main(["--only", "kvspeed"] + sys.argv[1:]))
