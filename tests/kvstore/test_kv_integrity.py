@@ -23,7 +23,9 @@ BLOCK = 64 << 10
 
 
 def _wrap(m, store):
-    hf.wrap(m, device_limit="256MiB", host_limit="512MiB", kv_store=store, block_tokens=BT)
+    # kv_conversation_limit=0: a repeated prompt must come from the block store (what these tests check), not from
+    # the last conversation's cache the wrapped model would otherwise continue
+    hf.wrap(m, device_limit="256MiB", host_limit="512MiB", kv_store=store, block_tokens=BT, kv_conversation_limit=0)
     return m
 
 
