@@ -284,6 +284,27 @@ def plain_capped_gpu(model, inputs, args, pad_id, limit: int) -> dict:
 
 
 # ----------------------------------------------------------------- main
+# What the demo imports beyond `pip install cxlalloc`, and where it comes from
+# (setup.py's extras_require; torch is no extra: its build depends on the machine).
+NEEDED = (("torch", "torch (pip install torch; without a GPU the CPU build: pip install torch --index-url "
+                    "https://download.pytorch.org/whl/cpu)"),
+          ("transformers", "the 'hf' extra: pip install 'cxlalloc[hf]'"),
+          ("gguf", "the 'hf' extra: pip install 'cxlalloc[hf]'"),
+          ("msgpack", "the 'hf' extra: pip install 'cxlalloc[hf]'"))
+
+
+def _check_installed() -> None:
+    """One line saying what to install when a package the demo needs is
+    missing (a plain ``pip install .`` has no extras), before anything else.
+
+    Raises:
+        SystemExit: status 1, ``cxlalloc demo: needs ...``.
+    """
+    for module, how in NEEDED:
+        if importlib.util.find_spec(module) is None:
+            raise SystemExit(f"cxlalloc demo: needs {module}, which this installation lacks: install {how}")
+
+
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
     """Validate every argument that can be checked before torch is imported;
     errors are one line (exit status 2) naming the flag.
@@ -292,6 +313,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         SystemExit: status 2 for a bad flag; status 1 (one line) when the
             installation lacks the default model or the default document.
     """
+    _check_installed()
     if not 1 <= args.batch_size <= MAX_BATCH:
         parser.error(f"--batch-size: {args.batch_size} is not between 1 and {MAX_BATCH:,}")
     if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:

