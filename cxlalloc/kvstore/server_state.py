@@ -62,6 +62,7 @@ class Owner:
         self.pid, self.uid, self.gid = pid, uid, gid
         self.name = ""
         self.hello = False
+        self.status_only = False  # a --status query (hello without the pool fd): not counted as a client
         self.since = time.time()
         self.leases: Dict[int, List[Entry]] = {}
         self.reservations: Dict[int, List[Optional[Entry]]] = {}
@@ -314,7 +315,8 @@ class ServerState:
             pinned = sum(len(mine) for mine in self.index._pins.values())
             clients = [{"id": o.id, "pid": o.pid, "uid": o.uid, "name": o.name, "leases": len(o.leases),
                         "reservations": len(o.reservations), "requests": o.requests,
-                        "connected_s": round(time.time() - o.since, 1)} for o in self.owners.values()]
+                        "connected_s": round(time.time() - o.since, 1)} for o in self.owners.values()
+                       if not o.status_only]
             quotas = dict(self.index.quotas)
             default_quota = self.index.quotas.default
         pool = {
