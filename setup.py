@@ -186,7 +186,8 @@ setup(
     # install without a change here (tests/app/test_install.py).
     packages=find_packages(include=["cxlalloc", "cxlalloc.*", "cxlalloc_apps", "cxlalloc_apps.*"]),
     # the main job's default document (cxlalloc_apps/demo/app.py: DEFAULT_DOCUMENT)
-    package_data={"cxlalloc": ["py.typed"], "cxlalloc_apps.demo": ["data/*.txt"]},
+    package_data={"cxlalloc": ["py.typed"], "cxlalloc_apps.demo": ["data/*.txt"],
+                  "cxlalloc.plan": ["presets/*.json"]},  # cxlalloc plan's model configs
     ext_modules=[core] + ([sim] if sim.sources else []),
     cmdclass={"build_py": BuildPyWithStartupHook},
     python_requires=">=3.10",
@@ -196,6 +197,9 @@ setup(
         # cxlalloc kv-server (msgpack: the protocol, also for its clients; redis: the Redis/Valkey tier;
         # prometheus_client: --metrics-port/--metrics-file; rich: --status tables)
         "kvserver": ["msgpack>=1.0", "redis>=5.0", "prometheus_client>=0.17", "rich"],
+        # the LMCache remote-storage plugin (cxlalloc://, cxlalloc/kvstore/lmcache_plugin.py): for an engine's
+        # environment (vLLM, SGLang, Dynamo); the project's own venv uses scripts/install_lmcache.sh instead
+        "lmcache": ["lmcache==0.5.6", "msgpack>=1.0"],
         "bench": ["matplotlib", "rich", "tqdm"],
         "test": ["pytest", "pytest-timeout", "msgpack>=1.0", "redis>=5.0", "prometheus_client>=0.17"],
         # building the torch adapter at run time (global mode)

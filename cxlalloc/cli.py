@@ -1,12 +1,14 @@
-"""``python -m cxlalloc`` / ``cxlalloc``: info, run, bench, demo, kv-server.
+"""``python -m cxlalloc`` / ``cxlalloc``: info, run, plan, bench, demo, kv-server.
 
     cxlalloc info [--json] [--simulate] [--no-torch]
                                              GPUs, driver, capabilities, NUMA nodes,
-                                             the node "auto" picks and why, backends
+                                             the node "auto" picks and why, backends, and the
+                                             serving-engine lines for that node (docs/engines.md)
     cxlalloc run [options] -- CMD ...        run CMD with CXLALLOC set from the options
     cxlalloc bench ...                       benchmarks (the app cxlalloc_apps.bench, found by entry point)
     cxlalloc demo ...                        the main job: HuggingFace generate() past VRAM (cxlalloc_apps.demo)
     cxlalloc kv-server ...                   shared KV cache server (cxlalloc.kvstore.server_cli)
+    cxlalloc plan --model M ...              right-sizing: KV bytes, VRAM split, GPUs with/without CXL (cxlalloc.plan.cli)
 
 Exit codes: 0 success (also when the reader of stdout closes it early, as
 ``| head`` does: no traceback); 2 bad usage or options (one line,
@@ -171,7 +173,19 @@ def gather_info(simulate: bool = False, libcuda: str = "libcuda.so.1", import_to
     out["gpu"] = gpu
     near = gpu["devices"][0]["host_numa_id"] if gpu["devices"] else -1
     out["numa"] = _topology_section(near if isinstance(near, int) else -1)
+    out["engines"] = _engines_section(out["numa"])
     return out
+
+
+def _engines_section(numa: dict) -> Optional[dict]:
+    """The serving-engine lines for this machine's node (cxlalloc/kvstore/engines.py), None without NUMA."""
+    from cxlalloc.kvstore.engines import engine_lines
+
+    an = numa.get("auto_node") if numa.get("available") else None
+    if not an or an.get("node") is None:
+        return None
+    free = next((n.get("free_bytes") for n in numa["topology"].get("nodes", []) if n.get("id") == an["node"]), None)
+    return engine_lines(int(an["node"]), free)
 
 
 def _fmt_bytes(n) -> str:
@@ -218,6 +232,15 @@ def format_info(info: dict, use_rich: Optional[bool] = None) -> str:
             lines.append(f"numa_node auto -> {numa['auto_node']['node']}: {numa['auto_node']['reason']}")
     else:
         lines.append(f"NUMA topology: unavailable ({numa['reason']})")
+    eng = info.get("engines")
+    if eng:
+        lines += ["", f"serving engines, KV on node {eng['node']} ({eng['status']}; docs/engines.md):",
+                  f"  kv-server:  {eng['kv_server']}",
+                  f"  LMCache config ({eng['lmcache_config_file']}, plugin cxlalloc://):"]
+        lines += ["    " + ln for ln in eng["lmcache_yaml"].splitlines()]
+        lines += [f"  vLLM:       {eng['vllm']}", f"  SGLang:     {eng['sglang']}", f"  Dynamo:     {eng['dynamo']}",
+                  "  Dynamo KVBM host tier (G2) on the node, no LMCache:"]
+        lines += ["    " + ln for ln in eng["kvbm_g2"]]
     return "\n".join(lines)
 
 
@@ -325,7 +348,8 @@ def cmd_run(args) -> int:
 # imports them, it finds them through the entry-point group setup.py declares.
 APP_GROUP = "cxlalloc.apps"
 APPS = {"bench": "benchmarks", "demo": "HuggingFace generate() demo"}
-PRODUCT_COMMANDS = {"kv-server": ("cxlalloc.kvstore.server_cli", "shared KV cache server")}
+PRODUCT_COMMANDS = {"kv-server": ("cxlalloc.kvstore.server_cli", "shared KV cache server"),
+                    "plan": ("cxlalloc.plan.cli", "right-sizing: KV bytes, VRAM split, GPUs with and without CXL")}
 DELEGATES = [*APPS, *PRODUCT_COMMANDS]
 
 
@@ -397,7 +421,7 @@ def make_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog, description="Tiered PyTorch CUDA allocator: VRAM, then host/CXL NUMA memory. "
                       f"'{prog} COMMAND --help' lists a command's options; the Python API: help(cxlalloc).")
     p.add_argument("--version", action="version", version=f"cxlalloc {cxlalloc.__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{info,run,bench,demo,kv-server}")
+    sub = p.add_subparsers(dest="command", metavar="{info,run,bench,demo,kv-server,plan}")
     sub.required = True
 
     pi = sub.add_parser("info", help="GPUs, driver, capabilities, NUMA nodes, node choice, backends",

@@ -12,7 +12,13 @@
 #   kv-server with a client process on the GPU: pool chunks registered, a hit
 #   loaded into VRAM, identical tokens; under a minute), reuse (TTFT of a
 #   prefix hit vs a full prefill up to 32K tokens on an 8B-shaped model, load
-#   GB/s vs the measured H2D rate), decode, rightsizing,
+#   GB/s vs the measured H2D rate), lmcache (LMCache with the cxlalloc://
+#   plugin: KV from VRAM through LMCache into the kv-server's pool and back,
+#   byte-identical; runs only where lmcache is installed: its ~660 MB cannot be
+#   carried, and the machine has no network for pip, nor for vLLM), decode, plan (the planner's decode and
+#   prefix-load bounds against this run's decode/reuse records, from its
+#   measured ceilings: results/plan_check.json with each row's error; a few
+#   seconds, no GPU work), rightsizing,
 #   report, pack
 # The two short benchmarks run before the tests (they have never run on a
 # GPU; a minute buys their first numbers); decode takes what the tests leave,
@@ -102,7 +108,9 @@ STEPS=(
   "pytest-gpu|170|$PY -m pytest -m gpu -q -ra --timeout=60 -p no:cacheprovider --junitxml=$RES/pytest.xml --ignore=tests/kvstore tests; rc=\$?; if [ \$rc -eq 5 ]; then echo 'no GPU-marked tests collected'; exit 0; fi; exit \$rc"
   "kvserver|60|$PY -c 'import msgpack' || { echo 'msgpack is missing on this machine: carry its wheel in .whl/ (see the header)'; exit 1; }; $PY -m pytest -m gpu -q -ra --timeout=50 -p no:cacheprovider --junitxml=$RES/pytest-kvserver.xml tests/kvstore/test_kv_gpu.py"
   "reuse|90|$BENCH --only reuse --time-budget \$STEP_BUDGET"
+  "lmcache|45|$PY -c 'import lmcache, msgpack' 2>/dev/null || { echo 'lmcache (or msgpack) is not installed on this machine: the plugin step did not run (pip install \"cxlalloc[lmcache]\" where a network is reachable; vLLM too)'; exit 0; }; $PY -m pytest -m gpu -q -ra -s --timeout=40 -p no:cacheprovider --junitxml=$RES/pytest-lmcache.xml tests/kvstore/test_lmcache_gpu.py"
   "decode|130|$BENCH --only decode --time-budget \$STEP_BUDGET"
+  "plan|20|$PY -m cxlalloc.plan.check $RES --out $RES/plan_check.json"
   "rightsizing|90|$BENCH --only rightsizing --time-budget \$STEP_BUDGET"
   "report|40|$PY -m cxlalloc_apps.bench.report --results $RES --plots $RES/plots --readme $RES/README_section.md"
   "pack|20|(internal) write $OUTDIR/summary.json, pack $WORK into $OUTDIR/results.tar.gz, keep $OUTDIR/log.txt"
@@ -206,6 +214,13 @@ for name in ("ceilings", "allocation", "reuse", "decode", "rightsizing"):
                                                            "cxlalloc_vs_native")} for e in pts]
     hw = rec.get("hardware", {})
     records.setdefault("_machine", {"gpu": hw.get("gpu"), "cpu": hw.get("cpu"), "software": rec.get("software")})
+try:
+    pc = json.load(open(os.path.join(res, "plan_check.json")))
+    records["plan_check"] = {k: pc.get(k) for k in ("hbm_read_gbps", "link_read_gbps", "decode_max_abs_error",
+                                                    "reuse_max_abs_error")}
+    records["plan_check"]["rows"] = len(pc.get("decode", [])) + len(pc.get("reuse", []))
+except Exception as e:
+    records["plan_check"] = {"status": "missing", "why": str(e)[:200]}
 json.dump({"elapsed_s": int(elapsed), "budget_s": int(budget), "steps": steps, "records": records}, open(out, "w"), indent=1, default=str)
 PYEOF
 tar -czf "$OUTDIR/results.tar.gz" -C "$WORK" results logs 2>>"$LOG" || say "pack: tar failed"

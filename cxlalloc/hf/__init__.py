@@ -16,6 +16,7 @@ Public API:
                                          tiered sliding-window / indexed (DSA) / attention+SSM layers
     CxlEncoderDecoderCache               EncoderDecoderCache with both halves in cxlalloc
     CacheCoverageWarning                 said once when cache layers are left to transformers
+    ContinuousBatchingWarning            said once when continuous batching is not tiered or shares no prefix
     cache_kwarg(model), returned_cache(out)   transformers 5.17/5.24 naming shim
 
 copy.deepcopy / pickle / torch.save of a wrapped model give an unwrapped copy
@@ -34,6 +35,7 @@ Modules:
     indices   batch-row and crop arguments normalised for every layer kind; all-or-nothing crop
     encdec    CxlEncoderDecoderCache: encoder-decoder models' self- and cross-attention caches
     model_caches  Cxl<Name>: a model's own DynamicCache subclass (MiniMaxCache) with tiered layers
+    paged     continuous batching (generate_batch, init_continuous_batching): the paged cache in cxlalloc
     coverage  which layers are tiered, which are left to transformers; CacheCoverageWarning
     storage   KVStorage: token-major K/V of all layers in one cxlalloc extent; KVCounters
     compat    the differences between the transformers versions supported
@@ -44,6 +46,7 @@ from cxlalloc.hf.layers import (CxlHybridLayer, CxlHybridSlidingLayer, CxlIndexe
                                 CxlSlidingLayer)
 from cxlalloc.hf.encdec import CxlEncoderDecoderCache  # noqa: F401
 from cxlalloc.hf.coverage import CacheCoverageWarning  # noqa: F401
+from cxlalloc.hf.paged import ContinuousBatchingWarning, CxlPagedAttentionCache  # noqa: F401
 from cxlalloc.hf.compat import cache_kwarg, returned_cache  # noqa: F401
 from cxlalloc.hf.storage import KVCounters  # noqa: F401
 from cxlalloc.hf.wrap import (UnwrappedCopyWarning, allocator, generate, is_wrapped, kv_cache, stats,  # noqa: F401
@@ -51,4 +54,5 @@ from cxlalloc.hf.wrap import (UnwrappedCopyWarning, allocator, generate, is_wrap
 
 __all__ = ["wrap", "unwrap", "generate", "stats", "kv_cache", "allocator", "is_wrapped", "CxlCache", "CxlKVLayer",
            "KVCounters", "cache_kwarg", "returned_cache", "UnwrappedCopyWarning", "CxlSlidingLayer", "CxlIndexedLayer",
-           "CxlHybridLayer", "CxlHybridSlidingLayer", "CxlEncoderDecoderCache", "CacheCoverageWarning"]
+           "CxlHybridLayer", "CxlHybridSlidingLayer", "CxlEncoderDecoderCache", "CacheCoverageWarning",
+           "ContinuousBatchingWarning", "CxlPagedAttentionCache"]

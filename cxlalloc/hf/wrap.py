@@ -69,10 +69,11 @@ from cxlalloc.hf.model_caches import cxl_cache_for, own_cache_class
 from cxlalloc.hf.storage import Geometry
 from cxlalloc.hf.compat import TRANSFORMERS_VERSION, cache_kwarg, returned_cache
 from cxlalloc.hf.reuse import PrefixReuse, parse_reuse_options
+from cxlalloc.hf import paged
 
 STATE_ATTR = "_cxlalloc_hf"
 # Instance attributes wrap() sets on the model (unwrap() and copies drop them).
-INSTANCE_ATTRS = ("_prepare_cache_for_generation", "generate", "__getstate__", STATE_ATTR)
+INSTANCE_ATTRS = ("_prepare_cache_for_generation", "generate", "init_continuous_batching", "__getstate__", STATE_ATTR)
 # forward() keywords under which models without a transformers Cache pass their own
 # state back in (XLNet / Transfo-XL "mems", RWKV "state", Reformer "past_buckets_states").
 OWN_STATE_KWARGS = ("mems", "state", "past_buckets_states")
@@ -156,6 +157,7 @@ class WrapState:
     _last: Any = None  # weakref to the last cache
     layer_report: Optional[dict] = None  # cxlalloc.hf.coverage.layer_report of the last generate() (or predicted)
     warned: set = dataclasses.field(default_factory=set)  # coverage situations already warned about
+    cb: Any = None  # cxlalloc.hf.paged.CBState: continuous batching (generate_batch / init_continuous_batching)
 
     @property
     def _live(self) -> List[Any]:
@@ -407,6 +409,8 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
         st.orig_prepare = model._prepare_cache_for_generation
         model.__dict__["_prepare_cache_for_generation"] = _make_prepare_hook(model, st)
     model.__dict__["generate"] = _make_generate(model, st)
+    if callable(getattr(model, "init_continuous_batching", None)):
+        st.cb = paged.install(model, st)
     model.__dict__["__getstate__"] = _GetState(model)
     model.__dict__[STATE_ATTR] = st
     st.pre_hook = model.register_forward_pre_hook(_make_pre_forward(model, st), with_kwargs=True)
@@ -735,7 +739,11 @@ def stats(model) -> dict:
     ``fixed_state`` / ``no_storage`` as ``{kind: layers}``,
     ``untiered_kv_bytes``, ``untiered_state_bytes``, ``cache_class``; of the
     last generate(), or predicted from the config before one; None when
-    unknown).
+    unknown), ``reuse`` (KV reuse of generate()), and ``continuous_batching``:
+    the paged cache of ``generate_batch`` / ``init_continuous_batching``
+    (:meth:`cxlalloc.hf.paged.CBState.stats`: ``tiered``, ``cache`` with
+    blocks and KV bytes per tier, ``swap_pool``, ``kv_store``, ``counters``;
+    docs/huggingface.md#continuous-batching).
 
     Raises:
         ValueError: the model is not wrapped.
@@ -756,5 +764,6 @@ def stats(model) -> dict:
         "cache": live.kv_stats() if live is not None else st.last_stats,
         "layers": st.layer_report,
         "reuse": st.reuse.stats() if st.reuse is not None else {"enabled": False, "off_reason": "kv_store not set"},
+        "continuous_batching": st.cb.stats() if st.cb is not None else None,
     }
     return d

@@ -10,7 +10,7 @@ Modules:
     store      BlockStore: the contract of every store (lookup, reserve, commit, release, stats, accounting)
     keys       model fingerprint, chained block keys (BLAKE2b-256), namespaced and Redis key names
     layout     the byte format of a block (token-major rows of all KV layers)
-    index      key -> block bookkeeping: slabs, LRU eviction, pins, write-then-publish
+    index      key -> block bookkeeping: chunks filled by a bump pointer, LRU eviction, pins, write-then-publish
     local      LocalBlockStore: the in-process store over a HostArena
     open       kv_store=... option values -> a store
     protocol   the kv-server's wire format (length-prefixed msgpack over a unix socket)
@@ -22,6 +22,10 @@ Modules:
     client     RemoteBlockStore: a kv-server as a store (kv_store="unix:///path/kv.sock")
     redis_tier RedisTier: a Redis/Valkey tier below a pool (kv_store="redis://...", --redis)
     metrics    the kv-server's Prometheus metrics
+    lmcache_plugin  the kv-server as LMCache's ``cxlalloc://`` remote-storage plugin (serving engines;
+               needs ``cxlalloc[lmcache]``; not imported here)
+    engines    the config lines that put a serving engine's KV on the kv-server / the CXL node
+               (``cxlalloc info`` prints them; docs/engines.md)
 """
 
 # Imported when first used (PEP 562): the kv-server process needs neither torch
@@ -41,6 +45,8 @@ _EXPORTS = {
     "RemoteBlockStore": "cxlalloc.kvstore.client",
     "RedisTier": "cxlalloc.kvstore.redis_tier",
     "KVServer": "cxlalloc.kvstore.server",
+    "lmcache_yaml": "cxlalloc.kvstore.engines",
+    "engine_lines": "cxlalloc.kvstore.engines",
 }
 
 __all__ = sorted(_EXPORTS)

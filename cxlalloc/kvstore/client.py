@@ -213,13 +213,17 @@ class RemoteBlockStore(AccountedStore):
     Args:
         url: ``unix:///path/kv.sock`` (``?timeout=S&fallback=SIZE``).
         allocator: the :class:`cxlalloc.Allocator` whose GPU (or simulated
-            GPU) the pool is registered for.
+            GPU) the pool is registered for; None maps the pool for CPU
+            copies only (no GPU registration, no ``fallback``): what a
+            process that stages blocks in its own pinned buffers uses (the
+            LMCache plugin, :mod:`cxlalloc.kvstore.lmcache_plugin`).
         timeout: seconds per request (overrides the URL's).
         fallback: bytes of a local store used while the server is away (overrides the URL's).
         name: shown in the server's client list (default: the program's name).
 
     Raises:
-        ValueError: not a unix:// URL, a bad timeout or fallback size (naming ``kv_store``).
+        ValueError: not a unix:// URL, a bad timeout or fallback size, a
+            fallback without an allocator (naming ``kv_store``).
 
     Never raises because the server is down: it warns and generates without it.
     """
@@ -251,6 +255,9 @@ class RemoteBlockStore(AccountedStore):
         self.simulated = bool(getattr(allocator, "simulated", False))
         self.fallback = None
         if fallback:
+            if allocator is None:
+                raise ValueError("cxlalloc option 'kv_store': fallback needs an allocator (its blocks are registered "
+                                 "for a GPU); without one, leave fallback out")
             self.fallback = LocalBlockStore(allocator, fallback)
         self._lock = threading.Lock()      # the connection state
         self._conn: Optional[_Conn] = None
@@ -350,8 +357,9 @@ class RemoteBlockStore(AccountedStore):
                     os.close(extra)
                 fds = []
                 chunk = int(reply["chunk_bytes"])
-                arena = _C.HostArena(self.allocator._engine, 0, int(reply["node"]), False, fd, chunk,
-                                     int(self.allocator.device))
+                a = self.allocator  # None: no engine and no register chunk, so nothing is registered for a GPU
+                arena = _C.HostArena(a._engine if a is not None else None, 0, int(reply["node"]), False, fd,
+                                     chunk if a is not None else 0, int(a.device) if a is not None else 0)
                 if arena.size < int(reply["size"]):
                     raise P.ProtocolError(f"the pool maps {arena.size} bytes, the server says {reply['size']}")
                 if pool is not None:

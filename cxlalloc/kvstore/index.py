@@ -7,18 +7,30 @@ Pure bookkeeping (no memory, no torch): the in-process store
 Space
 -----
 The arena is cut into **chunks** of ``chunk_bytes`` (the unit of GPU
-registration too).  A chunk, when first used, takes the size of the block
-placed in it and holds ``chunk_bytes // block_bytes`` slots of that size (a
-slab).  One model gives one block size, so a store of one model has no
-fragmentation beyond the tail of each chunk (< one block); a chunk whose
-blocks are all evicted returns to the free list and may take another size.
+registration too; a block never straddles two).  A block takes a **slot** of
+its size rounded up to the ``granule`` (the kv-server uses the page size, so
+``reserve(nbytes=1)`` holds one 4 KiB slot).  A chunk is filled from its
+bottom by a bump pointer (``top``): any block size may take the free tail of
+any chunk, so one tiny block held in a chunk never closes the rest of it to
+other sizes.  A slot freed below ``top`` goes on the chunk's free list for its
+size (taken first by the next block of that size); the top slot lowers
+``top``; a chunk with no block left is reset (``top = 0``).  Nothing is built
+per slot or per byte: opening a chunk is O(1), finding the lowest chunk whose
+tail fits a block is O(log chunks) (a max segment tree over the tails).
+
+Every operation costs O(blocks it touches) or O(log chunks), never O(blocks
+stored): the LRU lists are intrusive (links in the entries), each owner's
+pins and WRITING blocks are kept per owner (so :meth:`BlockIndex.drop_owner`
+touches only that owner's), and the counts that stats show are running
+counters.  :meth:`BlockIndex.memory_per_block` reports the index's bytes per
+stored block.
 
 Invariants (checked by :meth:`BlockIndex.check`)::
 
     used_bytes      = sum(e.nbytes for e in entries)            (READY + WRITING)
     ns_bytes[ns]    = sum(e.nbytes for e in entries if e.ns == ns)
-    chunk.used      = number of entries in the chunk
-    a READY entry with pins == 0 is in lru[ns] and lru_class[nbytes]; no other is
+    chunk.used      = number of entries in the chunk; every slot below its top
+    a READY entry with pins == 0 is in the LRU (and its namespace's, under a quota); no other is
     an entry is never evicted while pinned (read) or WRITING (written)
 
 States: ``reserve()`` creates a WRITING entry owned by its writer, invisible to
@@ -35,35 +47,140 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Dict, Hashable, List, Optional, Sequence
+import sys
+from typing import Callable, Dict, Hashable, Iterator, List, Optional, Sequence
 
 WRITING = "writing"
 READY = "ready"
 
 
-@dataclasses.dataclass(eq=False)
 class Entry:
-    """One block: ``nbytes`` bytes at ``offset`` of the arena."""
+    """One block: ``nbytes`` bytes at ``offset`` of the arena (in a slot of
+    ``BlockIndex.slot_size(nbytes)`` bytes, in chunk ``offset // chunk_bytes``).
 
-    key: bytes
-    offset: int
-    nbytes: int
-    ns: str
-    tokens: int
-    state: str = WRITING
-    pins: int = 0
-    writer: Optional[Hashable] = None
-    chunk: int = -1
+    ``prev``/``next`` link it into the index's LRU (an intrusive list: no
+    per-block dict entry for the LRU).  Its state is WRITING while it has a
+    ``writer``, READY after.  Compact on purpose (``__slots__``, nothing
+    derivable stored): the index holds one per block, up to millions.
+    """
+
+    __slots__ = ("key", "offset", "nbytes", "ns", "tokens", "pins", "writer", "prev", "next")
+
+    def __init__(self, key: bytes, offset: int, nbytes: int, ns: str, tokens: int,
+                 pins: int = 0, writer: Optional[Hashable] = None):
+        self.key, self.offset, self.nbytes, self.ns, self.tokens = key, offset, nbytes, ns, tokens
+        self.pins, self.writer = pins, writer
+        self.prev = self.next = None
+
+    @property
+    def state(self) -> str:
+        """WRITING (reserved, invisible) or READY (published)."""
+        return WRITING if self.writer is not None else READY
+
+    def __repr__(self) -> str:
+        return f"Entry({self.key.hex()[:8]}, off={self.offset}, nbytes={self.nbytes}, {self.state}, pins={self.pins})"
 
 
-class _Chunk:
-    __slots__ = ("index", "offset", "size", "block_bytes", "free", "used")
+class QuotaEntry(Entry):
+    """An entry of a namespace with a quota: also linked into its namespace's
+    LRU (``nprev``/``nnext``), which the quota evicts from first.  Entries of
+    other namespaces do without the two links (16 bytes a block)."""
 
-    def __init__(self, index: int, offset: int, size: int):
-        self.index, self.offset, self.size = index, offset, size
-        self.block_bytes = 0
-        self.free: List[int] = []
-        self.used = 0
+    __slots__ = ("nprev", "nnext")
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.nprev = self.nnext = None
+
+
+class _Lru:
+    """An intrusive doubly-linked list of entries, oldest first (O(1) add, remove, oldest).
+
+    ``ns=False`` uses the entries' ``prev``/``next`` links, ``ns=True`` the
+    ``nprev``/``nnext`` of a :class:`QuotaEntry` (in the global list and its
+    namespace's)."""
+
+    __slots__ = ("head", "tail", "n", "_p", "_n")
+
+    def __init__(self, ns: bool = False):
+        self.head = self.tail = None
+        self.n = 0
+        self._p, self._n = ("nprev", "nnext") if ns else ("prev", "next")
+
+    def add(self, e: Entry) -> None:  # newest at the tail
+        p, n = self._p, self._n
+        setattr(e, p, self.tail)
+        setattr(e, n, None)
+        if self.tail is None:
+            self.head = e
+        else:
+            setattr(self.tail, n, e)
+        self.tail = e
+        self.n += 1
+
+    def remove(self, e: Entry) -> None:
+        p, n = self._p, self._n
+        a, b = getattr(e, p), getattr(e, n)
+        if a is None:
+            self.head = b
+        else:
+            setattr(a, n, b)
+        if b is None:
+            self.tail = a
+        else:
+            setattr(b, p, a)
+        setattr(e, p, None)
+        setattr(e, n, None)
+        self.n -= 1
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[Entry]:
+        e, n = self.head, self._n
+        while e is not None:
+            nxt = getattr(e, n)
+            yield e
+            e = nxt
+
+
+class _TailTree:
+    """A max segment tree over the chunks' free tails: the lowest chunk whose
+    tail holds ``n`` bytes in O(log chunks)."""
+
+    __slots__ = ("p", "t")
+
+    def __init__(self, tails: Sequence[int]):
+        p = 1
+        while p < len(tails):
+            p *= 2
+        self.p = p
+        self.t = [0] * (2 * p)
+        self.t[p:p + len(tails)] = list(tails)
+        for i in range(p - 1, 0, -1):
+            self.t[i] = max(self.t[2 * i], self.t[2 * i + 1])
+
+    def set(self, i: int, v: int) -> None:
+        i += self.p
+        t = self.t
+        t[i] = v
+        i //= 2
+        while i:
+            m = max(t[2 * i], t[2 * i + 1])
+            if t[i] == m:
+                break
+            t[i] = m
+            i //= 2
+
+    def first_fit(self, n: int) -> int:
+        """The lowest chunk index whose tail is >= ``n`` bytes, or -1."""
+        t = self.t
+        if t[1] < n:
+            return -1
+        i = 1
+        while i < self.p:
+            i = 2 * i if t[2 * i] >= n else 2 * i + 1
+        return i - self.p
 
 
 @dataclasses.dataclass
@@ -90,61 +207,83 @@ class BlockIndex:
 
     Args:
         capacity_bytes: bytes of the arena the store may use.
-        chunk_bytes: slab size (bytes); a block larger than one chunk is refused.
+        chunk_bytes: registration unit (bytes); a block larger than one chunk is refused.
         quotas: optional ``{namespace: bytes}`` limits.
         on_evict: called as ``on_evict(entry)`` for each READY block evicted,
             before its slot is reused (the remote tier copies it out here).
+        granule: slot sizes are multiples of it (bytes; 1: exact sizes).
 
     Raises:
-        ValueError: capacity or chunk size below one byte.
+        ValueError: capacity, chunk size or granule below one byte.
     """
 
     def __init__(self, capacity_bytes: int, chunk_bytes: int, quotas: Optional[Dict[str, int]] = None,
-                 on_evict: Optional[Callable[[Entry], None]] = None):
-        if capacity_bytes <= 0 or chunk_bytes <= 0:
-            raise ValueError("cxlalloc.kvstore: capacity and chunk size must be > 0 bytes")
+                 on_evict: Optional[Callable[[Entry], None]] = None, granule: int = 1):
+        if capacity_bytes <= 0 or chunk_bytes <= 0 or granule <= 0:
+            raise ValueError("cxlalloc.kvstore: capacity, chunk size and granule must be > 0 bytes")
         self.capacity_bytes = int(capacity_bytes)
         self.chunk_bytes = int(min(chunk_bytes, capacity_bytes))
+        self.granule = int(granule)
         self.quotas = dict(quotas or {})
         self.on_evict = on_evict
         n = -(-self.capacity_bytes // self.chunk_bytes)
-        self._chunks = [_Chunk(i, i * self.chunk_bytes, min(self.chunk_bytes, self.capacity_bytes - i * self.chunk_bytes))
-                        for i in range(n)]
-        self._free_chunks: List[int] = list(range(n - 1, -1, -1))  # pop() takes the lowest address first
-        self._open: Dict[int, List[int]] = collections.defaultdict(list)  # block size -> chunks with free slots
+        self._csize = [min(self.chunk_bytes, self.capacity_bytes - i * self.chunk_bytes) for i in range(n)]
+        self._top = [0] * n                       # bytes of the chunk below its bump pointer
+        self._used = [0] * n                      # entries in the chunk
+        self._free: List[Optional[Dict[int, List[int]]]] = [None] * n   # slot size -> free offsets below top
+        self._open: Dict[int, Dict[int, None]] = {}                    # slot size -> chunks with a free slot
+        self._tails = _TailTree(self._csize)
+        self._largest = max(self._csize)
         self.entries: Dict[bytes, Entry] = {}
-        self._lru_ns: Dict[str, "collections.OrderedDict[bytes, Entry]"] = collections.defaultdict(collections.OrderedDict)
-        self._lru_size: Dict[int, "collections.OrderedDict[bytes, Entry]"] = collections.defaultdict(
-            collections.OrderedDict)
-        self._lru: "collections.OrderedDict[bytes, Entry]" = collections.OrderedDict()
-        self._pins: Dict[Hashable, Dict[bytes, int]] = collections.defaultdict(dict)
+        self._lru = _Lru()
+        self._lru_ns: Dict[str, _Lru] = {}
+        self._pins: Dict[Hashable, Dict[bytes, int]] = {}
+        self._writing: Dict[Hashable, Dict[bytes, Entry]] = {}
+        self._writing_bytes: Dict[Hashable, int] = {}
         self.used_bytes = 0
+        self.slot_bytes = 0                       # bytes of slots taken (>= used_bytes: granule rounding)
+        self.writing_blocks = 0
+        self.pinned_blocks = 0                    # (owner, block) pins: a block pinned by two owners counts twice
         self.ns_bytes: Dict[str, int] = collections.defaultdict(int)
         self.c = IndexCounters()
 
     # ------------------------------------------------------------ sizes
     def largest_block(self) -> int:
         """The largest block this index can ever hold (bytes)."""
-        return max(ch.size for ch in self._chunks)
+        return self._largest
+
+    def slot_size(self, nbytes: int) -> int:
+        """Bytes a block of ``nbytes`` takes (rounded up to the granule)."""
+        g = self.granule
+        return -(-int(nbytes) // g) * g
 
     def check_block_bytes(self, nbytes: int, option: str = "kv_store_limit") -> None:
         """Raise ValueError naming ``option`` if a block of ``nbytes`` can never fit."""
-        if nbytes > self.largest_block():
+        if self.slot_size(nbytes) > self._largest:
             raise ValueError(
                 f"cxlalloc option '{option}': the store holds {self.capacity_bytes} bytes in chunks of "
                 f"{self.chunk_bytes} bytes, smaller than one block of {nbytes} bytes; raise '{option}' or lower "
                 "'block_tokens'")
 
     # ------------------------------------------------------------ LRU
+    def _ns_lru(self, ns: str) -> _Lru:
+        lru = self._lru_ns.get(ns)
+        if lru is None:
+            lru = self._lru_ns[ns] = _Lru(ns=True)
+        return lru
+
     def _lru_add(self, e: Entry) -> None:
-        self._lru[e.key] = e
-        self._lru_ns[e.ns][e.key] = e
-        self._lru_size[e.nbytes][e.key] = e
+        self._lru.add(e)
+        if type(e) is QuotaEntry:
+            self._ns_lru(e.ns).add(e)
 
     def _lru_remove(self, e: Entry) -> None:
-        self._lru.pop(e.key, None)
-        self._lru_ns[e.ns].pop(e.key, None)
-        self._lru_size[e.nbytes].pop(e.key, None)
+        self._lru.remove(e)
+        if type(e) is QuotaEntry:
+            lru = self._lru_ns[e.ns]
+            lru.remove(e)
+            if not lru.n:
+                del self._lru_ns[e.ns]
 
     # ------------------------------------------------------------ reads
     def match(self, keys: Sequence[bytes], owner: Hashable) -> List[Entry]:
@@ -153,17 +292,24 @@ class BlockIndex:
         self.c.lookups += 1
         self.c.lookup_blocks += len(keys)
         out = []
+        get = self.entries.get
         for k in keys:
-            e = self.entries.get(k)
+            e = get(k)
             if e is None or e.state != READY:
                 break
             out.append(e)
-        for e in out:
-            if e.pins == 0:
-                self._lru_remove(e)
-            e.pins += 1
-            mine = self._pins[owner]
-            mine[e.key] = mine.get(e.key, 0) + 1
+        if out:
+            mine = self._pins.get(owner)
+            if mine is None:
+                mine = self._pins[owner] = {}
+            for e in out:
+                if e.pins == 0:
+                    self._lru_remove(e)
+                e.pins += 1
+                n = mine.get(e.key, 0)
+                if not n:
+                    self.pinned_blocks += 1
+                mine[e.key] = n + 1
         self.c.hit_blocks += len(out)
         self.c.hit_tokens += sum(e.tokens for e in out)
         self.c.miss_blocks += len(keys) - len(out)
@@ -181,6 +327,7 @@ class BlockIndex:
                 raise ValueError("cxlalloc.kvstore: unpin of a block this owner did not pin")
             if n == 1:
                 del mine[e.key]
+                self.pinned_blocks -= 1
             else:
                 mine[e.key] = n - 1
             e.pins -= 1
@@ -189,79 +336,109 @@ class BlockIndex:
         if not mine:
             self._pins.pop(owner, None)
 
-    # ------------------------------------------------------------ writes
-    def _take_slot(self, nbytes: int):
-        chunks = self._open.get(nbytes)
-        while chunks:
-            ch = self._chunks[chunks[-1]]
-            if ch.free:
-                off = ch.free.pop()
-                ch.used += 1
-                if not ch.free:
-                    chunks.pop()
-                return ch, off
-            chunks.pop()
-        for i in range(len(self._free_chunks) - 1, -1, -1):
-            ch = self._chunks[self._free_chunks[i]]
-            if ch.size >= nbytes:
-                del self._free_chunks[i]
-                ch.block_bytes = nbytes
-                slots = ch.size // nbytes
-                ch.free = [ch.offset + s * nbytes for s in range(slots - 1, -1, -1)]
-                off = ch.free.pop()
-                ch.used = 1
-                if ch.free:
-                    self._open[nbytes].append(ch.index)
-                return ch, off
-        return None
+    # ------------------------------------------------------------ space
+    def _take_slot(self, size: int):
+        """(chunk, offset) of a free slot of ``size`` bytes, or None."""
+        chunks = self._open.get(size)
+        if chunks:
+            i = next(iter(chunks))
+            offs = self._free[i][size]
+            off = offs.pop()
+            if not offs:
+                del self._free[i][size]
+                del chunks[i]
+                if not chunks:
+                    del self._open[size]
+            self._used[i] += 1
+            return i, off
+        i = self._tails.first_fit(size)
+        if i < 0:
+            return None
+        off = i * self.chunk_bytes + self._top[i]
+        self._top[i] += size
+        self._tails.set(i, self._csize[i] - self._top[i])
+        self._used[i] += 1
+        return i, off
 
     def _release_slot(self, e: Entry) -> None:
-        ch = self._chunks[e.chunk]
-        ch.used -= 1
-        if ch.used == 0:
-            # An empty chunk may take another block size next time.
-            ch.free = []
-            ch.block_bytes = 0
-            lst = self._open.get(e.nbytes)
-            if lst and ch.index in lst:
-                lst.remove(ch.index)
-            self._free_chunks.append(ch.index)
-            self._free_chunks.sort(reverse=True)
+        i, size = e.offset // self.chunk_bytes, self.slot_size(e.nbytes)
+        self._used[i] -= 1
+        base = i * self.chunk_bytes
+        if self._used[i] == 0:  # empty: the whole chunk is one tail again
+            for s in self._free[i] or ():
+                chunks = self._open[s]
+                del chunks[i]
+                if not chunks:
+                    del self._open[s]
+            self._free[i] = None
+            self._top[i] = 0
+            self._tails.set(i, self._csize[i])
+        elif e.offset + size == base + self._top[i]:  # the top slot: the tail grows back
+            self._top[i] -= size
+            self._tails.set(i, self._csize[i] - self._top[i])
         else:
-            if not ch.free:
-                self._open[e.nbytes].append(ch.index)
-            ch.free.append(e.offset)
+            free = self._free[i]
+            if free is None:
+                free = self._free[i] = {}
+            lst = free.get(size)
+            if lst is None:
+                lst = free[size] = []
+                self._open.setdefault(size, {})[i] = None
+            lst.append(e.offset)
 
     def _forget(self, e: Entry) -> None:
         del self.entries[e.key]
-        self._lru_remove(e)
+        if e.state == READY:
+            if e.pins == 0:
+                self._lru_remove(e)
+        else:
+            self._writing_done(e)
         self.used_bytes -= e.nbytes
+        self.slot_bytes -= self.slot_size(e.nbytes)
         self.ns_bytes[e.ns] -= e.nbytes
+        if not self.ns_bytes[e.ns]:
+            del self.ns_bytes[e.ns]
         self._release_slot(e)
 
-    def _evict_from(self, lru) -> bool:
-        for k, e in lru.items():  # oldest first; everything in an LRU is unpinned and READY
-            if self.on_evict is not None:
-                self.on_evict(e)
-            self._forget(e)
-            self.c.evicted_blocks += 1
-            self.c.evicted_bytes += e.nbytes
-            return True
-        return False
+    def _writing_done(self, e: Entry) -> None:
+        w = e.writer
+        mine = self._writing.get(w)
+        if mine is not None and mine.pop(e.key, None) is not None:
+            self.writing_blocks -= 1
+            self._writing_bytes[w] -= self.slot_size(e.nbytes)
+            if not mine:
+                del self._writing[w]
+                del self._writing_bytes[w]
 
-    def _make_room(self, nbytes: int, ns: str):
+    def _evict_from(self, lru: Optional[_Lru]) -> bool:
+        e = lru.head if lru is not None else None  # oldest; everything in an LRU is unpinned and READY
+        if e is None:
+            return False
+        if self.on_evict is not None:
+            self.on_evict(e)
+        self._forget(e)
+        self.c.evicted_blocks += 1
+        self.c.evicted_bytes += e.nbytes
+        return True
+
+    def _make_room(self, size: int, nbytes: int, ns: str):
         quota = self.quotas.get(ns)
-        while quota is not None and self.ns_bytes[ns] + nbytes > quota:
-            if not self._evict_from(self._lru_ns[ns]):
+        while quota is not None and self.ns_bytes.get(ns, 0) + nbytes > quota:
+            if not self._evict_from(self._lru_ns.get(ns)):
                 return None
         while True:
-            got = self._take_slot(nbytes)
+            got = self._take_slot(size)
             if got is not None:
                 return got
-            # Same-size blocks first (frees a slot at once), then the oldest of
-            # any size (its chunk may empty and take this size).
-            if not (self._evict_from(self._lru_size[nbytes]) or self._evict_from(self._lru)):
+            # The oldest block of any size: its slot is reused by its size, or
+            # it was a chunk's top slot (the tail grows), or its chunk empties.
+            if not self._evict_from(self._lru):
                 return None
+
+    # ------------------------------------------------------------ writes
+    def writing_bytes(self, owner: Hashable) -> int:
+        """Slot bytes of the WRITING blocks of ``owner`` (a writer's reservation budget counts them)."""
+        return self._writing_bytes.get(owner, 0)
 
     def reserve(self, keys: Sequence[bytes], nbytes: int, ns: str, owner: Hashable,
                 tokens: int = 0) -> List[Optional[Entry]]:
@@ -273,21 +450,33 @@ class BlockIndex:
             ValueError: ``nbytes`` exceeds the largest block the store can hold.
         """
         self.check_block_bytes(nbytes)
+        size = self.slot_size(nbytes)
+        make = QuotaEntry if self.quotas.get(ns) is not None else Entry
+        if owner is None:
+            raise ValueError("cxlalloc.kvstore: a reservation needs an owner (None marks a READY block)")
         out: List[Optional[Entry]] = []
         for k in keys:
             if k in self.entries:
                 self.c.duplicate_blocks += 1
                 out.append(None)
                 continue
-            got = self._make_room(nbytes, ns)
+            got = self._make_room(size, nbytes, ns)
             if got is None:
                 self.c.dropped_blocks += 1
                 out.append(None)
                 continue
-            ch, off = got
-            e = Entry(key=k, offset=off, nbytes=nbytes, ns=ns, tokens=tokens, writer=owner, chunk=ch.index)
+            _, off = got
+            e = make(k, off, nbytes, ns, tokens, 0, owner)
             self.entries[k] = e
+            mine = self._writing.get(owner)
+            if mine is None:
+                mine = self._writing[owner] = {}
+                self._writing_bytes[owner] = 0
+            mine[k] = e
+            self._writing_bytes[owner] += size
+            self.writing_blocks += 1
             self.used_bytes += nbytes
+            self.slot_bytes += size
             self.ns_bytes[ns] += nbytes
             out.append(e)
         return out
@@ -299,7 +488,8 @@ class BlockIndex:
         for e in entries:
             if e is None or self.entries.get(e.key) is not e or e.state != WRITING or e.writer != owner:
                 continue
-            e.state, e.writer = READY, None
+            self._writing_done(e)
+            e.writer = None  # READY
             self._lru_add(e)
             self.c.stored_blocks += 1
             self.c.stored_bytes += e.nbytes
@@ -315,10 +505,12 @@ class BlockIndex:
 
     def drop_owner(self, owner: Hashable) -> None:
         """A reader/writer is gone (its connection closed, its process died):
-        abort what it was writing and drop its pins."""
-        writing = [e for e in self.entries.values() if e.state == WRITING and e.writer == owner]
-        self.abort(writing, owner)
+        abort what it was writing and drop its pins.  O(its blocks), not O(blocks stored)."""
+        writing = self._writing.get(owner)
+        if writing:
+            self.abort(list(writing.values()), owner)
         mine = self._pins.pop(owner, {})
+        self.pinned_blocks -= len(mine)
         for key, n in mine.items():
             e = self.entries.get(key)
             if e is None:
@@ -330,40 +522,82 @@ class BlockIndex:
 
     def clear(self, ns: Optional[str] = None) -> int:
         """Drop every READY, unpinned block (of namespace ``ns``).  Returns blocks dropped."""
-        victims = [e for e in list((self._lru_ns[ns] if ns is not None else self._lru).values())]
+        victims = [e for e in self._lru if ns is None or e.ns == ns]  # an operator's command: one pass
         for e in victims:
             self._forget(e)
         return len(victims)
 
     # ------------------------------------------------------------ introspection
     def blocks(self) -> int:
-        return sum(1 for e in self.entries.values() if e.state == READY)
+        """READY blocks (a running count)."""
+        return len(self.entries) - self.writing_blocks
+
+    def memory_per_block(self) -> float:
+        """Bytes of index memory per stored block (0.0 when empty).
+
+        Measured from the objects' sizes (``sys.getsizeof``: the entry with
+        its GC header, its key, its offset (an int object), and its share of
+        the ``entries`` hash table); the LRU links live in the entry.  Pins
+        and WRITING blocks add per-owner dict entries while held (not counted:
+        they are transient)."""
+        n = len(self.entries)
+        if not n:
+            return 0.0
+        e = self._lru.tail or next(iter(self.entries.values()))
+        per = sys.getsizeof(e) + sys.getsizeof(e.key) + (sys.getsizeof(e.offset) if e.offset > 256 else 0)
+        return sys.getsizeof(self.entries) / n + per
 
     def check(self) -> None:
         """Verify the invariants of the module docstring; raise AssertionError."""
-        assert self.used_bytes == sum(e.nbytes for e in self.entries.values()), "used_bytes"
+        es = list(self.entries.values())
+        assert self.used_bytes == sum(e.nbytes for e in es), "used_bytes"
+        assert self.slot_bytes == sum(self.slot_size(e.nbytes) for e in es), "slot_bytes"
         per_ns = collections.Counter()
-        for e in self.entries.values():
+        for e in es:
             per_ns[e.ns] += e.nbytes
         for ns, b in self.ns_bytes.items():
             assert per_ns.get(ns, 0) == b, f"ns_bytes[{ns}]"
-        used = collections.Counter(e.chunk for e in self.entries.values())
-        for ch in self._chunks:
-            assert ch.used == used.get(ch.index, 0), f"chunk {ch.index} used"
-            assert ch.used + len(ch.free) == (ch.size // ch.block_bytes if ch.block_bytes else 0), \
-                f"chunk {ch.index} slots"
-        offsets = sorted((e.offset, e.nbytes) for e in self.entries.values())
-        for (a, n), (b, _) in zip(offsets, offsets[1:]):
-            assert a + n <= b, "overlapping blocks"
-        for e in self.entries.values():
-            in_lru = e.key in self._lru
-            assert in_lru == (e.state == READY and e.pins == 0), f"lru membership of {e.key.hex()[:8]}"
+        used = collections.Counter(e.offset // self.chunk_bytes for e in es)
+        free_by_chunk = collections.defaultdict(list)
+        for i, free in enumerate(self._free):
+            for s, offs in (free or {}).items():
+                assert offs and i in self._open.get(s, {}), f"chunk {i} free list of {s}"
+                free_by_chunk[i] += [(o, s) for o in offs]
+        for s, chunks in self._open.items():
+            for i in chunks:
+                assert self._free[i] and self._free[i].get(s), f"open list of {s} names chunk {i}"
+        for i in range(len(self._csize)):
+            assert self._used[i] == used.get(i, 0), f"chunk {i} used"
+            assert 0 <= self._top[i] <= self._csize[i], f"chunk {i} top"
+            assert self._tails.t[self._tails.p + i] == self._csize[i] - self._top[i], f"chunk {i} tail"
+            if self._used[i] == 0:
+                assert self._top[i] == 0 and not self._free[i], f"empty chunk {i} not reset"
+        spans = sorted([(e.offset, self.slot_size(e.nbytes), e.offset // self.chunk_bytes) for e in es]
+                       + [(o, s, i) for i, lst in free_by_chunk.items() for o, s in lst])
+        for a, n, i in spans:
+            base = i * self.chunk_bytes
+            assert base <= a and a + n <= base + self._top[i], "slot outside its chunk's used part"
+        for (a, n, _), (b, _, _) in zip(spans, spans[1:]):
+            assert a + n <= b, "overlapping slots"
+        in_lru = set(id(e) for e in self._lru)
+        assert len(in_lru) == self._lru.n, "lru length"
+        for e in es:
+            assert (id(e) in in_lru) == (e.state == READY and e.pins == 0), f"lru membership of {e.key.hex()[:8]}"
+        assert sum(lru.n for lru in self._lru_ns.values()) == sum(type(e) is QuotaEntry for e in self._lru), \
+            "namespace lru lengths"
         pins = collections.Counter()
         for mine in self._pins.values():
             for k, n in mine.items():
                 pins[k] += n
-        for e in self.entries.values():
+        assert self.pinned_blocks == sum(len(m) for m in self._pins.values()), "pinned_blocks"
+        for e in es:
             assert e.pins == pins.get(e.key, 0), "pin counts"
+        writing = [e for e in es if e.state == WRITING]
+        assert self.writing_blocks == len(writing) == sum(len(m) for m in self._writing.values()), "writing"
+        for e in writing:
+            assert self._writing[e.writer][e.key] is e, "writing owner"
+        for w, mine in self._writing.items():
+            assert self._writing_bytes[w] == sum(self.slot_size(e.nbytes) for e in mine.values()), "writing bytes"
         assert self.used_bytes <= self.capacity_bytes, "over capacity"
         for ns, q in self.quotas.items():
             assert self.ns_bytes.get(ns, 0) <= q, f"namespace {ns} over quota"

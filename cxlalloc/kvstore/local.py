@@ -130,7 +130,7 @@ class LocalBlockStore(AccountedStore):
             through the simulated NUMA records.
         limit: ``kv_store_limit``: bytes, a size string, or a fraction of the
             allocator's host tier (default 25%).
-        chunk_bytes: slab and GPU-registration unit (bytes; default 256 MiB,
+        chunk_bytes: placement and GPU-registration unit (bytes; default 256 MiB,
             at most the limit).
         quotas: ``{cache_salt: bytes}`` per-namespace limits (None: the store's).
         strict_placement: drop a block whose pages did not land on the node
@@ -274,7 +274,8 @@ class LocalBlockStore(AccountedStore):
                     continue
             keep.append(e)
         with self._lock:
-            self.index.abort([e for e in entries if e not in keep], owner)
+            kept = set(map(id, keep))
+            self.index.abort([e for e in entries if id(e) not in kept], owner)
             return self.index.publish(keep, owner)
 
     def _abort(self, entries, owner) -> None:
@@ -293,6 +294,7 @@ class LocalBlockStore(AccountedStore):
         Keys: ``kind``, ``node``, ``capacity_bytes``, ``used_bytes``,
         ``blocks``, ``lookups``, ``lookup_blocks``, ``hit_blocks``,
         ``hit_tokens``, ``miss_blocks``, ``hit_rate`` (hit/looked-up blocks),
+        ``index_bytes_per_block`` (the index's memory per stored block),
         ``stored_blocks``, ``evicted_blocks``, ``dropped_blocks`` (no room),
         ``bytes_loaded``/``bytes_stored`` and ``load_GBps``/``store_GBps``
         (copies timed by the caller), ``load_failures`` (fell back to
@@ -301,7 +303,8 @@ class LocalBlockStore(AccountedStore):
         with self._lock:
             c = dict(vars(self.index.c))
             c["used_bytes"] = self.index.used_bytes
-            c["blocks"] = self.index.blocks()
+            c["blocks"] = self.index.blocks()  # running counts: O(1) at any store size
+            c["index_bytes_per_block"] = round(self.index.memory_per_block(), 1)
             c["namespaces"] = {ns: b for ns, b in self.index.ns_bytes.items() if b}
         c.update(self.counters.snapshot())
         a = self._arena.stats()

@@ -123,8 +123,12 @@ def families(st: dict) -> Iterator:
     yield counter("dropped_pins", "Pins dropped because their client disconnected.", rows=[((), pool["dropped_pins"])])
     yield gauge("clients", "Connected clients.", rows=[((), srv["clients"])])
     yield counter("connections", "Connections accepted.", rows=[((), srv["connections_total"])])
-    yield counter("refused_connections", "Connections refused.", ["reason"],
-                  [(("max_clients",), srv["refused_full"]), (("denied",), srv["refused_denied"])])
+    yield counter("refused_connections", "Connections refused (max_clients, denied) or closed for breaking a "
+                  "per-request limit (too_large: --max-frame, busy: --max-buffered, timeout: --frame-timeout, "
+                  "bad_frame: not msgpack or over --max-objects).", ["reason"],
+                  [(("max_clients",), srv["refused_full"]), (("denied",), srv["refused_denied"]),
+                   (("too_large",), srv.get("refused_too_large", 0)), (("busy",), srv.get("refused_busy", 0)),
+                   (("timeout",), srv.get("refused_timeout", 0)), (("bad_frame",), srv.get("bad_frames", 0))])
     yield gauge("namespace_used_bytes", "Bytes held per namespace.", ["namespace"],
                 [((ns_label(ns),), v["used_bytes"]) for ns, v in (pool.get("namespaces") or {}).items()])
     yield gauge("namespace_quota_bytes", "Quota per namespace ('*' = every namespace without its own).", ["namespace"],

@@ -93,12 +93,36 @@ def encode(msg: Dict[str, Any]) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def decode(body: bytes) -> Dict[str, Any]:
-    """The message in a frame body; ProtocolError when it is not a msgpack map."""
+class _TooManyObjects(Exception):
+    pass
+
+
+def decode(body: bytes, max_containers: Optional[int] = None) -> Dict[str, Any]:
+    """The message in a frame body; ProtocolError when it is not a msgpack map.
+
+    Args:
+        max_containers: if given, at most this many maps and lists in the
+            message (the kv-server's ``--max-objects``): a frame of nested
+            empty lists is refused after that many, instead of building one
+            Python list per byte (ProtocolError naming the limit).
+    """
+    hooks = {}
+    if max_containers is not None:
+        seen = [0]
+
+        def count(obj):
+            seen[0] += 1
+            if seen[0] > max_containers:
+                raise _TooManyObjects()
+            return obj
+
+        hooks = {"list_hook": count, "object_hook": count}
     try:
         msg = _msgpack().unpackb(body, raw=False, use_list=True, strict_map_key=True, max_bin_len=MAX_FRAME,
                                  max_str_len=1 << 20, max_array_len=MAX_KEYS + 16, max_map_len=4096,
-                                 max_ext_len=0)
+                                 max_ext_len=0, **hooks)
+    except _TooManyObjects:
+        raise ProtocolError(f"a message holds more than {max_containers} maps and lists (--max-objects)") from None
     except Exception as e:
         raise ProtocolError(f"not a msgpack message: {type(e).__name__}: {e}") from None
     if not isinstance(msg, dict):

@@ -54,6 +54,7 @@ HEADER_BYTES = _HEADER.size
 _BACKOFF_MIN_S = 0.25
 _BACKOFF_MAX_S = 10.0
 _INFO_EVERY_S = 5.0
+STATE_LOG_EVERY_S = 30.0  # at most one up/down line per this many seconds; the others are counted in the next
 
 
 def pack_value(nskey: bytes, data) -> bytes:
@@ -205,6 +206,10 @@ class RedisTier:
         self.info: Dict[str, int] = {}
         self._info_at = -1e9
         self.c = collections.Counter()
+        self._state_logged_at = -1e9
+        self._state_suppressed = 0
+        self.config_warnings: Optional[List[str]] = None  # None until checked (check_config)
+        self._config_lock = threading.Lock()
         self._writer = threading.Thread(target=self._drain, name="cxlalloc-redis-writer", daemon=True)
         self._writer.start()
 
@@ -221,17 +226,69 @@ class RedisTier:
             self._down_until = time.monotonic() + self._backoff
             self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
         if was_up:
-            log.warning("cxlalloc kv: Redis %s is unreachable (%s); blocks are recomputed and retried with backoff",
-                        self.url, self.last_error)
+            self._log_state(f"cxlalloc kv: Redis {self.url} is unreachable ({self.last_error}); blocks are recomputed "
+                            "and retried with backoff")
+
+    def _log_state(self, line: str) -> None:
+        """One line per up/down transition, at most one per STATE_LOG_EVERY_S;
+        the transitions not logged are counted in the next line (a Redis that
+        flaps writes two lines a minute, not one per flap)."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._state_logged_at < STATE_LOG_EVERY_S:
+                self._state_suppressed += 1
+                self.c["state_changes_not_logged"] += 1
+                return
+            n, self._state_suppressed, self._state_logged_at = self._state_suppressed, 0, now
+        log.warning("%s%s", line, f" ({n} more up/down changes in the last {STATE_LOG_EVERY_S:.0f} s not logged)"
+                    if n else "")
 
     def _ok(self) -> None:
+        back = False
         with self._lock:
             if self.up is False:
-                log.warning("cxlalloc kv: Redis %s is reachable again", self.url)
+                back = True
                 self.c["reconnects"] += 1
             self.up = True
             self._backoff = _BACKOFF_MIN_S
             self._down_until = 0.0
+        if back:
+            self._log_state(f"cxlalloc kv: Redis {self.url} is reachable again")
+
+    def check_config(self) -> List[str]:
+        """Warn (once, logged) when Redis is not configured as a cache: its
+        ``maxmemory-policy`` is ``noeviction`` (writes fail once full) or it has
+        no ``maxmemory`` (it grows until the machine runs out).  Read with
+        ``CONFIG GET``; where CONFIG is refused (managed services rename or
+        disable it), says so once instead.  Returns the warnings (also kept in
+        ``config_warnings``); [] when unreachable (checked again later)."""
+        with self._config_lock:  # the writer thread checks at start; a caller may at the same time
+            return self._check_config()
+
+    def _check_config(self) -> List[str]:
+        if self.config_warnings is not None:
+            return self.config_warnings
+        out: List[str] = []
+        try:
+            cfg = self._r.config_get("maxmemory*")
+        except Exception as e:
+            if self._is_conn_error(e):
+                return []
+            out.append(f"cxlalloc kv: cannot read the configuration of Redis {self.url} (CONFIG GET refused: "
+                       f"{type(e).__name__}: {e}); make sure it evicts as a cache (maxmemory and an allkeys-* "
+                       "maxmemory-policy)")
+        else:
+            policy = str(cfg.get("maxmemory-policy", "")).lower()
+            if policy == "noeviction":
+                out.append(f"cxlalloc kv: Redis {self.url} has maxmemory-policy noeviction: once full, every write of "
+                           "an evicted block fails; configure it as a cache (e.g. allkeys-lru)")
+            if str(cfg.get("maxmemory", "0")) in ("0", ""):
+                out.append(f"cxlalloc kv: Redis {self.url} has no maxmemory: it grows with every block until the "
+                           "machine runs out; set maxmemory (and an allkeys-* maxmemory-policy)")
+        for line in out:
+            log.warning("%s", line)
+        self.config_warnings = out
+        return out
 
     def _is_conn_error(self, exc: BaseException) -> bool:
         r = self._redis_mod
@@ -272,6 +329,7 @@ class RedisTier:
 
     def _drain(self) -> None:
         self._refresh_info()  # learn soon whether Redis is there
+        self.check_config()
         while True:
             with self._cv:
                 while not self._q and not self._closed:
@@ -300,6 +358,8 @@ class RedisTier:
                         self._busy = False
                         self._cv.notify_all()
             self._refresh_info()
+            if self.config_warnings is None and not self.down():
+                self.check_config()
 
     def _write(self, batch: List[tuple]) -> None:
         t0 = time.perf_counter()
@@ -446,11 +506,11 @@ class RedisTier:
         out = {k: int(c.get(k, 0)) for k in (
             "queued_blocks", "put_blocks", "put_bytes", "dropped_blocks", "dropped_bytes", "full_errors",
             "put_errors", "get_errors", "info_errors", "lookups", "lookup_blocks", "hit_blocks", "hit_bytes",
-            "bad_values", "skipped_down", "reconnects")}
+            "bad_values", "skipped_down", "reconnects", "state_changes_not_logged")}
         out.update(kind=self.kind, url=self.url, prefix=self.prefix, ttl=self.ttl, up=up, last_error=err,
                    queue_blocks=qn, queue_bytes=qb, queue_limit_bytes=self.queue_bytes,
                    used_bytes=info.get("used_memory"), capacity_bytes=info.get("maxmemory"),
-                   maxmemory_policy=info.get("maxmemory_policy"))
+                   maxmemory_policy=info.get("maxmemory_policy"), config_warnings=self.config_warnings)
         out["get_seconds"] = c.get("get_seconds_us", 0) / 1e6
         out["put_seconds"] = c.get("put_seconds_us", 0) / 1e6
         out["hit_rate"] = out["hit_blocks"] / out["lookup_blocks"] if out["lookup_blocks"] else 0.0

@@ -43,7 +43,9 @@ from cxlalloc.config import format_bytes
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.server_jobs import REDIS_MODES, PlacementVerifier, RateSampler, RedisLink
 from cxlalloc.kvstore.server_state import MAX_LEASES_PER_CLIENT, ServerState, log
-from cxlalloc.kvstore.server_transport import DEFAULT_IO_TIMEOUT_S, DEFAULT_SOCKET_MODE, Transport, resolve_group
+from cxlalloc.kvstore.server_transport import (DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_IO_TIMEOUT_S,
+                                               DEFAULT_MAX_BUFFERED, DEFAULT_MAX_FRAME, DEFAULT_MAX_OBJECTS,
+                                               DEFAULT_SOCKET_MODE, Transport, resolve_group)
 
 __all__ = ["KVServer", "DEFAULT_CHUNK", "MAX_CHUNK", "REDIS_MODES", "MAX_LEASES_PER_CLIENT", "resolve_group", "log"]
 
@@ -58,7 +60,7 @@ class KVServer:
         size: pool bytes (exact; the mapping is rounded up to the page size).
         node: NUMA node of the pool.
         socket_path: unix socket to listen on.
-        chunk_bytes: slab and client GPU-registration unit (page multiple, <= 64 GiB, <= size).
+        chunk_bytes: placement and client GPU-registration unit (page multiple, <= 64 GiB, <= size).
         socket_mode: permission bits of the socket file (who may attach).
         group: group (name or gid) of the socket file.
         quotas: ``{namespace: bytes}``; ``default_quota``: bytes for any other namespace.
@@ -69,7 +71,10 @@ class KVServer:
         max_clients: connections served at once (others are refused).
         allow_uids: if given, only these uids (and the server's own) may attach.
         node_reason: why this node (shown by --status).
-        io_timeout: seconds a started message may take to arrive or be sent.
+        io_timeout: seconds a reply may take to be sent.
+        max_frame, max_buffered, frame_timeout, max_objects, backlog: the
+            transport's bounds (:class:`~cxlalloc.kvstore.server_transport.Transport`).
+        max_reserve_bytes: slot bytes one client may hold unpublished (default the whole pool).
 
     Raises:
         ValueError: a bad size/chunk/mode/group, naming the option.
@@ -80,7 +85,10 @@ class KVServer:
                  socket_mode: int = DEFAULT_SOCKET_MODE, group=None, quotas: Optional[Dict[str, int]] = None,
                  default_quota: Optional[int] = None, redis=None, redis_mode: str = "evict",
                  strict_placement: bool = False, max_clients: int = 256, allow_uids: Optional[Sequence[int]] = None,
-                 node_reason: str = "", io_timeout: float = DEFAULT_IO_TIMEOUT_S):
+                 node_reason: str = "", io_timeout: float = DEFAULT_IO_TIMEOUT_S,
+                 max_frame: int = DEFAULT_MAX_FRAME, max_buffered: int = DEFAULT_MAX_BUFFERED,
+                 frame_timeout: float = DEFAULT_FRAME_TIMEOUT_S, max_objects: int = DEFAULT_MAX_OBJECTS,
+                 backlog: int = DEFAULT_BACKLOG, max_reserve_bytes: Optional[int] = None):
         page = os.sysconf("SC_PAGESIZE")
         if chunk_bytes <= 0 or chunk_bytes % page or chunk_bytes > MAX_CHUNK:
             raise ValueError(f"cxlalloc option '--chunk': {format_bytes(chunk_bytes)} must be a multiple of the page "
@@ -113,7 +121,8 @@ class KVServer:
 
         t0 = time.perf_counter()
         self.state = ServerState(self.size, self.node, self.chunk_bytes, quotas=quotas, default_quota=default_quota,
-                                 max_clients=self.max_clients, allow_uids=self.allow_uids)
+                                 max_clients=self.max_clients, allow_uids=self.allow_uids,
+                                 max_reserve_bytes=max_reserve_bytes)
         self.pool_id = self.state.pool_id
         self.arena = self.state.arena
         self.index = self.state.index
@@ -123,7 +132,8 @@ class KVServer:
             self.state.set_tier(RedisLink(self.state, redis, redis_mode, self.verifier))
         self.sampler = RateSampler(self.state)
         self.transport = Transport(self.state, self.socket_path, self.socket_mode, self.gid, self.io_timeout,
-                                   self.stats, self._stop)
+                                   self.stats, self._stop, max_frame=max_frame, max_buffered=max_buffered,
+                                   frame_timeout=frame_timeout, max_objects=max_objects, backlog=backlog)
         self.map_seconds = time.perf_counter() - t0
 
     def start(self) -> "KVServer":
@@ -160,6 +170,12 @@ class KVServer:
                   "uptime_s": round(time.monotonic() - self._t0, 1), "ready_s": self.ready_seconds,
                   "clients": len(clients), "peak_clients": c["peak_clients"], "connections_total": c["connections"],
                   "refused_full": c["refused_full"], "refused_denied": c["refused_denied"],
+                  "refused_too_large": c["refused_too_large"], "refused_busy": c["refused_busy"],
+                  "refused_timeout": c["refused_timeout"], "bad_frames": c["bad_frames"],
+                  "limits": {"max_frame": self.transport.max_frame, "max_buffered": self.transport.max_buffered,
+                             "frame_timeout_s": self.transport.frame_timeout,
+                             "max_objects": self.transport.max_objects, "backlog": self.transport.backlog,
+                             "max_clients": self.max_clients, "max_reserve": self.state.max_reserve_bytes},
                   "protocol_errors": c["protocol_errors"], "bad_requests": c["bad_requests"],
                   "requests": c["requests"], "redis_mode": self.redis_mode if self.redis is not None else None,
                   "strict_placement": self.strict_placement}

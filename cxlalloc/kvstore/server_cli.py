@@ -26,6 +26,7 @@ from cxlalloc import topology
 from cxlalloc.config import format_bytes, parse_size, parse_size_or_fraction
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.server import DEFAULT_CHUNK, REDIS_MODES, KVServer, log, resolve_group
+from cxlalloc.kvstore.server_transport import DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_OBJECTS
 from cxlalloc.usage import OneLineParser
 
 # ----------------------------------------------------------------- option parsing
@@ -108,7 +109,7 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
                    "memory ('50%%'); exact, committed only as blocks are written")
     p.add_argument("--numa-node", default="auto", help="NUMA node of the pool: auto (a CPU-less/CXL node if any) or "
                    "a node id (default auto)")
-    p.add_argument("--chunk", default=None, help="slab and client GPU-registration unit (default 256MiB, or the "
+    p.add_argument("--chunk", default=None, help="placement and client GPU-registration unit (default 256MiB, or the "
                    "pool when smaller; at most 64GiB; a block is at most one chunk)")
     p.add_argument("--socket-mode", default="0660", help="permission bits of the socket file: who may attach "
                    "(default 0660: owner and group)")
@@ -118,7 +119,24 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
     p.add_argument("--quota", action="append", default=[], metavar="NS=SIZE",
                    help="bytes a namespace (cache_salt) may hold; '=SIZE' the default namespace, '*=SIZE' every "
                         "namespace without its own (repeatable)")
-    p.add_argument("--max-clients", type=int, default=256, help="connections at once (default 256)")
+    p.add_argument("--max-clients", type=int, default=256, help="connections at once (default 256); one more is "
+                   "answered 'limit' and closed")
+    p.add_argument("--max-frame", default="8MiB", metavar="SIZE",
+                   help="bytes of one request (default 8MiB); a larger one is answered 'too_large' and closed")
+    p.add_argument("--max-buffered", default="256MiB", metavar="SIZE",
+                   help="bytes of partly received requests, all connections together (default 256MiB); past it a "
+                        "request is answered 'busy' and closed")
+    p.add_argument("--frame-timeout", type=float, default=DEFAULT_FRAME_TIMEOUT_S, metavar="S",
+                   help="seconds from a request's first byte to its last (default 5); a slower one is answered "
+                        "'timeout' and closed")
+    p.add_argument("--max-objects", type=int, default=DEFAULT_MAX_OBJECTS, metavar="N",
+                   help="maps and lists in one request (default 64); more is answered 'bad_request' and closed")
+    p.add_argument("--backlog", type=int, default=DEFAULT_BACKLOG, metavar="N",
+                   help="connects queued before they are accepted (default 4096, capped by net.core.somaxconn)")
+    p.add_argument("--max-reserve", default="100%", metavar="SIZE",
+                   help="bytes one client may hold reserved and not yet committed (blocks rounded up to pages), "
+                        "or a share of --size (default 100%%; lower it when clients do not trust each other); keys past it "
+                        "get no slot, and a reserve of which none fits is answered 'limit'")
     p.add_argument("--strict-placement", action="store_true", help="drop blocks whose pages are not on the node")
     p.add_argument("--redis", default=None, metavar="URL", help="a Redis/Valkey tier below the pool: "
                    "redis://[user:password@]host:port/db or rediss://... (TLS)")
@@ -177,6 +195,30 @@ def redis_options(args) -> dict:
     return out
 
 
+def transport_limits(args, size: int) -> dict:
+    """The per-request bounds of the command line as KVServer arguments.  Raises ValueError naming the option."""
+    out = {"max_frame": parse_size(args.max_frame, "--max-frame"),
+           "max_buffered": parse_size(args.max_buffered, "--max-buffered")}
+    if out["max_frame"] < 1024:
+        raise ValueError(f"cxlalloc option '--max-frame': {args.max_frame} must be at least 1KiB (a hello)")
+    if out["max_buffered"] < out["max_frame"]:
+        raise ValueError(f"cxlalloc option '--max-buffered': {args.max_buffered} must be at least --max-frame "
+                         f"({args.max_frame})")
+    if not args.frame_timeout > 0:
+        raise ValueError(f"cxlalloc option '--frame-timeout': {args.frame_timeout} must be > 0 seconds")
+    if args.max_objects < 4:
+        raise ValueError(f"cxlalloc option '--max-objects': {args.max_objects} must be at least 4")
+    if args.backlog < 1:
+        raise ValueError(f"cxlalloc option '--backlog': {args.backlog} must be at least 1")
+    reserve = parse_size_or_fraction(args.max_reserve, "--max-reserve")
+    reserve = int(reserve * size) if isinstance(reserve, float) else int(reserve)
+    if reserve < 1:
+        raise ValueError(f"cxlalloc option '--max-reserve': {args.max_reserve} must be above 0 bytes")
+    out.update(frame_timeout=args.frame_timeout, max_objects=args.max_objects, backlog=args.backlog,
+               max_reserve_bytes=reserve)
+    return out
+
+
 def server_from_args(args) -> KVServer:
     """A KVServer (not started) from parsed CLI arguments.  Raises ValueError naming the option."""
     if args.size is None:
@@ -193,6 +235,7 @@ def server_from_args(args) -> KVServer:
         chunk = parse_size(args.chunk, "--chunk")
     if args.max_clients < 1:
         raise ValueError(f"cxlalloc option '--max-clients': {args.max_clients} must be at least 1")
+    limits = transport_limits(args, size)
     quotas, default_quota = {}, None
     for q in args.quota:
         ns, b = parse_quota(q)
@@ -227,7 +270,7 @@ def server_from_args(args) -> KVServer:
         return KVServer(size, node, args.socket, chunk_bytes=chunk, socket_mode=mode, group=gid,
                         quotas=quotas, default_quota=default_quota, redis=redis, redis_mode=args.redis_mode,
                         strict_placement=args.strict_placement, max_clients=args.max_clients, allow_uids=allow,
-                        node_reason=reason)
+                        node_reason=reason, **limits)
     except BaseException:
         if redis is not None:
             redis.close(0.1)

@@ -36,18 +36,19 @@ REDIS_MODES = ("evict", "through")
 _MADV_POPULATE_READ = 22  # linux/mman.h, Linux 5.14+
 
 
-def _libc_madvise():
+def _libc(name: str, *argtypes):
+    """libc's ``name`` with ``argtypes``, returning int; None where it is missing."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+        fn.argtypes = list(argtypes)
         fn.restype = ctypes.c_int
         return fn
     except (OSError, AttributeError):
         return None
 
 
-_madvise = _libc_madvise()
+_madvise = _libc("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_mincore = _libc("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
 
 
 class PlacementVerifier:
@@ -119,8 +120,13 @@ class PlacementVerifier:
                 # The client wrote these pages through its own mapping; read one
                 # byte of each so they are in this process's page table too
                 # (move_pages reports pages of the caller's mappings only).
-                # They exist already: nothing is allocated.
-                self._touch(e.offset, e.nbytes)
+                # Only pages the pool already holds are read: a read fault on
+                # a never-written page of the memfd would allocate it.
+                resident = self._touch(e.offset, e.nbytes)
+                if not resident:
+                    unpop += e.nbytes
+                    keep.append(e)
+                    continue
                 chk = st.arena.verify(e.offset, e.nbytes)
             except Exception:
                 unpop += e.nbytes
@@ -144,14 +150,25 @@ class PlacementVerifier:
             st.c["placement_unverified_bytes"] += unpop
             st.c["misplaced_dropped_blocks"] += dropped
 
-    def _touch(self, off: int, n: int) -> None:
+    def _touch(self, off: int, n: int) -> int:
+        """Map into this process the pages of ``[off, off + n)`` the pool holds
+        (``mincore``: in the memfd's page cache); never-written pages are left
+        alone, so a check never commits memory.  Returns pages mapped."""
         page = self._page
         first = off - off % page
-        if _madvise is not None and _madvise(self.state.arena.base + first, off + n - first, _MADV_POPULATE_READ) == 0:
-            return
+        npages = -(-(off + n - first) // page)
+        base = self.state.arena.base + first
+        vec = ctypes.create_string_buffer(npages)
+        if _mincore is None or _mincore(base, npages * page, vec) != 0:
+            return 0  # cannot tell which pages exist: verify nothing rather than allocate
+        present = [i for i, b in enumerate(vec.raw) if b & 1]
+        if len(present) == npages and _madvise is not None and \
+                _madvise(base, npages * page, _MADV_POPULATE_READ) == 0:
+            return npages
         mem = self.state.mem
-        for p in range(first, off + n, page):  # kernels before 5.14: one read per page
-            mem[p]  # noqa: B018 - a read fault maps the page
+        for i in present:  # one read per resident page: a read of a cached page maps it, allocates nothing
+            mem[first + i * page]  # noqa: B018
+        return len(present)
 
 
 class RateSampler:
@@ -243,7 +260,7 @@ class RedisLink:
             return []
         nbytes = len(got[0])
         got = [d for d in itertools.takewhile(lambda d: len(d) == nbytes, got)]
-        if nbytes > st.index.largest_block():
+        if st.index.slot_size(nbytes) > st.index.largest_block():
             return []
         with st.lock:
             slots = st.index.reserve(iks[:len(got)], nbytes, ns, owner)
@@ -255,7 +272,8 @@ class RedisLink:
             written.append(e)
         keep = self.placement(written)
         with st.lock:
-            st.index.abort([e for e in slots if e is not None and e not in keep], owner)
+            kept = set(map(id, keep))
+            st.index.abort([e for e in slots if e is not None and id(e) not in kept], owner)
             st.index.publish(keep, owner)
             pinned = st.index.match([e.key for e in keep], owner)
             st.index.c.lookups -= 1  # part of this lookup

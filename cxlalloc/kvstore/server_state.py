@@ -82,10 +82,14 @@ class ServerState:
     Args:
         size: pool bytes (exact; the mapping is rounded up to the page size).
         node: NUMA node of the pool.
-        chunk_bytes: slab unit of the index (bytes).
+        chunk_bytes: placement unit of the index (bytes; slots are pages within it).
         quotas: ``{namespace: bytes}``; ``default_quota``: bytes for any other namespace.
         max_clients: owners at once (:meth:`admit` refuses more).
         allow_uids: if given, only these uids may be admitted.
+        max_reserve_bytes: slot bytes one owner may hold WRITING at once
+            (default: the whole pool); keys past it get no slot, and a
+            reservation of which none fits is refused (``limit``).  Slots are
+            page multiples, so ``nbytes=1`` counts 4 KiB.
 
     ``placement`` (``entries -> entries to publish``) and ``tier`` (an object
     with ``evicted(entry)``, ``write_through(entries) -> int`` and
@@ -96,17 +100,20 @@ class ServerState:
 
     def __init__(self, size: int, node: int, chunk_bytes: int, *, quotas: Optional[Dict[str, int]] = None,
                  default_quota: Optional[int] = None, max_clients: int = 256,
-                 allow_uids: Optional[Sequence[int]] = None):
+                 allow_uids: Optional[Sequence[int]] = None, max_reserve_bytes: Optional[int] = None):
         self.size, self.node, self.chunk_bytes = int(size), int(node), int(chunk_bytes)
+        self.max_reserve_bytes = int(max_reserve_bytes) if max_reserve_bytes else self.size
         self.max_clients = int(max_clients)
         self.allow_uids = None if allow_uids is None else set(allow_uids)
         self.pool_id = secrets.token_hex(8)
         self.lock = threading.Lock()
         self.owners: Dict[int, Owner] = {}
         self.c = {"connections": 0, "refused_full": 0, "refused_denied": 0, "protocol_errors": 0,
+                  "refused_too_large": 0, "refused_busy": 0, "refused_timeout": 0, "bad_frames": 0,
                   "bad_requests": 0, "hit_bytes": 0, "redis_hit_blocks": 0, "redis_hit_bytes": 0, "redis_put_blocks": 0,
                   "placement_verified_bytes": 0, "placement_misplaced_bytes": 0, "placement_unverified_bytes": 0,
-                  "placement_skipped_bytes": 0, "misplaced_dropped_blocks": 0, "peak_clients": 0, "requests": 0}
+                  "placement_skipped_bytes": 0, "misplaced_dropped_blocks": 0, "peak_clients": 0, "requests": 0,
+                  "refused_reserve_budget": 0, "reserve_budget_blocks": 0, "drop_us_max": 0}
         self.placement = None
         self.tier = None
         # No engine: the kernel's own mbind/move_pages place and verify pages;
@@ -114,7 +121,10 @@ class ServerState:
         self.arena = _C.HostArena(None, self.size, self.node, True)
         self.mem = (ctypes.c_char * self.arena.size).from_address(self.arena.base)
         self.view = memoryview(self.mem).cast("B")
-        self.index = BlockIndex(self.size, self.chunk_bytes)
+        # Page-granular slots: a block starts on a page (the placement check
+        # and the clients' copies work in pages) and a 1-byte request holds
+        # one page, never a per-byte structure.
+        self.index = BlockIndex(self.size, self.chunk_bytes, granule=os.sysconf("SC_PAGESIZE"))
         # After construction: BlockIndex copies its quotas argument into a plain dict.
         self.index.quotas = _Quotas(quotas or {}, default_quota)
 
@@ -182,6 +192,7 @@ class ServerState:
         """Forget ``cid``: drop its pins, abort its reservations.  Returns
         (pins dropped, blocks aborted); (0, 0) for an unknown id."""
         with self.lock:
+            t0 = time.perf_counter()
             o = self.owners.pop(cid, None)
             if o is None:
                 return 0, 0
@@ -190,6 +201,8 @@ class ServerState:
             self.index.drop_owner(o)
             o.leases.clear()
             o.reservations.clear()
+            # How long the lock was held: what a disconnect makes other clients wait (stats: drop_ms_max).
+            self.c["drop_us_max"] = max(self.c["drop_us_max"], int((time.perf_counter() - t0) * 1e6))
         return pins, writing
 
     # ------------------------------------------------------------ blocks
@@ -237,10 +250,12 @@ class ServerState:
 
         Raises:
             protocol.RemoteError: ``too_large`` (a block above one chunk),
-                ``limit`` (MAX_LEASES_PER_CLIENT open reservations).
+                ``limit`` (MAX_LEASES_PER_CLIENT open reservations, or the
+                owner's WRITING slots are at ``max_reserve_bytes`` already;
+                keys past it get no slot, counted as ``reserve_budget_blocks``).
         """
         o = self.owner(cid)
-        if nbytes > self.index.largest_block():
+        if self.index.slot_size(nbytes) > self.index.largest_block():
             raise P.RemoteError("too_large", f"a block of {nbytes} bytes is larger than one chunk of this kv-server "
                                              f"({self.chunk_bytes} bytes, --chunk); raise --chunk or lower "
                                              "block_tokens")
@@ -249,7 +264,19 @@ class ServerState:
             if len(o.reservations) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open reservations; commit or "
                                              "abort some")
-            entries = self.index.reserve(ik, nbytes, ns, o, tokens)
+            # The keys past the owner's budget get no slot (as when the pool is
+            # full); a reservation of which nothing fits is refused.
+            fit = (self.max_reserve_bytes - self.index.writing_bytes(o)) // self.index.slot_size(nbytes)
+            if fit <= 0 and ik:
+                self.c["refused_reserve_budget"] += 1
+                raise P.RemoteError("limit", f"this client holds {self.index.writing_bytes(o)} bytes of slots "
+                                             f"unpublished (blocks are rounded up to {self.index.granule}-byte pages); "
+                                             f"a client may hold {self.max_reserve_bytes} (--max-reserve); commit or "
+                                             "abort some")
+            entries = self.index.reserve(ik[:fit], nbytes, ns, o, tokens)
+            if fit < len(ik):
+                self.c["reserve_budget_blocks"] += len(ik) - fit
+                entries += [None] * (len(ik) - fit)
             if not any(e is not None for e in entries):
                 return {"res": 0, "slots": [None] * len(entries)}
             rid = o.new_id()
@@ -273,7 +300,9 @@ class ServerState:
         sent = self.tier.write_through(keep) if self.tier is not None else 0
         with self.lock:
             self.c["redis_put_blocks"] += sent
-            self.index.abort([e for e in live if e not in keep], o)
+            if len(keep) != len(live):  # a set: a commit of 16,384 blocks was O(n^2) with `not in keep`
+                kept = set(map(id, keep))
+                self.index.abort([e for e in live if id(e) not in kept], o)
             return self.index.publish(keep, o)
 
     def abort(self, cid: int, rid: int) -> None:
@@ -310,9 +339,10 @@ class ServerState:
             used = self.index.used_bytes
             n_entries = len(self.index.entries)
             ns_bytes = {ns: b for ns, b in self.index.ns_bytes.items() if b}
-            writing = sum(1 for o in self.owners.values() for v in o.reservations.values() for e in v
-                          if e is not None)
-            pinned = sum(len(mine) for mine in self.index._pins.values())
+            writing = self.index.writing_blocks   # running counts: stats never scan the blocks
+            pinned = self.index.pinned_blocks
+            slot_bytes = self.index.slot_bytes
+            per_block = self.index.memory_per_block()
             clients = [{"id": o.id, "pid": o.pid, "uid": o.uid, "name": o.name, "leases": len(o.leases),
                         "reservations": len(o.reservations), "requests": o.requests,
                         "connected_s": round(time.time() - o.since, 1)} for o in self.owners.values()
@@ -321,7 +351,10 @@ class ServerState:
             default_quota = self.index.quotas.default
         pool = {
             "capacity_bytes": self.size, "mapped_bytes": self.arena.size, "chunk_bytes": self.chunk_bytes,
-            "used_bytes": used, "committed_bytes": self.committed_bytes(),
+            "used_bytes": used, "slot_bytes": slot_bytes, "committed_bytes": self.committed_bytes(),
+            "index_bytes_per_block": round(per_block, 1), "max_reserve_bytes": self.max_reserve_bytes,
+            "refused_reserve_budget": c["refused_reserve_budget"], "reserve_budget_blocks": c["reserve_budget_blocks"],
+            "drop_ms_max": c["drop_us_max"] / 1e3,
             "blocks": n_entries - writing, "writing_blocks": writing, "pinned_blocks": pinned,
             "lookups": ic["lookups"], "lookup_blocks": ic["lookup_blocks"], "hit_blocks": ic["hit_blocks"],
             "hit_tokens": ic["hit_tokens"], "hit_bytes": c["hit_bytes"], "miss_blocks": ic["miss_blocks"],

@@ -16,13 +16,19 @@ Benchmarks (``--only ceilings,allocation,decode,rightsizing``; default all):
                grid a CPU cannot run is refused, exit status 2)
   rightsizing  GPU: largest batch and tokens/s at a fixed budget (:mod:`.rightsizing`)
 
-Run only when named (``--only reuse``, ``--only kvserver``):
+Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, ``--only kvscale``):
 
   reuse        TTFT of a KV prefix hit vs a full prefill as the prefix grows, load
                GB/s vs the measured link rate, a block-size sweep (:mod:`.reuse`;
                CPU: SmolLM2-135M up to 2,048 tokens; GPU: an 8B shape up to 32K)
   kvserver     the kv-server across processes, N clients, the Redis tier, kill -9
                (:mod:`.kvserver`; CPU)
+  kvscale      the kv-server at 10^4/10^5/10^6 blocks: lookup latency, the stall
+               a disconnect causes to other clients, index bytes per block
+               (:mod:`.kvserver`, ``part_scale``; CPU)
+  lmcache      LMCache with cxlalloc:// vs its local CPU backend and its redis://
+               connector: store/get GB/s and lookups/s, 256 KiB-16 MiB chunks
+               (:mod:`.lmcache`; CPU; needs scripts/install_lmcache.sh)
 
 Each writes ``DIR/<name>.json`` (:mod:`.meta` describes the record; decode's
 ``parameters`` hold the grid that ran: ``points``, ``models``, ``contexts``,

@@ -16,8 +16,8 @@ from cxlalloc_apps.bench.model import SHAPES, ceiling_tokens_per_s
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB = 1 << 30
 MiB = 1 << 20
-STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "kvserver", "reuse", "decode",
-         "rightsizing", "report", "pack")
+STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "kvserver", "reuse",
+         "lmcache", "decode", "plan", "rightsizing", "report", "pack")
 
 
 def _env():
@@ -174,6 +174,7 @@ def test_gpu_check_dry_run_lists_every_step(tmp_path):
     assert "python3 -m cxlalloc info --json" in text or "-m cxlalloc info --json" in text
     assert "--only decode" in text and "--quick" in text
     assert "cxlalloc_apps.bench.report" in text
+    assert "-m cxlalloc.plan.check" in text and "plan_check.json" in text
     assert "results.tar.gz" in text and "summary.json" in text and "log.txt" in text
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
     p2 = subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", "gpu_check.sh")], capture_output=True, text=True)
@@ -653,3 +654,30 @@ def test_report_writes_the_cpu_section_from_the_kv_reuse_records(tmp_path):
     assert "| kill -9 of 1 of 4 writers mid-insert | 11,064 committed blocks logged, 0 missing, 0 torn" in cpu
     assert "<!-- bench-cpu:start -->" not in plain.read_text()
     assert "GPU numbers pending" in plain.read_text()
+
+
+def test_lmcache_bench_chunk_shapes_have_the_sizes_it_reports():
+    import math
+
+    from cxlalloc_apps.bench import lmcache as lb
+
+    for nbytes in lb.SIZES:
+        layers, kv, tokens, heads, dim = lb._shape(nbytes)
+        assert (kv, tokens, dim) == (2, lb.TOKENS, 128) and heads in (2, 4, 8)
+        assert math.prod((layers, kv, tokens, heads, dim)) * 2 == nbytes  # bf16
+    assert "lmcache" in meta.OPT_IN
+
+
+def test_kvscale_runs_only_when_named_and_its_record_plots(tmp_path):
+    from cxlalloc_apps.bench import kvscale, kvserver
+
+    assert "kvscale" in meta.OPT_IN and "kvscale" not in meta.BENCHMARKS
+    assert kvscale.run is kvserver.run_scale
+    assert kvserver.SCALE_SIZES == (10_000, 100_000, 1_000_000)
+    with open(os.path.join(meta.REPO_ROOT, "benchmarks/results/kvscale-cpu-2026-12-02/kvscale.json")) as f:
+        rec = json.load(f)
+    assert meta.validate_record(rec) == []
+    assert [r["blocks"] for r in rec["results"]] == [10_000, 100_000, 1_000_000]
+    out = tmp_path / "kvscale.png"
+    kvserver.plot_scale(rec, str(out))
+    assert out.stat().st_size > 10_000

@@ -152,7 +152,7 @@ def test_console_script_and_help():
     script = os.path.join(os.path.dirname(sys.executable), "cxlalloc")
     assert os.path.isfile(script), "console script 'cxlalloc' not installed (pip install -e .)"
     r = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "{info,run,bench,demo,kv-server}" in r.stdout
+    assert r.returncode == 0 and "{info,run,bench,demo,kv-server,plan}" in r.stdout
 
 
 @pytest.mark.parametrize("args", [("info", "--json", "--simulate"), ("info", "--libcuda", NO_DRIVER)])
@@ -224,3 +224,25 @@ def test_info_reports_a_cpu_torch_without_importing_it():
             "print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert (r.returncode, r.stdout) == (0, "False\n"), r.stderr
+
+
+def test_info_prints_the_serving_engine_lines_for_this_machines_node():
+    import yaml
+
+    r = cli("info", "--json", "--libcuda", NO_DRIVER)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    eng, node = info["engines"], info["numa"]["auto_node"]["node"]
+    assert eng["node"] == node and eng["status"] == "not yet run with an engine on a GPU"
+    assert eng["kv_server"].startswith(f"cxlalloc kv-server --numa-node {node} ")
+    cfg = yaml.safe_load(eng["lmcache_yaml"])  # the block LMCache loads (tests/kvstore/test_lmcache_plugin.py)
+    assert cfg["remote_storage_plugins"] == ["cxlalloc"] and cfg["max_local_cpu_size"] > 0
+    extra = cfg["extra_config"]
+    assert extra["remote_storage_plugin.cxlalloc.class_name"] == "CxlallocConnectorAdapter"
+    assert extra["remote_storage_plugin.cxlalloc.url"] == "cxlalloc:///run/cxlalloc/kv.sock"
+    assert '"kv_connector": "LMCacheConnectorV1"' in eng["vllm"]
+    assert eng["kvbm_g2"][1:] == ["export DYN_MEMORY_DISABLE_NUMA=1", f"numactl --membind={node} <your Dynamo worker command>"]
+    free = next(n["free_bytes"] for n in info["numa"]["topology"]["nodes"] if n["id"] == node)
+    assert eng["kvbm_g2"][0] == f"export DYN_KVBM_CPU_CACHE_GB={max(1, free // 2 // (1 << 30))}"
+    text = cli("info", "--libcuda", NO_DRIVER).stdout
+    assert f"serving engines, KV on node {node}" in text and "vllm serve <model> --kv-transfer-config" in text

@@ -35,6 +35,7 @@ RULES = [
     Rule(TOP_LEVEL, ("cxlalloc.pytorch", "cxlalloc.hf", "cxlalloc.kvstore"), False),
     Rule(("cxlalloc.pytorch",), ("cxlalloc.hf", "cxlalloc.kvstore"), False),
     Rule(("cxlalloc.kvstore",), ("cxlalloc.hf", "cxlalloc.pytorch"), False),
+    Rule(("cxlalloc.plan",), ("cxlalloc.pytorch", "cxlalloc.hf", "cxlalloc.kvstore"), True),
     Rule(("cxlalloc",), ("cxlalloc_apps",), True),
     Rule(("cxlalloc_apps.bench",), ("cxlalloc_apps.demo",), True),
     Rule(("cxlalloc_apps.demo",), ("cxlalloc_apps.bench",), True),

@@ -21,7 +21,8 @@ def expected_files():
     """Paths (inside site-packages) that an install must hold, from the source tree."""
     out = {DOCUMENT, "cxlalloc/py.typed", "cxlalloc-startup.pth", "cxlalloc/_adapter_src/capi/c_api.h"}
     for path in (glob.glob(os.path.join(ROOT, "cxlalloc", "**", "*.py"), recursive=True)
-                 + glob.glob(os.path.join(ROOT, "cxlalloc_apps", "**", "*.py"), recursive=True)):
+                 + glob.glob(os.path.join(ROOT, "cxlalloc_apps", "**", "*.py"), recursive=True)
+                 + glob.glob(os.path.join(ROOT, "cxlalloc", "plan", "presets", "*.json"))):  # cxlalloc plan's configs
         out.add(os.path.relpath(path, ROOT).replace(os.sep, "/"))
     for path in glob.glob(os.path.join(ROOT, "csrc", "torch", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "torch",
                                                                                                   "*.h")):

@@ -312,6 +312,50 @@ def test_gpu_prefix_hit_loads_into_vram_with_identical_tokens(deterministic_sdpa
         del m, ref, out, c
 
 
+def test_gpu_continuous_batching_past_vram_identical_tokens(deterministic_sdpa):
+    """generate_batch of a wrapped model: the paged cache's blocks in VRAM and on
+    the host tier (read by attention over the link), preemption into the swap
+    pool on the host tier, a second batch loading its documents from the store;
+    tokens equal plain transformers' continuous batching per request."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(3, 1000, (512,), generator=g).tolist() for _ in range(3)]
+    batches = [[docs[i % 3] + torch.randint(3, 1000, (24 + i,), generator=g).tolist() for i in range(8)]
+               for _ in range(2)]
+    gc = GenerationConfig(max_new_tokens=48, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+    def cfg(**kw):
+        return ContinuousBatchingConfig(page_size=64, max_batch_tokens=1024, auto_switch_to_flash=False, **kw)
+
+    # float32 and the same cache size and swap pool for both: the same schedule, so a batch composition that
+    # differs cannot flip a near-tie token (bf16 does, measured in the dry run)
+    plain = to_dev(tiny_llama(hidden=256, heads=8, kv_heads=8, layers=4), torch.float32)
+    # (transformers' own swap pool is pinned memory: none on the CPU of the dry run, which resets instead)
+    refs = [[o.generated_tokens for o in plain.generate_batch(b, generation_config=gc, continuous_batching_config=cfg(
+        num_blocks=30, cpu_offload_space=0.0 if DRY else 0.01)).values()] for b in batches]
+    del plain
+    m = to_dev(tiny_llama(hidden=256, heads=8, kv_heads=8, layers=4), torch.float32)
+    fp = weight_footprint(m)
+    wrap(m, device_limit=fp + CHUNK, host_limit=1 << 30, kv_store=True, kv_store_limit=64 * MiB)
+    for i, b in enumerate(batches):
+        t0 = time.perf_counter()
+        out = m.generate_batch(b, generation_config=gc, continuous_batching_config=cfg(num_blocks=30,
+                                                                                     cpu_offload_space=0.01))
+        sync()
+        wall = time.perf_counter() - t0
+        s = hf.stats(m)["hf"]["continuous_batching"]
+        c = s["counters"]
+        record("cb_paged_past_vram", batch=i, wall_s=wall, cache=s["cache"], swap_pool=s["swap_pool"], counters=c)
+        assert [o.generated_tokens for o in out.values()] == refs[i]
+        assert s["tiered"] and s["cache"]["kv_host_bytes"] > 0 and s["cache"]["kv_device_bytes"] > 0
+        assert s["swap_pool"]["host_bytes"] == s["swap_pool"]["reserved_bytes"]
+    assert c["store_hit_tokens"] >= 3 * 512 and c["reprefills_avoided"] >= 3
+    assert c["swapped_requests"] > 0  # 8 requests of ~10 blocks (3 documents shared) past a 30-block cache
+    hf.unwrap(m)
+
+
 # ------------------------------------------------------------------ cache layer kinds
 @pytest.mark.parametrize("kind", ["sliding", "encoder-decoder"])
 def test_gpu_layer_kinds_spill_with_identical_tokens(kind, deterministic_sdpa):

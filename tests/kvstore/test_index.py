@@ -1,4 +1,4 @@
-"""BlockIndex: slabs, LRU eviction, pins, write-then-publish, quotas, dead owners.
+"""BlockIndex: chunks and slots, LRU eviction, pins, write-then-publish, quotas, dead owners.
 
 Pure bookkeeping, so the randomized test checks the invariants after every one
 of thousands of operations."""
@@ -110,10 +110,10 @@ def test_block_larger_than_the_store_is_refused_naming_the_option():
         ix.reserve([key(1)], 9 * KiB, "", "w")
 
 
-def test_an_emptied_slab_takes_another_block_size():
-    ix = BlockIndex(16 * KiB, 8 * KiB)  # two slabs
-    put(ix, [1, 2, 3, 4])  # 4 KiB blocks fill both slabs
-    put(ix, [9], nbytes=8 * KiB)  # must empty one slab: evicts the two oldest
+def test_an_emptied_chunk_takes_another_block_size():
+    ix = BlockIndex(16 * KiB, 8 * KiB)  # two chunks
+    put(ix, [1, 2, 3, 4])  # 4 KiB blocks fill both chunks
+    put(ix, [9], nbytes=8 * KiB)  # must empty one chunk (or its top slots): evicts the two oldest
     assert ix.contains(key(9)) and not ix.contains(key(1)) and not ix.contains(key(2))
     assert ix.contains(key(3)) and ix.contains(key(4))
     ix.check()
@@ -151,3 +151,47 @@ def test_randomized_operations_keep_every_invariant():
             ix.clear(rng.choice([None, "q"]))
         ix.check()
     assert ix.c.evicted_blocks > 0 and ix.c.hit_blocks > 0 and ix.c.dropped_pins > 0
+
+
+# ----------------------------------------------------------------- bounded work, costs independent of store size
+def test_a_one_byte_block_takes_one_granule_and_builds_nothing_per_byte():
+    ix = BlockIndex(256 << 20, 256 << 20, granule=4 * KiB)  # one 256 MiB chunk
+    (e,) = ix.reserve([key(1)], 1, "", "w")
+    assert e.offset == 0 and ix.slot_size(1) == 4 * KiB and ix.slot_bytes == 4 * KiB and ix.used_bytes == 1
+    assert ix._free == [None] and ix._top == [4 * KiB]  # a bump pointer, no free list of slots
+    ix.check()
+
+
+def test_a_tiny_block_held_in_a_chunk_leaves_the_rest_of_it_to_other_sizes():
+    ix = BlockIndex(64 * KiB, 16 * KiB, granule=4 * KiB)  # 4 chunks of 16 KiB
+    put(ix, range(8), nbytes=8 * KiB)  # fills every chunk with 8 KiB blocks
+    tiny = [e for i in range(4) for e in ix.reserve([key(100 + i)], 1 + i, "", f"attacker{i}")]
+    assert all(t is not None for t in tiny)
+    assert len({t.offset // (16 * KiB) for t in tiny}) == 1  # all four in one chunk's tail, not one per chunk
+    honest = put(ix, range(200, 203), nbytes=12 * KiB)  # another size still finds room
+    assert all(e is not None for e in honest) and all(ix.contains(key(k)) for k in range(200, 203))
+    ix.check()
+
+
+def test_drop_owner_touches_only_that_owners_blocks():
+    ix = BlockIndex(4096 * KiB, 1024 * KiB, granule=4 * KiB)
+    put(ix, range(500))
+    ix.match([key(1), key(2)], "gone")
+    ix.reserve([key(900)], 4 * KiB, "", "gone")
+    assert ix.writing_blocks == 1 and ix.pinned_blocks == 2 and ix.blocks() == 500
+    ix.drop_owner("gone")
+    assert ix.writing_blocks == 0 and ix.pinned_blocks == 0 and ix.blocks() == 500
+    assert "gone" not in ix._writing and "gone" not in ix._pins
+    ix.check()
+
+
+def test_running_counts_equal_what_a_scan_finds_and_memory_per_block_is_reported():
+    ix = BlockIndex(2048 * KiB, 512 * KiB, granule=4 * KiB)
+    put(ix, range(300), nbytes=3 * KiB)
+    ix.match([key(k) for k in range(10)], "r")
+    ix.reserve([key(1000 + k) for k in range(5)], 3 * KiB, "", "w2")
+    assert ix.blocks() == sum(1 for e in ix.entries.values() if e.state == READY) == 300
+    assert ix.writing_blocks == 5 and ix.pinned_blocks == 10
+    assert ix.slot_bytes == 305 * 4 * KiB and ix.used_bytes == 305 * 3 * KiB
+    assert 150 < ix.memory_per_block() < 400  # entry + key + offset + its hash-table share (bytes)
+    ix.check()

@@ -278,3 +278,59 @@ def test_kv_server_process_with_redis_write_through_survives_kill_9(redis_server
         time.sleep(0.2)
     assert st["last"]["hit_tokens"] == 64
     assert sp.status()["pool"]["redis_hit_blocks"] >= 8
+
+
+# ----------------------------------------------------------------- configuration and log volume
+def test_a_redis_not_configured_as_a_cache_is_warned_about_once(redis_server, caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="cxlalloc.kvstore")
+    bare = redis_server()  # redis-server's defaults: noeviction, no maxmemory
+    t = RedisTier(bare.url)
+    try:
+        warnings = t.check_config()
+        assert len(warnings) == 2 and "noeviction" in warnings[0] and "no maxmemory" in warnings[1]
+        assert t.check_config() == warnings  # once: not again
+        assert sum("noeviction" in r.getMessage() for r in caplog.records) == 1
+        assert t.stats()["config_warnings"] == warnings
+    finally:
+        t.close(0.5)
+    cache = redis_server("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
+    t = RedisTier(cache.url)
+    try:
+        assert t.check_config() == []
+    finally:
+        t.close(0.5)
+    locked = redis_server("--rename-command", "CONFIG", "")  # managed services often disable CONFIG
+    t = RedisTier(locked.url)
+    try:
+        (w,) = t.check_config()
+        assert "CONFIG GET refused" in w
+    finally:
+        t.close(0.5)
+
+
+def test_up_down_changes_are_logged_at_most_once_per_window_with_a_count(redis_server, caplog, monkeypatch):
+    import logging
+
+    import cxlalloc.kvstore.redis_tier as rt
+
+    caplog.set_level(logging.WARNING, logger="cxlalloc.kvstore")
+    monkeypatch.setattr(rt, "STATE_LOG_EVERY_S", 0.5)
+    rs = redis_server()
+    t = RedisTier(rs.url)
+    try:
+        caplog.clear()
+        for _ in range(35):  # a flapping link: 70 transitions
+            t._failed(ConnectionError("flap"), "put")
+            t._ok()
+        lines = [r.getMessage() for r in caplog.records if "Redis" in r.getMessage() and "reach" in r.getMessage()]
+        assert len(lines) == 1 and "unreachable" in lines[0], lines
+        time.sleep(0.6)
+        t._failed(ConnectionError("flap"), "put")
+        lines = [r.getMessage() for r in caplog.records if "Redis" in r.getMessage() and "reach" in r.getMessage()]
+        assert len(lines) == 2 and "69 more up/down changes" in lines[1], lines
+        assert t.stats()["state_changes_not_logged"] == 69
+        t._ok()
+    finally:
+        t.close(0.5)

@@ -105,3 +105,55 @@ def test_strict_placement_verifies_before_publishing():
     pool, _, _, _ = st.snapshot()
     assert pool["placement_verified_bytes"] + pool["placement_unverified_bytes"] == 2 * BLOCK
     assert pool["placement_misplaced_bytes"] == 0
+
+
+# ----------------------------------------------------------------- bounded work
+def test_a_one_byte_reserve_holds_one_page_and_allocates_no_per_byte_structure():
+    import tracemalloc
+
+    st = ServerState(256 * MiB, 0, 256 * MiB)  # the default chunk: one 256 MiB chunk
+    a = st.admit(os.getpid(), os.getuid(), os.getgid()).id
+    tracemalloc.start()
+    try:
+        res = st.reserve(a, "", [key(1)], 1, 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert res["res"] and res["slots"] == [0]
+    assert peak < 64 << 10, peak  # bytes (was a free list of 16 M entries: +643 MiB at a 16 MiB chunk)
+    pool = st.snapshot()[0]
+    assert pool["writing_blocks"] == 1 and pool["slot_bytes"] == os.sysconf("SC_PAGESIZE") and pool["used_bytes"] == 1
+    st.check()
+
+
+def test_64_tiny_reservations_in_64_chunks_leave_an_honest_writer_20_of_20_blocks():
+    chunk = 256 << 10
+    st = ServerState(64 * chunk, 0, chunk, max_reserve_bytes=64 * chunk)  # 64 chunks of 4 blocks
+    honest = st.admit(os.getpid(), os.getuid(), os.getgid()).id
+    assert _put(st, honest, [key(i) for i in range(256)], 1) == 256  # every chunk full of READY blocks
+    attackers = [st.admit(os.getpid(), os.getuid(), os.getgid()).id for _ in range(64)]
+    for n, cid in enumerate(attackers, 1):  # 1 + 2 + ... + 64 = 2,080 bytes, each held unpublished
+        assert st.reserve(cid, "", [key(n, b"tiny")], n, 0)["res"]
+    pool = st.snapshot()[0]
+    assert pool["writing_blocks"] == 64
+    assert pool["evicted_blocks"] <= 4  # the tiny slots share one chunk's tail: one block's room evicted
+    assert _put(st, honest, [key(i, b"new") for i in range(20)], 2) == 20
+    got = st.lookup(honest, "", [key(i, b"new") for i in range(20)])
+    assert len(got["blocks"]) == 20
+    assert all(bytes(st.view[o:o + n]) == b"\x02" * BLOCK for o, n, _ in got["blocks"])
+    st.check()
+
+
+def test_a_client_past_its_reserve_budget_gets_no_slot_then_limit():
+    st, (a, b) = _state(size=1 * MiB, max_reserve_bytes=4 * BLOCK)
+    res = st.reserve(a, "", [key(i) for i in range(6)], BLOCK, 0)
+    assert res["res"] and [s is not None for s in res["slots"]] == [True] * 4 + [False] * 2
+    with pytest.raises(P.RemoteError, match="--max-reserve") as e:
+        st.reserve(a, "", [key(9)], 1, 0)  # 1 byte counts one page: over its budget
+    assert e.value.code == "limit"
+    assert st.reserve(b, "", [key(10)], BLOCK, 0)["res"]  # another client has its own budget
+    pool = st.snapshot()[0]
+    assert pool["refused_reserve_budget"] == 1 and pool["reserve_budget_blocks"] == 2
+    assert st.commit(a, res["res"]) == 4
+    assert st.reserve(a, "", [key(9)], 1, 0)["res"]  # committed blocks no longer count
+    st.check()

@@ -1,0 +1,316 @@
+"""The right-sizing plan: KV bytes, VRAM split, sequences per GPU with and
+without the host/CXL tier, decode and TTFT bounds, and the GPU count.
+
+Pure arithmetic (no torch).  Formulas, with their sources (docs/planning.md
+states each and the assumptions; :func:`plan` returns them in the record):
+
+* KV bytes: :mod:`cxlalloc.plan.layout` (the engine's own layout, exact).
+* VRAM split per GPU: weights ``W / g`` (``g`` GPUs holding one copy of the
+  weights, tensor-parallel), a headroom of ``max(2 GiB, 10% of VRAM)`` left to
+  torch's activations (``cxlalloc.hf.wrap``'s default on a GPU), and KV in the rest.
+* Decode step (one token per sequence, every byte read once, as the bench's
+  ceiling model ``cxlalloc_apps/bench/model.py``)::
+
+      t_step = (W + (1 - f) K) / (g B_hbm) + f K / (g B_read)
+
+  ``K`` the live KV bytes of all sequences, ``f`` the share on the host tier
+  (the KV-aware policy keeps the newest tokens in VRAM and spills the oldest),
+  ``B_read = min(link, host node)`` the rate a GPU kernel reads host memory.
+* Prefill (TTFT cold): ``(2 N_active T + sum over attention layers of 2 H_q d T
+  T_w) / (g F mfu)``, ``T_w = T`` (full) or ``min(T, w)`` (sliding), ``F``
+  the dense BF16 peak; the MFU is an input (default 0.4).
+* TTFT warm (a prefix hit of share ``r``): load ``r T`` tokens' KV at ``g
+  B_read``, then prefill the other ``(1 - r) T`` tokens against the whole context.
+* GPUs: ``g * ceil(users / sequences per group)``, sequences per group the
+  largest count whose KV fits (VRAM only, or VRAM + host bytes) and whose
+  ``t_step`` meets the TPOT target.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Sequence
+
+from cxlalloc.plan import hardware
+from cxlalloc.plan.layout import (DEFAULT_CHUNK_BYTES, SHARED_KINDS, SLIDING_KINDS, Layout, cache_bytes, dtype_bytes,
+                                  kv_bytes_per_token, live_kv_bytes, read_layout, state_bytes)
+
+GiB = 1 << 30
+GROUPS = (1, 2, 4, 8)  # tensor-parallel group sizes tried for weights that do not fit one GPU
+
+
+def default_headroom(hbm_bytes: float) -> int:
+    """VRAM left to torch (activations, workspace): ``max(2 GiB, 10% of VRAM)``,
+    the share ``cxlalloc.hf.wrap`` leaves on a GPU without ``device_limit``."""
+    return int(max(2 * GiB, 0.10 * hbm_bytes))
+
+
+class PlanModel:
+    """The numbers of one plan (inputs resolved), with its step and prefill
+    times (seconds) and capacity search; :mod:`cxlalloc.plan.check` uses it for
+    the bounds of measured records."""
+
+    def __init__(self, layout: Layout, weight_bytes: float, kv_elem: float, hbm: float, hbm_gbps: float,
+                 read_gbps: float, tflops: float, mfu: float, headroom: float, host_bytes: float, chunk: int):
+        self.layout, self.W, self.e = layout, float(weight_bytes), kv_elem
+        # Fixed-size state (SSM/conv) of stateful layers stays in transformers' memory: VRAM, untiered.
+        self.state = float(state_bytes(layout, kv_elem) or 0)
+        self.hbm, self.hbm_gbps, self.read_gbps = hbm, hbm_gbps, read_gbps
+        self.tflops, self.mfu, self.headroom, self.host, self.chunk = tflops, mfu, headroom, host_bytes, chunk
+
+    def budget(self, g: int, users: int = 0) -> float:
+        """KV bytes a group of ``g`` GPUs keeps in VRAM (less ``users`` sequences' fixed state)."""
+        return g * (self.hbm - self.headroom) - self.W - users * self.state
+
+    def kv(self, users: int, context: int) -> int:
+        return cache_bytes(self.layout, users, context, self.e, chunk=self.chunk)["total"] if users else 0
+
+    def host_share(self, users: int, context: int, g: int) -> float:
+        k = self.kv(users, context)
+        return max(0.0, k - max(0.0, self.budget(g, users))) / k if k else 0.0
+
+    def step_s(self, users: int, context: int, g: int, host: bool = True) -> float:
+        live = users * live_kv_bytes(self.layout, context, self.e)
+        f = self.host_share(users, context, g) if host else 0.0
+        t = (self.W + (1 - f) * live) / (g * self.hbm_gbps * 1e9)
+        return t + (f * live / (g * self.read_gbps * 1e9) if f else 0.0)
+
+    def attn_flops(self, new: float, context: float) -> float:
+        """Attention FLOPs of ``new`` tokens at the end of a ``context``-token
+        prompt (QK^T and AV, causal: 2 x 2 H_q d per query-key pair)."""
+        la = self.layout
+        per_pair = 4 * la.attn_heads * la.head_dim
+        done = context - new
+        total = 0.0
+        for layer in la.layers:
+            if layer.kind in SHARED_KINDS:
+                total += per_pair * (context * context - done * done) / 2
+            elif layer.kind in SLIDING_KINDS and layer.window:
+                total += per_pair * new * min(context, layer.window)
+        return total
+
+    def prefill_s(self, new: float, context: float, g: int) -> float:
+        flops = 2 * self.layout.active_params * new + self.attn_flops(new, context)
+        return flops / (g * self.tflops * 1e12 * self.mfu)
+
+    def fits(self, users: int, context: int, g: int, host: bool, slo_s: Optional[float]) -> bool:
+        room = self.budget(g, users)
+        if room < 0 or self.kv(users, context) > room + (g * self.host if host else 0.0):
+            return False
+        return slo_s is None or self.step_s(users, context, g, host) <= slo_s
+
+    def max_users(self, context: int, g: int, host: bool, slo_s: Optional[float], limit: int = 1 << 20) -> int:
+        """Largest sequence count that fits (binary search; KV grows with users)."""
+        if self.budget(g) <= 0 or not self.fits(1, context, g, host, slo_s):
+            return 0
+        lo, hi = 1, 2
+        while hi < limit and self.fits(hi, context, g, host, slo_s):
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits(mid, context, g, host, slo_s) else (lo, mid)
+        return lo
+
+
+def _check(name: str, value, lo=None, hi=None, integer=False):
+    try:
+        v = int(value) if integer else float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {rng}, got {value!r}")
+    return v
+
+
+def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "bf16",
+         kv_dtype: Optional[str] = None, reuse: float = 0.0, gpu: str = "h200", hbm_bytes: Optional[float] = None,
+         hbm_gbps: Optional[float] = None, bf16_tflops: Optional[float] = None, link_gbps: Optional[float] = None,
+         host_bytes: Optional[float] = None, host_node: Any = "dram", info: Optional[Dict[str, Any]] = None, headroom_bytes: Optional[float] = None,
+         tpot_slo_ms: Optional[float] = 50.0, mfu: float = 0.4, weight_bytes: Optional[float] = None,
+         records: Sequence[str] = (), chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+         curve_contexts: Optional[Sequence[int]] = None, curve_users: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+    """Plan serving ``users`` concurrent sequences of ``context`` tokens.
+
+    Args:
+        model: a model directory, config.json path, config dict or transformers
+            config object (:func:`cxlalloc.plan.layout.read_layout`).
+        context: tokens per sequence (prompt + generated).
+        users: concurrent sequences to serve (the target).
+        weight_dtype / kv_dtype: element types (``bf16``, ``fp16``, ``fp8``,
+            ``fp32``, ``int4`` for weights); KV defaults to the weights' type.
+        reuse: share of each prompt served from the prefix reuse pool (0..1).
+        gpu: preset name (``h100``, ``h200``, ``b200``, ``l40s``); ``hbm_bytes``,
+            ``hbm_gbps`` (GB/s), ``bf16_tflops``, ``link_gbps`` override it.
+        host_bytes: host/CXL bytes available per GPU for KV (default: from
+            ``info``, else 512 GB).
+        info: a ``cxlalloc info --json`` record (:func:`cxlalloc.plan.hardware.from_info`):
+            the host/CXL node sizes, and the GPU's memory when ``hbm_bytes`` is not given.
+        host_node: ``dram``, ``cxl-x8``, ``cxl-x16`` or a bandwidth in GB/s of
+            the host/CXL memory (the GPU reads it at ``min(link, node)``).
+        headroom_bytes: VRAM left to activations (default :func:`default_headroom`).
+        tpot_slo_ms: decode step target in ms (None: capacity only).
+        mfu: prefill's share of the dense BF16 peak (0..1].
+        weight_bytes: the checkpoint's size (default: params x weight dtype).
+        records: bench record files/folders; a ``ceilings`` record of this GPU
+            replaces the datasheet HBM and link rates (said in ``hardware``).
+        chunk_bytes: the engine's extent chunk (2 MiB).
+        curve_contexts / curve_users: points of the plot's curves.
+
+    Returns:
+        A JSON-ready dict: ``model``, ``inputs``, ``hardware``, ``kv``,
+        ``vram``, ``capacity``, ``decode``, ``ttft``, ``gpus``, ``host``,
+        ``curves``, ``assumptions`` (see docs/planning.md for every key).
+
+    Raises:
+        ValueError: a bad input (the message names it and its allowed values),
+            or weights that fit no group of up to 8 GPUs.
+        FileNotFoundError: no config at ``model``.
+    """
+    context = _check("--context", context, 1, integer=True)
+    users = _check("--users", users, 1, integer=True)
+    reuse = _check("--reuse", reuse, 0.0, 1.0)
+    mfu = _check("--mfu", mfu, 0.01, 1.0)
+    from_info = hardware.from_info(info) if info is not None else None
+    if host_bytes is not None:
+        host_bytes, host_src = _check("--host-bytes", host_bytes, 0.0), "--host-bytes"
+    elif from_info is not None:
+        host_bytes, host_src = from_info["host_bytes_per_gpu"], from_info["source"]
+    else:
+        host_bytes, host_src = 512e9, "default 512 GB per GPU"
+    if tpot_slo_ms is not None:
+        tpot_slo_ms = _check("--tpot-slo-ms", tpot_slo_ms, 0.001)
+    layout = read_layout(model)
+    we = dtype_bytes(weight_dtype, "--weight-dtype")
+    ke = dtype_bytes(kv_dtype or weight_dtype, "--kv-dtype")
+    preset = hardware.gpu_preset(gpu)
+    measured = hardware.measured_ceilings(preset, list(records)) if records else None
+    if hbm_bytes:
+        hbm, hbm_src = float(hbm_bytes), "--hbm-bytes"
+    elif from_info is not None and from_info["hbm_bytes"]:
+        hbm, hbm_src = from_info["hbm_bytes"], f"cxlalloc info: {from_info['gpu_name']}"
+    else:
+        hbm, hbm_src = preset.hbm_bytes, f"{preset.name} {preset.source}"
+    if hbm_gbps:
+        bw, bw_src = float(hbm_gbps), "--hbm-gbps"
+    elif measured:
+        bw, bw_src = measured["hbm_gbps"], f"measured HBM kernel read rate, {measured['path']} ({measured['gpu']})"
+    else:
+        bw, bw_src = preset.hbm_gbps, f"{preset.name} datasheet"
+    if link_gbps:
+        link, link_src = float(link_gbps), "--link-gbps"
+    elif measured and measured.get("link_gbps"):
+        link, link_src = measured["link_gbps"], (f"measured zero-copy read of the host tier "
+                                                 f"({measured['link_backend']}), {measured['path']}")
+    else:
+        link, link_src = preset.link_gbps, f"{preset.link_name} theoretical per direction"
+    if isinstance(host_node, (int, float)) or str(host_node).replace(".", "", 1).isdigit():
+        node_gbps, node_src = _check("--host-node", host_node, 0.001), "--host-node (GB/s)"
+    else:
+        node_gbps, node_src = hardware.host_node(host_node)
+    read = min(link, node_gbps)
+    tflops = float(bf16_tflops) if bf16_tflops else preset.bf16_tflops
+    head = float(headroom_bytes) if headroom_bytes is not None else default_headroom(hbm)
+    W = float(weight_bytes) if weight_bytes else layout.params * we
+    m = PlanModel(layout, W, ke, hbm, bw, read, tflops, mfu, head, host_bytes, int(chunk_bytes))
+    g = next((n for n in GROUPS if m.budget(n) > 0 and m.max_users(context, n, True, None) > 0), None)
+    if g is None:
+        raise ValueError(f"the weights ({W / 1e9:.1f} GB) and one sequence of {context} tokens fit no group of up to "
+                         f"{GROUPS[-1]} {preset.name} GPUs (VRAM {hbm / 1e9:.0f} GB, headroom {head / 1e9:.1f} GB)")
+    slo = tpot_slo_ms / 1e3 if tpot_slo_ms is not None else None
+    u_vram = m.max_users(context, g, False, slo)
+    u_host = max(u_vram, m.max_users(context, g, True, slo))
+    n_without = g * math.ceil(users / u_vram) if u_vram else None
+    n_with = g * math.ceil(users / u_host) if u_host else None
+    # Without a TPOT target (capacity only): what the host tier holds when decode speed is not bounded.
+    u_cap = m.max_users(context, g, True, None)
+    n_cap = g * math.ceil(users / u_cap) if u_cap else None
+    u_cap_op = math.ceil(users / (n_cap // g)) if n_cap else 0
+    u_vram_cap = m.max_users(context, g, False, None)
+    n_without_cap = g * math.ceil(users / u_vram_cap) if u_vram_cap else None
+    per_tok = kv_bytes_per_token(layout, ke)
+    seq_live = live_kv_bytes(layout, context, ke)
+    kv_target = m.kv(users, context)
+    # Operating point with the host tier: the target's users spread over n_with GPUs.
+    u_op = math.ceil(users / (n_with // g)) if n_with else 0
+    kv_op = m.kv(u_op, context)
+    host_op = max(0.0, kv_op - m.budget(g, u_op))
+    prefix_tokens = int(round(reuse * context))
+    load_bytes = live_kv_bytes(layout, prefix_tokens, ke)
+    cold = m.prefill_s(context, context, g)
+    warm_load = load_bytes / (g * read * 1e9)
+    warm = warm_load + m.prefill_s(context - prefix_tokens, context, g)
+    st = state_bytes(layout, ke)
+    record: Dict[str, Any] = {
+        "model": {"name": layout.name, "model_type": layout.model_type, "layers": len(layout.layers),
+                  "layer_kinds": layout.kinds(), "params": layout.params, "active_params": layout.active_params,
+                  "params_source": layout.params_source, "notes": layout.notes},
+        "inputs": {"context": context, "users": users, "weight_dtype": weight_dtype, "kv_dtype": kv_dtype or weight_dtype,
+                   "reuse": reuse, "gpu": preset.key, "host_bytes_per_gpu": host_bytes, "tpot_slo_ms": tpot_slo_ms,
+                   "mfu": mfu, "chunk_bytes": int(chunk_bytes)},
+        "hardware": {"gpu": preset.name, "hbm_bytes": hbm, "hbm_source": hbm_src, "hbm_gbps": bw, "hbm_gbps_source": bw_src,
+                     "bf16_tflops": tflops, "link_gbps": link, "link_source": link_src, "host_node_gbps": node_gbps,
+                     "host_node_source": node_src, "host_read_gbps": read,
+                     "host_bytes_per_gpu": host_bytes, "host_bytes_source": host_src, "measured_record": measured},
+        "kv": {"bytes_per_token": per_tok, "per_sequence_live_bytes": seq_live,
+               "sliding_windows": sorted({la.window for la in layout.layers if la.kind in SLIDING_KINDS}),
+               "state_bytes_per_sequence": st, "target_cache_bytes": kv_target,
+               "target_cache_bytes_by_store": cache_bytes(layout, users, context, ke, chunk=int(chunk_bytes))},
+        "vram": {"per_gpu_bytes": hbm, "weights_per_gpu": W / g, "headroom_per_gpu": head,
+                 "kv_per_gpu": min(kv_op, max(0.0, m.budget(g, u_op))) / g, "kv_room_per_gpu": m.budget(g) / g,
+                 "state_per_gpu": u_op * m.state / g},
+        "capacity": {"group_gpus": g, "sequences_per_group_vram_only": u_vram,
+                     "sequences_per_group_with_host": u_host,
+                     "sequences_per_gpu_vram_only": u_vram / g, "sequences_per_gpu_with_host": u_host / g},
+        "decode": {"sequences_per_group_at_target": u_op,
+                   "tpot_ms_vram_only": m.step_s(u_vram, context, g, False) * 1e3 if u_vram else None,
+                   "tpot_ms_with_host": m.step_s(u_op, context, g) * 1e3 if u_op else None,
+                   "host_share_with_host": m.host_share(u_op, context, g) if u_op else 0.0,
+                   "bytes_per_step_hbm": (W + (1 - m.host_share(u_op, context, g)) * u_op * seq_live) if u_op else None,
+                   "bytes_per_step_link": m.host_share(u_op, context, g) * u_op * seq_live if u_op else None},
+        "ttft": {"cold_ms": cold * 1e3, "warm_ms": warm * 1e3, "prefix_tokens": prefix_tokens,
+                 "prefix_load_bytes": load_bytes, "prefix_load_ms": warm_load * 1e3,
+                 "speedup": cold / warm if warm > 0 else None},
+        "gpus": {"without_host": n_without, "with_host": n_with,
+                 "ratio": (n_without / n_with) if (n_without and n_with) else None,
+                 "with_host_capacity_only": n_cap,
+                 "without_host_capacity_only": n_without_cap,
+                 "ratio_capacity_only": (n_without_cap / n_cap) if (n_without_cap and n_cap) else None,
+                 "tpot_ms_capacity_only": m.step_s(u_cap_op, context, g) * 1e3 if u_cap_op else None},
+        "host": {"bytes_needed_per_gpu": host_op / g, "bytes_needed_total": host_op * (n_with // g if n_with else 0),
+                 "reuse_pool_bytes_upper": users * load_bytes},
+        "assumptions": [
+            f"weights {W / 1e9:.2f} GB ({'--weight-bytes' if weight_bytes else layout.params_source}), "
+            f"one copy per group of {g} GPU(s), all in VRAM",
+            f"headroom {head / GiB:.1f} GiB per GPU left to activations "
+            f"({'--headroom' if headroom_bytes is not None else 'max(2 GiB, 10% of VRAM)'})",
+            "one CxlCache of all sequences per group (the engine's shared store; 2 MiB chunks)",
+            "decode reads every weight and every live KV byte once per step; no compute, launch or overlap terms "
+            "(a lower bound of TPOT)",
+            f"KV beyond VRAM sits on the host tier, read in place at min(link, node) = {read:.0f} GB/s",
+            f"prefill at {mfu:.0%} of {tflops:.0f} TFLOPS dense BF16",
+            f"TPOT target {tpot_slo_ms} ms" if tpot_slo_ms is not None else "no TPOT target: capacity only",
+            "reuse pool bound: one distinct prefix per user",
+        ],
+    }
+    if m.state:
+        record["assumptions"].append(f"fixed-size state of stateful layers (SSM/conv): {m.state / 1e6:.2f} MB per "
+                                     f"sequence in VRAM (transformers' memory, untiered)")
+    if records and measured is None:
+        record["assumptions"].append(f"no measured ceilings record of {preset.name} in {', '.join(records)}: "
+                                     f"datasheet rates")
+    if st is None:
+        record["assumptions"].append("stateful layers whose state size the config does not give: not counted")
+    cc = list(curve_contexts or [c for c in (4096, 8192, 16384, 32768, 65536, 131072)])
+    cu = list(curve_users or [2 ** i for i in range(11)])  # 1 .. 1024 sequences per model copy
+    record["curves"] = {
+        "contexts": cc,
+        "sequences_per_group_vram_only": [m.max_users(c, g, False, slo) for c in cc],
+        "sequences_per_group_with_host": [m.max_users(c, g, True, slo) for c in cc],
+        "users": cu,
+        "tpot_ms_vram_only": [m.step_s(u, context, g, False) * 1e3 if m.fits(u, context, g, False, None) else None
+                              for u in cu],
+        "tpot_ms_with_host": [m.step_s(u, context, g) * 1e3 if m.fits(u, context, g, True, None) else None
+                              for u in cu],
+    }
+    return record

@@ -1,0 +1,180 @@
+"""`cxlalloc plan` as a user runs it (subprocesses): the JSON record for the
+shipped Llama-3.1 configs, a model directory, one-line usage errors with exit
+status 2, the plot, measured records replacing datasheet rates, no torch
+imported; and `python -m cxlalloc.plan.check` on records."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def plan(*args, cwd=None):
+    env = {k: v for k, v in os.environ.items() if k != "CXLALLOC"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "cxlalloc", "plan", *args], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=cwd or ROOT)
+
+
+def test_llama_8b_at_32k_for_64_users_on_h200(tmp_path):
+    p = plan("--model", "llama-3.1-8b", "--context", "32768", "--users", "64", "--gpu", "h200", "--json",
+             "--no-records", cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    # 32 layers x 8 KV heads x (128 + 128) x 2 bytes: the public Llama-3.1-8B config's numbers
+    assert r["kv"]["bytes_per_token"] == {"full_attention": 131072, "total": 131072}
+    assert r["model"]["params"] == 8_030_261_248  # Llama-3.1-8B's published parameter count
+    assert r["kv"]["per_sequence_live_bytes"] == 32768 * 131072
+    room = r["vram"]["kv_room_per_gpu"]
+    assert room == pytest.approx(141e9 - max(2 << 30, 14.1e9) - 8_030_261_248 * 2)
+    n = r["capacity"]["sequences_per_gpu_vram_only"]
+    assert n == int(room // (32768 * 131072))  # whole chunks of 2 MiB: 4 GiB per sequence is a whole number
+    assert r["gpus"]["without_host"] == -(-64 // n)
+    assert r["gpus"]["with_host"] <= r["gpus"]["without_host"]
+    assert r["gpus"]["with_host_capacity_only"] < r["gpus"]["without_host_capacity_only"]
+    assert r["hardware"]["hbm_gbps"] == 4800 and "datasheet" in r["hardware"]["hbm_gbps_source"]
+    assert r["ttft"]["cold_ms"] > 0 and r["assumptions"]
+
+
+def test_table_70b_128k_and_plot(tmp_path):
+    png = tmp_path / "plan.png"
+    p = plan("--model", "llama-3.1-70b", "--context", "131072", "--users", "64", "--gpu", "h200", "--reuse", "0.5",
+             "--plot", str(png), "--no-records")
+    assert p.returncode == 0, p.stderr
+    assert "GPUs per model copy" in p.stdout and "Assumptions:" in p.stdout and "docs/planning.md" in p.stdout
+    assert png.stat().st_size > 10_000
+
+
+def test_model_directory_and_measured_record(tmp_path):
+    cfg = json.load(open(os.path.join(ROOT, "cxlalloc", "plan", "presets", "llama-3.1-8b.json")))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(cfg))
+    rec = tmp_path / "res" / "ceilings.json"
+    rec.parent.mkdir()
+    rec.write_text(json.dumps({"benchmark": "ceilings", "simulated": False, "date_utc": "2026-12-01T00:00:00Z",
+                               "hardware": {"gpu": {"name": "NVIDIA H200"}},
+                               "summary": {"hbm_read_gbps": 4100.0,
+                                           "link": {"host-vmm": {"zero_copy_read_gbps": 51.0}}}}))
+    p = plan("--model", str(model), "--json", "--records", str(tmp_path / "res"))
+    assert p.returncode == 0, p.stderr
+    hw = json.loads(p.stdout)["hardware"]
+    assert hw["hbm_gbps"] == 4100.0 and hw["link_gbps"] == 51.0 and hw["host_read_gbps"] == 51.0
+    assert "measured" in hw["hbm_gbps_source"] and str(rec) in hw["hbm_gbps_source"]
+    p = plan("--model", str(model), "--json", "--records", str(tmp_path / "res"), "--gpu", "h100")
+    assert json.loads(p.stdout)["hardware"]["hbm_gbps"] == 3350  # an H200 record is not an H100's
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--gpu", "a100"], "--gpu: invalid choice: 'a100' (choose from 'b200', 'h100', 'h200', 'l40s')"),
+    (["--reuse", "1.5"], "--reuse takes a share in [0, 1], got '1.5'"),
+    (["--context", "0"], "--context must be > 0, got '0'"),
+    (["--host-bytes", "12XB"], "--host-bytes takes a size such as 512GB"),
+    (["--host-node", "optane"], "--host-node must be one of dram, cxl-x8, cxl-x16 or a bandwidth in GB/s"),
+    (["--kv-dtype", "fp6"], "--kv-dtype: invalid choice: 'fp6'"),
+])
+def test_bad_options_are_one_line_and_exit_2(args, needle):
+    p = plan("--model", "llama-3.1-8b", *args)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cxlalloc plan: error: " in lines[0] and needle in lines[0], p.stderr
+
+
+def test_missing_model_and_weights_that_fit_no_group(tmp_path):
+    p = plan("--model", str(tmp_path / "nothing"))
+    assert p.returncode == 2 and "--model: no config.json at" in p.stderr and len(p.stderr.splitlines()) == 1
+    p = plan("--model", "llama-3.1-70b", "--gpu", "l40s", "--hbm-bytes", "16GB")  # 141 GB of weights, 8 x 14 GB
+    assert p.returncode == 2 and "fit no group of up to 8" in p.stderr, p.stderr
+
+
+def test_plan_imports_no_torch():
+    code = ("import sys; from cxlalloc.plan.cli import main; import contextlib, io\n"
+            "with contextlib.redirect_stdout(io.StringIO()): main(['--model', 'llama-3.1-8b', '--json', '--no-records'])\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'")
+    p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+
+
+def test_plan_check_compares_records(tmp_path):
+    (tmp_path / "ceilings.json").write_text(json.dumps({"summary": {
+        "hbm_read_gbps": 4000.0, "link": {"host-vmm": {"zero_copy_read_gbps": 50.0}}}}))
+    (tmp_path / "decode.json").write_text(json.dumps({"results": [
+        {"id": "a", "status": "ok", "variant": "cxlalloc", "batch": 4, "spill": 0.5, "weight_bytes": 2e9,
+         "kv_final_bytes": 1e9, "decode_tokens_per_s": 100.0},
+        {"id": "b", "status": "failed"}]}))
+    (tmp_path / "reuse.json").write_text(json.dumps({"results": [
+        {"part": "ttft P=1024", "kind": "ttft", "status": "ok", "bytes_loaded": 1e9, "link_gbps": 50.0,
+         "load_ms": 25.0, "prefix_tokens": 1024}]}))
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-m", "cxlalloc.plan.check", str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    out = json.load(open(tmp_path / "plan_check.json"))
+    d = out["decode"][0]
+    planned = (2e9 + 0.5 * 1e9) / 4000e9 + 0.5 * 1e9 / 50e9  # 10.625 ms
+    assert d["planned_tpot_ms"] == pytest.approx(planned * 1e3) and d["measured_tpot_ms"] == pytest.approx(40.0)
+    assert d["error"] == pytest.approx(0.040 / planned - 1)
+    assert out["reuse"][0]["planned_load_ms"] == pytest.approx(20.0) and out["reuse"][0]["error"] == pytest.approx(0.25)
+
+
+def test_host_and_vram_from_cxlalloc_info():
+    """The H200 machine's `cxlalloc info --json` (2026-11-30): one 8.95 GB host node, 150.1 GB of VRAM."""
+    info = os.path.join(ROOT, "benchmarks", "results", "gpu-smoke-h200-2026-11-30", "info.json")
+    p = plan("--model", "llama-3.1-8b", "--json", "--no-records", "--info", info)
+    assert p.returncode == 0, p.stderr
+    hw = json.loads(p.stdout)["hardware"]
+    assert hw["host_bytes_per_gpu"] == 8_954_298_368 and "host node 0" in hw["host_bytes_source"]
+    assert hw["hbm_bytes"] == 150_109_880_320 and "NVIDIA H200" in hw["hbm_source"]
+    cxl = {"gpu": {"devices": [{"name": "G", "total_bytes": 80e9}] * 2},
+           "numa": {"auto_node": {"node": 0}, "topology": {"nodes": [
+               {"id": 0, "has_cpu": True, "total_bytes": 500e9},
+               {"id": 2, "has_cpu": False, "cxl": True, "total_bytes": 256e9},
+               {"id": 3, "has_cpu": False, "cxl": True, "total_bytes": 256e9}]}}}
+    from cxlalloc.plan.hardware import from_info
+    got = from_info(cxl)
+    assert got["host_bytes_per_gpu"] == 256e9 and got["host_nodes"] == [2, 3] and got["gpus"] == 2
+
+
+def test_fixed_state_takes_vram_and_sliding_layers_count_their_whole_extent():
+    from cxlalloc.plan import plan
+    from cxlalloc.plan.layout import cache_bytes, read_layout, state_bytes
+
+    base = {"model_type": "falcon_h1", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 65536}
+    mamba = dict(base, mamba_d_ssm=4096, mamba_n_heads=64, mamba_d_head=64, mamba_d_state=128, mamba_d_conv=4,
+                 mamba_n_groups=1)
+    lay = read_layout(mamba)
+    # per layer (4096 + 2 x 128) x 4 conv + 64 x 64 x 128 recurrent elements, bf16, 32 layers
+    assert state_bytes(lay, 2) == 32 * ((4096 + 256) * 4 + 64 * 64 * 128) * 2
+    r = plan(mamba, context=32768, users=64, tpot_slo_ms=None, records=())
+    room = r["vram"]["kv_room_per_gpu"]
+    n = max(u for u in range(1, 64) if cache_bytes(lay, u, 32768, 2)["total"] + u * state_bytes(lay, 2) <= room)
+    assert r["capacity"]["sequences_per_group_vram_only"] == n
+    assert r["vram"]["state_per_gpu"] == r["decode"]["sequences_per_group_at_target"] * state_bytes(lay, 2)
+    # A 4096-token window at 32K context: every sliding layer holds its whole extent (1.25x the window)
+    sw = plan(dict(base, model_type="mistral", sliding_window=4096), context=32768, users=8, records=())
+    per_layer = 8 * 8 * 256 * 2  # 8 sequences x 8 KV heads x (128 + 128) x bf16
+    rows = -(-(4095 + 1023) * per_layer // (2 << 20)) * (2 << 20)
+    assert sw["kv"]["target_cache_bytes"] == 32 * rows
+
+
+def test_plan_check_cold_ttft_of_the_gpu_reuse_record(tmp_path):
+    from cxlalloc.plan.check import compare
+
+    (tmp_path / "reuse.json").write_text(json.dumps({
+        "simulated": False, "hardware": {"gpu": {"name": "NVIDIA H200"}},
+        "parameters": {"model": "llama-8b shape (bf16, random weights)"},
+        "results": [{"part": "ttft P=8192", "kind": "ttft", "status": "ok", "bytes_loaded": 1e9, "link_gbps": 50.0,
+                     "load_ms": 25.0, "prefix_tokens": 8192, "prompt_tokens": 8208, "recompute_ttft_ms": 500.0}]}))
+    row = compare(str(tmp_path))["reuse"][0]
+    # 2 x params x T + 32 layers x 2 x 32 heads x 128 x T^2, at 989 TFLOPS
+    params = 32 * (4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) + 2 * 32000 * 4096 + 4096
+    T = 8208
+    peak_ms = (2 * params * T + 32 * 2 * 32 * 128 * T * T) / 989e12 * 1e3
+    assert row["implied_mfu"] == pytest.approx(peak_ms / 500.0)
+    assert row["planned_cold_ttft_ms"] == pytest.approx(peak_ms / 0.4)
