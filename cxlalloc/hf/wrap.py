@@ -591,9 +591,7 @@ def _make_generate(model, st: WrapState):
                 used = mine[-1] if mine else (seen if seen is not None else returned_cache(out))
                 grew = None if first is None or used is not seen else tensor_bytes(seen) > first
                 _report_coverage(model, st, used, forwards, no_cache, grew)
-                if mine and not no_cache and forwards >= 2:
-                    _warn_if_cache_unused(model, st, mine[-1], forwards)
-                elif no_cache and forwards >= 2 and kwargs.get("use_cache") is not False:
+                if no_cache and forwards >= 2 and kwargs.get("use_cache") is not False:
                     _warn_no_cache(model, st, forwards)
             if began:
                 st.reuse.finish(out, error=not ok)
@@ -609,29 +607,6 @@ def _report_coverage(model, st: WrapState, cache, forwards: int, no_cache: bool,
     r = layer_report(cache, type(model).__name__, grew)
     st.layer_report = r
     _warn_once(st, r, measured=True, stacklevel=4)
-
-
-UNUSED_CACHE_WARNING = ("cxlalloc.hf: {model}'s generate() ran {forwards} forward passes without writing KV into the "
-                        "tiered cache cxlalloc gave it (0 bytes held): this model keeps its KV cache itself, in "
-                        "torch's memory, so it is NOT tiered (hf.stats() counts the layers cxlalloc built, not "
-                        "bytes it holds)")
-
-
-def _warn_if_cache_unused(model, st: WrapState, cache, forwards: int) -> None:
-    """Warn once (``CacheCoverageWarning``) when a generate() that ran with
-    the cache cxlalloc passed in left 0 bytes of KV in it: the model ignored
-    the cache argument (transformers' MPT returns no cache and keeps its own),
-    so its KV grew outside the tiers while ``hf.stats()`` lists tiered layers."""
-    try:
-        ks = cache.kv_stats()
-        held = int(ks.get("kv_device_bytes", 0)) + int(ks.get("kv_host_bytes", 0))
-    except Exception:
-        return
-    if held or ("unused-cache",) in st.warned:
-        return
-    st.warned.add(("unused-cache",))
-    warnings.warn(UNUSED_CACHE_WARNING.format(model=type(model).__name__, forwards=forwards),
-                  CacheCoverageWarning, stacklevel=4)
 
 
 NO_CACHE_WARNING = ("cxlalloc.hf: {model}'s generate() ran {forwards} forward passes with use_cache=False that the "
