@@ -1,4 +1,4 @@
-"""``python -m cxlalloc`` / ``cxlalloc``: info, run, plan, bench, demo, kv-server.
+"""``python -m cxlalloc`` / ``cxlalloc``: info, run, plan, bench, demo, serve, kv-server.
 
     cxlalloc info [--json] [--simulate] [--no-torch]
                                              GPUs, driver, capabilities, NUMA nodes,
@@ -7,12 +7,13 @@
     cxlalloc run [options] -- CMD ...        run CMD with CXLALLOC set from the options
     cxlalloc bench ...                       benchmarks (the app cxlalloc_apps.bench, found by entry point)
     cxlalloc demo ...                        the main job: HuggingFace generate() past VRAM (cxlalloc_apps.demo)
+    cxlalloc serve [MODEL] ...               OpenAI-compatible server on the tiered KV cache (cxlalloc.serve_cli)
     cxlalloc kv-server ...                   shared KV cache server (cxlalloc.kvstore.server_cli)
     cxlalloc plan --model M ...              right-sizing: KV bytes, VRAM split, GPUs with/without CXL (cxlalloc.plan.cli)
 
 Exit codes: 0 success (also when the reader of stdout closes it early, as
 ``| head`` does: no traceback); 2 bad usage or options (one line,
-``PROG: error: ...``, :mod:`cxlalloc.usage`); ``run`` returns CMD's own code
+``PROG: error: ...``, :mod:`cxlalloc.cli_usage`); ``run`` returns CMD's own code
 (127 if CMD cannot be started).  ``--version`` prints the version.
 """
 
@@ -33,7 +34,7 @@ from cxlalloc import _C, topology
 from cxlalloc.config import BACKENDS, POLICIES, format_bytes, make_config, parse_env
 from cxlalloc.engine import choose_node, new_engine
 from cxlalloc.pytorch import adapter_build
-from cxlalloc.usage import OneLineParser, program_name
+from cxlalloc.cli_usage import OneLineParser, program_name
 
 # CUDA driver attributes shown by `info` (values from cuda.h): the ones that
 # decide which host-tier backends can work and how fast.
@@ -342,14 +343,15 @@ def cmd_run(args) -> int:
     return 0  # not reached
 
 
-# ----------------------------------------------------------------- bench / demo / kv-server
+# ----------------------------------------------------------------- bench / demo / serve / kv-server
 # Subcommands implemented elsewhere, imported only when used.  bench and demo
 # are apps shipped beside the product (cxlalloc_apps/): the product never
 # imports them, it finds them through the entry-point group setup.py declares.
 APP_GROUP = "cxlalloc.apps"
 APPS = {"bench": "benchmarks", "demo": "HuggingFace generate() demo"}
 PRODUCT_COMMANDS = {"kv-server": ("cxlalloc.kvstore.server_cli", "shared KV cache server"),
-                    "plan": ("cxlalloc.plan.cli", "right-sizing: KV bytes, VRAM split, GPUs with and without CXL")}
+                    "plan": ("cxlalloc.plan.cli", "right-sizing: KV bytes, VRAM split, GPUs with and without CXL"),
+                    "serve": ("cxlalloc.serve_cli", "OpenAI-compatible server on the tiered KV cache")}
 DELEGATES = [*APPS, *PRODUCT_COMMANDS]
 
 
@@ -416,12 +418,12 @@ RUN_CHOICES = {"backend": BACKENDS, "policy": POLICIES}
 
 def make_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     """The parser of ``cxlalloc`` (``prog``: the name in usage lines, default
-    :func:`cxlalloc.usage.program_name`); usage errors are one line, status 2."""
+    :func:`cxlalloc.cli_usage.program_name`); usage errors are one line, status 2."""
     prog = prog or program_name()
     p = OneLineParser(prog=prog, description="Tiered PyTorch CUDA allocator: VRAM, then host/CXL NUMA memory. "
                       f"'{prog} COMMAND --help' lists a command's options; the Python API: help(cxlalloc).")
     p.add_argument("--version", action="version", version=f"cxlalloc {cxlalloc.__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{info,run,bench,demo,kv-server,plan}")
+    sub = p.add_subparsers(dest="command", metavar="{info,run,bench,demo,kv-server,plan,serve}")
     sub.required = True
 
     pi = sub.add_parser("info", help="GPUs, driver, capabilities, NUMA nodes, node choice, backends",

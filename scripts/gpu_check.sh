@@ -15,7 +15,9 @@
 #   GB/s vs the measured H2D rate), lmcache (LMCache with the cxlalloc://
 #   plugin: KV from VRAM through LMCache into the kv-server's pool and back,
 #   byte-identical; runs only where lmcache is installed: its ~660 MB cannot be
-#   carried, and the machine has no network for pip, nor for vLLM), decode, plan (the planner's decode and
+#   carried, and the machine has no network for pip, nor for vLLM), cb (continuous batching: a
+#   request stream under a device budget, plain vs wrapped vs wrapped + store;
+#   quick grid), decode, plan (the planner's decode and
 #   prefix-load bounds against this run's decode/reuse records, from its
 #   measured ceilings: results/plan_check.json with each row's error; a few
 #   seconds, no GPU work), rightsizing,
@@ -109,6 +111,7 @@ STEPS=(
   "kvserver|60|$PY -c 'import msgpack' || { echo 'msgpack is missing on this machine: carry its wheel in .whl/ (see the header)'; exit 1; }; $PY -m pytest -m gpu -q -ra --timeout=50 -p no:cacheprovider --junitxml=$RES/pytest-kvserver.xml tests/kvstore/test_kv_gpu.py"
   "reuse|90|$BENCH --only reuse --time-budget \$STEP_BUDGET"
   "lmcache|45|$PY -c 'import lmcache, msgpack' 2>/dev/null || { echo 'lmcache (or msgpack) is not installed on this machine: the plugin step did not run (pip install \"cxlalloc[lmcache]\" where a network is reachable; vLLM too)'; exit 0; }; $PY -m pytest -m gpu -q -ra -s --timeout=40 -p no:cacheprovider --junitxml=$RES/pytest-lmcache.xml tests/kvstore/test_lmcache_gpu.py"
+  "cb|60|$BENCH --only cb --time-budget \$STEP_BUDGET"
   "decode|130|$BENCH --only decode --time-budget \$STEP_BUDGET"
   "plan|20|$PY -m cxlalloc.plan.check $RES --out $RES/plan_check.json"
   "rightsizing|90|$BENCH --only rightsizing --time-budget \$STEP_BUDGET"
@@ -197,7 +200,7 @@ for line in open(status_path):
     name, st, secs, rc, box = (line.rstrip("\n").split("\t") + ["", "", "", "", ""])[:5]
     steps.append({"step": name, "status": st, "seconds": int(secs or 0), "exit": rc, "time_box_s": box})
 records = {}
-for name in ("ceilings", "allocation", "reuse", "decode", "rightsizing"):
+for name in ("ceilings", "allocation", "reuse", "cb", "decode", "rightsizing"):
     p = os.path.join(res, name + ".json")
     try:
         rec = json.load(open(p))

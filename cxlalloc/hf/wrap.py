@@ -56,6 +56,7 @@ import weakref
 from typing import Any, List, Optional
 
 import torch
+from torch._dynamo.eval_frame import skip_code
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
 from cxlalloc import _C
@@ -449,7 +450,12 @@ def _make_pre_forward(model, st: WrapState):
     reach its recompile limit)."""
     geometry = _kv_geometry(model, torch.device("cpu") if st.device.type == "cpu" else st.device)
 
-    def pre_forward(module, args, kwargs):
+    @torch.compiler.disable
+    def plan(cache, x: torch.Tensor) -> None:
+        cache.prepare_forward(int(x.shape[1]), int(x.shape[0]), geometry)  # engine calls: never traced
+
+    @torch.compiler.disable
+    def eager(args, kwargs):
         cache = kwargs.get(st.cache_kw)
         tls = st._tls
         if getattr(tls, "depth", 0):  # inside a wrapped generate(): what cache does it use (coverage report)
@@ -464,18 +470,39 @@ def _make_pre_forward(model, st: WrapState):
                 tls.seen = used
             if kwargs.get("use_cache") is False:
                 tls.no_cache = True
-        if not isinstance(cache, CxlCache):
+        x = _main_input(args, kwargs) if isinstance(cache, CxlCache) else None
+        if x is not None:
+            plan(cache, x)
+
+    def pre_forward(module, args, kwargs):
+        # Kept out of torch.compile (docs/sources.md#torch-compile-hooks).  transformers' auto-compiled forward (a
+        # static cache and a compile_config: model.get_compiled_call) and torch.compile(model) compile __call__;
+        # torch runs its _call_impl eagerly and dynamo catches each hook as a frame of its own, guarding on every
+        # Python value it reads: the forward counter changes every step, so it recompiled on each decode step.
+        # That frame is skipped (skip_code below): eager() runs as in eager mode, counter exact, engine calls
+        # outside the graph, and no compile of the hook at all.  Inlined into a larger traced function (a
+        # compiled function that calls the model), dynamo traces this body instead: is_compiling() is then a
+        # constant True, the per-step bookkeeping is left out and only a CxlCache is planned (a graph break).
+        if torch.compiler.is_compiling():
+            cache = kwargs.get(st.cache_kw)
+            if isinstance(cache, CxlCache) and (x := _main_input(args, kwargs)) is not None:
+                plan(cache, x)
             return None
-        x = kwargs.get("input_ids")
-        if x is None:
-            x = kwargs.get("inputs_embeds")
-        if x is None and args and isinstance(args[0], torch.Tensor):
-            x = args[0]
-        if isinstance(x, torch.Tensor) and x.dim() >= 2:
-            cache.prepare_forward(int(x.shape[1]), int(x.shape[0]), geometry)
+        eager(args, kwargs)
         return None
 
+    skip_code(pre_forward.__code__)
     return pre_forward
+
+
+def _main_input(args, kwargs) -> Optional[torch.Tensor]:
+    """A forward's ``input_ids`` / ``inputs_embeds`` (``(batch, tokens, ...)``), or None."""
+    x = kwargs.get("input_ids")
+    if x is None:
+        x = kwargs.get("inputs_embeds")
+    if x is None and args and isinstance(args[0], torch.Tensor):
+        x = args[0]
+    return x if isinstance(x, torch.Tensor) and x.dim() >= 2 else None
 
 
 def _keep_recording(made, cache) -> None:

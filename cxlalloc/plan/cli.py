@@ -14,8 +14,9 @@ import json
 import os
 import re
 import sys
-from typing import List, NoReturn, Optional
+from typing import List, Optional
 
+from cxlalloc.cli_usage import OneLineParser as _Parser, fail
 from cxlalloc.plan import hardware
 from cxlalloc.plan.layout import DTYPE_BYTES
 from cxlalloc.plan.planner import plan
@@ -84,26 +85,6 @@ def _node(text: str):
     if v <= 0:
         raise ValueError(f"--host-node bandwidth must be > 0 GB/s, got {text!r}")
     return v
-
-
-def fail(prog: str, message: str) -> NoReturn:
-    """Exit with status 2 after one ``PROG: error: MESSAGE`` line on stderr."""
-    sys.stderr.write(f"{prog}: error: {' '.join(str(message).split())}\n")
-    raise SystemExit(2)
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line (no usage block; ``--help``
-    shows the usage), and a type's ValueError message (it names the option) as is."""
-
-    def error(self, message: str) -> NoReturn:
-        fail(self.prog, message)
-
-    def _get_value(self, action, arg_string):
-        try:
-            return action.type(arg_string) if callable(action.type) else arg_string
-        except ValueError as e:
-            self.error(str(e))
 
 
 def make_parser(prog: str = "cxlalloc plan") -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ Benchmarks (``--only ceilings,allocation,decode,rightsizing``; default all):
                grid a CPU cannot run is refused, exit status 2)
   rightsizing  GPU: largest batch and tokens/s at a fixed budget (:mod:`.rightsizing`)
 
-Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, ``--only kvscale``):
+Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, ``--only kvscale``, ``--only cb``):
 
   reuse        TTFT of a KV prefix hit vs a full prefill as the prefix grows, load
                GB/s vs the measured link rate, a block-size sweep (:mod:`.reuse`;
@@ -29,6 +29,10 @@ Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, 
   lmcache      LMCache with cxlalloc:// vs its local CPU backend and its redis://
                connector: store/get GB/s and lookups/s, 256 KiB-16 MiB chunks
                (:mod:`.lmcache`; CPU; needs scripts/install_lmcache.sh)
+  cb           continuous batching: a Zipf stream of RAG questions and chats over
+               long documents under a device budget below the batch's KV, plain
+               vs wrapped vs wrapped + KV store, and the no-spill overhead
+               (:mod:`.cb`; CPU)
 
 Each writes ``DIR/<name>.json`` (:mod:`.meta` describes the record; decode's
 ``parameters`` hold the grid that ran: ``points``, ``models``, ``contexts``,

@@ -47,7 +47,7 @@ from cxlalloc import _C, topology
 
 SCHEMA = "cxlalloc-bench/1"
 BENCHMARKS = ("ceilings", "allocation", "decode", "rightsizing")
-OPT_IN = ("reuse", "kvserver", "lmcache", "kvscale")  # run only when named (--only reuse,kvserver,...): minutes of CPU each
+OPT_IN = ("reuse", "kvserver", "lmcache", "kvscale", "cb")  # run only when named (--only reuse,kvserver,...): minutes of CPU each
 STATUSES = ("ok", "partial", "skipped", "error")
 REQUIRED_FIELDS = ("schema", "benchmark", "status", "simulated", "date_utc", "duration_s", "command", "argv",
                    "parameters", "hardware", "software", "results", "skipped", "errors", "notes")
@@ -353,6 +353,17 @@ class RecordWriter:
         if counts.get("error") or counts.get("not_run") or self.record["errors"]:
             return "partial"
         return "ok"
+
+    def finish_and_plot(self, plot, log) -> Dict[str, Any]:
+        """:meth:`finish`, then ``plot(record, <out>/<benchmark>.png)``; a plot
+        that fails (no matplotlib, say) is logged with ``log`` and never loses
+        the record.  Returns the record."""
+        rec = self.finish()
+        try:
+            plot(rec, os.path.join(os.path.dirname(self.path), f"{rec['benchmark']}.png"))
+        except Exception as e:
+            log(f"bench {rec['benchmark']}: no plot ({type(e).__name__}: {e})")
+        return rec
 
     def finish(self, status: Optional[str] = None) -> Dict[str, Any]:
         r = self.record

@@ -275,12 +275,7 @@ def run(ctx) -> Dict[str, Any]:
             pass
         model = None
         gc.collect()
-    rec = w.finish()
-    try:
-        plot(rec, os.path.join(ctx.out_dir, "reuse.png"))
-    except Exception as e:  # a missing matplotlib never loses the record
-        ctx.log(f"bench reuse: no plot ({type(e).__name__}: {e})")
-    return rec
+    return w.finish_and_plot(plot, ctx.log)
 
 
 def plot(rec: Dict[str, Any], path: str) -> Optional[str]:

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 GiB = 1 << 30
 MiB = 1 << 20
 STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "kvserver", "reuse",
-         "lmcache", "decode", "plan", "rightsizing", "report", "pack")
+         "lmcache", "cb", "decode", "plan", "rightsizing", "report", "pack")
 
 
 def _env():
@@ -681,3 +681,35 @@ def test_kvscale_runs_only_when_named_and_its_record_plots(tmp_path):
     out = tmp_path / "kvscale.png"
     kvserver.plot_scale(rec, str(out))
     assert out.stat().st_size > 10_000
+
+
+def test_cb_bench_records_every_variant_side_by_side(tmp_path, monkeypatch):
+    """`bench --simulate --only cb` on a small stream: all five variants answer
+    every request with plain continuous batching's tokens; the wrapped ones run
+    on the tiers (KV on the host tier under the budget), the store variant loads
+    the documents back after a restart (probe), and the summary has the ratios."""
+    from cxlalloc_apps.bench import cb, cli
+
+    small = cb.Workload(documents=2, doc_tokens=256, question_tokens=8, new_tokens=4, rag=3, chats=1, page=32,
+                        budget_blocks=12, max_batch_tokens=256)
+    monkeypatch.setattr(cb, "QUICK", small)
+    assert cli.main(["--simulate", "--only", "cb", "--quick", "--out", str(tmp_path), "--no-progress"]) == 0
+    rec = json.loads((tmp_path / "cb.json").read_text())
+    assert meta.validate_record(rec) == [] and rec["status"] == "ok", rec["errors"]
+    rows = {r["variant"]: r for r in rec["results"] if r["kind"] == "round"}
+    assert list(rows) == ["plain", "wrapped", "wrapped+store", "plain no-spill", "wrapped no-spill"]
+    s = rec["summary"]
+    assert s["all_tokens_identical"] is True and sorted(s["variants"]) == sorted(rows), s
+    assert all(r["requests"] == 3 + 2 * 1 and r["generated_tokens"] == 5 * 4 for r in rows.values())
+    assert rows["plain"]["num_blocks"] == 12 and rows["wrapped"]["num_blocks"] == 4 * 12
+    for name in ("wrapped", "wrapped+store"):
+        assert rows[name]["tiered"] is True and rows[name]["cxlalloc"]["peak_kv_host_bytes"] > 0
+    store = rows["wrapped+store"]["cxlalloc"]
+    # the probe's fresh manager finds every document the stream asked about in the store (256 tokens each)
+    asked = {r["doc"] for r in cb.make_stream(small, 1000)[1]}
+    assert store["store_hit_tokens"] >= 256 * len(asked) and store["reprefills_avoided"] >= len(asked)
+    assert len(rows["plain"]["probe_ttft_ms"]) == len(rows["wrapped+store"]["probe_ttft_ms"]) == 2
+    assert rows["wrapped no-spill"]["cxlalloc"]["peak_kv_host_bytes"] == 0  # nothing spills at the larger budget
+    for k in ("in_flight_ratio_wrapped_vs_plain", "probe_ttft_ratio_store_vs_plain", "no_spill_overhead"):
+        assert isinstance(s[k], float), k
+    assert (tmp_path / "cb.png").stat().st_size > 0

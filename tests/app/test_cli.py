@@ -152,7 +152,7 @@ def test_console_script_and_help():
     script = os.path.join(os.path.dirname(sys.executable), "cxlalloc")
     assert os.path.isfile(script), "console script 'cxlalloc' not installed (pip install -e .)"
     r = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "{info,run,bench,demo,kv-server,plan}" in r.stdout
+    assert r.returncode == 0 and "{info,run,bench,demo,kv-server,plan,serve}" in r.stdout
 
 
 @pytest.mark.parametrize("args", [("info", "--json", "--simulate"), ("info", "--libcuda", NO_DRIVER)])

@@ -21,7 +21,7 @@ PACKAGES = ("cxlalloc", "cxlalloc_apps")
 # The compiled extensions (setup.py): modules without a .py file.
 EXTENSIONS = ("cxlalloc._C", "cxlalloc._simcuda")
 TOP_LEVEL = ("cxlalloc.config", "cxlalloc.allocator", "cxlalloc.engine", "cxlalloc.topology", "cxlalloc._sim",
-             "cxlalloc.cli")
+             "cxlalloc.cli", "cxlalloc.cli_usage", "cxlalloc.serve_cli")
 
 
 class Rule(NamedTuple):
@@ -54,7 +54,7 @@ PUBLIC = ("cxlalloc", "cxlalloc.hf", "cxlalloc.kvstore")
 # The private pieces the apps still use (CONTRIBUTING.md, "Import directions").
 APP_PRIVATE_ALLOWED = ("cxlalloc._C", "cxlalloc.config", "cxlalloc.topology", "cxlalloc.kvstore.client",
                        "cxlalloc.kvstore.protocol", "cxlalloc.kvstore.server_cli", "cxlalloc.kvstore.redis_tier",
-                       "cxlalloc.hf.reuse", "cxlalloc.usage")
+                       "cxlalloc.hf.reuse", "cxlalloc.cli_usage")
 
 
 def _under(name: str, prefixes) -> bool:

@@ -80,3 +80,74 @@ def test_planned_update_matches_the_unplanned_one():
     sa, sb = a.kv_stats(), b.kv_stats()
     for k in ("bytes_copied", "step_bytes_copied", "step_context_tokens", "live_tokens", "stores", "regrowths"):
         assert sa[k] == sb[k], k
+
+
+# --- transformers' auto-compiled forward (a static cache + compile_config) -------------------------------------
+# Modelled on transformers' tests/generation/test_utils.py::test_generate_compile_model_forward_fullgraph: two
+# different inputs of the same shape, CompileConfig(fullgraph=True, dynamic=False) forced on the CPU
+# (_compile_all_devices), cache_implementation="static"; generate() then runs model.get_compiled_call(), a
+# torch.compile of model.__call__ (forward pre-hooks included).  backend="eager" keeps the CPU test fast; dynamo's
+# guards (what makes it recompile) do not depend on the backend.
+
+def _tiny_lfm2():
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+    torch.manual_seed(0)
+    return Lfm2ForCausalLM(Lfm2Config(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False))
+
+
+def _model_inputs(name):
+    g = torch.Generator().manual_seed(1)
+    if name == "whisper":
+        x = torch.randn(4, 8, 32, generator=g)  # (batch, num_mel_bins, 2 * max_source_positions)
+        return [{"input_features": x[:2]}, {"input_features": x[2:]}]
+    ids = torch.randint(3, 900, (4, 8), generator=g)
+    return [{"input_ids": ids[:2], "attention_mask": torch.ones(2, 8, dtype=torch.long)},
+            {"input_ids": ids[2:], "attention_mask": torch.ones(2, 8, dtype=torch.long)}]
+
+
+def _auto_compiled_generate(model, inputs):
+    """generate() with a static cache and a full-graph compile config on each
+    input set; returns (tokens per set, dynamo compiles: first compiles and
+    recompiles of every frame, counted by dynamo's compile-start callback)."""
+    from torch._dynamo.callback import callback_handler
+    from transformers import CompileConfig
+
+    starts = []
+
+    def count(args):
+        starts.append(args.compile_id)
+
+    cc = CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
+    cc._compile_all_devices = True  # compile on the CPU too (transformers' test does the same)
+    torch.compiler.reset()
+    callback_handler.register_start_callback(count)
+    try:
+        outs = [model.generate(**x, do_sample=False, max_new_tokens=5, use_cache=True, cache_implementation="static",
+                               compile_config=cc, pad_token_id=0) for x in inputs]
+    finally:
+        callback_handler.remove_start_callback(count)
+        torch.compiler.reset()
+    assert hasattr(model, "_compiled_call"), "generate() did not auto-compile the forward"
+    return outs, len(starts)
+
+
+@pytest.mark.parametrize("name", ["llama", "t5", "whisper", "lfm2"])
+def test_auto_compiled_forward_recompiles_no_more_wrapped_than_plain(name):
+    """The wrapped model's forward pre-hook is traced with __call__; it must not
+    make dynamo guard on a value that changes every step (a forward counter
+    did: one recompile per decode step).  Same compiles as plain, same tokens."""
+    import warnings
+
+    from tests.helpers.hf_kinds import tiny_t5, tiny_whisper
+    make = {"llama": tiny_llama, "t5": tiny_t5, "whisper": tiny_whisper, "lfm2": _tiny_lfm2}[name]
+    inputs = _model_inputs(name)
+    plain_tokens, plain_compiles = _auto_compiled_generate(make().eval(), inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hf.CacheCoverageWarning)  # a static cache is transformers' (said once)
+        model = hf.wrap(make().eval(), device_limit="64MiB", host_limit="64MiB")
+        tokens, compiles = _auto_compiled_generate(model, inputs)
+    assert plain_compiles >= 1
+    assert compiles == plain_compiles, (compiles, plain_compiles)
+    assert all(torch.equal(a, b) for a, b in zip(tokens, plain_tokens))

