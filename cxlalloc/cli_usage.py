@@ -31,6 +31,8 @@ class OneLineParser(argparse.ArgumentParser):
         fail(self.prog, message)
 
     def _get_value(self, action, arg_string):
+        if action.type in (int, float):  # their messages name no option: argparse's own names it
+            return super()._get_value(action, arg_string)
         try:
             return action.type(arg_string) if callable(action.type) else arg_string
         except ValueError as e:
