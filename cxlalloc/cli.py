@@ -1,6 +1,7 @@
 """``python -m cxlalloc`` / ``cxlalloc``: info, run, plan, bench, demo, serve, kv-server.
 
-    cxlalloc info [--json] [--simulate]      GPUs, driver, capabilities, NUMA nodes,
+    cxlalloc info [--json] [--simulate] [--no-torch]
+                                             GPUs, driver, capabilities, NUMA nodes,
                                              the node "auto" picks and why, backends, and the
                                              serving-engine lines for that node (docs/engines.md)
     cxlalloc run [options] -- CMD ...        run CMD with CXLALLOC set from the options
@@ -11,14 +12,18 @@
     cxlalloc plan --model M ...              right-sizing: KV bytes, VRAM split, GPUs with/without CXL (cxlalloc.plan.cli)
 
 Exit codes: 0 success (also when the reader of stdout closes it early, as
-``| head`` does: no traceback); 2 bad usage or options; ``run`` returns CMD's
-own code (127 if CMD cannot be started).
+``| head`` does: no traceback); 2 bad usage or options (one line,
+``PROG: error: ...``, :mod:`cxlalloc.cli_usage`); ``run`` returns CMD's own code
+(127 if CMD cannot be started).  ``--version`` prints the version.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import sys
@@ -26,9 +31,10 @@ from typing import Dict, List, Optional
 
 import cxlalloc
 from cxlalloc import _C, topology
-from cxlalloc.config import format_bytes, make_config, parse_env
+from cxlalloc.config import BACKENDS, POLICIES, format_bytes, make_config, parse_env
 from cxlalloc.engine import choose_node, new_engine
 from cxlalloc.pytorch import adapter_build
+from cxlalloc.cli_usage import OneLineParser, program_name
 
 # CUDA driver attributes shown by `info` (values from cuda.h): the ones that
 # decide which host-tier backends can work and how fast.
@@ -67,13 +73,42 @@ def _topology_section(gpu_near_node: int = -1) -> dict:
         return {"available": False, "reason": f"{type(e).__name__}: {e}", "topology": None, "auto_node": None}
 
 
-def _torch_section() -> dict:
+def _torch_on_disk() -> Optional[dict]:
+    """What the installed torch is, read from its files without importing it
+    (an import takes seconds): version from its package metadata, CUDA build
+    or not from ``torch/lib/libtorch_cuda.so*``.  None when torch is absent."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    lib = os.path.join(list(spec.submodule_search_locations)[0], "lib")
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return {"version": version, "cuda_build": bool(glob.glob(os.path.join(lib, "libtorch_cuda.so*")))}
+
+
+def _torch_section(import_torch: bool = True) -> dict:
+    """torch's version, CUDA build and whether the adapter builds here.
+
+    torch is imported only when that can change the answer: a CUDA build,
+    unless ``import_torch`` is False (``info --no-torch``).  A CPU-only build
+    (no ``libtorch_cuda.so``) is reported from its files: the adapter needs a
+    CUDA build (``adapter_build.check_buildable``)."""
+    disk = _torch_on_disk()
+    if disk is None:
+        return {"installed": False, "reason": "ModuleNotFoundError: No module named 'torch'"}
+    if not import_torch or not disk["cuda_build"]:
+        why = ("not checked (--no-torch)" if disk["cuda_build"] else
+               f"cxlalloc torch adapter: torch {disk['version']} is a CPU-only build (no libtorch_cuda.so)")
+        return {"installed": True, "version": disk["version"], "cuda": "unknown (not imported)" if disk["cuda_build"]
+                else None, "git_version": None, "imported": False, "adapter": {"buildable": False, "reason": why}}
     try:
         import torch
     except Exception as e:
         return {"installed": False, "reason": f"{type(e).__name__}: {e}"}
     out = {"installed": True, "version": torch.__version__, "cuda": getattr(torch.version, "cuda", None),
-           "git_version": getattr(torch.version, "git_version", None)}
+           "git_version": getattr(torch.version, "git_version", None), "imported": True}
     try:
         adapter_build.check_buildable(torch)
         out["adapter"] = {"buildable": True, "cache": os.path.join(adapter_build.cache_root(), "torch-adapter",
@@ -106,7 +141,7 @@ def _device_section(engine, d: int, simulate: bool) -> dict:
     return dev
 
 
-def gather_info(simulate: bool = False, libcuda: str = "libcuda.so.1") -> dict:
+def gather_info(simulate: bool = False, libcuda: str = "libcuda.so.1", import_torch: bool = True) -> dict:
     """Everything ``cxlalloc info`` reports, as a JSON-ready dict.
 
     Keys: ``cxlalloc`` (version, library), ``torch`` (version, CUDA build,
@@ -116,9 +151,11 @@ def gather_info(simulate: bool = False, libcuda: str = "libcuda.so.1") -> dict:
     and why, each backend's support and reason), ``numa`` (the topology: nodes
     with CPU-less / CXL marking, tiers, warnings, and the node ``auto`` would
     pick without a GPU).  Never raises for a missing GPU: that is ``gpu.reason``.
+    torch is imported only for a CUDA build and ``import_torch`` (see
+    :func:`_torch_section`; ``torch.imported`` says whether it was).
     """
     out = {"cxlalloc": {"version": cxlalloc.__version__, "library": os.path.abspath(_C.__file__)},
-           "torch": _torch_section()}
+           "torch": _torch_section(import_torch)}
     gpu: Dict[str, object] = {"available": False, "simulated": bool(simulate), "devices": []}
     try:
         engine = new_engine(make_config(simulate=simulate, libcuda=libcuda))
@@ -209,7 +246,7 @@ def format_info(info: dict, use_rich: Optional[bool] = None) -> str:
 
 
 def cmd_info(args) -> int:
-    info = gather_info(simulate=args.simulate, libcuda=args.libcuda)
+    info = gather_info(simulate=args.simulate, libcuda=args.libcuda, import_torch=not args.no_torch)
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True, default=str))
     else:
@@ -279,16 +316,17 @@ def cmd_run(args) -> int:
     cmd = list(args.cmd or [])
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
+    prog = f"{program_name()} run"
     if not cmd:
-        print("cxlalloc run: no command given (usage: cxlalloc run [options] -- CMD ...)", file=sys.stderr)
+        print(f"{prog}: error: no command given (usage: {prog} [options] -- CMD ...)", file=sys.stderr)
         return 2
     try:
         value = build_env_value(args)
     except ValueError as e:
         if _inherited_error_already_shown():
-            print("cxlalloc run: not running CMD: fix or unset CXLALLOC (the error above)", file=sys.stderr)
+            print(f"{prog}: error: not running CMD: fix or unset CXLALLOC (the error above)", file=sys.stderr)
         else:
-            print(f"cxlalloc run: {e}", file=sys.stderr)
+            print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if not _startup_hook_installed():
         print("cxlalloc run: warning: cxlalloc-startup.pth is not installed in this Python's site-packages, so "
@@ -327,7 +365,7 @@ def _app_entry_point(name: str):
 
 def _run_main(main, what: str, argv: List[str]) -> int:
     try:
-        rc = main(argv, prog=f"python -m cxlalloc {what}")
+        rc = main(argv, prog=f"{program_name()} {what}")
     except TypeError:  # a main() without prog
         rc = main(argv)
     return int(rc or 0)
@@ -359,16 +397,43 @@ def _delegate(name: str, argv: List[str]) -> int:
     return _run_main(main, name, argv)
 
 
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cxlalloc", description="Tiered PyTorch CUDA allocator: VRAM, then host/CXL "
-                                "NUMA memory. See docs/pytorch-integration.md.")
+# `run` flags: help text and, where the option has a fixed set, its choices
+# (cxlalloc.config holds both sets; make_config validates the rest).
+RUN_HELP = {
+    "device_limit": "VRAM cxlalloc may hold: bytes ('8GiB') or a fraction of VRAM ('0.5', '50%%')",
+    "host_limit": "bytes on the host tier ('64GiB'); 0 disables spilling",
+    "numa_node": "host NUMA node of the host tier, or auto (a CPU-less/CXL node nearest the GPU)",
+    "backend": "host-tier backend",
+    "kv_device_limit": "KV bytes allowed in VRAM (bytes or fraction of --device-limit)",
+    "device_headroom": "VRAM a KV placement leaves free for activations (bytes or fraction)",
+    "spill_reserve": "scoped mode: host bytes reserved for torch's spill pool",
+    "migration_rate": "bytes/s budget for demotion + promotion ('8GiB')",
+    "promote_after": "uses of a demoted chunk before it may come back (int)",
+    "policy": "placement policy (first-fit: the policy-free baseline)",
+    "strict_placement": "fail host allocations whose pages miss the node (true/false; bare flag: true)",
+    "device": "GPU index cxlalloc serves (default: every GPU)",
+}
+RUN_CHOICES = {"backend": BACKENDS, "policy": POLICIES}
+
+
+def make_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """The parser of ``cxlalloc`` (``prog``: the name in usage lines, default
+    :func:`cxlalloc.cli_usage.program_name`); usage errors are one line, status 2."""
+    prog = prog or program_name()
+    p = OneLineParser(prog=prog, description="Tiered PyTorch CUDA allocator: VRAM, then host/CXL NUMA memory. "
+                      f"'{prog} COMMAND --help' lists a command's options; the Python API: help(cxlalloc).")
+    p.add_argument("--version", action="version", version=f"cxlalloc {cxlalloc.__version__}")
     sub = p.add_subparsers(dest="command", metavar="{info,run,bench,demo,kv-server,plan,serve}")
     sub.required = True
 
-    pi = sub.add_parser("info", help="GPUs, driver, capabilities, NUMA nodes, node choice, backends")
+    pi = sub.add_parser("info", help="GPUs, driver, capabilities, NUMA nodes, node choice, backends",
+                        description="What cxlalloc sees here: GPUs, driver, NUMA nodes, the node numa_node=auto "
+                        "picks and why, each backend's support.")
     pi.add_argument("--json", action="store_true", help="machine-readable output")
     pi.add_argument("--simulate", action="store_true", help="report the simulated GPU of cxlalloc's test driver")
     pi.add_argument("--libcuda", default="libcuda.so.1", help="CUDA driver library (default libcuda.so.1)")
+    pi.add_argument("--no-torch", action="store_true", help="do not import torch (seconds): report its version "
+                    "from its files and skip the adapter check (a CPU-only torch is never imported)")
     pi.set_defaults(func=cmd_info)
 
     pr = sub.add_parser("run", help="run a command with cxlalloc enabled (sets CXLALLOC)",
@@ -377,11 +442,16 @@ def make_parser() -> argparse.ArgumentParser:
     for key in RUN_FLAGS:
         flag = "--" + key.replace("_", "-")
         if key == "strict_placement":
-            pr.add_argument(flag, dest=key, nargs="?", const="true", default=None, metavar="BOOL")
+            pr.add_argument(flag, dest=key, nargs="?", const="true", default=None, metavar="BOOL",
+                            help=RUN_HELP[key])
+        elif key in RUN_CHOICES:
+            pr.add_argument(flag, dest=key, default=None, choices=RUN_CHOICES[key],
+                            help=f"{RUN_HELP[key]}: {', '.join(RUN_CHOICES[key])}")
         else:
-            pr.add_argument(flag, dest=key, default=None, metavar=key.upper())
-    pr.add_argument("--option", action="append", metavar="KEY=VALUE", help="any other cxlalloc option")
-    pr.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...")
+            pr.add_argument(flag, dest=key, default=None, metavar=key.upper(), help=RUN_HELP[key])
+    pr.add_argument("--option", action="append", metavar="KEY=VALUE",
+                    help="any other cxlalloc option (a CXLALLOC key, e.g. migration_rate=4GiB); repeatable")
+    pr.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...: the command to run")
     pr.set_defaults(func=cmd_run)
 
     helps = {**APPS, **{name: f"{text} ({module})" for name, (module, text) in PRODUCT_COMMANDS.items()}}
@@ -389,6 +459,7 @@ def make_parser() -> argparse.ArgumentParser:
         ps = sub.add_parser(name, help=helps[name], add_help=False)
         ps.add_argument("rest", nargs=argparse.REMAINDER)
         ps.set_defaults(func=lambda a, n=name: _delegate(n, a.rest))
+    p.commands = {"info": pi, "run": pr}  # main() reports a stray flag as the command's own error
     return p
 
 
@@ -400,7 +471,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         # leading option such as --help), so hand them over untouched.
         if argv and argv[0] in DELEGATES:
             return _delegate(argv[0], argv[1:])
-        args = make_parser().parse_args(argv)
+        parser = make_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # argparse would name the top-level program: name the command the flag was given to
+            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
         return rc

@@ -20,8 +20,11 @@ tier), and records:
 * KV bytes per tier (the allocator's ``kv`` class: device / host) and the
   bytes of untiered layers (torch memory);
 * the warnings cxlalloc emitted during wrap/generate;
-* ``silent``: a layer whose KV grows with the context is untiered and
-  cxlalloc said nothing -- the case the matrix exists to rule out.
+* ``silent``: cxlalloc said nothing and a layer whose KV grows is untiered,
+  or the tiers held 0 B of KV although KV grows or ``hf.stats()`` lists
+  tiered layers (:func:`judge`: bytes held, not the stats' claims) -- the
+  case the matrix exists to rule out.  ``--rejudge`` applies it to a saved
+  JSON without running anything.
 
 Architectures run in worker processes (``--jobs N`` at a time, a fresh
 process every ``--per-process K`` architectures, ``--timeout`` seconds each);
@@ -394,6 +397,35 @@ def kv_in_tiers(row: dict) -> bool:
     return (row.get("kv_peak_bytes") or 0) > 0
 
 
+def judge(row: dict) -> dict:
+    """Set ``silent``, ``coverage`` and ``spilled`` of a row from the bytes
+    the tiers actually held, never from what ``hf.stats()`` claims.
+
+    Silent (no cxlalloc warning, and): a layer whose KV grows is untiered; or
+    KV grows and the allocator's KV class held 0 bytes; or ``hf.stats()``
+    reports tiered layers while the tiers held 0 bytes of KV (the model kept
+    its KV elsewhere: its returned cache may show nothing, as MPT's is None).
+    Used by every run and by ``--rejudge`` on a saved JSON."""
+    growing_untiered = (row.get("layers") or {}).get("untiered_growing") or {}
+    tiered = (row.get("layers") or {}).get("tiered") or {}
+    rep = row.get("reported_layers") if isinstance(row.get("reported_layers"), dict) else {}
+    claimed = sum((rep.get("tiered") or {}).values()) if isinstance(rep.get("tiered"), dict) else 0
+    held = kv_in_tiers(row)
+    unbacked = row.get("status") == "ok" and not held and (bool(row.get("kv_grows")) or claimed > 0)
+    row["silent"] = (bool(growing_untiered) or unbacked) and not row.get("warned")
+    row["spilled"] = (row.get("kv_host_bytes") or 0) > 0
+    if unbacked:
+        row["coverage"] = "untiered"
+        note = (f"judged on bytes: 0 B of KV in the tiers although hf.stats() reports {claimed} tiered layers"
+                if claimed else "judged on bytes: KV grows and 0 B of it was in the tiers")
+        if note not in row.setdefault("notes", []):
+            row["notes"].append(note)
+    else:
+        row["coverage"] = ("none-needed" if not row.get("kv_grows") else "all-tiered" if not growing_untiered
+                           else "partly-tiered" if tiered else "untiered")
+    return row
+
+
 def cache_layers(cache) -> List[Tuple[str, Any]]:
     """``(role, layer)`` of every layer of a generate() cache: role ``""`` for a
     decoder-only cache, ``"self"``/``"cross"`` for an ``EncoderDecoderCache``;
@@ -616,10 +648,7 @@ def run_arch(row_id: str) -> dict:
     row["untiered_growing_bytes"] = growing_bytes
     row["kv_grows"] = bool(any(grows))
     row["warned"] = bool(row["warnings"])
-    row["silent"] = bool(growing_untiered) and not row["warned"]
-    row["spilled"] = row.get("kv_host_bytes", 0) > 0
-    row["coverage"] = ("none-needed" if not row["kv_grows"] else "all-tiered" if not growing_untiered
-                       else "partly-tiered" if tiered else "untiered")
+    judge(row)
     if isinstance(rep, dict) and isinstance(rep.get("tiered"), dict):
         if sum(rep["tiered"].values()) != sum(tiered.values()):
             row["notes"].append(f"hf.stats() reports {sum(rep['tiered'].values())} tiered layers, the cache has "
@@ -854,8 +883,9 @@ def markdown(doc: dict) -> str:
         f"device budget of the weights + {KV_DEVICE_CHUNKS} KV chunk ({CHUNK // 1024} KiB), so the KV cache spills to the host",
         "tier.  *tokens identical*: the wrapped run's tokens equal plain transformers'.  *grows*: a layer's bytes",
         f"after {PROMPT}+{NEW_TOKENS} tokens exceed those after {SHORT[0]}+{SHORT[1]} (a sliding window, a recurrent",
-        "state or an empty layer does not grow).  *silent*: a growing layer is untiered and cxlalloc emitted no",
-        "warning -- it must be 0.",
+        "state or an empty layer does not grow).  *silent*: cxlalloc emitted no warning and a growing layer is",
+        "untiered, or the tiers held 0 B of KV while KV grows or hf.stats() lists tiered layers (judged on bytes",
+        "held, never on the stats' claims) -- it must be 0.",
         "",
         f"transformers {v.get('transformers')}, torch {v.get('torch')}, cxlalloc {v.get('cxlalloc')}, "
         f"{meta.get('date', '?')} (last run: {meta.get('archs_last_run', '?')} architectures in "
@@ -948,6 +978,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--markdown", default=os.path.join(REPO, "docs", "coverage.md"), metavar="PATH",
                    help="markdown table ('' for none)")
     p.add_argument("--force", action="store_true", help="rerun architectures already in the JSON")
+    p.add_argument("--rejudge", action="store_true", help="run nothing: judge every row of the JSON again "
+                   "(silent / coverage, on bytes held) and rewrite it and the markdown")
     p.add_argument("--list", action="store_true", help="print the architecture ids and exit")
     p.add_argument("--per-process", type=int, default=8, metavar="K",
                    help="architectures per worker process before a fresh one (default 8; 1: one each; a crash or "
@@ -971,6 +1003,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         chosen = [i for i in chosen if i in SAMPLE]
     doc = load(a.out)
     rows = doc.setdefault("archs", {})
+    if a.rejudge:
+        for row in rows.values():
+            if "layers" in row:  # a row that got as far as the wrapped run
+                judge(row)
+        save(a.out, doc)
+        if a.markdown:
+            with open(a.markdown, "w") as f:
+                f.write(markdown(doc))
+        print(json.dumps(summarize(rows)), flush=True)
+        return 0
     todo = [i for i in chosen if a.force or i not in rows]
     doc["meta"] = {"versions": versions(), "date": _now(), "archs_last_run": len(todo), "settings": {"hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "vocab": VOCAB,
                                              "window": WINDOW, "prompt": PROMPT, "new_tokens": NEW_TOKENS,

@@ -159,7 +159,7 @@ def _env_kv_store() -> Optional[str]:
 
 @dataclasses.dataclass
 class CallRecord:
-    """What one generate() call reused and stored (``hf.stats(model)["reuse"]["last"]``)."""
+    """What one generate() call reused and stored (``hf.stats(model)["hf"]["reuse"]["last"]``)."""
 
     rows: int = 0
     prompt_tokens: int = 0

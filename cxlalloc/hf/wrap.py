@@ -626,6 +626,8 @@ def _make_generate(model, st: WrapState):
                 used = mine[-1] if mine else (seen if seen is not None else returned_cache(out))
                 grew = None if first is None or used is not seen else tensor_bytes(seen) > first
                 _report_coverage(model, st, used, forwards, no_cache, grew)
+                if no_cache and forwards >= 2 and kwargs.get("use_cache") is not False:
+                    _warn_no_cache(model, st, forwards)
             if began:
                 st.reuse.finish(out, error=not ok)
 
@@ -640,6 +642,23 @@ def _report_coverage(model, st: WrapState, cache, forwards: int, no_cache: bool,
     r = layer_report(cache, type(model).__name__, grew)
     st.layer_report = r
     _warn_once(st, r, measured=True, stacklevel=4)
+
+
+NO_CACHE_WARNING = ("cxlalloc.hf: {model}'s generate() ran {forwards} forward passes with use_cache=False that the "
+                    "call did not pass (this model or its generation config keeps no KV cache): there is no KV to "
+                    "tier, each step recomputes the whole sequence, and hf.stats() lists the layers a cache would "
+                    "have, not bytes held")
+
+
+def _warn_no_cache(model, st: WrapState, forwards: int) -> None:
+    """Warn once (``CacheCoverageWarning``) when transformers ran a wrapped
+    generate() without a KV cache the caller did not turn off (transformers'
+    MPT does): wrapping cannot apply, and it says so instead of a silent no-op."""
+    if ("no-cache",) in st.warned:
+        return
+    st.warned.add(("no-cache",))
+    warnings.warn(NO_CACHE_WARNING.format(model=type(model).__name__, forwards=forwards), CacheCoverageWarning,
+                  stacklevel=4)
 
 
 def _warn_once(st: WrapState, r: dict, measured: bool, stacklevel: int) -> None:

@@ -14,9 +14,8 @@ Names (``tier`` is ``pool`` or ``redis``; docs/kv-server.md#metrics lists them w
     cxlalloc_kv_hit_blocks_total{tier}        cxlalloc_kv_hit_ratio{tier}
     cxlalloc_kv_recent_hit_ratio              cxlalloc_kv_loads_total{tier}
     cxlalloc_kv_load_bytes_total{tier}        cxlalloc_kv_stores_total{tier}
-    cxlalloc_kv_store_bytes_total{tier}       cxlalloc_kv_loads_per_second{tier}
-    cxlalloc_kv_load_bytes_per_second{tier}   cxlalloc_kv_stores_per_second{tier}
-    cxlalloc_kv_store_bytes_per_second{tier}  cxlalloc_kv_evictions_total
+    cxlalloc_kv_store_bytes_total{tier}       cxlalloc_kv_rate_window_seconds
+    cxlalloc_kv_evictions_total
     cxlalloc_kv_evicted_bytes_total           cxlalloc_kv_dropped_blocks_total{tier}
     cxlalloc_kv_aborted_blocks_total          cxlalloc_kv_dropped_pins_total
     cxlalloc_kv_clients                       cxlalloc_kv_connections_total
@@ -27,6 +26,13 @@ Names (``tier`` is ``pool`` or ``redis``; docs/kv-server.md#metrics lists them w
     cxlalloc_kv_redis_queue_bytes             cxlalloc_kv_redis_bad_values_total
     cxlalloc_kv_redis_load_seconds_per_block  cxlalloc_kv_uptime_seconds
     cxlalloc_kv_pool_info{node,pool_id,numa_method,socket}
+
+As Prometheus practice has it (https://prometheus.io/docs/practices/naming/,
+https://prometheus.io/docs/practices/instrumentation/): HELP strings are the
+same in every scrape (no measured values in them); rates are left to
+``rate()`` over the ``_total`` counters (``--status`` prints its own per-second
+figures); no label value is empty (an empty value is the same series as no
+label): the default namespace is ``namespace="(default)"``.
 """
 
 from __future__ import annotations
@@ -47,6 +53,15 @@ def _prom():
         raise ImportError("kv-server metrics need prometheus_client: pip install 'cxlalloc[kvserver]' "
                           "(or pip install prometheus_client)") from e
     return CounterMetricFamily, GaugeMetricFamily
+
+
+DEFAULT_NS_LABEL = "(default)"
+
+
+def ns_label(ns: str) -> str:
+    """A namespace as a label value: the default namespace ("") is
+    ``(default)``, never the empty value."""
+    return ns if ns else DEFAULT_NS_LABEL
 
 
 def families(st: dict) -> Iterator:
@@ -87,8 +102,10 @@ def families(st: dict) -> Iterator:
     yield counter("hit_blocks", "Blocks found.", ["tier"], tiers(pool["hit_blocks"], red.get("hit_blocks")))
     yield gauge("hit_ratio", "Found / looked-up blocks since start.", ["tier"],
                 tiers(pool["hit_rate"], red.get("hit_rate")))
-    yield gauge("recent_hit_ratio", f"Found / looked-up blocks of the pool over the last {rates.get('window_s', 0)} s.",
-                rows=[((), rates.get("hit_rate"))])
+    yield gauge("recent_hit_ratio", "Found / looked-up blocks of the pool over the last rate window "
+                "(cxlalloc_kv_rate_window_seconds).", rows=[((), rates.get("hit_rate"))])
+    yield gauge("rate_window_seconds", "Seconds of the window of cxlalloc_kv_recent_hit_ratio.",
+                rows=[((), rates.get("window_s"))])
     yield counter("loads", "Blocks served to clients (pool) or read from Redis into the pool.", ["tier"],
                   tiers(pool["hit_blocks"], red.get("hit_blocks")))
     yield counter("load_bytes", "Bytes of the blocks served / read.", ["tier"],
@@ -97,12 +114,6 @@ def families(st: dict) -> Iterator:
                   tiers(pool["stored_blocks"], red.get("put_blocks")))
     yield counter("store_bytes", "Bytes committed / written.", ["tier"],
                   tiers(pool["stored_bytes"], red.get("put_bytes")))
-    for name, key, doc in (("loads_per_second", "loads_per_s", "Blocks served per second"),
-                           ("load_bytes_per_second", "load_bytes_per_s", "Bytes served per second"),
-                           ("stores_per_second", "stores_per_s", "Blocks stored per second"),
-                           ("store_bytes_per_second", "store_bytes_per_s", "Bytes stored per second")):
-        yield gauge(name, f"{doc} over the last {rates.get('window_s', 0)} s.", ["tier"],
-                    tiers(rates.get(key), rates.get("redis_" + key)))
     yield counter("evictions", "Blocks evicted from the pool (LRU or quota).", rows=[((), pool["evicted_blocks"])])
     yield counter("evicted_bytes", "Bytes evicted from the pool.", rows=[((), pool["evicted_bytes"])])
     yield counter("dropped_blocks", "Blocks not stored (pool: no room; redis: queue full, refused or down).",
@@ -119,9 +130,9 @@ def families(st: dict) -> Iterator:
                    (("too_large",), srv.get("refused_too_large", 0)), (("busy",), srv.get("refused_busy", 0)),
                    (("timeout",), srv.get("refused_timeout", 0)), (("bad_frame",), srv.get("bad_frames", 0))])
     yield gauge("namespace_used_bytes", "Bytes held per namespace.", ["namespace"],
-                [((ns,), v["used_bytes"]) for ns, v in (pool.get("namespaces") or {}).items()])
-    yield gauge("namespace_quota_bytes", "Quota per namespace ('*' = default).", ["namespace"],
-                [((ns,), q) for ns, q in (pool.get("quotas") or {}).items()])
+                [((ns_label(ns),), v["used_bytes"]) for ns, v in (pool.get("namespaces") or {}).items()])
+    yield gauge("namespace_quota_bytes", "Quota per namespace ('*' = every namespace without its own).", ["namespace"],
+                [((ns_label(ns),), q) for ns, q in (pool.get("quotas") or {}).items()])
     yield counter("placement_bytes", "Bytes of committed blocks by where their pages were found.", ["result"],
                   [(("on_node",), pool["placement_verified_bytes"]), (("elsewhere",), pool["placement_misplaced_bytes"]),
                    (("unverified",), pool["placement_unverified_bytes"])])

@@ -27,6 +27,7 @@ from cxlalloc.config import format_bytes, parse_size, parse_size_or_fraction
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.server import DEFAULT_CHUNK, REDIS_MODES, KVServer, log, resolve_group
 from cxlalloc.kvstore.server_transport import DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_OBJECTS
+from cxlalloc.cli_usage import OneLineParser
 
 # ----------------------------------------------------------------- option parsing
 def resolve_user(user) -> int:
@@ -95,7 +96,7 @@ def node_total_bytes(node: int, sysfs_root: Optional[str] = None) -> int:
 
 
 def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(  # a bad flag is one line, not the usage block first (cxlalloc.cli_usage)
         prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="A shared KV cache server: one pool of KV blocks in shared memory on one NUMA node (a CXL node "
                     "where present) for every GPU process of this machine. Clients: "

@@ -64,6 +64,7 @@ class Owner:
         self.name = ""
         self.hello = False
         self.version = 0        # the protocol version of its hello
+        self.status_only = False  # a --status query (hello without the pool fd): not counted as a client
         self.since = time.time()
         self.leases: Dict[int, List[Entry]] = {}
         self.reservations: Dict[int, List[Optional[Entry]]] = {}
@@ -364,7 +365,8 @@ class ServerState:
             per_block = self.index.memory_per_block()
             clients = [{"id": o.id, "pid": o.pid, "uid": o.uid, "name": o.name, "leases": len(o.leases),
                         "reservations": len(o.reservations), "requests": o.requests,
-                        "connected_s": round(time.time() - o.since, 1)} for o in self.owners.values()]
+                        "connected_s": round(time.time() - o.since, 1)} for o in self.owners.values()
+                       if not o.status_only]
             quotas = dict(self.index.quotas)
             default_quota = self.index.quotas.default
         pool = {

@@ -375,6 +375,7 @@ class Transport:
 
     def _hello(self, owner: Owner, msg: dict):
         want_fd = bool(msg.get("want_fd", True))
+        owner.status_only = not want_fd
         pool = self.state.hello(owner.id, msg.get("v"), msg.get("name", ""))
         log.info("%r attached%s", owner, "" if want_fd else " (status only)")
         return {"ok": True, **pool, "fd": want_fd}, ([self.state.arena.fd] if want_fd else None)

@@ -62,7 +62,7 @@ from cxlalloc_apps.bench.meta import BENCHMARKS, OPT_IN, RecordWriter, new_recor
 from cxlalloc_apps.bench.model import SHAPES
 from cxlalloc_apps.bench.timing import Deadline
 from cxlalloc_apps.third_party import quiet_third_party
-from cxlalloc_apps.usage import OneLineParser
+from cxlalloc_apps.usage import OneLineParser, program_name
 
 
 def _runner(name: str) -> Callable:
@@ -99,8 +99,8 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def make_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m cxlalloc bench",
+def make_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    p = OneLineParser(prog=prog or f"{program_name()} bench",
                                 description="Run cxlalloc's benchmarks; each writes one JSON record into --out.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="See benchmarks/README.md for what each benchmark measures and the ceiling "
@@ -215,9 +215,9 @@ def _print_table(console, records: Dict[str, dict]) -> None:
             print("  ".join(r))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = make_parser()
+    parser = make_parser(prog)
     args = parser.parse_args(argv)
     names = list(BENCHMARKS) if not args.only else args.only
     bad = [n for n in names if n not in BENCHMARKS + OPT_IN]

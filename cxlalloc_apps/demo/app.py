@@ -62,6 +62,7 @@ from typing import List, Optional
 
 import cxlalloc
 from cxlalloc.config import format_bytes, parse_size, parse_size_or_fraction, resolve_fraction
+from cxlalloc_apps.demo import geometry
 from cxlalloc_apps.demo.measure import Timer, cache_bytes, count_dynamic_cache_copies, param_bytes
 from cxlalloc_apps.demo.progress import Progress
 from cxlalloc_apps.third_party import quiet_third_party
@@ -283,6 +284,27 @@ def plain_capped_gpu(model, inputs, args, pad_id, limit: int) -> dict:
 
 
 # ----------------------------------------------------------------- main
+# What the demo imports beyond `pip install cxlalloc`, and where it comes from
+# (setup.py's extras_require; torch is no extra: its build depends on the machine).
+NEEDED = (("torch", "torch (pip install torch; without a GPU the CPU build: pip install torch --index-url "
+                    "https://download.pytorch.org/whl/cpu)"),
+          ("transformers", "the 'hf' extra: pip install 'cxlalloc[hf]'"),
+          ("gguf", "the 'hf' extra: pip install 'cxlalloc[hf]'"),
+          ("msgpack", "the 'hf' extra: pip install 'cxlalloc[hf]'"))
+
+
+def _check_installed() -> None:
+    """One line saying what to install when a package the demo needs is
+    missing (a plain ``pip install .`` has no extras), before anything else.
+
+    Raises:
+        SystemExit: status 1, ``cxlalloc demo: needs ...``.
+    """
+    for module, how in NEEDED:
+        if importlib.util.find_spec(module) is None:
+            raise SystemExit(f"cxlalloc demo: needs {module}, which this installation lacks: install {how}")
+
+
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
     """Validate every argument that can be checked before torch is imported;
     errors are one line (exit status 2) naming the flag.
@@ -291,6 +313,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         SystemExit: status 2 for a bad flag; status 1 (one line) when the
             installation lacks the default model or the default document.
     """
+    _check_installed()
     if not 1 <= args.batch_size <= MAX_BATCH:
         parser.error(f"--batch-size: {args.batch_size} is not between 1 and {MAX_BATCH:,}")
     if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
@@ -321,12 +344,13 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
 
         opts = {"kv_store": args.kv_store, "block_tokens": args.block_tokens, "kv_store_limit": args.kv_store_limit}
         try:
-            parse_reuse_options({k: v for k, v in opts.items() if v is not None})
+            reuse_opts = parse_reuse_options({k: v for k, v in opts.items() if v is not None})
             if args.kv_store_limit is not None:
                 parse_size_or_fraction(args.kv_store_limit, "kv_store_limit")
         except ValueError as e:
             flag = next((f"--{k.replace('_', '-')}" for k in opts if f"'{k}'" in str(e)), "--reuse")
             parser.error(f"{flag}: {e}")
+        _check_store_holds_a_block(parser, args, reuse_opts.block_tokens)
         if args.prompt_file is not None or args.batch_size != 1:
             parser.error("--reuse: runs the default document's questions and a chat, one request at a time; "
                          "drop --prompt-file/--batch-size")
@@ -338,6 +362,33 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         d = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(d):
             parser.error(f"--json: the directory {d} does not exist")
+
+
+def _check_store_holds_a_block(parser: argparse.ArgumentParser, args, tokens: int) -> None:
+    """``--kv-store-limit`` in bytes must hold one KV block of the model: a
+    block is ``--block-tokens`` tokens of every layer's keys and values, its
+    size read from the model's files (:mod:`cxlalloc_apps.demo.geometry`) at
+    the smallest element size the run can use (2 bytes, 4 with float32 or
+    simulation), so a limit refused here is refused by the store too.  A
+    fraction of the host tier is checked by the store when it opens."""
+    if args.kv_store != "local" or args.kv_store_limit is None:
+        return
+    limit = parse_size_or_fraction(args.kv_store_limit, "kv_store_limit")
+    if isinstance(limit, float):
+        return
+    path = args.model or find_smollm2()
+    if path is None:
+        return
+    gguf_name = args.gguf_file or (None if args.model else SMOLLM2_GGUF)
+    shape = geometry.from_gguf(os.path.join(path, gguf_name)) if gguf_name else geometry.from_config_json(path)
+    if shape is None:
+        return  # the store says it when it opens (after the load)
+    element = 4 if args.dtype == "float32" or (args.dtype == "auto" and args.simulate) else 2
+    block = tokens * shape.bytes_per_token(element)
+    if limit < block:
+        parser.error(f"--kv-store-limit: {args.kv_store_limit} is smaller than one KV block of this model ({tokens} "
+                     f"tokens x {shape.bytes_per_token(element):,} bytes/token = {format_bytes(block)}); give at "
+                     f"least {format_bytes(block)} or lower --block-tokens")
 
 
 def _check_prompt_file(parser: argparse.ArgumentParser, path: str) -> None:
@@ -589,7 +640,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     else:
         run["sdpa_backends"] = "torch's default choice"
     if args.reuse:
-        return _main_reuse(args, model, tok, run, limit, host_limit, simulate, pad_id, device, weights, kv_need_est,
+        return _main_reuse(parser, args, model, tok, run, limit, host_limit, simulate, pad_id, device, weights, kv_need_est,
                            progress)
     report = Report(run)
     warm_up(model, tok, device, pad_id)
@@ -659,7 +710,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     return 0 if identical in (None, True) else 1
 
 
-def _main_reuse(args, model, tok, run, limit, host_limit, simulate, pad_id, device, weights, kv_need_est,
+def _main_reuse(parser, args, model, tok, run, limit, host_limit, simulate, pad_id, device, weights, kv_need_est,
                 progress=None) -> int:
     """``--reuse``: the same requests without and with a KV store (:mod:`cxlalloc_apps.demo.reuse`)."""
     import cxlalloc.hf as hf
@@ -674,17 +725,26 @@ def _main_reuse(args, model, tok, run, limit, host_limit, simulate, pad_id, devi
         opts["kv_device_limit"] = args.kv_device_limit
     if simulate:
         opts["simulate"] = True
+    import torch
+
+    ids = torch.tensor([[pad_id or 0] * 8], device=device)
     try:
         hf.wrap(model, **opts)
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, pad_token_id=pad_id,
+                       kv_reuse=False)
     except cxlalloc.OutOfMemoryError:
         print(_too_small("placing the weights", limit, host_limit, weights, weight_footprint(model), kv_need_est),
               file=sys.stderr)
         return 1
-    import torch
-
-    ids = torch.tensor([[pad_id or 0] * 8], device=device)
-    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, pad_token_id=pad_id,
-                   kv_reuse=False)
+    except ValueError as e:
+        # A store option only the opened store can judge (a fraction of the host
+        # tier below one block, say): _check_store_holds_a_block caught the rest
+        # before the load.  Still one line naming the flag, status 2.
+        flag = next((f for f in ("--kv-store-limit", "--block-tokens", "--kv-store")
+                     if f"'{f[2:].replace('-', '_')}'" in str(e)), None)
+        if flag is None:
+            raise
+        fail(parser.prog, f"{flag}: {e}")
     reuse = hf.stats(model)["hf"]["reuse"]
     run["block_tokens"] = reuse["block_tokens"]
     run["kv_layout"] = reuse["layout"]

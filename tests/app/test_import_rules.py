@@ -54,7 +54,7 @@ PUBLIC = ("cxlalloc", "cxlalloc.hf", "cxlalloc.kvstore")
 # The private pieces the apps still use (CONTRIBUTING.md, "Import directions").
 APP_PRIVATE_ALLOWED = ("cxlalloc._C", "cxlalloc.config", "cxlalloc.topology", "cxlalloc.kvstore.client",
                        "cxlalloc.kvstore.protocol", "cxlalloc.kvstore.server_cli", "cxlalloc.kvstore.redis_tier",
-                       "cxlalloc.hf.reuse")
+                       "cxlalloc.hf.reuse", "cxlalloc.cli_usage")
 
 
 def _under(name: str, prefixes) -> bool:

@@ -169,3 +169,34 @@ def test_a_hang_is_one_row():
     r = cm.run_one_subprocess("causal/llama", timeout=0.5)
     assert r["status"] == "timeout" and r["reason"] == "no result within 0.5 s", r
 
+
+
+def _row(**kw):
+    row = {"status": "ok", "kv_grows": True, "warned": False, "kv_peak_bytes": 0, "kv_host_bytes": 0, "notes": [],
+           "layers": {"tiered": {}, "untiered": {}, "untiered_growing": {}},
+           "reported_layers": {"tiered": {"DynamicLayer": 2}, "untiered": {}}}
+    row.update(kw)
+    return row
+
+
+def test_the_judge_decides_on_bytes_held_not_on_stats_claims():
+    # hf.stats() says 2 tiered layers, the tiers held 0 B, no warning: silent (MPT's row once passed as fine)
+    r = cm.judge(_row(kv_grows=False))
+    assert r["silent"] is True and r["coverage"] == "untiered"
+    assert any("0 B of KV in the tiers although hf.stats() reports 2 tiered layers" in n for n in r["notes"])
+    assert cm.judge(_row(reported_layers={}))["silent"] is True  # growing KV, 0 B held
+    assert cm.judge(_row(warned=True))["silent"] is False  # said so: not silent
+    held = cm.judge(_row(kv_peak_bytes=1 << 20, layers={"tiered": {"CxlKVLayer": 2}, "untiered": {},
+                                                        "untiered_growing": {}}))
+    assert (held["silent"], held["coverage"]) == (False, "all-tiered")
+    grown = cm.judge(_row(kv_peak_bytes=1 << 20, layers={"tiered": {"CxlKVLayer": 1}, "untiered": {"X": 1},
+                                                         "untiered_growing": {"X": 1}}))
+    assert (grown["silent"], grown["coverage"]) == (True, "partly-tiered")
+    none = cm.judge(_row(kv_grows=False, reported_layers={}))
+    assert (none["silent"], none["coverage"]) == (False, "none-needed")
+
+
+def test_the_committed_matrix_has_no_silent_row():
+    doc = json.load(open(os.path.join(REPO, "docs", "coverage.json")))
+    rejudged = {k: cm.judge(dict(r, notes=list(r.get("notes") or []))) for k, r in doc["archs"].items() if "layers" in r}
+    assert [k for k, r in rejudged.items() if r["silent"]] == []

@@ -162,3 +162,22 @@ def test_a_model_without_a_transformers_cache_is_told_with_what_grows(fresh_sim,
     else:
         assert r["cache_class"] == "list" and r["fixed_state"] == {"list of 5 state tensors": 1}
         assert r["untiered_state_bytes"] > 0 and r["untiered"] == {} and "fixed-size state" in str(w[0].message)
+
+
+def test_a_model_whose_generate_keeps_no_cache_says_so_once(fresh_sim):
+    """transformers' MPT generates with use_cache=False: nothing can be tiered,
+    and wrap() says so once instead of listing tiered layers that hold 0 B."""
+    from transformers import MptConfig, MptForCausalLM
+
+    torch.manual_seed(0)
+    m = MptForCausalLM(MptConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=1000, max_seq_len=512)).eval()
+    hf.wrap(m, device_limit=64 << 20, host_limit=256 << 20)
+    ids = torch.randint(3, 1000, (1, 40))
+    with pytest.warns(CacheCoverageWarning, match=r"MptForCausalLM's generate\(\) ran \d+ forward passes with "
+                                                  r"use_cache=False"):
+        gen(m, input_ids=ids, max_new_tokens=5)
+    assert hf.stats(m)["kv"]["peak_device_bytes"] + hf.stats(m)["kv"]["peak_host_bytes"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gen(m, input_ids=ids, max_new_tokens=5)  # once
+        gen(m, input_ids=ids, max_new_tokens=5, use_cache=False)  # asked for: nothing to say

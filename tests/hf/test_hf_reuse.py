@@ -303,3 +303,30 @@ def test_a_model_that_cannot_reuse_says_so_once_and_still_works(fresh_sim):
     r = hf.stats(m)["hf"]["reuse"]
     assert r["enabled"] is False and "DynamicSlidingWindowLayer" in r["off_reason"]
     assert r["last"]["skipped"] and r["counters"]["skipped_calls"] == 2
+
+
+def test_every_documented_stats_path_exists(fresh_sim):
+    """Each ``stats(model)[...][...]`` written in a docstring or a doc resolves
+    in a real wrapped model's stats after a generate() with reuse (a docstring
+    once said ``["reuse"]["last"]``, a KeyError when followed)."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    files = sorted((root / "cxlalloc").rglob("*.py")) + sorted((root / "docs").glob("*.md")) + [root / "README.md"]
+    paths = {}
+    for f in files:
+        for m in re.finditer(r"stats\(model\)((?:\[\"\w+\"\])+)", f.read_text(encoding="utf-8")):
+            paths.setdefault(m.group(1), f.relative_to(root).as_posix())
+    assert '["hf"]["reuse"]["last"]' in paths, paths  # the scan finds what it is for
+    m = tiny_llama()
+    wrap(m)
+    gen(m, input_ids=ids(20, seed=1), max_new_tokens=3)
+    stats = hf.stats(m)
+    for path, where in paths.items():
+        node = stats
+        for key in re.findall(r"\"(\w+)\"", path):
+            assert isinstance(node, dict) and key in node, (
+                f"{where}: stats(model){path} does not exist; top keys: {json.dumps(list(stats))}")
+            node = node[key]

@@ -344,8 +344,8 @@ def test_status_text_and_metrics(kv_server, tmp_path):
     assert "pool" in text and "hit rate" in text and "namespace t" in text
     prom = render(st)
     for name in ("cxlalloc_kv_capacity_bytes{tier=\"pool\"} 6.7108864e+07", "cxlalloc_kv_hit_blocks_total",
-                 "cxlalloc_kv_loads_per_second", "cxlalloc_kv_store_bytes_per_second", "cxlalloc_kv_evictions_total",
-                 "cxlalloc_kv_clients 2.0", "cxlalloc_kv_namespace_used_bytes{namespace=\"t\"}",
+                 "cxlalloc_kv_load_bytes_total", "cxlalloc_kv_store_bytes_total", "cxlalloc_kv_evictions_total",
+                 "cxlalloc_kv_clients 1.0", "cxlalloc_kv_namespace_used_bytes{namespace=\"t\"}",
                  "cxlalloc_kv_hit_ratio{tier=\"pool\"} 0.5", "cxlalloc_kv_placement_bytes_total"):
         assert name in prom, name
     path = str(tmp_path / "kv.prom")

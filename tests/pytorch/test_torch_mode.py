@@ -352,3 +352,32 @@ def test_stats_summary_and_empty_cache(fake_global_state, streams):
     assert after["device"]["reserved_bytes"] == 0 and after["host"]["reserved_bytes"] == 0
     with pytest.raises(ValueError, match="cuda:3 is not served by cxlalloc"):
         cxlalloc.stats(3)
+
+
+def test_scope_without_enable_warns_once(monkeypatch):
+    from cxlalloc.pytorch import scopes, state
+
+    assert state.current is None and _C.current_engine() is None
+    monkeypatch.setattr(scopes, "_warned_not_enabled", False)
+    with pytest.warns(state.CxlallocWarning, match=r"cxlalloc\.kv\(\): cxlalloc is not enabled in this process"):
+        with cxlalloc.kv():
+            assert _C.current_class() == "kv"  # still a scope: an engine installed later sees it
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with cxlalloc.weights():  # once per process, whichever scope came first
+            pass
+
+
+def test_scope_with_an_engine_does_not_warn(process_engine):
+    import warnings
+
+    from cxlalloc.pytorch import scopes
+
+    scopes._warned_not_enabled = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with cxlalloc.kv():
+            pass
+    assert scopes._warned_not_enabled is False
