@@ -77,6 +77,13 @@ class _Conn:
         self.outstanding = 0               # open leases + reservations
         self.broken = False
         self.closed = False
+        self.served = 0                    # requests answered on it
+        self.timed_out = False             # it broke on a time-out (the server hangs) rather than a reset
+
+    @property
+    def established(self) -> bool:
+        """It has served requests and broke by a reset or EOF (not a time-out): a restarted server."""
+        return self.served > 0 and not self.timed_out
 
     def request(self, msg: dict) -> dict:
         with self.lock:
@@ -87,8 +94,10 @@ class _Conn:
                 reply, _ = P.recv_msg(self.sock)
             except (OSError, P.ProtocolError) as e:  # socket.timeout is an OSError
                 self.broken = True
+                self.timed_out = isinstance(e, socket.timeout)
                 self._close_if_idle()
                 raise _Broken(f"{type(e).__name__}: {e}") from None
+            self.served += 1
         if not reply.get("ok"):
             raise P.RemoteError(str(reply.get("code", "?")), str(reply.get("error", "")))
         return reply
@@ -409,16 +418,27 @@ class RemoteBlockStore(AccountedStore):
         self._count("lookup_blocks", len(keys))
         if not keys:
             return _Nothing()
-        c = self._get_conn()
-        if c is None:
-            return self._fallback_lookup(ns, keys)
-        c.hold()  # before the request: the connection must not close while its pins are in use
-        try:
-            reply = c.request({"op": "lookup", "ns": ns, "keys": keys})
-        except (_Broken, P.RemoteError) as e:
-            c.unhold()
-            self._failed(e, c if isinstance(e, _Broken) else None)
-            return self._fallback_lookup(ns, keys) if isinstance(e, _Broken) else _Nothing()
+        # A connection that worked and is found broken now most often means a restarted server: the first call
+        # after the restart dials it again at once (one try, no backoff) instead of missing what it (or its
+        # Redis tier) holds; a server that is really away then counts as down as before.
+        for attempt in (0, 1):
+            c = self._get_conn()
+            if c is None:
+                return self._fallback_lookup(ns, keys)
+            c.hold()  # before the request: the connection must not close while its pins are in use
+            try:
+                reply = c.request({"op": "lookup", "ns": ns, "keys": keys})
+                break
+            except (_Broken, P.RemoteError) as e:
+                c.unhold()
+                self._failed(e, c if isinstance(e, _Broken) else None)
+                if not isinstance(e, _Broken):
+                    return _Nothing()
+                if attempt == 0 and c.established:
+                    with self._lock:
+                        self._down_until = 0.0
+                    continue
+                return self._fallback_lookup(ns, keys)
         blocks = reply.get("blocks") or []
         if not blocks:
             c.unhold()

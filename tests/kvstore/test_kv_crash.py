@@ -172,7 +172,10 @@ def test_generate_stays_correct_when_the_server_dies_and_hits_again_after_restar
     want1 = ref.generate(p1, max_new_tokens=8, do_sample=False)
     want2 = ref.generate(p2, max_new_tokens=8, do_sample=False)
     m = tiny_llama()
-    hf.wrap(m, device_limit="256MiB", host_limit="512MiB", kv_store=sp.url + "?timeout=2", block_tokens=8)
+    # kv_conversation_limit=0: every hit below must come from the server (the process's last-conversation
+    # cache would continue p1's shared tokens whether the server is there or not)
+    hf.wrap(m, device_limit="256MiB", host_limit="512MiB", kv_store=sp.url + "?timeout=2", block_tokens=8,
+            kv_conversation_limit=0)
     out, _ = generate(m, p1)
     assert torch.equal(out, want1)
     sp.kill()

@@ -263,7 +263,10 @@ def test_kv_server_process_with_redis_write_through_survives_kill_9(redis_server
     p1, p2 = prompts()
     ref = tiny_llama()
     m = tiny_llama()
-    hf.wrap(m, device_limit="256MiB", host_limit="512MiB", kv_store=sp.url + "?timeout=2", block_tokens=8)
+    # kv_conversation_limit=0: p2 must come back from Redis through the restarted server, not from the
+    # process's own last-conversation cache (which would continue p1's 70 shared tokens)
+    hf.wrap(m, device_limit="256MiB", host_limit="512MiB", kv_store=sp.url + "?timeout=2", block_tokens=8,
+            kv_conversation_limit=0)
     generate(m, p1)
     r = rs.client()
     assert _eventually(lambda: len(r.keys("cxlalloc:kv:*")) >= 9)
