@@ -25,7 +25,7 @@ def fail(prog: str, message: str) -> NoReturn:
 
 class OneLineParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line (no usage block; ``--help``
-    shows the usage), and a type's ValueError message (it names the option) as is."""
+    shows the usage), and a type's ValueError / ArgumentTypeError message (it names the option) as is."""
 
     def error(self, message: str) -> NoReturn:
         fail(self.prog, message)
@@ -35,7 +35,7 @@ class OneLineParser(argparse.ArgumentParser):
             return super()._get_value(action, arg_string)
         try:
             return action.type(arg_string) if callable(action.type) else arg_string
-        except ValueError as e:
+        except (ValueError, argparse.ArgumentTypeError) as e:  # ArgumentTypeError is no ValueError
             self.error(str(e))
 
 
