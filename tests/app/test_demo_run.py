@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cxlalloc.kvstore.layout import CHECKSUM_BYTES
 from cxlalloc_apps.demo.app import default_device_limit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,6 +140,6 @@ def test_reuse_main_job_hits_the_document_with_identical_tokens(kv_model_dir, tm
         assert row["fallback"] is None
     assert all(row["hit_tokens"] == 0 and row["bytes_loaded"] == 0 for row in cold)
     store = r["store"]
-    assert store["used_bytes"] == store["blocks"] * bt * 8 * 2 * 8 * 64 * 4
+    assert store["used_bytes"] == store["blocks"] * (bt * 8 * 2 * 8 * 64 * 4 + CHECKSUM_BYTES)  # + each checksum trailer
     assert store["placement_verified_bytes"] == store["used_bytes"] and store["placement_misplaced_bytes"] == 0
     assert store["load_failures"] == 0 and store["evicted_blocks"] == 0
