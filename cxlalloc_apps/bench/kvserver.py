@@ -728,13 +728,24 @@ def run(ctx) -> Dict[str, Any]:
               "units": "seconds (s), bytes, blocks/s, GB/s = 1e9 bytes/s",
               "where": "CPU; the GPU side is cxlalloc's simulated driver (simulation/CPU figures, not GPU ones)"}
     w = RecordWriter(ctx.out_dir, new_record("kvserver", params, True, ctx.argv, ctx.device))
-    work = tempfile.mkdtemp(prefix="kvbench-", dir="/tmp")  # short: unix socket paths hold 107 bytes
+    run_parts(ctx, w, PARTS, "kvserver")
+    return w.finish()
+
+
+def run_parts(ctx, w, parts: Dict[str, Any], label: str, only=None) -> None:
+    """Run each ``parts[name](ctx, w, work)`` (``only``: the names to run) in one
+    short temporary folder (unix socket paths hold 107 bytes), skipping what the
+    time budget leaves no room for; a part that raises is recorded as an error
+    of that part, and the others still run."""
+    work = tempfile.mkdtemp(prefix=f"{label}-", dir="/tmp")
     try:
-        for name, fn in PARTS.items():
+        for name, fn in parts.items():
+            if only and name not in only:
+                continue
             if ctx.deadline.expired():
                 w.skip(name, "time budget used up")
                 continue
-            ctx.log(f"kvserver: {name}")
+            ctx.log(f"{label}: {name}")
             try:
                 fn(ctx, w, work)
             except Exception as e:
@@ -743,7 +754,6 @@ def run(ctx) -> Dict[str, Any]:
                 w.error(name, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return w.finish()
 
 
 def _worker_main(role: str, params: str) -> int:

@@ -45,11 +45,10 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from cxlalloc_apps.bench.kvserver import REPO, _env, _Server, block_key, pattern
+from cxlalloc_apps.bench.kvserver import REPO, _env, _Server, block_key, pattern, run_parts
 from cxlalloc_apps.bench.meta import RecordWriter, new_record
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -510,23 +509,7 @@ def run(ctx) -> Dict[str, Any]:
     # descheduled (measured: a 4 MiB copy_ at 1.5 s instead of 1 ms), which would slow whichever side ran then.
     torch.set_num_threads(1)
     only = getattr(ctx.args, "kvspeed_parts", None)
-    work = tempfile.mkdtemp(prefix="kvspeed-", dir="/tmp")  # short: unix socket paths hold 107 bytes
-    try:
-        for name, fn in PARTS.items():
-            if only and name not in only:
-                continue
-            if ctx.deadline.expired():
-                w.skip(name, "time budget used up")
-                continue
-            ctx.log(f"kvspeed: {name}")
-            try:
-                fn(ctx, w, work)
-            except Exception as e:
-                import traceback
-
-                w.error(name, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    run_parts(ctx, w, PARTS, "kvspeed", only)
     rec = w.finish()
     try:
         plot(rec, os.path.join(ctx.out_dir, "kvspeed.png"))
