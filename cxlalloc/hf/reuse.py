@@ -270,6 +270,7 @@ class PrefixReuse:
         self.opts = opts
         self.cache_kw = cache_kw
         self.store: BlockStore = open_store(opts.kv_store, allocator, limit=opts.kv_store_limit)
+        self._owns_store = self.store is not opts.kv_store  # made from a spec here, so closed here
         self.block_tokens = opts.block_tokens
         self.layout: Optional[BlockLayout] = None
         self.off_reason: Optional[str] = None
@@ -551,6 +552,16 @@ class PrefixReuse:
         """Release the kept "last conversation" cache now (its KV memory); the
         next call starts from the block store.  ``cxlalloc.hf.forget_conversation(model)``."""
         self._drop_conversation()
+
+    def close(self) -> None:
+        """Release the kept conversation and close the store if this wrap opened
+        it from a ``kv_store`` spec (a store object passed in is the caller's to
+        close): a Redis tier's writer thread and connections, a kv-server
+        connection.  ``cxlalloc.hf.unwrap(model)`` calls it."""
+        self._drop_conversation()
+        close = getattr(self.store, "close", None) if self._owns_store else None
+        if close is not None:
+            close()
 
     @staticmethod
     def _left_pads(mask, shape) -> Optional[List[int]]:

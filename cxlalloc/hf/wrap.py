@@ -701,11 +701,12 @@ def _batch_of(args, kwargs) -> int:
 
 def unwrap(model):
     """Undo :func:`wrap`: remove the hooks and copy the weights back into torch's
-    own memory.  Caches already created keep their storage until dropped.
-    Returns ``model``."""
+    own memory.  Caches already created keep their storage until dropped; a
+    block store the wrap opened from a ``kv_store`` spec is closed (its Redis
+    writer thread, its kv-server connection).  Returns ``model``."""
     st = _state(model)
     if st.reuse is not None:
-        st.reuse.forget_conversation()
+        st.reuse.close()
     if st.pre_hook is not None:
         st.pre_hook.remove()
     for name in INSTANCE_ATTRS:

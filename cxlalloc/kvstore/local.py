@@ -183,8 +183,11 @@ class LocalBlockStore(AccountedStore):
 
     def _evicted(self, e: Entry) -> None:
         # Under the lock: copy out before the slot is reused (the lower tier
-        # sends it asynchronously).
-        self.lower.put(e.key, e.ns, self._view(e).numpy().tobytes())
+        # sends it asynchronously).  A closed store has no tier left to send to.
+        lower = self.lower
+        if lower is None:
+            return
+        lower.put(e.key, e.ns, self._view(e).numpy().tobytes())
         self.counters.add("lower_put_blocks", 1)
 
     # ------------------------------------------------------------ reads
@@ -326,6 +329,16 @@ class LocalBlockStore(AccountedStore):
         if self.lower is not None:
             c["lower"] = self.lower.stats()
         return c
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Close the tier below, if any: its queued write-backs are sent for up
+        to ``timeout`` seconds, then its writer thread and connections stop.  The
+        pool itself stays readable for leases still open (it is freed with the
+        store).  Idempotent."""
+        with self._lock:
+            lower, self.lower = self.lower, None
+        if lower is not None:
+            lower.close(timeout)
 
     def check(self) -> None:
         """Verify the index invariants (tests)."""

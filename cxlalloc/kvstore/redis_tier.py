@@ -314,7 +314,7 @@ class RedisTier:
                 self.c["state_changes_not_logged"] += 1
                 return
             n, self._state_suppressed, self._state_logged_at = self._state_suppressed, 0, now
-        log.warning("%s%s", line, f" ({n} more up/down changes in the last {STATE_LOG_EVERY_S:.0f} s not logged)"
+        log.warning("%s%s", line, f" ({n} more up/down changes in the last {STATE_LOG_EVERY_S:g} s not logged)"
                     if n else "")
 
     def _ok(self) -> None:

@@ -3,6 +3,7 @@ checks, down / full / restarted, AUTH, TLS, and below both kinds of pool."""
 
 import os
 import subprocess
+import threading
 import time
 
 import pytest
@@ -235,6 +236,7 @@ def test_server_with_redis_down_still_serves_its_pool(redis_server, kv_server, a
 
 
 def test_in_process_store_with_redis_below_identical_tokens(redis_server):
+    before = set(threading.enumerate())
     rs = redis_server()
     p1, p2 = prompts()
     ref = tiny_llama()
@@ -254,6 +256,14 @@ def test_in_process_store_with_redis_below_identical_tokens(redis_server):
     assert r["last"]["hit_tokens"] >= 32, r["last"]
     assert torch.equal(out, ref.generate(p2, max_new_tokens=8, do_sample=False))
     assert r["store"]["lower_hit_blocks"] >= 4
+    # unwrap closes the stores the wraps opened from the URL: no Redis writer thread outlives them
+    writers = [t for t in threading.enumerate() if t.name == "cxlalloc-redis-writer" and t not in before]
+    assert len(writers) == 2
+    hf.unwrap(a)
+    hf.unwrap(b)
+    for w in writers:
+        w.join(5)
+    assert not [t for t in writers if t.is_alive()]
 
 
 @pytest.mark.filterwarnings("ignore::cxlalloc.kvstore.local.KVStoreWarning")
@@ -327,11 +337,11 @@ def test_up_down_changes_are_logged_at_most_once_per_window_with_a_count(redis_s
         for _ in range(35):  # a flapping link: 70 transitions
             t._failed(ConnectionError("flap"), "put")
             t._ok()
-        lines = [r.getMessage() for r in caplog.records if "Redis" in r.getMessage() and "reach" in r.getMessage()]
+        lines = [m for m in (r.getMessage() for r in caplog.records) if f"Redis {t.url} " in m and "reach" in m]
         assert len(lines) == 1 and "unreachable" in lines[0], lines
         time.sleep(0.6)
         t._failed(ConnectionError("flap"), "put")
-        lines = [r.getMessage() for r in caplog.records if "Redis" in r.getMessage() and "reach" in r.getMessage()]
+        lines = [m for m in (r.getMessage() for r in caplog.records) if f"Redis {t.url} " in m and "reach" in m]
         assert len(lines) == 2 and "69 more up/down changes" in lines[1], lines
         assert t.stats()["state_changes_not_logged"] == 69
         t._ok()
