@@ -136,13 +136,13 @@ class PlacementVerifier:
             unpop += int(chk["unpopulated"])
             wrong = int(chk["elsewhere"])
             off += wrong
-            if wrong and not self._warned:
+            if wrong and not self._warned:  # said once; every misplaced block is still counted and dropped
                 self._warned = True
                 log.warning("%s of a block landed outside node %d (%s)%s", format_bytes(wrong), st.node,
                             chk["detail"], "; dropped (--strict-placement)" if self.strict else "")
-                if self.strict:
-                    dropped += 1
-                    continue
+            if wrong and self.strict:
+                dropped += 1
+                continue
             keep.append(e)
         with st.lock:
             st.c["placement_verified_bytes"] += on

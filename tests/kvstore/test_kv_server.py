@@ -72,6 +72,35 @@ def test_strict_placement_checks_before_publishing(kv_server):
     c.close()
 
 
+def test_strict_placement_drops_every_misplaced_block_and_warns_once(kv_server, caplog):
+    import logging
+
+    srv = kv_server(strict_placement=True)
+    real = srv.state.arena
+
+    class Elsewhere:  # every page reports another node, as move_pages does once the node has filled up
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def verify(self, off, n):
+            return {"on_node": 0, "elsewhere": n, "unpopulated": 0, "detail": f"{n} bytes on node 1"}
+
+    srv.state.arena = Elsewhere()
+    c = RawClient(srv.socket_path)
+    m = c.mapping()
+    caplog.set_level(logging.WARNING, logger="cxlalloc.kvstore")
+    r = c.call("reserve", ns="", keys=[key(i) for i in range(3)], nbytes=BLOCK, tokens=16)
+    for off in r["slots"]:
+        m[off:off + BLOCK] = b"\2" * BLOCK
+    assert c.call("commit", res=r["res"])["published"] == 0  # none of the three is visible
+    st = srv.stats()["pool"]
+    assert st["misplaced_dropped_blocks"] == 3 and st["placement_misplaced_bytes"] == 3 * BLOCK, st
+    assert c.call("lookup", ns="", keys=[key(0)])["blocks"] == []
+    assert len([r for r in caplog.records if "landed outside node" in r.getMessage()]) == 1
+    m.close()
+    c.close()
+
+
 def test_bad_sizes_and_paths_name_the_option(kv_server, sockdir):
     with pytest.raises(ValueError, match="'--size'.*below one chunk"):
         KVServer(2 * MiB, 0, os.path.join(sockdir, "a.sock"), chunk_bytes=4 * MiB)
