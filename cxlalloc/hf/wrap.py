@@ -334,8 +334,14 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
             they have the same values (``device_limit="4MiB"`` and
             ``device_limit=4 << 20`` are the same; an option left out counts
             as its default).
+        TypeError: ``model`` has no ``generate()``/``parameters()`` (not a
+            transformers model).
         cxlalloc.OutOfMemoryError: the weights fit in neither tier.
     """
+    if not (callable(getattr(model, "generate", None)) and callable(getattr(model, "parameters", None))):
+        raise TypeError(f"cxlalloc.hf.wrap: model must be a transformers model with generate() (a torch.nn.Module "
+                        f"with transformers' GenerationMixin), not {type(model).__name__}; for any other PyTorch "
+                        "code use cxlalloc.enable() (or CXLALLOC=1)")
     if hook not in ("auto", "prepare", "generate"):
         raise ValueError(f"cxlalloc.hf.wrap: hook must be 'auto', 'prepare' or 'generate', not {hook!r}")
     given = dict(options)

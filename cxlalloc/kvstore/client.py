@@ -314,14 +314,15 @@ class RemoteBlockStore(AccountedStore):
 
     def _failed(self, exc: BaseException, conn: Optional[_Conn] = None) -> None:
         """A request failed: count it; a broken connection puts the server 'down' for the backoff."""
-        text = f"{type(exc).__name__}: {exc}"
+        # A _Broken already names the OS error it wraps; its own name means nothing to a user.
+        text = str(exc) if isinstance(exc, _Broken) else f"{type(exc).__name__}: {exc}"
         if isinstance(exc, P.RemoteError):
             self._count("remote_errors")
             self._warn_once("remote:" + exc.code, f"cxlalloc kv store: the kv-server at {self.path} refused a "
                                                   f"request ({exc.code}: {exc}); continuing without it")
             return
         self._count("server_errors")
-        if "timed out" in text or "timeout" in type(exc).__name__.lower():
+        if "timed out" in text or "timeout" in text.lower():
             self._count("timeouts")
         with self._lock:
             self.last_error = text

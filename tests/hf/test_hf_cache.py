@@ -437,6 +437,10 @@ def test_wrap_errors(fresh_sim):
         hf.wrap(m, devcie_limit="1GiB")
     with pytest.raises(ValueError, match="hook"):
         hf.wrap(m, hook="sideways")
+    with pytest.raises(TypeError, match=r"model must be a transformers model with generate\(\).*not object"):
+        hf.wrap(object())
+    with pytest.raises(TypeError, match="not Linear"):
+        hf.wrap(torch.nn.Linear(2, 2))
     assert not hf.is_wrapped(m)
     wrap(m)
     assert hf.wrap(m) is m  # idempotent without options
