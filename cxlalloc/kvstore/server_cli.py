@@ -105,7 +105,7 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
     p.add_argument("--socket", default=P.DEFAULT_SOCKET, help=f"unix socket path (default {P.DEFAULT_SOCKET})")
     p.add_argument("--status", action="store_true", help="print the running server's status and exit")
     p.add_argument("--json", action="store_true", help="with --status: machine-readable output")
-    p.add_argument("--size", default=None, help="pool bytes: a size ('64GiB', '1TiB') or a share of the node's "
+    p.add_argument("--size", default=None, help="pool bytes: a size ('64GiB', '1TiB') or a share of the node's total "
                    "memory ('50%%'); exact, committed only as blocks are written")
     p.add_argument("--numa-node", default="auto", help="NUMA node of the pool: auto (a CPU-less/CXL node if any) or "
                    "a node id (default auto)")
