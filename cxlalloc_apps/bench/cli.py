@@ -99,6 +99,10 @@ def _positive_int(text: str) -> int:
     return v
 
 
+# The parts of the kvserver and kvspeed benchmarks (their PARTS mappings; a test keeps the two in step).
+PART_NAMES = ("ttft", "concurrency", "redis", "crash", "lookup", "insert", "chat", "prefix")
+
+
 def make_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog or f"{program_name()} bench",
                                 description="Run cxlalloc's benchmarks; each writes one JSON record into --out.",
@@ -112,6 +116,9 @@ def make_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--only", type=_csv(str), default=None, metavar="NAMES",
                    help=f"comma-separated subset of: {', '.join(BENCHMARKS)} (default: all of them); also "
                         f"{', '.join(OPT_IN)} (only when named)")
+    p.add_argument("--parts", type=_csv(str, choices=PART_NAMES), default=None, metavar="NAMES",
+                   help="kvserver/kvspeed: run only these parts (comma-separated: "
+                        f"{', '.join(PART_NAMES)}; default all)")
     p.add_argument("--quick", action="store_true", help="the small grid of scripts/gpu_check.sh")
     p.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",

@@ -724,12 +724,18 @@ PARTS = {"ttft": part_ttft, "concurrency": part_concurrency, "redis": part_redis
 def run(ctx) -> Dict[str, Any]:
     from cxlalloc_apps.bench.meta import RecordWriter, new_record
 
-    params = {"parts": list(PARTS), "quick": ctx.quick, "model": MODEL,
+    params = {"parts": _chosen(ctx, PARTS), "quick": ctx.quick, "model": MODEL,
               "units": "seconds (s), bytes, blocks/s, GB/s = 1e9 bytes/s",
               "where": "CPU; the GPU side is cxlalloc's simulated driver (simulation/CPU figures, not GPU ones)"}
     w = RecordWriter(ctx.out_dir, new_record("kvserver", params, True, ctx.argv, ctx.device))
-    run_parts(ctx, w, PARTS, "kvserver")
+    run_parts(ctx, w, PARTS, "kvserver", getattr(ctx.args, "parts", None))
     return w.finish()
+
+
+def _chosen(ctx, parts: Dict[str, Any]) -> List[str]:
+    """The names of ``parts`` that ``--parts`` selects (all without it)."""
+    only = getattr(ctx.args, "parts", None)
+    return [n for n in parts if not only or n in only]
 
 
 def run_parts(ctx, w, parts: Dict[str, Any], label: str, only=None) -> None:

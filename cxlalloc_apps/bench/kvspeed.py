@@ -48,7 +48,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from cxlalloc_apps.bench.kvserver import REPO, _env, _Server, block_key, pattern, run_parts
+from cxlalloc_apps.bench.kvserver import REPO, _chosen, _env, _Server, block_key, pattern, run_parts
 from cxlalloc_apps.bench.meta import RecordWriter, new_record
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -484,7 +484,7 @@ PARTS = {"lookup": part_lookup, "insert": part_insert, "chat": part_chat, "prefi
 
 
 def run(ctx) -> Dict[str, Any]:
-    params = {"parts": list(PARTS), "quick": ctx.quick, "lookup_block_bytes": LOOKUP_BLOCK,
+    params = {"parts": _chosen(ctx, PARTS), "quick": ctx.quick, "lookup_block_bytes": LOOKUP_BLOCK,
               "lookup_keys": list(LOOKUP_KEYS), "lookup_clients": list(LOOKUP_CLIENTS),
               "insert_sizes": [list(x) for x in INSERT_SIZES], "chat_turns": CHAT_TURNS,
               "prefix_tokens": PREFIX_TOKENS, "torch_threads": 1,
@@ -508,8 +508,7 @@ def run(ctx) -> Dict[str, Any]:
     # One compute thread for every side: on a loaded 2-core machine a second OpenMP thread spins and gets
     # descheduled (measured: a 4 MiB copy_ at 1.5 s instead of 1 ms), which would slow whichever side ran then.
     torch.set_num_threads(1)
-    only = getattr(ctx.args, "kvspeed_parts", None)
-    run_parts(ctx, w, PARTS, "kvspeed", only)
+    run_parts(ctx, w, PARTS, "kvspeed", getattr(ctx.args, "parts", None))
     rec = w.finish()
     try:
         plot(rec, os.path.join(ctx.out_dir, "kvspeed.png"))

@@ -147,11 +147,19 @@ def test_bad_benchmark_name_is_a_usage_error(tmp_path):
     (["--new-tokens", "1"], "1 is below 2"),
     (["--time-budget", "0"], "--time-budget: 0.0 must be a positive number of seconds"),
     (["--ceiling-bytes", "100"], "--ceiling-bytes: 100 is below 1 MiB"),
+    (["--parts", "insert,warp"], "'warp' is not one of ttft, concurrency"),
 ])
 def test_bad_bench_arguments_are_usage_errors(tmp_path, args, message):
     p = _bench(["--simulate", "--out", str(tmp_path), "--only", "allocation"] + args)
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not (tmp_path / "allocation.json").exists()
+
+
+def test_parts_option_names_every_part_of_the_kv_benchmarks():
+    from cxlalloc_apps.bench import kvserver, kvspeed
+    from cxlalloc_apps.bench.cli import PART_NAMES
+
+    assert sorted(PART_NAMES) == sorted(list(kvserver.PARTS) + list(kvspeed.PARTS))
 
 
 def test_unwritable_out_folder_is_a_usage_error(tmp_path):

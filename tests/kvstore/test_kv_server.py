@@ -386,6 +386,6 @@ def test_status_text_and_metrics(kv_server, tmp_path):
     assert "cxlalloc_kv_used_bytes" in body
     time.sleep(0.2)
     assert "cxlalloc_kv_lookups_total" in open(path).read()
+    ex.stop()  # first: a write in flight has its temporary file until the rename
     assert not [f for f in os.listdir(tmp_path) if f != "kv.prom"]  # atomic: no temporary left behind
-    ex.stop()
     c.close()
