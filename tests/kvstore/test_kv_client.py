@@ -93,7 +93,7 @@ def test_a_hung_server_costs_one_timeout_then_nothing_until_backoff(server_proc,
         assert "_Broken" not in str(said[0].message)  # the cause, in the OS's words, not our class names
         t0 = time.perf_counter()
         assert st.lookup("", [key(1)]).blocks == 0  # within the backoff: no wait at all
-        assert time.perf_counter() - t0 < 0.1
+        assert time.perf_counter() - t0 < 0.25  # vs the 0.5 s timeout
         assert st.counters["timeouts"] == 1
     finally:
         sp.proc.send_signal(signal.SIGCONT)

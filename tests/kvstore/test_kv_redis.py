@@ -95,13 +95,13 @@ def test_redis_down_never_blocks_or_raises_and_a_restart_delivers_the_queue(redi
     t0 = time.perf_counter()
     for i in range(1, 21):
         t.put(key(i), "", _data(i))  # queued, never waited for
-    assert time.perf_counter() - t0 < 0.1
+    assert time.perf_counter() - t0 < 0.25  # vs the 0.5 s timeout a waited put would cost
     t0 = time.perf_counter()
     assert t.get_many([key(0)]) == [None]  # down: a miss (one timeout at most)
     assert time.perf_counter() - t0 < 2.0
     t0 = time.perf_counter()
-    assert t.get_many([key(0)]) == [None]  # in the backoff: at once
-    assert time.perf_counter() - t0 < 0.05
+    assert t.get_many([key(0)]) == [None]  # in the backoff: at once, not another 0.5 s timeout
+    assert time.perf_counter() - t0 < 0.25
     st = t.stats()
     assert st["up"] is False and st["get_errors"] + st["put_errors"] >= 1 and st["skipped_down"] >= 1
     redis_server(port=rs.port)  # restarted (empty: --save "")
