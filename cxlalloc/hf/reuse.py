@@ -270,7 +270,6 @@ class PrefixReuse:
         self.opts = opts
         self.cache_kw = cache_kw
         self.store: BlockStore = open_store(opts.kv_store, allocator, limit=opts.kv_store_limit)
-        self._owns_store = self.store is not opts.kv_store  # made from a spec here, so closed here
         self.block_tokens = opts.block_tokens
         self.layout: Optional[BlockLayout] = None
         self.off_reason: Optional[str] = None
@@ -559,9 +558,8 @@ class PrefixReuse:
         close): a Redis tier's writer thread and connections, a kv-server
         connection.  ``cxlalloc.hf.unwrap(model)`` calls it."""
         self._drop_conversation()
-        close = getattr(self.store, "close", None) if self._owns_store else None
-        if close is not None:
-            close()
+        if self.store is not self.opts.kv_store:  # open_store made it (a Local/RemoteBlockStore): ours to close
+            self.store.close()
 
     @staticmethod
     def _left_pads(mask, shape) -> Optional[List[int]]:

@@ -99,7 +99,7 @@ class PlacementVerifier:
                 if self._verifying:
                     self._verifying = 0
                     self._cv.notify_all()
-                while not self._stop.is_set() and (not self._q or len(self._q) < VERIFY_QUEUE // 2):
+                while not self._stop.is_set() and len(self._q) < VERIFY_QUEUE // 2:
                     self._cv.wait(VERIFY_EVERY_S)
                     if self._q:
                         break  # one batch per interval: what the last VERIFY_EVERY_S of commits queued
