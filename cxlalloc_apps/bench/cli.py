@@ -99,7 +99,8 @@ def _positive_int(text: str) -> int:
     return v
 
 
-# The parts of the kvserver and kvspeed benchmarks (their PARTS mappings; a test keeps the two in step).
+# The parts of the kvserver and kvspeed benchmarks (their PARTS mappings; a test keeps the two in step: importing
+# them here would be an import circle, as each runs this CLI as its __main__).
 PART_NAMES = ("ttft", "concurrency", "redis", "crash", "lookup", "insert", "chat", "prefix")
 
 

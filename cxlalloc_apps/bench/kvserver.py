@@ -724,29 +724,34 @@ PARTS = {"ttft": part_ttft, "concurrency": part_concurrency, "redis": part_redis
 def run(ctx) -> Dict[str, Any]:
     from cxlalloc_apps.bench.meta import RecordWriter, new_record
 
-    params = {"parts": _chosen(ctx, PARTS), "quick": ctx.quick, "model": MODEL,
+    chosen = _chosen(ctx, PARTS)
+    params = {"parts": chosen, "quick": ctx.quick, "model": MODEL,
               "units": "seconds (s), bytes, blocks/s, GB/s = 1e9 bytes/s",
               "where": "CPU; the GPU side is cxlalloc's simulated driver (simulation/CPU figures, not GPU ones)"}
     w = RecordWriter(ctx.out_dir, new_record("kvserver", params, True, ctx.argv, ctx.device))
-    run_parts(ctx, w, PARTS, "kvserver", getattr(ctx.args, "parts", None))
+    run_parts(ctx, w, PARTS, "kvserver", chosen)
     return w.finish()
 
 
 def _chosen(ctx, parts: Dict[str, Any]) -> List[str]:
-    """The names of ``parts`` that ``--parts`` selects (all without it)."""
+    """The names of ``parts`` that ``--parts`` selects (all without it; none
+    when it names only another benchmark's parts)."""
     only = getattr(ctx.args, "parts", None)
-    return [n for n in parts if not only or n in only]
+    return [n for n in parts if only is None or n in only]
 
 
 def run_parts(ctx, w, parts: Dict[str, Any], label: str, only=None) -> None:
-    """Run each ``parts[name](ctx, w, work)`` (``only``: the names to run) in one
-    short temporary folder (unix socket paths hold 107 bytes), skipping what the
-    time budget leaves no room for; a part that raises is recorded as an error
-    of that part, and the others still run."""
+    """Run each ``parts[name](ctx, w, work)`` (``only``: the names to run, None
+    for all) in one short temporary folder (unix socket paths hold 107 bytes),
+    skipping what the time budget leaves no room for; a part that raises is
+    recorded as an error of that part, and the others still run."""
+    if only is not None and not only:
+        w.skip(label, f"--parts names none of its parts ({', '.join(parts)})")
+        return
     work = tempfile.mkdtemp(prefix=f"{label}-", dir="/tmp")
     try:
         for name, fn in parts.items():
-            if only and name not in only:
+            if only is not None and name not in only:
                 continue
             if ctx.deadline.expired():
                 w.skip(name, "time budget used up")

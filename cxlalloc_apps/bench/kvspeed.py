@@ -484,7 +484,8 @@ PARTS = {"lookup": part_lookup, "insert": part_insert, "chat": part_chat, "prefi
 
 
 def run(ctx) -> Dict[str, Any]:
-    params = {"parts": _chosen(ctx, PARTS), "quick": ctx.quick, "lookup_block_bytes": LOOKUP_BLOCK,
+    chosen = _chosen(ctx, PARTS)
+    params = {"parts": chosen, "quick": ctx.quick, "lookup_block_bytes": LOOKUP_BLOCK,
               "lookup_keys": list(LOOKUP_KEYS), "lookup_clients": list(LOOKUP_CLIENTS),
               "insert_sizes": [list(x) for x in INSERT_SIZES], "chat_turns": CHAT_TURNS,
               "prefix_tokens": PREFIX_TOKENS, "torch_threads": 1,
@@ -508,7 +509,7 @@ def run(ctx) -> Dict[str, Any]:
     # One compute thread for every side: on a loaded 2-core machine a second OpenMP thread spins and gets
     # descheduled (measured: a 4 MiB copy_ at 1.5 s instead of 1 ms), which would slow whichever side ran then.
     torch.set_num_threads(1)
-    run_parts(ctx, w, PARTS, "kvspeed", getattr(ctx.args, "parts", None))
+    run_parts(ctx, w, PARTS, "kvspeed", chosen)
     rec = w.finish()
     try:
         plot(rec, os.path.join(ctx.out_dir, "kvspeed.png"))

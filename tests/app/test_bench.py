@@ -162,6 +162,16 @@ def test_parts_option_names_every_part_of_the_kv_benchmarks():
     assert sorted(PART_NAMES) == sorted(list(kvserver.PARTS) + list(kvspeed.PARTS))
 
 
+def test_parts_of_another_benchmark_only_are_a_recorded_skip(tmp_path):
+    p = _bench(["--simulate", "--out", str(tmp_path), "--only", "kvserver", "--parts", "insert", "--no-progress"])
+    assert p.returncode == 0, p.stderr
+    with open(tmp_path / "kvserver.json") as f:
+        rec = json.load(f)
+    assert rec["results"] == [] and rec["parameters"]["parts"] == []
+    assert rec["skipped"] == [{"part": "kvserver", "reason": "--parts names none of its parts "
+                                                             "(ttft, concurrency, redis, crash)"}]
+
+
 def test_unwritable_out_folder_is_a_usage_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
