@@ -162,11 +162,12 @@ double DeviceAllocator::now_s() const {
 std::string DeviceAllocator::describe_tiers() const {
   const auto& d = stats_.tier[0];
   const auto& h = stats_.tier[1];
-  std::string s = "device tier (cuda:" + std::to_string(cfg_.device) + "): " +
-                  format_bytes(static_cast<size_t>(d.allocated_bytes.current)) + " allocated, " +
+  std::string s = "device tier (cuda:" + std::to_string(cfg_.device) +
+                  "): " + format_bytes(static_cast<size_t>(d.allocated_bytes.current)) + " allocated, " +
                   format_bytes(static_cast<size_t>(d.reserved_bytes.current)) + " reserved of " +
                   format_bytes(limits_.device()) + " limit";
-  if (limits_.external_device_bytes()) s += " (" + format_bytes(limits_.external_device_bytes()) + " used outside cxlalloc)";
+  if (limits_.external_device_bytes())
+    s += " (" + format_bytes(limits_.external_device_bytes()) + " used outside cxlalloc)";
   if (limits_.host_enabled())
     s += "; host tier (NUMA node " + std::to_string(cfg_.host_node) + ", backend " + host_backend_name() + "): " +
          format_bytes(static_cast<size_t>(h.allocated_bytes.current)) + " allocated, " +

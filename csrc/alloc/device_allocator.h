@@ -253,23 +253,23 @@ class DeviceAllocator {
   // resort step by step (torch's AllocParams in CUDACachingAllocator.cpp):
   // what was asked, where it may come from, and what the policy chose.
   struct AllocRequest {
-    size_t nbytes = 0;         // as asked
-    size_t size = 0;           // rounded (sizes.h): the block's size
+    size_t nbytes = 0;  // as asked
+    size_t size = 0;    // rounded (sizes.h): the block's size
     CUstream stream = nullptr;
     AllocClass cls = AllocClass::Other;
-    bool only_host = false;    // the scoped mode's spill pool
-    bool capturing = false;    // graph capture: device only, no reclaim (C10, C14)
-    FreeListKey key{};         // pool, device tier, class, small/large
-    size_t seg_bytes = 0;      // a new segment's size class
-    size_t min_seg = 0;        // the least a new segment may be (alloc_in's exact-size fallback)
-    policy::Request policy{};  // what the policy judges
-    policy::TierBudget budget{};  // both tiers when the cache missed
-    Tier first = Tier::Device;    // the policy's first choice
+    bool only_host = false;                       // the scoped mode's spill pool
+    bool capturing = false;                       // graph capture: device only, no reclaim (C10, C14)
+    FreeListKey key{};                            // pool, device tier, class, small/large
+    size_t seg_bytes = 0;                         // a new segment's size class
+    size_t min_seg = 0;                           // the least a new segment may be (alloc_in's exact-size fallback)
+    policy::Request policy{};                     // what the policy judges
+    policy::TierBudget budget{};                  // both tiers when the cache missed
+    Tier first = Tier::Device;                    // the policy's first choice
     uint64_t refused_before[kNumTiers] = {0, 0};  // driver refusals so far (for the OOM message)
   };
   AllocRequest make_request(size_t nbytes, CUstream stream, AllocClass cls, bool only_host);
-  void reclaim_finished();                   // owned moves, parked frees, completed events
-  void plan_new_segment(AllocRequest& r);    // sizes, the budget and the policy's first tier
+  void reclaim_finished();                 // owned moves, parked frees, completed events
+  void plan_new_segment(AllocRequest& r);  // sizes, the budget and the policy's first tier
   Block* try_device(const AllocRequest& r, bool allow_demote);
   Block* try_host(const AllocRequest& r);
   [[noreturn]] void refuse(const AllocRequest& r);  // capture error or OutOfMemoryError
@@ -334,7 +334,7 @@ class DeviceAllocator {
   std::map<CUdeviceptr, std::unique_ptr<Segment>> segments_;  // by base address
   std::unordered_map<CUdeviceptr, Block*> allocated_;         // live blocks by pointer
   BlockCache cache_;  // the free blocks: best fit, split, merge (block_cache.h)
-  PendingFrees pending_frees_;  // frees waiting on other streams' events (pending_frees.h)
+  PendingFrees pending_frees_;    // frees waiting on other streams' events (pending_frees.h)
   std::set<CUdeviceptr> parked_;  // owned blocks whose deleter's free failed (retried)
   std::set<uint64_t> parked_extents_;  // extents whose release in a destructor failed (retried)
   std::map<PoolId, PrivatePool> pools_;

@@ -126,8 +126,8 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
   // commit loop below re-checks every chunk against the limits.
   policy::GrowthPlan plan;
   if (kv_policy) {
-    plan = policy::plan_extent_growth(fresh.size(), chunk, budget(), device_kv, std::min(allowed, host_room), can_demote,
-                                      limits_.host_enabled());
+    plan = policy::plan_extent_growth(fresh.size(), chunk, budget(), device_kv, std::min(allowed, host_room),
+                                      can_demote, limits_.host_enabled());
   } else {
     // Weight/other extents, and every extent under first-fit: the device
     // while it has room, else the host (first come, first served).

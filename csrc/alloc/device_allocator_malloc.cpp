@@ -24,10 +24,9 @@ void* DeviceAllocator::malloc(size_t nbytes, CUstream stream, AllocClass cls, bo
   // nothing may synchronize (C14): skipped.
   if (!r.capturing) reclaim_finished();
   if (only_host && (r.capturing || !limits_.host_enabled()))
-    throw Error(ErrorKind::Unsupported, r.capturing
-                                            ? "cxlalloc: host-tier allocation refused during CUDA graph capture"
-                                            : "cxlalloc: host-tier allocation asked for, but the host tier is "
-                                              "disabled (host_limit 0)");
+    throw Error(ErrorKind::Unsupported, r.capturing ? "cxlalloc: host-tier allocation refused during CUDA graph capture"
+                                                    : "cxlalloc: host-tier allocation asked for, but the host tier is "
+                                                      "disabled (host_limit 0)");
   // 1. A cached device block: already reserved, so it costs no budget.
   if (Block* b = only_host ? nullptr : cache_.find(r.key, stream, r.size)) {
     stats_.on_cache_hit();
@@ -140,8 +139,8 @@ void DeviceAllocator::refuse(const AllocRequest& r) {
   if (r.capturing && r.first == Tier::Device) {
     stats_.on_capture_refusal();
     throw Error(ErrorKind::Capture,
-                "cxlalloc: cannot allocate " + format_bytes(r.nbytes) + " during CUDA graph capture on cuda:" +
-                    std::to_string(cfg_.device) +
+                "cxlalloc: cannot allocate " + format_bytes(r.nbytes) +
+                    " during CUDA graph capture on cuda:" + std::to_string(cfg_.device) +
                     ": VRAM is full and graph-captured memory must stay in VRAM (never spilled to the host "
                     "tier). " +
                     describe_tiers() + ". Raise device_limit or capture with a smaller working set.");
