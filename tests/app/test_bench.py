@@ -687,17 +687,17 @@ def test_lmcache_bench_chunk_shapes_have_the_sizes_it_reports():
 
 
 def test_kvscale_runs_only_when_named_and_its_record_plots(tmp_path):
-    from cxlalloc_apps.bench import kvscale, kvserver
+    from cxlalloc_apps.bench import kvscale
 
     assert "kvscale" in meta.OPT_IN and "kvscale" not in meta.BENCHMARKS
-    assert kvscale.run is kvserver.run_scale
-    assert kvserver.SCALE_SIZES == (10_000, 100_000, 1_000_000)
+    assert kvscale.run is kvscale.run_scale
+    assert kvscale.SCALE_SIZES == (10_000, 100_000, 1_000_000)
     with open(os.path.join(meta.REPO_ROOT, "benchmarks/results/kvscale-cpu-2026-12-02/kvscale.json")) as f:
         rec = json.load(f)
     assert meta.validate_record(rec) == []
     assert [r["blocks"] for r in rec["results"]] == [10_000, 100_000, 1_000_000]
     out = tmp_path / "kvscale.png"
-    kvserver.plot_scale(rec, str(out))
+    kvscale.plot_scale(rec, str(out))
     assert out.stat().st_size > 10_000
 
 
