@@ -11,6 +11,7 @@ import tarfile
 import pytest
 
 from cxlalloc_apps.bench import decode, guard, meta, report, rightsizing
+from cxlalloc_apps.bench import plots as report_plots
 from cxlalloc_apps.bench.model import SHAPES, ceiling_tokens_per_s
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -443,13 +444,13 @@ def test_report_plots_simulation_records_labelled_and_apart(tmp_path, monkeypatc
                          "bytes": 2 * MiB, "malloc_us": {"median": 1.5}, "simulated": True, "method": "SIMULATED"}]
     meta.write_json(str(res / "sim" / "allocation.json"), alloc)
     saved = {}
-    real_save = report._save
+    real_save = report_plots._save
 
     def save(fig, path, dpi=110):
         saved[os.path.basename(path)] = (_figure_texts(fig), _figure_values(fig))
         return real_save(fig, path, dpi)
 
-    monkeypatch.setattr(report, "_save", save)
+    monkeypatch.setattr(report_plots, "_save", save)
     readme = tmp_path / "README.md"
     readme.write_text("# P\n")
     plots = tmp_path / "plots"
