@@ -27,7 +27,7 @@ import sys
 sys.path.append(sys.argv[1])  # appended: the venv's torch and numpy win
 import lmcache
 from lmcache.v1.storage_backend.connector import ConnectorAdapter  # noqa: F401
-import cxlalloc.kvstore.lmcache_plugin  # noqa: F401
+import cxlalloc.kvstore.engines.lmcache_plugin  # noqa: F401
 print(f"install_lmcache: lmcache {lmcache.__version__} imports with the venv's torch; the cxlalloc:// plugin loads")
 PYEOF
 echo "$key" > "$STAMP"

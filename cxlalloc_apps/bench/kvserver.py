@@ -86,7 +86,7 @@ class _Server:
         self.proc = None
 
     def start(self) -> "_Server":
-        from cxlalloc.kvstore.server_cli import query_status
+        from cxlalloc.kvstore.server.cli import query_status
 
         self.proc = subprocess.Popen([sys.executable, "-m", "cxlalloc", "kv-server", "--socket", self.socket,
                                       "--log-level", "warning", *self.args], stdout=self.log,
@@ -104,7 +104,7 @@ class _Server:
         raise RuntimeError("kv-server did not start in 30 s")
 
     def status(self) -> dict:
-        from cxlalloc.kvstore.server_cli import query_status
+        from cxlalloc.kvstore.server.cli import query_status
 
         return query_status(self.socket)
 
@@ -521,7 +521,7 @@ def part_redis(ctx, w, work: str) -> None:
     except ImportError:
         w.skip("redis", "redis-py is not installed (pip install redis)")
         return
-    from cxlalloc.kvstore.redis_tier import RedisTier
+    from cxlalloc.kvstore.tiers.redis import RedisTier
 
     rp = _Redis(work)
     url = rp.url + "/0"

@@ -13,7 +13,7 @@ of the machine shares the one pool on the CXL node.  LMCache config::
     max_local_cpu_size: 5          # LMCache stages every block in its own CPU buffers
     remote_storage_plugins: ["cxlalloc"]
     extra_config:
-      remote_storage_plugin.cxlalloc.module_path: cxlalloc.kvstore.lmcache_plugin
+      remote_storage_plugin.cxlalloc.module_path: cxlalloc.kvstore.engines.lmcache_plugin
       remote_storage_plugin.cxlalloc.class_name: CxlallocConnectorAdapter
       remote_storage_plugin.cxlalloc.url: cxlalloc:///run/cxlalloc/kv.sock?timeout=5
 
@@ -226,13 +226,6 @@ class CxlallocConnector(RemoteConnector):
     def _header_bytes(self, meta_len: int) -> int:
         n = _HEAD.size + meta_len
         return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-    def _groups(self, keys: Sequence[CacheEngineKey]) -> Dict[str, List[int]]:
-        """Indices of ``keys`` by namespace (in order)."""
-        out: Dict[str, List[int]] = {}
-        for i, k in enumerate(keys):
-            out.setdefault(namespace_of(self.tenant, k), []).append(i)
-        return out
 
     # ------------------------------------------------------------ lookups
     def _prefix(self, keys: Sequence[CacheEngineKey]) -> int:
