@@ -26,6 +26,9 @@ Rooms:
                (kv_store="redis://...", --redis)
     engines/   serving-engine plugins (LMCache's ``cxlalloc://``; needs ``cxlalloc[lmcache]``;
                not imported here) and the config lines ``cxlalloc info`` prints (docs/engines.md)
+
+``lmcache_plugin`` here is only an alias of ``engines.lmcache_plugin`` for LMCache YAML written
+before the move (its ``module_path``).
 """
 
 # Imported when first used (PEP 562): the kv-server process needs neither torch

@@ -234,3 +234,32 @@ def test_the_checker_sees_a_violation_and_a_circle(tmp_path):
     known = {"cxlalloc.engine", "cxlalloc.hf"}
     assert imports_of("cxlalloc.m", str(pkg), known) == [("cxlalloc.engine", True), ("cxlalloc.hf", True),
                                                          ("cxlalloc_apps.demo", False)]
+
+
+# CONTRIBUTING.md, "Where new code goes": the KV store's modules stay readable alone.
+SIZE_LIMITS = {"cxlalloc.kvstore": (600, 400)}   # package -> (lines per module, lines per class)
+
+
+def oversized(mods: Dict[str, str]) -> List[str]:
+    """Modules of the packages in ``SIZE_LIMITS`` over their line limit, and classes over theirs."""
+    bad = []
+    for mod, path in sorted(mods.items()):
+        for pkg, (max_file, max_class) in SIZE_LIMITS.items():
+            if not _under(mod, (pkg,)):
+                continue
+            text = open(path, encoding="utf-8").read()
+            if text.count("\n") > max_file:
+                bad.append(f"{mod}: {text.count(chr(10))} lines (at most {max_file})")
+            for node in ast.walk(ast.parse(text, path)):
+                if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > max_class:
+                    bad.append(f"{mod}.{node.name}: {node.end_lineno - node.lineno + 1} lines (at most {max_class})")
+    return bad
+
+
+def test_kvstore_modules_and_classes_stay_small(tmp_path):
+    mods, _ = import_graph()
+    assert oversized(mods) == []
+    big = tmp_path / "big.py"
+    big.write_text("class Big:\n" + "    x = 1\n" * 400 + "\n" * 200)
+    assert oversized({"cxlalloc.kvstore.big": str(big), "cxlalloc.other": str(big)}) == [
+        "cxlalloc.kvstore.big: 601 lines (at most 600)", "cxlalloc.kvstore.big.Big: 401 lines (at most 400)"]

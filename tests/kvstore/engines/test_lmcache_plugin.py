@@ -18,7 +18,7 @@ import pytest
 
 from tests.kvstore.kvutil import ROOT, subprocess_env
 from tests.helpers.wait import wait_until
-from tests.kvstore.lmc import CHUNK_TOKENS, LMCACHE_VERSION, Engine, config_yaml, import_lmcache, lmcache_site, same_bytes
+from tests.kvstore.engines.lmc import CHUNK_TOKENS, LMCACHE_VERSION, Engine, config_yaml, import_lmcache, lmcache_site, same_bytes
 
 MiB = 1 << 20
 
@@ -206,7 +206,7 @@ def test_a_chunk_put_by_one_processes_lmcache_is_found_by_anothers(engine, serve
     cfg = config_yaml(os.path.join(sockdir, "child.yaml"), url)
     env = subprocess_env()
     env["CXLALLOC_LMCACHE_SITE"] = lmcache_site()
-    out = subprocess.run([sys.executable, "-m", "tests.kvstore.lmc", "put", cfg, "100", "3"], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "-m", "tests.kvstore.engines.lmc", "put", cfg, "100", "3"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "stored 3" in out.stdout
