@@ -52,7 +52,7 @@ class _Server:
         self.proc = None
 
     def start(self) -> "_Server":
-        from cxlalloc.kvstore.server_cli import query_status
+        from cxlalloc.kvstore.server.cli import query_status
 
         self.proc = subprocess.Popen([sys.executable, "-m", "cxlalloc", "kv-server", "--socket", self.socket,
                                       "--log-level", "warning", *self.args], stdout=self.log,
@@ -70,7 +70,7 @@ class _Server:
         raise RuntimeError("kv-server did not start in 30 s")
 
     def status(self) -> dict:
-        from cxlalloc.kvstore.server_cli import query_status
+        from cxlalloc.kvstore.server.cli import query_status
 
         return query_status(self.socket)
 

@@ -369,7 +369,7 @@ def part_redis(ctx, w, work: str) -> None:
     except ImportError:
         w.skip("redis", "redis-py is not installed (pip install redis)")
         return
-    from cxlalloc.kvstore.redis_tier import RedisTier
+    from cxlalloc.kvstore.tiers.redis import RedisTier
 
     rp = _Redis(work)
     url = rp.url + "/0"

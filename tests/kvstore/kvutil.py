@@ -6,14 +6,10 @@ from __future__ import annotations
 import os
 import socket
 
+from tests.helpers.net import free_port  # noqa: F401  (re-exported: the kvstore tests import it from here)
+
 MiB = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def subprocess_env():

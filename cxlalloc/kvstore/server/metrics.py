@@ -42,7 +42,7 @@ import os
 import threading
 from typing import Callable, Iterator, Optional
 
-log = logging.getLogger("cxlalloc.kvstore.metrics")
+log = logging.getLogger("cxlalloc.kvstore.server.metrics")
 
 
 def _prom():

@@ -6,8 +6,8 @@ import os
 import pytest
 
 from cxlalloc.kvstore import protocol as P
-from cxlalloc.kvstore.server_jobs import PlacementVerifier
-from cxlalloc.kvstore.server_state import ServerState
+from cxlalloc.kvstore.server.jobs import PlacementVerifier
+from cxlalloc.kvstore.server.state import ServerState
 from tests.kvstore.kvutil import key
 
 MiB = 1 << 20

@@ -26,7 +26,7 @@ from cxlalloc import topology
 from cxlalloc.config import format_bytes, parse_size, parse_size_or_fraction
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.server import DEFAULT_CHUNK, REDIS_MODES, KVServer, log, resolve_group
-from cxlalloc.kvstore.server_transport import DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_OBJECTS
+from cxlalloc.kvstore.server.transport import DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_OBJECTS
 from cxlalloc.cli_usage import OneLineParser
 
 # ----------------------------------------------------------------- option parsing
@@ -265,7 +265,7 @@ def server_from_args(args) -> KVServer:
             raise ValueError(f"cxlalloc option '{given[0]}': given without --redis URL")
     redis = None
     if args.redis:
-        from cxlalloc.kvstore.redis_tier import RedisTier
+        from cxlalloc.kvstore.tiers.redis import RedisTier
 
         redis = RedisTier(args.redis, prefix=args.redis_prefix, ttl=args.redis_ttl,
                           queue_bytes=parse_size(args.redis_queue, "--redis-queue"), timeout=args.redis_timeout,
@@ -408,7 +408,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc kv-server") -> 
         return 1
     exporter = None
     if args.metrics_port is not None or args.metrics_file:
-        from cxlalloc.kvstore.metrics import MetricsExporter
+        from cxlalloc.kvstore.server.metrics import MetricsExporter
 
         try:
             exporter = MetricsExporter(server.stats, port=args.metrics_port, addr=args.metrics_addr,

@@ -18,11 +18,11 @@ block states and the crash rules.
 
 :class:`KVServer` is the façade of three parts, each readable alone:
 
-* :mod:`~cxlalloc.kvstore.server_state`: the pool, the index and the owners
+* :mod:`~cxlalloc.kvstore.server.state`: the pool, the index and the owners
   of leases and reservations, as plain methods taking a client id (no socket);
-* :mod:`~cxlalloc.kvstore.server_transport`: bind, socket permissions,
+* :mod:`~cxlalloc.kvstore.server.transport`: bind, socket permissions,
   framing, accept, dispatch of each op to the state;
-* :mod:`~cxlalloc.kvstore.server_jobs`: placement verification, rate
+* :mod:`~cxlalloc.kvstore.server.jobs`: placement verification, rate
   sampling, the Redis tier's read-through and write-back.
 
 Crash rules: a connection owns its leases (pinned blocks) and reservations
@@ -41,11 +41,12 @@ from typing import Dict, List, Optional, Sequence
 
 from cxlalloc.config import format_bytes
 from cxlalloc.kvstore import protocol as P
-from cxlalloc.kvstore.server_jobs import REDIS_MODES, PlacementVerifier, RateSampler, RedisLink
-from cxlalloc.kvstore.server_state import MAX_LEASES_PER_CLIENT, ServerState, log
-from cxlalloc.kvstore.server_transport import (DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_IO_TIMEOUT_S,
+from cxlalloc.kvstore.server.jobs import REDIS_MODES, PlacementVerifier, RateSampler, RedisLink
+from cxlalloc.kvstore.server.state import MAX_LEASES_PER_CLIENT, ServerState, log
+from cxlalloc.kvstore.server.transport import (DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_IO_TIMEOUT_S,
                                                DEFAULT_MAX_BUFFERED, DEFAULT_MAX_FRAME, DEFAULT_MAX_OBJECTS,
                                                DEFAULT_SOCKET_MODE, Transport, resolve_group)
+from cxlalloc.policy import redis_write_back as write_back
 
 __all__ = ["KVServer", "DEFAULT_CHUNK", "MAX_CHUNK", "REDIS_MODES", "MAX_LEASES_PER_CLIENT", "resolve_group", "log"]
 
@@ -64,7 +65,7 @@ class KVServer:
         socket_mode: permission bits of the socket file (who may attach).
         group: group (name or gid) of the socket file.
         quotas: ``{namespace: bytes}``; ``default_quota``: bytes for any other namespace.
-        redis: a :class:`~cxlalloc.kvstore.redis_tier.RedisTier` below the pool, or None.
+        redis: a :class:`~cxlalloc.kvstore.tiers.redis.RedisTier` below the pool, or None.
         redis_mode: ``"evict"`` (blocks go to Redis when evicted) or ``"through"``
             (also when committed: other machines see them at once).
         strict_placement: drop a committed block whose pages are not on ``node``.
@@ -73,7 +74,7 @@ class KVServer:
         node_reason: why this node (shown by --status).
         io_timeout: seconds a reply may take to be sent.
         max_frame, max_buffered, frame_timeout, max_objects, backlog: the
-            transport's bounds (:class:`~cxlalloc.kvstore.server_transport.Transport`).
+            transport's bounds (:class:`~cxlalloc.kvstore.server.transport.Transport`).
         max_reserve_bytes: slot bytes one client may hold unpublished (default the whole pool).
 
     Raises:
@@ -97,9 +98,7 @@ class KVServer:
             raise ValueError(f"cxlalloc option '--size': {format_bytes(size)} is below one chunk "
                              f"({format_bytes(chunk_bytes)}, --chunk); use --size of at least "
                              f"{format_bytes(chunk_bytes)} or a smaller --chunk")
-        if redis_mode not in REDIS_MODES:
-            raise ValueError(f"cxlalloc option '--redis-mode': {redis_mode!r} is not allowed; allowed: "
-                             f"{', '.join(REDIS_MODES)}")
+        write_back.check_mode(redis_mode)
         self.size = int(size)
         self.node = int(node)
         self.node_reason = node_reason

@@ -136,7 +136,7 @@ def same_bytes(mo, want) -> bool:
 
 
 def main(argv) -> int:
-    """``python -m tests.kvstore.lmc put CONFIG FIRST N``: another process's LMCache puts
+    """``python -m tests.kvstore.engines.lmc put CONFIG FIRST N``: another process's LMCache puts
     chunks FIRST..FIRST+N-1 (contents from their seed) through the plugin, then exits."""
     op, cfg, first, n = argv[0], argv[1], int(argv[2]), int(argv[3])
     import_lmcache()

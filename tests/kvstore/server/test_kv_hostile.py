@@ -213,7 +213,7 @@ def test_a_one_byte_reserve_is_answered_at_once_with_one_page(server_proc):
     (["--frame-timeout", "0"], "--frame-timeout"), (["--max-objects", "1"], "--max-objects"),
     (["--backlog", "0"], "--backlog"), (["--max-reserve", "0"], "--max-reserve")])
 def test_each_limit_is_an_option_and_a_bad_value_names_it(argv, message, capsys):
-    from cxlalloc.kvstore.server_cli import main
+    from cxlalloc.kvstore.server.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["--size", "64MiB", "--chunk", "4MiB", "--socket", "/tmp/kvt-never.sock", *argv])

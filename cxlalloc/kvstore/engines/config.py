@@ -4,7 +4,7 @@ Light on purpose (no torch, no lmcache import): ``cxlalloc info`` prints these
 lines for the machine it runs on, and docs/engines.md shows the same ones.
 
 * :func:`lmcache_yaml`: an LMCache config using the ``cxlalloc://`` plugin
-  (:mod:`cxlalloc.kvstore.lmcache_plugin`); vLLM, SGLang and Dynamo read it
+  (:mod:`cxlalloc.kvstore.engines.lmcache_plugin`); vLLM, SGLang and Dynamo read it
   through ``LMCACHE_CONFIG_FILE``.
 * :func:`vllm_kv_transfer_config`: vLLM's ``--kv-transfer-config`` for
   LMCache's connector (``LMCacheConnectorV1``).
@@ -23,7 +23,7 @@ from typing import List, Optional
 
 from cxlalloc.kvstore.protocol import DEFAULT_SOCKET
 
-PLUGIN_MODULE = "cxlalloc.kvstore.lmcache_plugin"
+PLUGIN_MODULE = "cxlalloc.kvstore.engines.lmcache_plugin"
 PLUGIN_CLASS = "CxlallocConnectorAdapter"
 
 

@@ -6,13 +6,13 @@
   is published (counted, warned once), so a commit never waits for it.
 * :class:`RateSampler`: a sample of the monotonic counters every second, for
   the per-second rates of ``--status`` and the metrics (a 10 s window).
-* :class:`RedisLink`: the pool's side of a :class:`~cxlalloc.kvstore.redis_tier.RedisTier`
+* :class:`RedisLink`: the pool's side of a :class:`~cxlalloc.kvstore.tiers.redis.RedisTier`
   (``--redis``): evicted blocks written back (``--redis-mode evict``) or every
   committed block written through (``through``), and blocks the pool misses
   read through into it.  It is handed the tier object; it never imports the
   Redis module, so a pool hit never touches it.
 
-Each job works on a :class:`~cxlalloc.kvstore.server_state.ServerState`
+Each job works on a :class:`~cxlalloc.kvstore.server.state.ServerState`
 (its lock, index, counters and the pool's bytes).
 """
 
@@ -27,12 +27,14 @@ from typing import List
 
 from cxlalloc.config import format_bytes
 from cxlalloc.kvstore.index import Entry
-from cxlalloc.kvstore.server_state import ServerState, log
+from cxlalloc.kvstore.server.state import ServerState, log
+from cxlalloc.kvstore.tiers import Tier
+from cxlalloc.policy import redis_write_back as write_back
 
 RATE_WINDOW_S = 10.0
 VERIFY_QUEUE = 65536             # blocks waiting for their placement check
 VERIFY_EVERY_S = 0.2             # the background checker's batch interval (a block is checked within ~0.2-0.4 s)
-REDIS_MODES = ("evict", "through")
+REDIS_MODES = write_back.MODES  # --redis-mode
 
 _MADV_POPULATE_READ = 22  # linux/mman.h, Linux 5.14+
 
@@ -221,13 +223,15 @@ class RedisLink:
 
     Args:
         state: the pool.
-        redis: a :class:`~cxlalloc.kvstore.redis_tier.RedisTier` (``put_ns``,
+        redis: the tier below the pool, a :class:`~cxlalloc.kvstore.tiers.Tier`
+            (a :class:`~cxlalloc.kvstore.tiers.redis.RedisTier` today; ``put_ns``,
             ``get_many_ns``, ``down``, ``stats``).
-        mode: ``"evict"`` (written when evicted) or ``"through"`` (when committed).
+        mode: ``"evict"`` (written when evicted) or ``"through"`` (when committed);
+            the decision is :mod:`cxlalloc.policy.redis_write_back`.
         placement: which blocks read from Redis to publish (the state's ``placement``).
     """
 
-    def __init__(self, state: ServerState, redis, mode: str, placement):
+    def __init__(self, state: ServerState, redis: Tier, mode: str, placement):
         self.state, self.redis, self.mode, self.placement = state, redis, mode, placement
 
     def down(self) -> bool:
@@ -241,14 +245,14 @@ class RedisLink:
     def evicted(self, e: Entry) -> None:
         # Under the state's lock, before the slot is reused: copy the bytes
         # out; the tier sends them from its own thread.
-        if self.mode == "through":
+        if not write_back.write_on_evict(self.mode):
             return  # written when committed
         if self.redis.put_ns(e.key, self.state.block_bytes(e).tobytes()):
             self.state.c["redis_put_blocks"] += 1
 
     def write_through(self, entries: List[Entry]) -> int:
         """Send committed blocks (``through`` mode); returns how many were queued."""
-        if self.mode != "through":
+        if not write_back.write_on_commit(self.mode):
             return 0
         sent = 0
         for e in entries:  # still WRITING and owned by the committer: nobody else touches the slot

@@ -13,12 +13,12 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
 from tests.kvstore.kvutil import ROOT, subprocess_env
-from tests.kvstore.lmc import CHUNK_TOKENS, LMCACHE_VERSION, Engine, config_yaml, import_lmcache, lmcache_site, same_bytes
+from tests.helpers.wait import wait_until
+from tests.kvstore.engines.lmc import CHUNK_TOKENS, LMCACHE_VERSION, Engine, config_yaml, import_lmcache, lmcache_site, same_bytes
 
 MiB = 1 << 20
 
@@ -49,25 +49,16 @@ def _url(srv_or_proc, opts="timeout=2"):
         ("?" + opts if opts else "")
 
 
-def _wait(pred, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
-
-
 def _put(eng, keys, objs):
     """LMCache's put path (batched_submit_put_task), waited for (its per-key completion callback)."""
     done = []
     eng.remote.batched_submit_put_task(keys, objs, on_complete_callback=done.append)
-    assert _wait(lambda: len(done) == len(keys)), "put tasks did not finish"
+    assert wait_until(lambda: len(done) == len(keys), timeout=20), "put tasks did not finish"
 
 
 # ----------------------------------------------------------------- discovery, round trips
 def test_lmcache_discovers_the_plugin_from_its_config(engine, kv_server, lmcache):
-    from cxlalloc.kvstore.lmcache_plugin import CxlallocConnector
+    from cxlalloc.kvstore.engines.lmcache_plugin import CxlallocConnector
 
     assert lmcache.__version__ == LMCACHE_VERSION  # the pin of scripts/install_lmcache.sh
     srv = kv_server()
@@ -76,6 +67,35 @@ def test_lmcache_discovers_the_plugin_from_its_config(engine, kv_server, lmcache
     assert isinstance(eng.connector, CxlallocConnector)
     assert eng.connector.store.connected()
     assert eng.connector.store.stats()["pool_id"] == srv.pool_id
+
+
+def test_a_config_naming_the_old_module_path_still_loads_the_plugin(kv_server, lmcache, sockdir):
+    """LMCache YAML written before the plugin moved to cxlalloc/kvstore/engines/ names
+    ``cxlalloc.kvstore.lmcache_plugin``: the alias module gives LMCache the same plugin."""
+    import importlib
+
+    from cxlalloc.kvstore.engines import PLUGIN_MODULE
+    from cxlalloc.kvstore.engines import lmcache_plugin as moved
+
+    assert PLUGIN_MODULE == "cxlalloc.kvstore.engines.lmcache_plugin"
+    assert importlib.import_module("cxlalloc.kvstore.lmcache_plugin") is moved
+    srv = kv_server()
+    path = config_yaml(os.path.join(sockdir, "old.yaml"), _url(srv))
+    text = open(path).read()
+    assert f"module_path: {PLUGIN_MODULE}" in text
+    with open(path, "w") as f:
+        f.write(text.replace(PLUGIN_MODULE, "cxlalloc.kvstore.lmcache_plugin"))
+    eng = Engine(path)
+    try:
+        assert isinstance(eng.connector, moved.CxlallocConnector)
+        k, mo = eng.key(0), eng.chunk(0)
+        eng.remote.submit_put_task(k, mo).result(10)
+        got = eng.remote.get_blocking(k)
+        assert same_bytes(got, mo)
+        got.ref_count_down()
+        mo.ref_count_down()
+    finally:
+        eng.close()
 
 
 def test_put_get_exists_list_round_trip_byte_identical(engine, kv_server):
@@ -125,7 +145,7 @@ def test_batched_contains_stops_at_the_first_miss(engine, kv_server):
 
 
 def test_namespaces_separate_models_and_tenants(engine, kv_server):
-    from cxlalloc.kvstore.lmcache_plugin import namespace_of, server_key
+    from cxlalloc.kvstore.engines.lmcache_plugin import namespace_of, server_key
 
     srv = kv_server()
     a = engine(_url(srv, "namespace=tenant-a"))
@@ -142,7 +162,7 @@ def test_namespaces_separate_models_and_tenants(engine, kv_server):
 
 
 def test_bad_urls_name_the_option(lmcache):
-    from cxlalloc.kvstore.lmcache_plugin import parse_url
+    from cxlalloc.kvstore.engines.lmcache_plugin import parse_url
 
     assert parse_url("cxlalloc:///tmp/kv.sock?timeout=3&namespace=t1") == ("/tmp/kv.sock", 3.0, "t1")
     for url, word in [("unix:///tmp/kv.sock", "cxlalloc:///run/cxlalloc/kv.sock"),
@@ -160,7 +180,7 @@ def test_the_connector_keeps_lmcaches_connector_contract(lmcache):
     InstrumentedRemoteConnector forwards), and every batched form it offers is announced."""
     from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-    from cxlalloc.kvstore.lmcache_plugin import CxlallocConnector
+    from cxlalloc.kvstore.engines.lmcache_plugin import CxlallocConnector
 
     abstract = {n for n, f in inspect.getmembers(RemoteConnector, inspect.isfunction)
                 if getattr(f, "__isabstractmethod__", False)}
@@ -186,7 +206,7 @@ def test_a_chunk_put_by_one_processes_lmcache_is_found_by_anothers(engine, serve
     cfg = config_yaml(os.path.join(sockdir, "child.yaml"), url)
     env = subprocess_env()
     env["CXLALLOC_LMCACHE_SITE"] = lmcache_site()
-    out = subprocess.run([sys.executable, "-m", "tests.kvstore.lmc", "put", cfg, "100", "3"], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "-m", "tests.kvstore.engines.lmc", "put", cfg, "100", "3"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "stored 3" in out.stdout
@@ -200,7 +220,7 @@ def test_a_chunk_put_by_one_processes_lmcache_is_found_by_anothers(engine, serve
 
 
 def test_chunks_evicted_to_redis_are_read_back_byte_identical(engine, kv_server, redis_server):
-    from cxlalloc.kvstore.redis_tier import RedisTier
+    from cxlalloc.kvstore.tiers.redis import RedisTier
 
     rs = redis_server()
     srv = kv_server(size=2 * MiB, chunk=1 * MiB, redis=RedisTier(rs.url))  # 32 KiB chunks: ~60 fit
@@ -248,14 +268,14 @@ def test_server_killed_under_load_is_a_miss_then_recovers(engine, server_proc):
 
     t = threading.Thread(target=load, daemon=True)
     t.start()
-    assert _wait(lambda: rounds[0] >= 20)
+    assert wait_until(lambda: rounds[0] >= 20, timeout=20)
     sp.kill()                                            # SIGKILL mid-load
     r0 = rounds[0]
-    assert _wait(lambda: rounds[0] >= r0 + 10)           # the load goes on: misses, not exceptions
+    assert wait_until(lambda: rounds[0] >= r0 + 10, timeout=20)           # the load goes on: misses, not exceptions
     assert not eng.remote.contains(eng.key(10_000))      # the old pool is gone: a miss
     sp.start()                                           # restarted on the same socket, a new pool
     k, mo = eng.key(20_000), eng.chunk(20_000)
-    assert _wait(lambda: (eng.remote.submit_put_task(k, mo).result(10), eng.remote.contains(k))[1], 30)
+    assert wait_until(lambda: (eng.remote.submit_put_task(k, mo).result(10), eng.remote.contains(k))[1], 30)
     stop.set()
     t.join(30)
     assert errors == []
@@ -268,7 +288,7 @@ def test_server_killed_under_load_is_a_miss_then_recovers(engine, server_proc):
 
 
 def test_a_full_pool_or_an_oversized_chunk_is_a_miss(engine, kv_server):
-    from cxlalloc.kvstore.lmcache_plugin import namespace_of, server_key
+    from cxlalloc.kvstore.engines.lmcache_plugin import namespace_of, server_key
 
     tiny = kv_server(size=32 * 1024, chunk=32 * 1024, name="tiny.sock")  # 32 KiB slots: chunk + header is more
     eng = engine(_url(tiny))

@@ -11,8 +11,10 @@ import torch
 
 import cxlalloc.hf as hf
 from cxlalloc.kvstore.client import RemoteBlockStore
-from cxlalloc.kvstore.redis_tier import HEADER_BYTES, RedisTier, namespaced_key, redact_url
+from cxlalloc.kvstore.keys import namespaced_key
+from cxlalloc.kvstore.tiers.redis import HEADER_BYTES, RedisTier, redact_url
 from tests.kvstore.kvutil import generate, key, prompts, tiny_llama
+from tests.helpers.wait import wait_until
 
 MiB = 1 << 20
 BLOCK = 64 << 10
@@ -20,15 +22,6 @@ BLOCK = 64 << 10
 
 def _data(i, n=BLOCK):
     return bytes([i % 251]) * n
-
-
-def _eventually(fn, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if fn():
-            return True
-        time.sleep(0.02)
-    return bool(fn())
 
 
 def test_put_get_prefix_ttl_and_namespaces(redis_server):
@@ -105,7 +98,7 @@ def test_redis_down_never_blocks_or_raises_and_a_restart_delivers_the_queue(redi
     st = t.stats()
     assert st["up"] is False and st["get_errors"] + st["put_errors"] >= 1 and st["skipped_down"] >= 1
     redis_server(port=rs.port)  # restarted (empty: --save "")
-    assert _eventually(lambda: t.stats()["put_blocks"] >= 21, timeout=20)  # what was queued arrived
+    assert wait_until(lambda: t.stats()["put_blocks"] >= 21, timeout=20)  # what was queued arrived
     assert t.get_many([key(i) for i in range(1, 21)]) == [_data(i) for i in range(1, 21)]
     assert t.stats()["reconnects"] >= 1
     t.close()
@@ -249,7 +242,7 @@ def test_in_process_store_with_redis_below_identical_tokens(redis_server):
     _, r = generate(a, prompts(seed=99)[0])
     lower = r["store"]["lower"]
     assert r["store"]["evicted_blocks"] >= 4 and lower["queued_blocks"] >= 4
-    assert _eventually(lambda: hf.stats(a)["hf"]["reuse"]["store"]["lower"]["put_blocks"] >= 4)
+    assert wait_until(lambda: hf.stats(a)["hf"]["reuse"]["store"]["lower"]["put_blocks"] >= 4, timeout=10)
     b = tiny_llama()  # another store (another process, in real life), the same Redis
     hf.wrap(b, device_limit="256MiB", host_limit="512MiB", kv_store=rs.url, kv_store_limit="28KiB", block_tokens=8)
     out, r = generate(b, p2)
@@ -279,7 +272,7 @@ def test_kv_server_process_with_redis_write_through_survives_kill_9(redis_server
             kv_conversation_limit=0)
     generate(m, p1)
     r = rs.client()
-    assert _eventually(lambda: len(r.keys("cxlalloc:kv:*")) >= 9)
+    assert wait_until(lambda: len(r.keys("cxlalloc:kv:*")) >= 9, timeout=10)
     sp.kill()
     sp.start()  # empty pool; Redis has the blocks
     deadline = time.monotonic() + 15
@@ -326,7 +319,7 @@ def test_a_redis_not_configured_as_a_cache_is_warned_about_once(redis_server, ca
 def test_up_down_changes_are_logged_at_most_once_per_window_with_a_count(redis_server, caplog, monkeypatch):
     import logging
 
-    import cxlalloc.kvstore.redis_tier as rt
+    import cxlalloc.kvstore.tiers.redis as rt
 
     caplog.set_level(logging.WARNING, logger="cxlalloc.kvstore")
     monkeypatch.setattr(rt, "STATE_LOG_EVERY_S", 0.5)

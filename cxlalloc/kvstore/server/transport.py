@@ -5,7 +5,7 @@
 refused), accepts connections (peer credentials via ``SO_PEERCRED``; the
 state admits or refuses them), reads length-prefixed msgpack frames
 (:mod:`cxlalloc.kvstore.protocol`) and hands each request to one method of the
-:class:`~cxlalloc.kvstore.server_state.ServerState`.  When a connection closes
+:class:`~cxlalloc.kvstore.server.state.ServerState`.  When a connection closes
 for any reason its owner is dropped from the state (its pins dropped, its
 reservations aborted).
 
@@ -43,7 +43,7 @@ import traceback
 from typing import Callable, Dict, List, Optional
 
 from cxlalloc.kvstore import protocol as P
-from cxlalloc.kvstore.server_state import Owner, ServerState, log
+from cxlalloc.kvstore.server.state import Owner, ServerState, log
 
 DEFAULT_SOCKET_MODE = 0o660
 DEFAULT_IO_TIMEOUT_S = 10.0
@@ -360,10 +360,10 @@ class Transport:
                 return self._hello(owner, msg)
             if not owner.hello:
                 raise P.RemoteError("bad_request", "the first message must be 'hello'")
-            fn = getattr(self, f"_op_{op}", None) if op in P.OPS else None
+            fn = self.OPS.get(op) if isinstance(op, str) else None
             if fn is None:
                 raise P.RemoteError("unknown_op", f"unknown op {op!r}; known: {', '.join(P.OPS)}")
-            out = fn(owner.id, msg)
+            out = fn(self, owner.id, msg)
             out["ok"] = True
             return out, None
         except P.RemoteError as e:
@@ -411,6 +411,10 @@ class Transport:
     def _op_abort(self, cid: int, msg: dict):
         self.state.abort(cid, P.check_int(msg, "res", 1))
         return {}
+
+    # Every op of the protocol but "hello" (answered before any other): name -> method.
+    OPS = {"lookup": _op_lookup, "release": _op_release, "reserve": _op_reserve, "commit": _op_commit,
+           "abort": _op_abort, "stats": _op_stats, "ping": _op_ping, "discard": _op_discard}
 
     # ------------------------------------------------------------ stop
     def stop(self) -> None:

@@ -3,9 +3,9 @@
 :class:`ServerState` is everything a kv-server knows, as plain methods that
 take a client id (``lookup``, ``reserve``, ``commit``, ``abort``,
 ``release``, ``drop``); it has no socket, so it is driven alone in
-``tests/kvstore/test_server_state.py``.  The transport
-(:mod:`cxlalloc.kvstore.server_transport`) decodes a request and calls one of
-them; the background jobs (:mod:`cxlalloc.kvstore.server_jobs`) plug in as
+``tests/kvstore/server/test_server_state.py``.  The transport
+(:mod:`cxlalloc.kvstore.server.transport`) decodes a request and calls one of
+them; the background jobs (:mod:`cxlalloc.kvstore.server.jobs`) plug in as
 ``placement`` (which committed blocks to publish) and ``tier`` (Redis
 read-through and write-back).
 

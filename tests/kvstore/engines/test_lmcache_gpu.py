@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.kvstore.lmc import Engine, config_yaml, import_lmcache
+from tests.kvstore.engines.lmc import Engine, config_yaml, import_lmcache
 
 torch = pytest.importorskip("torch")
 

@@ -42,165 +42,30 @@ store the deployment already runs (docs/sources.md#kv-reuse).
 from __future__ import annotations
 
 import collections
-import hashlib
-import hmac
 import logging
-import os
-import struct
 import threading
 import time
-import zlib
 from typing import Dict, List, Optional, Sequence
-from urllib.parse import unquote, urlsplit, urlunsplit
 
-from cxlalloc.kvstore.keys import REDIS_PREFIX, namespaced_key, redis_key
+from cxlalloc.kvstore.keys import REDIS_PREFIX, redis_key
+from cxlalloc.kvstore.tiers import Tier
+from cxlalloc.kvstore.tiers.redis_format import (_HEADER, HEADER_BYTES, _length, cache_config_warnings,  # noqa: F401
+                                                  check_url, pack_value, read_key_file, redact_url, split_url_options, unpack_value,
+                                                  value_problem)
 
 log = logging.getLogger("cxlalloc.kvstore.redis")
 
 DEFAULT_PREFIX = REDIS_PREFIX
 DEFAULT_QUEUE_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 2.0
-_MAGIC = b"CXKV"
-_VERSION = 1
-_HEADER = struct.Struct("!4sHH32sQI")  # magic, version, flags, namespaced key, nbytes, crc32
-HEADER_BYTES = _HEADER.size
-FLAG_MAC = 1  # a MAC_BYTES keyed BLAKE2b of header + bytes follows the bytes
-MAC_BYTES = 32
-MIN_KEY_BYTES = 16
 _BACKOFF_MIN_S = 0.25
 _BACKOFF_MAX_S = 10.0
 _INFO_EVERY_S = 5.0
 STATE_LOG_EVERY_S = 30.0  # at most one up/down line per this many seconds; the others are counted in the next
 
 
-def _mac(mac_key: bytes, header: bytes, data) -> bytes:
-    h = hashlib.blake2b(key=mac_key, digest_size=MAC_BYTES, person=b"cxlalloc-kv-mac")
-    h.update(header)
-    h.update(data)
-    return h.digest()
-
-
-def pack_value(nskey: bytes, data, mac_key: Optional[bytes] = None) -> bytes:
-    """The Redis value of block ``nskey``: header, bytes, and with ``mac_key`` a MAC."""
-    data = bytes(data)
-    header = _HEADER.pack(_MAGIC, _VERSION, FLAG_MAC if mac_key else 0, nskey, len(data), zlib.crc32(data))
-    return header + data + (_mac(mac_key, header, data) if mac_key else b"")
-
-
-def unpack_value(nskey: bytes, value: Optional[bytes], mac_key: Optional[bytes] = None) -> Optional[bytes]:
-    """The block bytes of a stored value, or None when it is not a whole,
-    intact value of this key, or (with ``mac_key``) has no valid MAC under
-    that key (raises nothing; :func:`value_problem` says which)."""
-    return None if value_problem(nskey, value, mac_key) else value[HEADER_BYTES:HEADER_BYTES + _length(value)]
-
-
-def _length(value: bytes) -> int:
-    return _HEADER.unpack_from(value)[4]
-
-
-def value_problem(nskey: bytes, value: Optional[bytes], mac_key: Optional[bytes] = None) -> Optional[str]:
-    """None for a sound value of ``nskey``; else ``"missing"``, ``"bad"``
-    (truncated, foreign, another key's, CRC wrong) or ``"forged"`` (a key is
-    set and the MAC is absent or wrong)."""
-    if value is None:
-        return "missing"
-    if len(value) < HEADER_BYTES:
-        return "bad"
-    magic, version, flags, key, n, crc = _HEADER.unpack_from(value)
-    tail = MAC_BYTES if flags & FLAG_MAC else 0
-    if magic != _MAGIC or version != _VERSION or key != nskey or len(value) - HEADER_BYTES - tail != n:
-        return "bad"
-    data = memoryview(value)[HEADER_BYTES:HEADER_BYTES + n]
-    if zlib.crc32(data) != crc:
-        return "bad"
-    if mac_key is not None:
-        if not tail or not hmac.compare_digest(_mac(mac_key, value[:HEADER_BYTES], data), value[HEADER_BYTES + n:]):
-            return "forged"
-    return None
-
-
-def read_key_file(path: str, option: str = "--redis-key-file") -> bytes:
-    """The MAC key in ``path`` (its bytes, a trailing newline dropped).
-
-    Raises:
-        ValueError: naming ``option``: the file cannot be read, is readable or
-            writable by group or others (allowed: mode 0600 or 0400), or holds
-            fewer than 16 bytes.
-    """
-    try:
-        st = os.stat(path)
-        with open(path, "rb") as f:
-            key = f.read().rstrip(b"\r\n")
-    except OSError as e:
-        raise ValueError(f"cxlalloc option '{option}': cannot read {path!r}: {e.strerror}") from None
-    if st.st_mode & 0o077:
-        raise ValueError(f"cxlalloc option '{option}': {path!r} has mode {st.st_mode & 0o777:04o}; a MAC key file "
-                         "must be readable by its owner only (chmod 600)")
-    if len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"cxlalloc option '{option}': {path!r} holds {len(key)} bytes; a MAC key needs at least "
-                         f"{MIN_KEY_BYTES} (e.g. head -c 32 /dev/urandom > {path})")
-    return key[:64]  # BLAKE2b takes keys of up to 64 bytes
-
-
-def redact_url(url: str) -> str:
-    """The URL with its password replaced by ``***`` (for logs and stats)."""
-    try:
-        u = urlsplit(url)
-    except ValueError:
-        return "<unparsable URL>"
-    if u.password is None:
-        return url
-    user = u.username or ""
-    host = u.hostname or ""
-    if u.port:
-        host = f"{host}:{u.port}"
-    return urlunsplit((u.scheme, f"{user}:***@{host}", u.path, u.query, u.fragment))
-
-
-def check_url(url, option: str = "--redis") -> str:
-    """Validate a ``redis://`` / ``rediss://`` URL.
-
-    Raises:
-        ValueError: naming ``option``, for another scheme, no host, or a bad port/db.
-    """
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://")):
-        raise ValueError(f"cxlalloc option '{option}': {url!r} is not a Redis URL; use 'redis://host:port/db' "
-                         "or 'rediss://host:port/db' (TLS), with 'user:password@' for AUTH")
-    try:
-        u = urlsplit(url)
-        _ = u.port
-    except ValueError as e:
-        raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r}: {e}") from None
-    if not u.hostname:
-        raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r} has no host; use 'redis://host:port/db'")
-    db = u.path.strip("/")
-    if db and not db.isdigit():
-        raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r}: the database must be a number "
-                         "('redis://host:port/0')")
-    return url
-
-
-OWN_URL_OPTIONS = ("prefix", "ttl", "queue", "redis_key_file")
-
-
-def split_url_options(url: str):
-    """(url without cxlalloc's own query options, {prefix, ttl, queue}); the
-    other query options (ssl_ca_certs=..., socket_timeout=...) stay for redis-py."""
-    u = urlsplit(url)
-    if not u.query:
-        return url, {}
-    keep, ours = [], {}
-    for part in u.query.split("&"):
-        k, _, v = part.partition("=")
-        if k in OWN_URL_OPTIONS:
-            ours[k] = unquote(v)
-        elif part:
-            keep.append(part)
-    return urlunsplit((u.scheme, u.netloc, u.path, "&".join(keep), u.fragment)), ours
-
-
-class RedisTier:
-    """Blocks in Redis/Valkey, written asynchronously, read with checks.
+class RedisTier(Tier):
+    """Blocks in Redis/Valkey, written asynchronously, read with checks (a :class:`~cxlalloc.kvstore.tiers.Tier`).
 
     Args:
         url: ``redis://[user:password@]host:port/db`` or ``rediss://...`` (TLS).
@@ -352,13 +217,7 @@ class RedisTier:
                        f"{type(e).__name__}: {e}); make sure it evicts as a cache (maxmemory and an allkeys-* "
                        "maxmemory-policy)")
         else:
-            policy = str(cfg.get("maxmemory-policy", "")).lower()
-            if policy == "noeviction":
-                out.append(f"cxlalloc kv: Redis {self.url} has maxmemory-policy noeviction: once full, every write of "
-                           "an evicted block fails; configure it as a cache (e.g. allkeys-lru)")
-            if str(cfg.get("maxmemory", "0")) in ("0", ""):
-                out.append(f"cxlalloc kv: Redis {self.url} has no maxmemory: it grows with every block until the "
-                           "machine runs out; set maxmemory (and an allkeys-* maxmemory-policy)")
+            out = cache_config_warnings(self.url, cfg)
         for line in out:
             log.warning("%s", line)
         self.config_warnings = out
@@ -373,10 +232,6 @@ class RedisTier:
         return time.monotonic() < self._down_until
 
     # ------------------------------------------------------------ writes
-    def put(self, key: bytes, ns: str, data) -> bool:
-        """Queue block ``key`` of namespace ``ns``; False when dropped (queue full or closed)."""
-        return self.put_ns(namespaced_key(ns, key), data)
-
     def put_ns(self, nskey: bytes, data) -> bool:
         """:meth:`put` by namespaced key.  ``data`` must not change after the
         call (pass bytes: the pool slot may be reused at once)."""
@@ -508,14 +363,10 @@ class RedisTier:
         return False
 
     # ------------------------------------------------------------ reads
-    def get_many(self, keys: Sequence[bytes], ns: str = "") -> List[Optional[bytes]]:
-        """The bytes of each of ``keys`` (block keys of one sequence, in order)
-        in namespace ``ns``; None from the first missing one on (a prefix is
-        all a caller can use).  Never raises."""
-        return self.get_many_ns([namespaced_key(ns, k) for k in keys])
-
     def get_many_ns(self, nskeys: Sequence[bytes]) -> List[Optional[bytes]]:
-        """:meth:`get_many` by namespaced keys."""
+        """The bytes of each of ``nskeys`` (namespaced block keys of one sequence,
+        in order); None from the first missing, bad or forged one on (a prefix
+        is all a caller can use).  Never raises."""
         out: List[Optional[bytes]] = [None] * len(nskeys)
         if not nskeys:
             return out

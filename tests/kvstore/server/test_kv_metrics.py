@@ -5,8 +5,8 @@ strings that do not change between scrapes, counters (rates left to
 import re
 import time
 
-from cxlalloc.kvstore.metrics import render
-from cxlalloc.kvstore.server_cli import query_status
+from cxlalloc.kvstore.server.metrics import render
+from cxlalloc.kvstore.server.cli import query_status
 from tests.kvstore.kvutil import RawClient, key
 
 MiB = 1 << 20

@@ -14,17 +14,13 @@ import torch
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.client import RemoteBlockStore
 from cxlalloc.kvstore.server import KVServer
-from cxlalloc.kvstore.server_cli import format_status, query_status
+from cxlalloc.kvstore.server.cli import format_status, query_status
+from tests.helpers.wait import wait_until
 from tests.kvstore.kvutil import RawClient, key
 
 MiB = 1 << 20
 BLOCK = 64 << 10
 
-
-def _wait_verified(srv, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while srv.verify_pending() and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 # ----------------------------------------------------------------- pool: size, laziness, placement
@@ -50,7 +46,7 @@ def test_placement_of_committed_blocks_is_verified_on_the_node(kv_server):
     for off in r["slots"]:
         m[off:off + BLOCK] = bytes([7]) * BLOCK
     assert c.call("commit", res=r["res"])["published"] == 3
-    _wait_verified(srv)
+    wait_until(lambda: not srv.verify_pending(), timeout=5.0, interval=0.01)
     st = srv.stats()["pool"]
     assert st["placement_verified_bytes"] == 3 * BLOCK, st
     assert st["placement_misplaced_bytes"] == 0
@@ -359,7 +355,7 @@ def test_remote_reservation_left_unwritten_is_aborted(kv_server, alloc):
 
 
 def test_status_text_and_metrics(kv_server, tmp_path):
-    from cxlalloc.kvstore.metrics import MetricsExporter, render
+    from cxlalloc.kvstore.server.metrics import MetricsExporter, render
 
     from tests.kvstore.kvutil import free_port
 
