@@ -136,7 +136,10 @@ def test_auth_and_redaction(redis_server):
     t.close()
     bad = RedisTier(f"redis://:wrong@127.0.0.1:{rs.port}/0")
     assert bad.get_many([key(1)]) == [None]  # an AUTH failure is a miss, counted
-    assert bad.stats()["get_errors"] == 1
+    s = bad.stats()
+    # counted as the read's own error, or (when the tier's background check met the refusal first, as on a
+    # loaded machine) as a read skipped while the tier is down
+    assert s["get_errors"] + s["skipped_down"] == 1, s
     bad.close(0.2)
     assert redact_url("redis://u:p@h:1/0") == "redis://u:***@h:1/0"
 
