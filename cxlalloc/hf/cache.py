@@ -190,6 +190,22 @@ class CxlCache(DynamicCache):
     def _cxl_layers(self):
         return [layer for layer in self.layers if isinstance(layer, CxlKVLayer)]
 
+    def kv_layers(self) -> List[CxlKVLayer]:
+        """The layers whose per-token K/V live in cxlalloc (:class:`CxlKVLayer`), in order."""
+        return self._cxl_layers()
+
+    def kv_places(self) -> Optional[List[Tuple[KVStorage, int]]]:
+        """``[(storage, slot)]`` of :meth:`kv_layers`, in order; None when there is
+        none or a layer has no storage yet (nothing written)."""
+        layers = self._cxl_layers()
+        if not layers or any(layer._store is None for layer in layers):
+            return None
+        return [(layer._store, layer._slot) for layer in layers]
+
+    def held_tokens(self) -> int:
+        """Tokens every :meth:`kv_layers` layer holds (the least; 0 when there is none)."""
+        return min((layer._len for layer in self._cxl_layers()), default=0)
+
     def _stores(self):
         out = []
         for layer in self._cxl_layers():

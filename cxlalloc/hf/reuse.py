@@ -69,8 +69,10 @@ from typing import Any, List, Optional
 import torch
 
 from cxlalloc.config import make_config, parse_env, parse_size
+from cxlalloc.hf import store_io
 from cxlalloc.hf.cache import CxlCache
 from cxlalloc.hf.layers import STOCK_KIND, CxlKVLayer
+from cxlalloc.hf.store_io import BlockReader, BlockWriter
 from cxlalloc.kvstore import keys as kvkeys
 from cxlalloc.kvstore.layout import BlockLayout, check_block_tokens
 from cxlalloc.kvstore.open import open_store
@@ -245,11 +247,6 @@ class _Call:
         self.record = CallRecord()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 class PrefixReuse:
     """The reuse state of one wrapped model: its store, fingerprint, layout and counters.
 
@@ -322,10 +319,10 @@ class PrefixReuse:
                 return
             slots = []
             for layer in kv:
-                g = layer._store.g
+                g = layer.storage.g
                 slots.append((g.heads, g.k_dim, g.v_dim))
-            self.layout = BlockLayout(self.block_tokens, kv[0]._store.g.dtype, tuple(slots))
-            self._dtypes = [layer._store.g.dtype for layer in kv]
+            self.layout = BlockLayout(self.block_tokens, kv[0].storage.g.dtype, tuple(slots))
+            self._dtypes = [layer.storage.g.dtype for layer in kv]
         finally:
             cache.release()
         self.store.check_block_bytes(self.layout.stored_bytes)
@@ -491,7 +488,7 @@ class PrefixReuse:
             return None
         kc = conv.cache
         try:
-            held = min(layer._len for layer in kc._cxl_layers())
+            held = kc.held_tokens()
             if held > hit:
                 kc.crop(hit - held)  # drop the tokens this prompt does not share
             if max_cache_len:
@@ -519,10 +516,9 @@ class PrefixReuse:
         seqs = output if torch.is_tensor(output) else getattr(output, "sequences", None)
         if seqs is None or seqs.shape[0] != 1 or getattr(output, "past_key_values", None) is cache:
             return
-        layers = cache._cxl_layers()
-        if not layers or any(layer._store is None for layer in layers):
+        if cache.kv_places() is None:
             return
-        held = min(layer._len for layer in layers)
+        held = cache.held_tokens()
         if held <= 0 or seqs.shape[1] < held:
             return
         kv = cache.kv_stats()
@@ -577,51 +573,35 @@ class PrefixReuse:
         return pads
 
     def _load(self, call: _Call, cache: CxlCache, ids: torch.Tensor, pads: List[int], expand: int) -> None:
+        """Look each prompt row up and load the hit (the cache length ``C``
+        every row can use) into ``cache`` (:class:`~cxlalloc.hf.store_io.BlockReader`)."""
         layout, bt, rec = self.layout, self.block_tokens, call.record
         call.fp = self.fingerprint()
         root = self.root(call.salt, call.fp)
-        ns = call.salt or ""
         L = int(ids.shape[1])
-        leases, hits, corrupt = [], [], []
-        try:
+        leases, hits = [], []
+        with BlockReader(self.store, call.salt or "", layout, self.opts.kv_store_verify, self.drop_corrupt) as rd:
             for r in range(ids.shape[0]):
-                tokens = ids[r, pads[r]:]
                 max_blocks = max(0, (L - 1 - pads[r]) // bt)
-                keys = kvkeys.chain_keys(root, tokens, bt, max_blocks=max_blocks)
-                lease = self.store.lookup(ns, keys)
+                lease, good = rd.lookup(kvkeys.chain_keys(root, ids[r, pads[r]:], bt, max_blocks=max_blocks))
                 leases.append(lease)
-                good = lease.blocks
-                for j, v in enumerate(lease.views):
-                    if v.numel() != layout.stored_bytes:
-                        raise ValueError(f"a stored block of {v.numel()} bytes, expected {layout.stored_bytes}")
-                    if self.opts.kv_store_verify and not layout.verify(v, keys[j]):
-                        # A bit flipped in the pool (another client's bug, a bad DIMM) or bytes under the
-                        # wrong key: use the blocks before it, drop it, recompute from there.
-                        good = j
-                        corrupt.append(keys[j])
-                        break
                 hits.append(good * bt)
             rec.row_hit_tokens = list(hits)
             C = min(min(p + h for p, h in zip(pads, hits)), L - 1)
             if C <= 0 or not any(min(h, C - p) > 0 for p, h in zip(pads, hits)):
                 return
-            t0 = time.perf_counter()
-            geoms = [(h, dk, dv, dt) for (h, dk, dv), dt in zip(layout.slots, self._dtypes)]
-            places = cache.open_prefix(geoms, ids.shape[0] * expand, C)
-            nbytes = self._copy_in(places, leases, pads, C, expand)
-            device = places[0][0].g.device
-            _sync(device)
-            dt = time.perf_counter() - t0
-        finally:
-            for lease in leases:
-                lease.close()
-            if corrupt:
-                self.drop_corrupt(ns, corrupt)
+
+            def copy_in():
+                geoms = [(h, dk, dv, dt) for (h, dk, dv), dt in zip(layout.slots, self._dtypes)]
+                places = cache.open_prefix(geoms, ids.shape[0] * expand, C)
+                return self._copy_in(places, leases, pads, C, expand), places[0][0].g.device
+
+            nbytes = rd.copy(copy_in)
         rec.hit_tokens = C
         rec.reused_tokens = sum(max(0, min(h, C - p)) for p, h in zip(pads, hits)) * expand
         rec.bytes_loaded = nbytes
-        rec.load_ms = dt * 1e3
-        self.store.record_load(nbytes, dt)
+        rec.load_ms = rd.seconds * 1e3
+        rd.record(nbytes)
 
     def drop_corrupt(self, ns: str, keys: List[bytes]) -> None:
         """Count blocks whose checksum failed and ask the store to drop them
@@ -633,12 +613,7 @@ class PrefixReuse:
             warnings.warn(f"cxlalloc.hf: kv_store: {len(keys)} stored block(s) failed their checksum on load; "
                           "they were dropped and recomputed (counted in reuse counters 'corrupt_blocks'; said "
                           "once)", KVReuseWarning, stacklevel=5)
-        discard = getattr(self.store, "discard", None)
-        if discard is not None:
-            try:
-                discard(ns, keys)
-            except Exception:  # dropping is best effort: the answer is already right
-                pass
+        store_io.discard(self.store, ns, keys)
 
     def _copy_in(self, places, leases, pads, C, expand) -> int:
         """Write the hit K/V into the cache's storage; returns bytes copied from the store."""
@@ -710,21 +685,20 @@ class PrefixReuse:
             self.last = rec
 
     def _store_call(self, call: _Call, output) -> None:
+        """Store the full blocks of each row's tokens (prompt and answer up to
+        its first EOS; the prompt only for beam search) that the cache holds
+        (:class:`~cxlalloc.hf.store_io.BlockWriter`)."""
         cache = call.cache
         seqs = output if torch.is_tensor(output) else getattr(output, "sequences", None)
-        if seqs is None or not cache._cxl_layers():
+        places = cache.kv_places()
+        if seqs is None or places is None:
             return
-        layers = cache._cxl_layers()
-        places = [(layer._store, layer._slot) for layer in layers]
-        if any(s is None for s, _ in places):
-            return
-        cache_len = min(layer._len for layer in layers)
+        cache_len = cache.held_tokens()
         batch = places[0][0].g.batch
         L = int(call.input_ids.shape[1])
         seqs = seqs.detach().to("cpu", torch.long)
-        layout, bt = self.layout, self.block_tokens
+        bt = self.block_tokens
         root = self.root(call.salt, call.fp)
-        ns = call.salt or ""
         # (cache row, that row's token ids, tokens of it to store)
         if call.beam:  # the prompt only: beams' cache rows are not the returned sequences
             ids = call.input_ids.detach().to("cpu", torch.long)
@@ -733,43 +707,25 @@ class PrefixReuse:
             rows = [(r, seqs[r], cache_len) for r in range(batch)]
         else:
             rows = []
-        t0 = time.perf_counter()
-        stored = nbytes = 0
+        writer = BlockWriter(self.store, call.salt or "", self.layout, bt)
         seen = set()
         for r, row_ids, end in rows:
             pad = call.pads[r // call.expand]
             tokens = row_ids[pad:end]
             if call.eos and tokens.numel() > L - pad:
-                gen = tokens[L - pad:]
-                hit = [i for i, t in enumerate(gen.tolist()) if t in call.eos]
+                hit = [i for i, t in enumerate(tokens[L - pad:].tolist()) if t in call.eos]
                 if hit:
                     tokens = tokens[:L - pad + hit[0] + 1]
-            keys = kvkeys.chain_keys(root, tokens, bt)
-            new = [(j, k) for j, k in enumerate(keys) if k not in seen]
+            new = [(j, k) for j, k in enumerate(kvkeys.chain_keys(root, tokens, bt)) if k not in seen]
             seen.update(k for _, k in new)
-            if not new:
-                continue
-            res = self.store.reserve(ns, [k for _, k in new], layout.stored_bytes, bt)
-            try:
-                written = []
-                for (j, k), view in zip(new, res.views):
-                    if view is None:
-                        continue
-                    self._copy_out(places, r, pad + j * bt, view)
-                    written.append((k, view))
-                    nbytes += layout.block_bytes
-                _sync(places[0][0].g.device)
-                for k, view in written:  # after the copies landed: the checksum covers the bytes readers get
-                    layout.seal(view, k)
-                stored += res.commit()
-            finally:
-                res.abort()
-        dt = time.perf_counter() - t0
-        call.record.stored_blocks = stored
-        call.record.bytes_stored = nbytes
+            if new:
+                writer.write([k for _, k in new],
+                             lambda i, view, r=r, new=new, pad=pad: self._copy_out(places, r, pad + new[i][0] * bt, view),
+                             places[0][0].g.device)
+        dt = writer.finish()
+        call.record.stored_blocks = writer.stored
+        call.record.bytes_stored = writer.nbytes
         call.record.store_ms = dt * 1e3
-        if nbytes:
-            self.store.record_store(nbytes, dt)
 
     def _copy_out(self, places, row: int, start: int, view: torch.Tensor) -> None:
         layout, bt = self.layout, self.block_tokens

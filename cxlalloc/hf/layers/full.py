@@ -85,6 +85,21 @@ class CxlKVLayer(DynamicLayer):
 
     # ------------------------------------------------------------ live views
     @property
+    def storage(self) -> Optional[KVStorage]:
+        """The :class:`~cxlalloc.hf.storage.KVStorage` holding this layer's K/V (None before the first token)."""
+        return self._store
+
+    @property
+    def slot(self) -> int:
+        """This layer's slot in :attr:`storage`."""
+        return self._slot
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens whose K/V this layer holds (its length, initialized or not)."""
+        return self._len
+
+    @property
     def keys(self) -> Optional[torch.Tensor]:
         """``(B, H_kv, L, Dk)`` view of the cached keys (None before the first update)."""
         if self._store is None or not self.is_initialized:

@@ -48,7 +48,8 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from cxlalloc.hf.pool import GRAD_ACROSS_FORWARDS, PICKLE_ERROR, KVPool, _shallow_copy
-from cxlalloc.hf.storage import Geometry, KVStorage, grown_capacity
+from cxlalloc.hf.storage import Geometry, KVStorage
+from cxlalloc.policy.kv_growth import grown_capacity
 
 # Rows a bounded extent holds beyond the window: (window - 1) // EXTRA_DIVISOR, at
 # least MIN_EXTRA_TOKENS.  Each compaction moves window - 1 rows once per extra rows
