@@ -166,4 +166,76 @@ class BlockWriter:
         return self.seconds
 
 
-__all__ = ["BlockReader", "BlockWriter", "discard", "sync"]
+# --------------------------------------------------------------------------- KV rows of a CxlCache <-> blocks
+def _batch1_contiguous(places) -> bool:
+    """One batch-1 storage whose slots are exactly ``places`` in order: a
+    block is then one contiguous run of storage rows (the stored format)."""
+    storage = places[0][0]
+    return (storage.g.batch == 1 and len({id(s) for s, _ in places}) == 1 and storage.n_slots == len(places)
+            and [slot for _, slot in places] == list(range(len(places))))
+
+
+def copy_rows_in(layout: BlockLayout, bt: int, places, leases, pads: List[int], C: int, expand: int) -> int:
+    """Write leased blocks into the token rows ``[0, C)`` of a cache's
+    :class:`~cxlalloc.hf.storage.KVStorage` slots.
+
+    Args:
+        layout: the stored block format; ``bt``: tokens per block.
+        places: ``[(storage, slot)]`` per cache layer, in layer order.
+        leases: one lease per prompt row (its blocks in order).
+        pads: each prompt row's left padding (those positions get zero K/V).
+        C: the cache length every row is filled to.
+        expand: cache rows per prompt row (beams / return sequences).
+
+    Returns the bytes copied from the store (non-blocking copies: sync the device after).
+    """
+    nbytes = 0
+    if len(leases) == 1 and expand == 1 and pads[0] == 0 and _batch1_contiguous(places):
+        storage = places[0][0]  # one contiguous copy per block: the block format is a batch-1 storage row
+        for j, view in enumerate(leases[0].views):
+            t0 = j * bt
+            if t0 >= C:
+                break
+            n = min(bt, C - t0)
+            storage.rows(t0, t0 + n).copy_(layout.rows(view)[:n], non_blocking=True)
+            nbytes += n * layout.row_bytes
+        return nbytes
+    for r, lease in enumerate(leases):
+        pad = pads[r]
+        real = max(0, C - pad)
+        for e in range(r * expand, (r + 1) * expand):
+            for storage, slot in places:
+                if pad:
+                    storage.key_view(slot, 0, min(pad, C))[e].zero_()
+                    storage.value_view(slot, 0, min(pad, C))[e].zero_()
+        for j, view in enumerate(lease.views):
+            t0 = j * bt
+            if t0 >= real:
+                break
+            n = min(bt, real - t0)
+            rows = layout.rows(view)[:n]
+            for s, (storage, slot) in enumerate(places):
+                k_src = layout.key_part(rows, s).permute(1, 0, 2)   # (H, n, Dk)
+                v_src = layout.value_part(rows, s).permute(1, 0, 2)
+                a, b = pad + t0, pad + t0 + n
+                for e in range(r * expand, (r + 1) * expand):
+                    storage.key_view(slot, a, b)[e].copy_(k_src, non_blocking=True)
+                    storage.value_view(slot, a, b)[e].copy_(v_src, non_blocking=True)
+            nbytes += n * layout.row_bytes
+    return nbytes
+
+
+def copy_rows_out(layout: BlockLayout, bt: int, places, row: int, start: int, view: torch.Tensor) -> None:
+    """Fill ``view`` (one block's bytes) with cache row ``row``'s K/V of tokens
+    ``[start, start + bt)`` of every ``(storage, slot)`` in ``places`` (non-blocking)."""
+    rows = layout.rows(view)
+    if _batch1_contiguous(places):
+        rows.copy_(places[0][0].rows(start, start + bt), non_blocking=True)
+        return
+    for s, (st, slot) in enumerate(places):
+        layout.key_part(rows, s).copy_(st.key_view(slot, start, start + bt)[row].permute(1, 0, 2), non_blocking=True)
+        layout.value_part(rows, s).copy_(st.value_view(slot, start, start + bt)[row].permute(1, 0, 2),
+                                         non_blocking=True)
+
+
+__all__ = ["BlockReader", "BlockWriter", "copy_rows_in", "copy_rows_out", "discard", "sync"]
