@@ -51,6 +51,7 @@ class CxlKVLayer(DynamicLayer):
 
     # Whether CxlCache gives this kind a slot in the pool's shared full-attention store.
     shares_full_store = True
+    _store: Optional[KVStorage] = None  # also before __init__ ran (transformers' constructor assigns keys = None)
 
     def __init__(self, pool: KVPool, share_slot: Optional[int] = None):
         self._pool = pool
@@ -125,7 +126,7 @@ class CxlKVLayer(DynamicLayer):
 
     def _assign(self, value) -> None:
         if value is None:  # transformers' constructors and resets assign None
-            if getattr(self, "_store", None) is not None:
+            if self._store is not None:
                 self._len = 0
             return
         raise AttributeError("cxlalloc.hf: CxlKVLayer.keys/values are views of cxlalloc storage; "
