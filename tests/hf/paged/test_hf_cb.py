@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 
-from tests.helpers.hf_util import MiB, tiny_llama, tiny_qwen2_sliding, torch
+from tests.helpers.hf_util import MiB, tiny_llama, tiny_qwen2_sliding, torch, wrap
 
 import cxlalloc.hf as hf
 from cxlalloc.hf.paged import ContinuousBatchingWarning, CxlPagedAttentionCache, plan_moves
@@ -38,7 +38,7 @@ def model():
 def wrapped(make=None, **kw):
     """A model wrapped under the tests' budget: 4 MiB of VRAM for KV, 64 MiB on the host tier."""
     kw.setdefault("host_limit", 64 * MiB)
-    return hf.wrap((make or model)(), device_limit=DEVICE_LIMIT, device_headroom=0, **kw)
+    return wrap((make or model)(), device_limit=DEVICE_LIMIT, device_headroom=0, **kw)
 
 
 def greedy(n):
