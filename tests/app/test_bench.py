@@ -13,6 +13,7 @@ import pytest
 from cxlalloc_apps.bench import decode, guard, meta, report, rightsizing
 from cxlalloc_apps.bench import plots as report_plots
 from cxlalloc_apps.bench.model import SHAPES, ceiling_tokens_per_s
+from tests.helpers.proc import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB = 1 << 30
@@ -21,15 +22,9 @@ STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", 
          "lmcache", "cb", "decode", "plan", "rightsizing", "report", "pack")
 
 
-def _env():
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("CXLALLOC", None)
-    return env
-
-
 def _bench(args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "cxlalloc", "bench", *args], cwd=ROOT, env=_env(),
+    env = child_env(hide_gpus=False, keep_cxlalloc=False, unbuffered=True)
+    return subprocess.run([sys.executable, "-m", "cxlalloc", "bench", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

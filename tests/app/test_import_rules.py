@@ -200,6 +200,26 @@ def test_lower_layers_never_import_higher_ones():
     assert violations(graph) == []
 
 
+def test_policy_is_pure():
+    """``cxlalloc/policy/`` imports the standard library and itself only (no
+    torch, no numpy, nothing of the project: CONTRIBUTING.md), anywhere in a module."""
+    import sys
+
+    mods = find_modules()
+    policy = {m: p for m, p in mods.items() if _under(m, ("cxlalloc.policy",))}
+    assert "cxlalloc.policy.cb_moves" in policy and "cxlalloc.policy.kv_growth" in policy
+    bad = []
+    for mod, path in sorted(policy.items()):
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and not _under(name, ("cxlalloc.policy",)):
+                    bad.append(f"{mod} imports {name}")
+    assert bad == []
+
+
 def test_no_import_circles():
     _, graph = import_graph()
     assert import_circles(graph) == []

@@ -1,4 +1,4 @@
-"""Continuous batching of a wrapped model on cxlalloc's tiers (cxlalloc/hf/paged.py).
+"""Continuous batching of a wrapped model on cxlalloc's tiers (cxlalloc/hf/paged/).
 
 transformers' own continuous batching (``generate_batch``, the manager of
 ``init_continuous_batching``) on an unwrapped copy of the same model is the
@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 
-from tests.helpers.hf_util import MiB, tiny_llama, tiny_qwen2_sliding, torch
+from tests.helpers.hf_util import MiB, tiny_llama, tiny_qwen2_sliding, torch, wrap
 
 import cxlalloc.hf as hf
 from cxlalloc.hf.paged import ContinuousBatchingWarning, CxlPagedAttentionCache, plan_moves
@@ -38,7 +38,7 @@ def model():
 def wrapped(make=None, **kw):
     """A model wrapped under the tests' budget: 4 MiB of VRAM for KV, 64 MiB on the host tier."""
     kw.setdefault("host_limit", 64 * MiB)
-    return hf.wrap((make or model)(), device_limit=DEVICE_LIMIT, device_headroom=0, **kw)
+    return wrap((make or model)(), device_limit=DEVICE_LIMIT, device_headroom=0, **kw)
 
 
 def greedy(n):
@@ -289,9 +289,9 @@ def test_unwrap_gives_back_transformers_paged_cache():
 def test_a_transformers_without_the_pieces_is_left_untiered_and_says_so_once(monkeypatch):
     """Where the paged cache cannot be replaced (another transformers), the
     path runs as transformers' own, says so once, and stats() says untiered."""
-    from cxlalloc.hf import paged
+    from cxlalloc.hf.paged import patching
 
-    monkeypatch.setattr(paged, "CB_GAP", "transformers X lacks the continuous-batching modules cxlalloc uses")
+    monkeypatch.setattr(patching, "CB_GAP", "transformers X lacks the continuous-batching modules cxlalloc uses")
     m = wrapped()
     assert cb_stats(m)["tiered"] is False
     ps = prompts(2, 20, 5)
