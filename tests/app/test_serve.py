@@ -305,7 +305,6 @@ def test_busy_port_and_bad_host_exit_2_before_loading():
         port = busy.getsockname()[1]
         for argv, needle in ((["--port", str(port)], f"127.0.0.1:{port} is in use"),
                              (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' cannot be resolved")):
-            t = time.time()
             r = subprocess.run([sys.executable, "-m", "cxlalloc", "serve", *argv], cwd=ROOT, env=env,
                                capture_output=True, text=True, timeout=60)
             assert r.returncode == 2, r.stderr
