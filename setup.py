@@ -214,7 +214,7 @@ setup(
         "lmcache": ["lmcache==0.5.6", "msgpack>=1.0"],
         "bench": ["matplotlib", "rich", "tqdm"],
         # cxlalloc serve: transformers' OpenAI-compatible server (transformers[serving] without accelerate's pin)
-        "serve": ["transformers>=5.24", "fastapi>=0.115", "uvicorn>=0.30", "openai>=1.98"],
+        "serve": ["transformers>=5.24", "fastapi>=0.115", "uvicorn>=0.30", "openai>=1.98", "prometheus_client>=0.17"],
         "test": ["pytest", "pytest-timeout", "msgpack>=1.0", "redis>=5.0", "prometheus_client>=0.17"],
         # building the torch adapter at run time (global mode)
         "torch": ["ninja"],

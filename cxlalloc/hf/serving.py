@@ -38,6 +38,7 @@ import threading
 from typing import Any, Dict, Iterator, List, Literal, Optional, Union
 
 STATS_ROUTE = "/v1/cxlalloc/stats"
+METRICS_ROUTE = "/metrics"
 
 
 def serving_modules():
@@ -309,6 +310,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
                 models = dict(served.models)
             return {name: _jsonable(hf.stats(m)) for name, m in models.items()}
 
+        _add_metrics(app, served, hf.stats)
         return app
 
     cb = {k: v for k, v in (cb_options or {}).items() if v is not None}
@@ -319,6 +321,41 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
                                host=host, port=port, log_level=log_level, default_seed=default_seed,
                                cb_block_size=cb.get("block_size"), cb_num_blocks=cb.get("num_blocks"),
                                cb_max_batch_tokens=cb.get("max_batch_tokens"), non_blocking=non_blocking)
+
+
+def _add_metrics(app, served: _Served, stats) -> None:
+    """``GET /metrics`` (:mod:`cxlalloc.hf.serving_metrics`) on ``app``; without
+    prometheus_client, said once on stderr and left out."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        import sys
+
+        print("cxlalloc serve: warning: prometheus_client is not installed; serving without /metrics "
+              "(pip install 'cxlalloc[serve]')", file=sys.stderr)
+        return
+    from fastapi.responses import Response
+
+    from cxlalloc.hf.serving_metrics import ServeMetrics
+
+    def models():
+        with served.lock:
+            return dict(served.models)
+
+    metrics = ServeMetrics(models, stats)
+
+    class MetricsMiddleware:
+        def __init__(self, inner):
+            self.inner = metrics.middleware(inner)
+
+        async def __call__(self, scope, receive, send):
+            await self.inner(scope, receive, send)
+
+    app.add_middleware(MetricsMiddleware)
+
+    @app.get(METRICS_ROUTE)
+    def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def _jsonable(x):

@@ -310,3 +310,56 @@ def test_busy_port_and_bad_host_exit_2_before_loading():
             assert r.returncode == 2, r.stderr
             assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
             assert r.stdout == ""  # refused before the first (SIMULATION/GPU) line and the load
+
+
+def _metrics(port):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _sample(m, name, **labels):
+    want = {k: str(v) for k, v in labels.items()}
+    return sum(v for (n, lab), v in m.items() if n == name and want.items() <= dict(lab).items())
+
+
+def test_prometheus_metrics_count_requests_tokens_ttft_and_the_tiers(served_default):
+    """``GET /metrics``: one streamed and one non-streamed chat move the request
+    counter by 2, the output tokens by what the answers carried, the TTFT
+    histogram by the streamed one; the KV and continuous batching figures are
+    those of /v1/cxlalloc/stats."""
+    pytest.importorskip("prometheus_client")
+    import openai
+
+    port = served_default[0]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+    chat = "/v1/chat/completions"
+    before = _metrics(port)
+    kw = dict(model=model, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=8, temperature=0)
+    r = client.chat.completions.create(**kw)
+    pieces = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices and c.choices[0].delta.content]
+    after = _metrics(port)
+    assert _sample(after, "cxlalloc_serve_requests_total", route=chat, status=200) - _sample(
+        before, "cxlalloc_serve_requests_total", route=chat, status=200) == 2
+    assert _sample(after, "cxlalloc_serve_output_tokens_total", route=chat) - _sample(
+        before, "cxlalloc_serve_output_tokens_total", route=chat) == r.usage.completion_tokens + len(pieces)
+    assert _sample(after, "cxlalloc_serve_prompt_tokens_total", route=chat) - _sample(
+        before, "cxlalloc_serve_prompt_tokens_total", route=chat) == r.usage.prompt_tokens
+    assert _sample(after, "cxlalloc_serve_ttft_seconds_count", route=chat) - _sample(
+        before, "cxlalloc_serve_ttft_seconds_count", route=chat) == 1
+    assert _sample(after, "cxlalloc_serve_request_seconds_count", route=chat) - _sample(
+        before, "cxlalloc_serve_request_seconds_count", route=chat) == 2
+    assert _sample(after, "cxlalloc_serve_requests_in_flight") == 0
+    st = next(iter(_get(f"http://127.0.0.1:{port}/v1/cxlalloc/stats").values()))
+    cb = st["hf"]["continuous_batching"]["counters"]
+    assert _sample(after, "cxlalloc_cb_scheduled_requests_total") == cb["scheduled_requests"] >= 2
+    assert _sample(after, "cxlalloc_limit_bytes", tier="device") == st["device"]["limit_bytes"] > 0
+    assert _sample(after, "cxlalloc_cb_kv_peak_bytes", tier="device") == cb["peak_kv_device_bytes"] > 0
