@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
 import socket
 import sys
 from typing import List, Optional
@@ -167,7 +168,11 @@ def parse_options(args, prog: str) -> dict:
 
 
 def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
-    """Entry point of ``cxlalloc serve``; blocks until the server exits."""
+    """Entry point of ``cxlalloc serve``; blocks until the server exits.
+
+    SIGTERM or SIGINT drains: uvicorn stops accepting connections, answers the
+    requests in flight, shuts transformers' generation down, and the command
+    returns 0."""
     args = make_parser(prog).parse_args(argv)
     port = _positive_int(prog, "--port", args.port, 1, 65535)
     if args.log_level.lower() not in LOG_LEVELS:
@@ -184,12 +189,21 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
 
     from cxlalloc.hf.serving import serve
 
+    stopped = []
+
+    def on_stop(signum, frame):  # uvicorn drains, then re-raises the signal it caught: end with status 0
+        stopped.append(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
     try:
         serve(model, host=args.host, port=port, continuous_batching=args.continuous_batching, wrap_options=opts,
               cb_options=cb, device=dev, log_level=args.log_level.lower(), default_seed=seed)
     except (RuntimeError, ValueError) as e:
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    if stopped:
+        print(f"{prog}: stopped by {stopped[0]} (requests in flight were answered first)", file=sys.stderr)
     return 0
 
 

@@ -317,10 +317,17 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
     with _swapped(model_manager, "ModelManager", TieredModelManager), _swapped(server, "build_server", build_server), \
             _swapped(chat_mod, "ChatCompletionHandler", CheckedChat), \
             _swapped(completion_mod, "CompletionHandler", CheckedCompletion):
-        return serve_mod.Serve(force_model=model, continuous_batching=continuous_batching, device=device,
-                               host=host, port=port, log_level=log_level, default_seed=default_seed,
-                               cb_block_size=cb.get("block_size"), cb_num_blocks=cb.get("num_blocks"),
-                               cb_max_batch_tokens=cb.get("max_batch_tokens"), non_blocking=non_blocking)
+        running = serve_mod.Serve(force_model=model, continuous_batching=continuous_batching, device=device,
+                                  host=host, port=port, log_level=log_level, default_seed=default_seed,
+                                  cb_block_size=cb.get("block_size"), cb_num_blocks=cb.get("num_blocks"),
+                                  cb_max_batch_tokens=cb.get("max_batch_tokens"), non_blocking=non_blocking)
+    if not non_blocking:
+        # uvicorn has drained and stopped; transformers' lifespan unloads the models but leaves the continuous
+        # batching worker thread running (only kill_server() stops it), which would keep the process alive
+        state = getattr(running, "_generation_state", None)
+        if state is not None:
+            state.shutdown()
+    return running
 
 
 def _add_metrics(app, served: _Served, stats) -> None:

@@ -363,3 +363,29 @@ def test_prometheus_metrics_count_requests_tokens_ttft_and_the_tiers(served_defa
     assert _sample(after, "cxlalloc_cb_scheduled_requests_total") == cb["scheduled_requests"] >= 2
     assert _sample(after, "cxlalloc_limit_bytes", tier="device") == st["device"]["limit_bytes"] > 0
     assert _sample(after, "cxlalloc_cb_kv_peak_bytes", tier="device") == cb["peak_kv_device_bytes"] > 0
+
+
+def test_sigterm_drains_the_request_in_flight_then_exits_0(served_default):
+    """SIGTERM while a streamed answer is being generated: that answer completes
+    (every chunk, a finish_reason), new connections are refused, the process
+    exits 0.  (Stops the module's default-model server: keep this test last.)"""
+    import openai
+
+    port, proc, path = served_default
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(model=model, stream=True, max_tokens=48, temperature=0, messages=[
+        {"role": "user", "content": "Write a long story about a lighthouse keeper."}])
+    chunks = iter(stream)
+    first = next(c for c in chunks if c.choices and c.choices[0].delta.content)
+    proc.send_signal(signal.SIGTERM)
+    rest = list(chunks)
+    text = first.choices[0].delta.content + "".join(c.choices[0].delta.content or "" for c in rest if c.choices)
+    assert [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason], rest[-3:]
+    assert len(text.split()) >= 10, text
+    assert proc.wait(timeout=60) == 0
+    with pytest.raises(OSError):
+        _get(f"http://127.0.0.1:{port}/health")
+    with open(path) as f:
+        log = f.read()
+    assert "Traceback" not in log, log[-3000:]
