@@ -60,6 +60,9 @@ def make_parser(prog: str = "cxlalloc serve") -> argparse.ArgumentParser:
     for key in CB_FLAGS:
         p.add_argument("--cb-" + key.replace("_", "-"), dest="cb_" + key, default=None, metavar="N",
                        help=f"continuous batching: {key} (positive integer; default: transformers')")
+    p.add_argument("--header-timeout", default="30", metavar="SECONDS",
+                   help="a connection that has not sent a whole request head in this time gets 408 and is closed "
+                   "(default 30)")
     p.add_argument("--seed", default=None, help="torch seed set at start (seeded sampling)")
     p.add_argument("--log-level", default="warning", help=f"one of {', '.join(LOG_LEVELS)} (default warning)")
     return p
@@ -182,6 +185,12 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
         fail(prog, f"--device {dev!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
     cb = {k: _positive_int(prog, "--cb-" + k.replace("_", "-"), getattr(args, "cb_" + k)) for k in CB_FLAGS}
     seed = _positive_int(prog, "--seed", args.seed, 0)
+    try:
+        header_timeout = float(args.header_timeout)
+    except ValueError:
+        header_timeout = -1.0
+    if not 0 < header_timeout <= 3600:
+        fail(prog, f"--header-timeout {args.header_timeout!r} is not allowed; allowed: seconds in (0, 3600]")
     opts = parse_options(args, prog)
     model = resolve_model(prog, args.model)
     check_listen(prog, args.host, port)
@@ -198,7 +207,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
     signal.signal(signal.SIGINT, on_stop)
     try:
         serve(model, host=args.host, port=port, continuous_batching=args.continuous_batching, wrap_options=opts,
-              cb_options=cb, device=dev, log_level=args.log_level.lower(), default_seed=seed)
+              cb_options=cb, device=dev, log_level=args.log_level.lower(), default_seed=seed,
+              header_timeout=header_timeout)
     except (RuntimeError, ValueError) as e:
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

