@@ -20,15 +20,22 @@ tier (the CXL node where one is chosen), indexed by chained keys
   blocks that are pinned (being read) or WRITING (being written), which
   eviction never touches.
 
-A ``lower`` tier (e.g. :class:`cxlalloc.kvstore.redis_tier.RedisTier`) receives
-evicted blocks and is asked for blocks this store misses.
+A ``lower`` tier (e.g. :class:`cxlalloc.kvstore.redis_tier.RedisTier`) is asked
+for blocks this store misses, and receives blocks by ``lower_mode``:
+``"through"`` (the default; each block when it is committed, so another
+process sharing the tier hits it at once) or ``"evict"`` (each block when it
+is evicted from here: fewer writes, but nothing is shared until this store is
+full).  Sending is asynchronous (the tier's own writer thread; the bytes are
+copied out first); what is queued at interpreter exit is sent for up to 2 s.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import threading
 import warnings
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -42,6 +49,7 @@ from cxlalloc.kvstore.store import AccountedStore, hit_rate
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 DEFAULT_LIMIT_FRACTION = 0.25  # of the host tier's limit
+LOWER_MODES = ("through", "evict")
 
 
 class KVStoreWarning(UserWarning):
@@ -137,17 +145,23 @@ class LocalBlockStore(AccountedStore):
         strict_placement: drop a block whose pages did not land on the node
             (default: keep it, count it, warn once).
         lower: a tier below (``put(key, ns, data)``, ``get_many(keys) ->
-            [bytes|None]``, ``stats()``, ``close()``).
+            [bytes|None]``, ``stats()``, ``close()``; ``flush(timeout)`` if it queues).
+        lower_mode: when blocks go to ``lower``: ``"through"`` (when
+            committed; shared at once) or ``"evict"`` (when evicted).
 
     Raises:
-        ValueError: a bad ``kv_store_limit``.
+        ValueError: a bad ``kv_store_limit`` or ``lower_mode``.
         cxlalloc.OutOfMemoryError: the arena's address space cannot be mapped.
     """
 
     kind = "local"
 
     def __init__(self, allocator, limit=None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 quotas: Optional[Dict[str, int]] = None, strict_placement: bool = False, lower=None):
+                 quotas: Optional[Dict[str, int]] = None, strict_placement: bool = False, lower=None,
+                 lower_mode: str = "through"):
+        if lower_mode not in LOWER_MODES:
+            raise ValueError(f"cxlalloc kv store: lower_mode {lower_mode!r} is not allowed; allowed: "
+                             f"{', '.join(LOWER_MODES)}")
         st = allocator.stats()
         self.allocator = allocator
         self.node = int(st["host"]["numa_node"])
@@ -158,11 +172,14 @@ class LocalBlockStore(AccountedStore):
                                    int(allocator.device))
         self._bytes = torch.from_dlpack(self._arena.dlpack())
         self.lower = lower
+        self.lower_mode = lower_mode
+        if lower is not None and hasattr(lower, "flush"):
+            atexit.register(_flush_at_exit, weakref.ref(self))
         self.strict_placement = bool(strict_placement)
         self._lock = threading.Lock()
         self._owners = itertools.count(1)
         self.index = BlockIndex(self.capacity_bytes, chunk, quotas=quotas,
-                                on_evict=self._evicted if lower is not None else None)
+                                on_evict=self._evicted if lower is not None and lower_mode == "evict" else None)
         super().__init__(("placement_verified_bytes", "placement_misplaced_bytes",
                                        "placement_unverified_bytes", "register_failures", "lower_hit_blocks",
                                        "lower_put_blocks", "corrupt_blocks"))
@@ -277,6 +294,11 @@ class LocalBlockStore(AccountedStore):
                 if self.strict_placement:
                     continue
             keep.append(e)
+        lower = self.lower
+        if lower is not None and self.lower_mode == "through":
+            for e in keep:  # still WRITING and ours: copied out now, sent by the tier's writer thread
+                lower.put(e.key, e.ns, self._view(e).numpy().tobytes())
+            self.counters.add("lower_put_blocks", len(keep))
         with self._lock:
             kept = set(map(id, keep))
             self.index.abort([e for e in entries if id(e) not in kept], owner)
@@ -340,6 +362,11 @@ class LocalBlockStore(AccountedStore):
         if lower is not None:
             lower.close(timeout)
 
+    def flush(self, timeout: float = 2.0) -> bool:
+        """Wait until the blocks queued for the tier below were sent (True), up to ``timeout`` s."""
+        lower = self.lower
+        return lower.flush(timeout) if lower is not None and hasattr(lower, "flush") else True
+
     def check(self) -> None:
         """Verify the index invariants (tests)."""
         with self._lock:
@@ -348,3 +375,12 @@ class LocalBlockStore(AccountedStore):
     def __repr__(self) -> str:
         return (f"<cxlalloc LocalBlockStore {format_bytes(self.index.used_bytes)} of "
                 f"{format_bytes(self.capacity_bytes)} on node {self.node}>")
+
+
+def _flush_at_exit(ref) -> None:
+    store = ref()
+    if store is not None:
+        try:
+            store.flush(2.0)
+        except Exception:  # interpreter shutdown: nothing more to do
+            pass
