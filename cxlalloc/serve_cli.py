@@ -131,12 +131,39 @@ def check_listen(prog: str, host: str, port: int) -> None:
             fail(prog, f"--host {host} --port {port}: {addr[0]}:{addr[1]} {what}")
 
 
-def mode_line(prog: str, device: str, model: str) -> str:
-    """The first line ``serve`` prints: ``SIMULATION`` when the model will be
-    on the CPU (``--device cpu``, or ``auto`` with no CUDA GPU), else the GPU."""
+def on_gpu(device: str) -> bool:
+    """Whether the model will be on a GPU (``--device cpu``, or ``auto`` with no CUDA GPU: simulation)."""
     import torch  # the model load imports it next anyway
 
-    gpu = device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() > 0
+    return device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def check_limits_simulated(prog: str, opts: dict) -> None:
+    """In simulation, the limits given tried on a throwaway allocator of the
+    simulated driver (it reserves nothing): one below the allocation
+    granularity, or beyond what the simulator models, exits 2 before the model
+    loads instead of failing at wrap() after it.  (On a GPU the same errors
+    come from wrap() and read the same.)"""
+    import cxlalloc
+
+    engine = {k: opts[k] for k in ("device_limit", "host_limit", "kv_device_limit", "numa_node", "backend")
+              if k in opts}
+    if not engine:
+        return
+    try:
+        cxlalloc.Allocator(simulate=True, **engine)
+    except (ValueError, cxlalloc.OutOfMemoryError) as e:
+        text = str(e)
+        flag = next((f"--{k.replace('_', '-')}" for k in engine if f"'{k}'" in text or text.startswith(k + ":")),
+                    "the limits")
+        fail(prog, f"{flag}: {text}")
+
+
+def mode_line(prog: str, device: str, model: str, gpu: bool) -> str:
+    """The first line ``serve`` prints: ``SIMULATION`` when the model will be
+    on the CPU (``--device cpu``, or ``auto`` with no CUDA GPU), else the GPU."""
+    import torch
+
     if not gpu:
         why = "--device cpu" if device == "cpu" else "no GPU"
         return (f"{prog}: SIMULATION ({why}): the model on the CPU, its tiers on cxlalloc's simulated CUDA driver "
@@ -194,7 +221,10 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
     opts = parse_options(args, prog)
     model = resolve_model(prog, args.model)
     check_listen(prog, args.host, port)
-    print(mode_line(prog, dev, model), flush=True)
+    gpu = on_gpu(dev)
+    if not gpu:
+        check_limits_simulated(prog, opts)
+    print(mode_line(prog, dev, model, gpu), flush=True)
 
     from cxlalloc.hf.serving import serve
 

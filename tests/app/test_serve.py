@@ -206,6 +206,8 @@ def test_four_concurrent_multi_turn_conversations_streamed_and_not(served):
     (["/no/such/model"], "is not a directory"),
     (["--log-level", "loud"], "--log-level 'loud' is not allowed"),
     (["--header-timeout", "0"], "--header-timeout '0' is not allowed"),
+    (["--device-limit", "1B"], "--device-limit"),  # below one segment: the engine's own check, before the load
+    (["--host-limit", "1KiB"], "--host-limit"),
 ])
 def test_bad_options_one_line_exit_2_before_loading(argv, needle):
     env = dict(os.environ, PYTHONPATH=ROOT)
