@@ -421,3 +421,26 @@ def test_sigterm_drains_the_request_in_flight_then_exits_0(served_default):
     with open(path) as f:
         log = f.read()
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_model_forms_resolve_before_loading(tmp_path, capsys):
+    """MODEL as ``DIR:FILE.gguf`` (the shipped SmolLM2's form, given explicitly)
+    and as a saved directory resolve to transformers' ``force_model``; a GGUF
+    file that is not there, or a directory without config.json, exit 2."""
+    from cxlalloc.serve_cli import SMOLLM2_GGUF, find_smollm2, resolve_model
+
+    folder = find_smollm2()
+    if folder is not None:
+        assert resolve_model("p", f"{folder}:{SMOLLM2_GGUF}") == f"{os.path.abspath(folder)}:{SMOLLM2_GGUF}"
+        assert resolve_model("p", None) == f"{folder}:{SMOLLM2_GGUF}"
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model("p", str(tmp_path)) == str(tmp_path)
+    for bad, needle in ((f"{tmp_path}:nope.gguf", "no file 'nope.gguf'"),
+                        (str(tmp_path / "sub"), "is not a directory")):
+        with pytest.raises(SystemExit) as e:
+            resolve_model("p", bad)
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        resolve_model("p", str(tmp_path / "empty"))
+    assert "no config.json" in capsys.readouterr().err
