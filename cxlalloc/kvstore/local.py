@@ -20,8 +20,9 @@ tier (the CXL node where one is chosen), indexed by chained keys
   blocks that are pinned (being read) or WRITING (being written), which
   eviction never touches.
 
-A ``lower`` tier (e.g. :class:`cxlalloc.kvstore.redis_tier.RedisTier`) is asked
-for blocks this store misses, and receives blocks by ``lower_mode``:
+A ``lower`` tier (a :class:`cxlalloc.kvstore.tiers.Tier`, e.g. the Redis tier
+:class:`cxlalloc.kvstore.tiers.redis.RedisTier`) is asked for blocks this store
+misses, and receives blocks by ``lower_mode`` (:mod:`cxlalloc.policy.redis_write_back`):
 ``"through"`` (the default; each block when it is committed, so another
 process sharing the tier hits it at once) or ``"evict"`` (each block when it
 is evicted from here: fewer writes, but nothing is shared until this store is
@@ -46,10 +47,11 @@ from cxlalloc.kvstore.handles import ScopedHandle
 from cxlalloc.kvstore.index import BlockIndex, Entry
 from cxlalloc.kvstore.layout import verify_stored
 from cxlalloc.kvstore.store import AccountedStore, hit_rate
+from cxlalloc.kvstore.tiers import Tier
+from cxlalloc.policy.redis_write_back import check_mode, write_on_commit, write_on_evict
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 DEFAULT_LIMIT_FRACTION = 0.25  # of the host tier's limit
-LOWER_MODES = ("through", "evict")
 
 
 class KVStoreWarning(UserWarning):
@@ -144,8 +146,9 @@ class LocalBlockStore(AccountedStore):
         quotas: ``{cache_salt: bytes}`` per-namespace limits (None: the store's).
         strict_placement: drop a block whose pages did not land on the node
             (default: keep it, count it, warn once).
-        lower: a tier below (``put(key, ns, data)``, ``get_many(keys) ->
-            [bytes|None]``, ``stats()``, ``close()``; ``flush(timeout)`` if it queues).
+        lower: the tier below, a :class:`~cxlalloc.kvstore.tiers.Tier`
+            (``put``, ``get_many`` on a miss, ``stats``, ``close``; ``flush(timeout)``
+            if it queues), or None.
         lower_mode: when blocks go to ``lower``: ``"through"`` (when
             committed; shared at once) or ``"evict"`` (when evicted).
 
@@ -157,11 +160,9 @@ class LocalBlockStore(AccountedStore):
     kind = "local"
 
     def __init__(self, allocator, limit=None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 quotas: Optional[Dict[str, int]] = None, strict_placement: bool = False, lower=None,
-                 lower_mode: str = "through"):
-        if lower_mode not in LOWER_MODES:
-            raise ValueError(f"cxlalloc kv store: lower_mode {lower_mode!r} is not allowed; allowed: "
-                             f"{', '.join(LOWER_MODES)}")
+                 quotas: Optional[Dict[str, int]] = None, strict_placement: bool = False,
+                 lower: Optional[Tier] = None, lower_mode: str = "through"):
+        check_mode(lower_mode, "lower_mode")
         st = allocator.stats()
         self.allocator = allocator
         self.node = int(st["host"]["numa_node"])
@@ -179,7 +180,7 @@ class LocalBlockStore(AccountedStore):
         self._lock = threading.Lock()
         self._owners = itertools.count(1)
         self.index = BlockIndex(self.capacity_bytes, chunk, quotas=quotas,
-                                on_evict=self._evicted if lower is not None and lower_mode == "evict" else None)
+                                on_evict=self._evicted if lower is not None and write_on_evict(lower_mode) else None)
         super().__init__(("placement_verified_bytes", "placement_misplaced_bytes",
                                        "placement_unverified_bytes", "register_failures", "lower_hit_blocks",
                                        "lower_put_blocks", "corrupt_blocks"))
@@ -295,7 +296,7 @@ class LocalBlockStore(AccountedStore):
                     continue
             keep.append(e)
         lower = self.lower
-        if lower is not None and self.lower_mode == "through":
+        if lower is not None and write_on_commit(self.lower_mode):
             for e in keep:  # still WRITING and ours: copied out now, sent by the tier's writer thread
                 lower.put(e.key, e.ns, self._view(e).numpy().tobytes())
             self.counters.add("lower_put_blocks", len(keep))

@@ -1,0 +1,201 @@
+"""Placement of the paged cache's chunks: sizing over the tiers, and per batch the
+chunks of the scheduled requests' blocks promoted to VRAM (newest block first), cold ones
+demoted (the decision: :func:`cxlalloc.policy.cb_moves.plan_moves`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+from cxlalloc.config import format_bytes
+from cxlalloc.hf.paged.tf_classes import CachePool
+from cxlalloc.policy.cb_moves import plan_moves
+
+
+class PlacementMixin:
+    """Sizing and per-batch placement of :class:`~cxlalloc.hf.paged.CxlPagedAttentionCache`
+    (uses its ``allocator``, ``extent``, ``chunk``, ``cache_allocators``, ``cb``)."""
+
+    # ------------------------------------------------------------------ sizing
+    def grow_to(self, sectors: int) -> None:
+        """Commit memory for the first ``sectors`` sectors (and the two trash
+        sectors before them), rounded up to whole chunks, zero the new bytes
+        and point transformers' allocators at the longer tensor (same address,
+        so block ids, tables and stored views of committed bytes stay valid).
+
+        Raises:
+            cxlalloc.OutOfMemoryError: neither tier has room for the new chunks
+                (the engine's message names the limits and where to raise them).
+        """
+        if sectors <= self.committed_sectors:
+            return
+        bps = self.bytes_per_sector
+        want = min(self.num_sectors, max(sectors, 0))
+        nbytes = min(self.extent.capacity, -(-(want + 2) * bps // self.chunk) * self.chunk)
+        old = self.extent.committed
+        self.extent.grow(nbytes)
+        usable = min(self.num_sectors, nbytes // bps - 2)
+        tensor = self.extent.tensor()[:(usable + 2) * bps]
+        # the read-trash sector must read zeros (padding tokens), and a block's unwritten slots are read under a
+        # mask (0 x NaN is NaN): new bytes are zeroed, as the stock cache is torch.zeros
+        tensor[min(old, tensor.numel()):].zero_()
+        self.cache_tensor = tensor
+        first = self.committed_sectors < 0
+        for ca in self.cache_allocators.values():
+            # register_cache_tensor resets its pool's free-block trees: after the first time, hand it a scratch
+            # pool and give it ours back
+            ca.register_cache_tensor(bps, usable * bps, tensor,
+                                     self.pool if first else CachePool(1, len(self.cache_allocators)))
+            ca.pool = self.pool
+        self.committed_sectors = usable
+        self.cb.note_commit(self.extent.committed)
+
+    def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
+        """transformers' check-and-allocate, after committing the sectors it
+        would hand out; when neither tier has room for them, the sectors past
+        the committed ones leave the pool (said once), so the request waits or
+        is preempted as in a full cache instead of failing mid-generation."""
+        if not dry_run:
+            need = sum(ca.needs_new_sectors(state.request_id, state.current_len(), request_len)
+                       for ca in self.cache_allocators.values())
+            free = sorted(self.pool.free_sectors)
+            if 0 < need <= len(free) and free[need - 1] - 1 > self.committed_sectors:
+                self._commit_or_cap(free[need - 1] - 1)
+        return super().can_store_request_tokens(state, request_len, dry_run)
+
+    def _commit_or_cap(self, sectors: int) -> None:
+        from cxlalloc import OutOfMemoryError
+
+        try:
+            self.grow_to(sectors)
+        except OutOfMemoryError as e:
+            self.pool.free_sectors = [x for x in self.pool.free_sectors if x - 1 <= self.committed_sectors]
+            with self.cb.lock:
+                self.cb.counters.commit_refusals += 1
+            d, h = self.tier_bytes()
+            self.cb.warn_once("commit", f"cxlalloc.hf: continuous batching's paged cache stopped growing at "
+                              f"{self.committed_sectors} of {self.num_sectors} sectors ({format_bytes(d)} in VRAM, "
+                              f"{format_bytes(h)} on the host tier): {' '.join(str(e).split())}; requests now wait "
+                              "or are preempted as in a full cache", stacklevel=5)
+
+    def _rooms(self) -> Tuple[int, int]:
+        """(device bytes KV may still take: the device limit less what is
+        reserved, the headroom and ``kv_device_limit``'s rest; host bytes free)."""
+        s = self.allocator.stats()
+        dev, host = s["device"], s["host"]
+        dev_room = int(dev.get("limit_bytes", 0)) - int(dev.get("reserved_bytes", 0)) - self._headroom
+        if self._kv_cap:
+            dev_room = min(dev_room, self._kv_cap - int(s["kv"]["device_bytes"]))
+        host_room = int(host.get("limit_bytes", 0)) - int(host.get("reserved_bytes", 0))
+        return max(0, dev_room), max(0, host_room)
+
+    def _plan_sectors(self, asked_blocks: Optional[int]) -> int:
+        bps = self.bytes_per_sector
+        info = self.allocator.info()
+        kv_cap, headroom = info.get("kv_device_limit"), info.get("device_headroom")
+        self._kv_cap = kv_cap if isinstance(kv_cap, int) and kv_cap > 0 else 0
+        self._headroom = headroom if isinstance(headroom, int) and headroom > 0 else 0
+        self.movable = bool(info.get("demotion_supported", True))
+        dev_room, host_room = self._rooms()
+        chunk = int(info.get("device_granularity") or (2 << 20))
+        # Whole chunks on each tier (the extent commits chunk by chunk), the two trash sectors included.
+        room = (dev_room // chunk) * chunk + (host_room // chunk) * chunk
+        if asked_blocks is not None:
+            sectors = max(1, math.ceil(int(asked_blocks) * self.model_block_bytes / bps))
+            if (sectors + 2) * bps > room:
+                raise ValueError(
+                    f"cxlalloc.hf: ContinuousBatchingConfig(num_blocks={asked_blocks}) needs "
+                    f"{format_bytes((sectors + 2) * bps)} of KV, but the device tier has {format_bytes(dev_room)} "
+                    f"and the host tier {format_bytes(host_room)} free; use num_blocks <= "
+                    f"{max(0, room // bps - 2) * bps // self.model_block_bytes}, or raise host_limit in "
+                    "cxlalloc.hf.wrap(model, ..., host_limit=...)")
+            return sectors
+        # Default capacity (a ceiling: memory is committed as sectors are used): the device tier's whole chunks for
+        # KV and as much again on the host tier, at least one chunk there, at most its room.
+        dev_chunks = (dev_room // chunk) * chunk
+        host_chunks = (host_room // chunk) * chunk
+        target = dev_chunks + min(max(dev_chunks, chunk), host_chunks)
+        sectors = target // bps - 2
+        if sectors < 1:
+            short = [f"the device tier has {format_bytes(dev_room)} for KV (device_limit less what is reserved"
+                     + (", the headroom" if self._headroom else "") + (", kv_device_limit" if self._kv_cap else "")
+                     + ")", f"the host tier {format_bytes(host_room)} free of host_limit"]
+            raise ValueError(f"cxlalloc.hf: continuous batching needs at least {format_bytes(3 * bps)} of KV "
+                             f"(one sector and two trash sectors) in whole {format_bytes(chunk)} chunks; "
+                             f"{' and '.join(short)}: raise host_limit (or device_limit) in "
+                             "cxlalloc.hf.wrap(model, ..., host_limit=...)")
+        return sectors
+
+    # ------------------------------------------------------------------ placement
+    def tier_bytes(self) -> Tuple[int, int]:
+        """(device bytes, host bytes) of this cache's extent."""
+        d = h = 0
+        for _off, length, tier in self.extent.tiers():
+            if tier == "device":
+                d += length
+            elif tier == "host":
+                h += length
+        return d, h
+
+    def _chunk_tiers(self) -> Dict[int, str]:
+        out = {}
+        for off, length, tier in self.extent.tiers():
+            for c in range(off // self.chunk, (off + length) // self.chunk):
+                out[c] = tier
+        return out
+
+    def place(self, states) -> None:
+        """Promote the chunks of the scheduled requests' blocks (newest first)
+        to VRAM, demoting cold ones to make room (:func:`plan_moves`).  With a
+        backend that cannot move chunks (``pinned``) the placement stays as
+        committed."""
+        if not self.movable:
+            self._note_tiers()
+            return
+        rank: Dict[int, int] = {}
+        for ca in self.cache_allocators.values():  # each views the whole tensor in blocks of its own size
+            size = ca.bytes_per_block
+            for state in states:
+                table = ca.block_table.get(state.request_id, [])
+                n = len(table)
+                for i, b in enumerate(table):
+                    start = b * size  # block ids count from the tensor's start (trash sectors included)
+                    r = n - 1 - i  # 0: the request's newest block
+                    for c in range(start // self.chunk, (start + size - 1) // self.chunk + 1):
+                        if r < rank.get(c, 1 << 62):
+                            rank[c] = r
+        tiers = self._chunk_tiers()
+        on_device = [c for c, t in tiers.items() if t == "device"]
+        free_chunks = self._rooms()[0] // self.chunk
+        demote, promote = plan_moves(rank, on_device, len(on_device) + free_chunks)
+        moved_down = moved_up = 0
+        failures = 0
+        base = self.extent.base
+        for c in demote:
+            try:
+                moved_down += self.allocator.demote(base + c * self.chunk, self.chunk)
+            except Exception:
+                failures += 1
+        for c in promote:
+            try:
+                moved_up += self.allocator.promote(base + c * self.chunk, self.chunk)
+            except Exception:  # no room after all (another allocation took it): keep it where it is
+                failures += 1
+                break
+        with self.cb.lock:
+            k = self.cb.counters
+            k.promoted_bytes += moved_up
+            k.demoted_bytes += moved_down
+            k.placement_failures += failures
+        self._note_tiers()
+
+    def _note_tiers(self) -> None:
+        desc = self.describe()
+        with self.cb.lock:
+            k = self.cb.counters
+            k.peak_kv_device_bytes = max(k.peak_kv_device_bytes, desc["kv_device_bytes"])
+            k.peak_kv_host_bytes = max(k.peak_kv_host_bytes, desc["kv_host_bytes"])
+            self.cb.last_cache = desc
+
+
+__all__ = ["PlacementMixin"]
