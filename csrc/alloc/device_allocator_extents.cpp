@@ -141,7 +141,14 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
     size_t moved = 0;
     for (uint64_t v : plan.demote) {
       auto [s, c] = where[v];
-      migrate_chunk(*s, *c, Tier::Host);
+      try {
+        migrate_chunk(*s, *c, Tier::Host);
+      } catch (const Error& e) {
+        // The driver has no host memory for the demoted copy (the chunk stays where it was): stop making
+        // room; the commit loop below places the new chunks where there is room, or names what is full.
+        if (!is_out_of_memory(e)) throw;
+        break;
+      }
       migration_budget_.consume(c->size, now);
       moved += c->size;
       stats_.on_moved_unit(Tier::Host);

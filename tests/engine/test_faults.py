@@ -189,3 +189,19 @@ def test_extent_oom_names_the_tier_that_is_full_and_the_remedy_that_helps(make_a
     assert "raising host_limit cannot help" in msg and "Raise host_limit or device_limit" not in msg, msg
     del ext, more, ext2
     b.free(p)
+
+
+def test_driver_oom_while_demoting_for_a_growing_extent_places_the_chunk_elsewhere(make_alloc, sim):
+    """Growing a KV extent with VRAM full of older KV: the policy demotes an old
+    chunk to make room; when the driver has no host memory for that copy, the
+    growth goes on without the demotion (the new chunk lands on the host tier
+    when the driver then has room) instead of a raw DriverError."""
+    a = make_alloc(device_limit=4 * MiB, host_limit=64 * MiB)
+    ext = a.extent(16 * MiB)
+    ext.grow(4 * MiB)  # both device chunks
+    sim.fail("cuMemCreate", 1, 2)  # the demotion's host copy: CUDA_ERROR_OUT_OF_MEMORY
+    ext.grow(6 * MiB)
+    tiers = {t for _off, _len, t in ext.tiers()}
+    assert ext.committed == 6 * MiB and "host" in tiers and "device" in tiers
+    assert a.stats()["device"]["reserved_bytes"] <= 4 * MiB
+    del ext
