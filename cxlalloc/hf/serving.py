@@ -10,6 +10,20 @@ generation runs on cxlalloc's tiers and, with ``kv_store``, reuses stored
 prefixes across requests as ``generate()`` does.  One route is added:
 ``GET /v1/cxlalloc/stats``, :func:`cxlalloc.hf.stats` of the served model as JSON.
 
+Two things transformers' server does not do are done here:
+
+* a GGUF (``DIR:FILE.gguf``, the shipped SmolLM2's form) is loaded as a causal
+  LM: transformers' ``ModelManager`` looks the class up in
+  ``config.architectures[0]``, which a config read from a GGUF leaves ``None``;
+* each ``/v1/chat/completions`` and ``/v1/completions`` body is validated by a
+  pydantic model (:class:`ChatRequest`, :class:`CompletionRequest`) before
+  transformers' handler sees it: an empty ``messages``, ``max_tokens <= 0``,
+  ``n > 1``, an out-of-range ``temperature``/``top_p``/penalty, or a field this
+  server would ignore (``logprobs``, ``presence_penalty``, ...) set to something
+  else than its default is an HTTP 400 in OpenAI's error form
+  (``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``)
+  naming the field, never a 500 or a silent change.
+
 transformers 5.24's layout (``transformers/cli/serve.py``,
 ``transformers/cli/serving/model_manager.py``, ``server.py``;
 docs/sources.md#transformers-serving) is required; an older transformers gets a
@@ -21,9 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Literal, Optional, Union
 
 STATS_ROUTE = "/v1/cxlalloc/stats"
+METRICS_ROUTE = "/metrics"
+DEFAULT_HEADER_TIMEOUT_S = 30.0
 
 
 def serving_modules():
@@ -65,9 +81,144 @@ class _Served:
         self.models: Dict[str, Any] = {}
 
 
+class InvalidRequest(Exception):
+    """A request body refused before transformers' handler (HTTP 400).
+
+    Attributes:
+        param: the field at fault (``"max_tokens"``, ``"messages"``, ``"messages.0.role"``).
+        message: one line naming the field, the value and what is allowed.
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+    def body(self) -> dict:
+        """OpenAI's error object (what the ``openai`` client's ``BadRequestError`` reads)."""
+        return {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param,
+                          "code": "invalid_value"}}
+
+
+_MODELS: Dict[str, Any] = {}
+
+
+def request_models():
+    """The pydantic models of the request bodies checked here: ``(ChatRequest, CompletionRequest)``.
+
+    Built on first use (pydantic comes with the ``serve`` extra).  Only the
+    fields whose values matter are declared; any other field is left to
+    transformers' own check (it refuses a name outside OpenAI's schema with a
+    422).  Ranges are what transformers' generation accepts (``top_p`` in
+    (0, 1], ``frequency_penalty`` in (-1, 2]: it becomes
+    ``repetition_penalty = 1 + frequency_penalty``, which must be > 0).  Fields
+    transformers' server ignores (``n``, ``logprobs``, ``presence_penalty``,
+    ``best_of``, ``echo``, ...) accept only their default value.
+    """
+    if _MODELS:
+        return _MODELS["chat"], _MODELS["completion"]
+    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+    Number = Union[StrictInt, float]
+
+    class Message(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        role: Literal["system", "developer", "user", "assistant", "tool"]
+        content: Union[StrictStr, List[dict], None] = None
+
+    class Sampling(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        model: Optional[StrictStr] = None
+        max_tokens: Optional[StrictInt] = Field(None, gt=0)
+        temperature: Optional[Number] = Field(None, ge=0, le=2)
+        top_p: Optional[Number] = Field(None, gt=0, le=1)
+        frequency_penalty: Optional[Number] = Field(None, gt=-1, le=2)
+        seed: Optional[StrictInt] = None
+        stream: Optional[StrictBool] = None
+        stop: Union[StrictStr, List[StrictStr], None] = None
+        # ignored by transformers' server: only the default is honest
+        n: Optional[StrictInt] = Field(None, ge=1, le=1, description="one choice per request")
+        presence_penalty: Optional[Number] = Field(None, ge=0, le=0, description="not supported: 0 only")
+        user: Optional[StrictStr] = None
+
+    class ChatRequest(Sampling):
+        messages: List[Message] = Field(min_length=1)
+        max_completion_tokens: Optional[StrictInt] = Field(None, gt=0)
+        logprobs: Optional[Literal[False]] = None
+        top_logprobs: Optional[Literal[0]] = None
+        logit_bias: Optional[Dict[str, Number]] = None
+
+        @model_validator(mode="after")
+        def _format(self):
+            fmt = (self.model_extra or {}).get("response_format")
+            if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+                raise InvalidRequest("response_format", "response_format: only {'type': 'text'} is supported "
+                                     f"by this server (got {fmt!r})")
+            return self
+
+    class CompletionRequest(Sampling):
+        prompt: StrictStr
+        best_of: Optional[StrictInt] = Field(None, ge=1, le=1)
+        echo: Optional[Literal[False]] = None
+        logprobs: Optional[Literal[0]] = None
+        suffix: Optional[StrictStr] = None
+
+    _MODELS.update(chat=ChatRequest, completion=CompletionRequest)
+    return ChatRequest, CompletionRequest
+
+
+def validate_request(kind: str, body: Any) -> None:
+    """Check a request body against :func:`request_models` (``kind``: ``"chat"`` or ``"completion"``).
+
+    Raises:
+        InvalidRequest: the first field at fault, named, with its value and the
+            allowed range (``"max_tokens: must be greater than 0 (got -1)"``).
+    """
+    from pydantic import ValidationError
+
+    chat, completion = request_models()
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", f"the request body must be a JSON object (got {type(body).__name__})")
+    try:
+        (chat if kind == "chat" else completion).model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        # a validator raising InvalidRequest arrives wrapped
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, InvalidRequest):
+            raise cause from None
+        loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-", "union["))]
+        param = ".".join(loc) or "body"
+        msg = err["msg"][0].lower() + err["msg"][1:]
+        got = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
+        hint = {"n": "; this server returns one choice per request", "best_of": "; one completion per request",
+                "presence_penalty": "; presence_penalty is not supported (frequency_penalty is)",
+                "logprobs": "; log probabilities are not returned by this server",
+                "top_logprobs": "; log probabilities are not returned by this server",
+                "frequency_penalty": " (it becomes repetition_penalty = 1 + frequency_penalty)"}.get(loc[0] if loc
+                                                                                                   else "", "")
+        raise InvalidRequest(param, f"{param}: {msg}{got}{hint}") from None
+
+
+def _load_causal_lm(manager, model_id_and_revision: str, gguf_file: str, tqdm_class=None):
+    """A GGUF loaded as transformers' ``ModelManager._load_model`` would, with
+    the class from ``AutoModelForCausalLM`` (a GGUF's config has no
+    ``architectures``)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.cli.serving.utils import split_revision
+
+    model_id, revision = split_revision(model_id_and_revision)
+    kwargs = {"revision": revision, "attn_implementation": manager.attn_implementation, "dtype": manager.dtype,
+              "device_map": manager.device, "trust_remote_code": manager.trust_remote_code, "gguf_file": gguf_file}
+    if tqdm_class is not None:
+        kwargs["tqdm_class"] = tqdm_class
+    return AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+
+
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_batching: bool = True,
           wrap_options: Optional[dict] = None, cb_options: Optional[dict] = None, device: str = "auto",
-          log_level: str = "warning", default_seed: Optional[int] = None, non_blocking: bool = False):
+          log_level: str = "warning", default_seed: Optional[int] = None, non_blocking: bool = False,
+          header_timeout: float = DEFAULT_HEADER_TIMEOUT_S):
     """Serve ``model`` over HTTP with transformers' OpenAI-compatible server,
     its KV cache in cxlalloc's tiers.
 
@@ -88,6 +239,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
         non_blocking: start the server in a background thread and return the
             ``Serve`` object (``.kill_server()`` stops it); else block until
             the server exits.
+        header_timeout: seconds a connection may take to send a request head
+            (:func:`header_timeout_protocol`; 408 and closed after it).
 
     Returns:
         transformers' ``Serve`` instance (when ``non_blocking``; else after it exits).
@@ -99,6 +252,9 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
     import cxlalloc.hf as hf
 
     serve_mod, model_manager, server = serving_modules()
+    from transformers.cli.serving import chat_completion as chat_mod, completion as completion_mod
+
+    request_models()
     opts = dict(wrap_options or {})
     served = _Served()
     base_manager = model_manager.ModelManager
@@ -107,15 +263,50 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
     class TieredModelManager(base_manager):
         """transformers' ModelManager whose loaded models are wrapped."""
 
-        def _load_model(self, model_id_and_revision, *args, **kwargs):
-            loaded = super()._load_model(model_id_and_revision, *args, **kwargs)
+        def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
+            if gguf_file is not None:
+                loaded = _load_causal_lm(self, model_id_and_revision, gguf_file, tqdm_class)
+            else:
+                loaded = super()._load_model(model_id_and_revision, tqdm_class=tqdm_class,
+                                             progress_callback=progress_callback)
             loaded = hf.wrap(loaded, **opts)
             with served.lock:
                 served.models[model_id_and_revision] = loaded
             return loaded
 
+    class CheckedChat(chat_mod.ChatCompletionHandler):
+        """transformers' chat handler behind :func:`validate_request`."""
+
+        def _validate_request(self, body):
+            validate_request("chat", body)
+            super()._validate_request(body)
+
+    class CheckedCompletion(completion_mod.CompletionHandler):
+        """transformers' completion handler behind :func:`validate_request`."""
+
+        def _validate_request(self, body):
+            validate_request("completion", body)
+            super()._validate_request(body)
+
     def build_server(*args, **kwargs):
+        from fastapi.exceptions import RequestValidationError
+        from fastapi.responses import JSONResponse
+
         app = base_build(*args, **kwargs)
+
+        @app.exception_handler(InvalidRequest)
+        async def _invalid(_request, exc: InvalidRequest):
+            return JSONResponse(exc.body(), status_code=400)
+
+        @app.exception_handler(RequestValidationError)
+        async def _unreadable(_request, exc: RequestValidationError):
+            # FastAPI's own check of the body (not JSON, not an object): OpenAI's 400 form, not a 422 list
+            err = (exc.errors() or [{}])[0]
+            what = {"json_invalid": "is not valid JSON", "dict_type": "must be a JSON object",
+                    "missing": "is missing"}.get(err.get("type"), err.get("msg", "is invalid"))
+            ctx = (err.get("ctx") or {}).get("error")
+            return JSONResponse(InvalidRequest("body", f"body: the request body {what}"
+                                               + (f" ({ctx})" if ctx else "")).body(), status_code=400)
 
         @app.get(STATS_ROUTE)
         def cxlalloc_stats():
@@ -123,14 +314,122 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
                 models = dict(served.models)
             return {name: _jsonable(hf.stats(m)) for name, m in models.items()}
 
+        _add_metrics(app, served, hf.stats)
         return app
 
+    import uvicorn
+
+    protocol = header_timeout_protocol(float(header_timeout))
+    base_config = uvicorn.Config
+
+    def config(app, **kwargs):  # transformers' Serve builds uvicorn.Config(app, host=, port=, log_level=)
+        return base_config(app, http=protocol, **kwargs)
+
     cb = {k: v for k, v in (cb_options or {}).items() if v is not None}
-    with _swapped(model_manager, "ModelManager", TieredModelManager), _swapped(server, "build_server", build_server):
-        return serve_mod.Serve(force_model=model, continuous_batching=continuous_batching, device=device,
-                               host=host, port=port, log_level=log_level, default_seed=default_seed,
-                               cb_block_size=cb.get("block_size"), cb_num_blocks=cb.get("num_blocks"),
-                               cb_max_batch_tokens=cb.get("max_batch_tokens"), non_blocking=non_blocking)
+    with _swapped(uvicorn, "Config", config), _swapped(model_manager, "ModelManager", TieredModelManager), _swapped(server, "build_server", build_server), \
+            _swapped(chat_mod, "ChatCompletionHandler", CheckedChat), \
+            _swapped(completion_mod, "CompletionHandler", CheckedCompletion):
+        running = serve_mod.Serve(force_model=model, continuous_batching=continuous_batching, device=device,
+                                  host=host, port=port, log_level=log_level, default_seed=default_seed,
+                                  cb_block_size=cb.get("block_size"), cb_num_blocks=cb.get("num_blocks"),
+                                  cb_max_batch_tokens=cb.get("max_batch_tokens"), non_blocking=non_blocking)
+    if not non_blocking:
+        # uvicorn has drained and stopped; transformers' lifespan unloads the models but leaves the continuous
+        # batching worker thread running (only kill_server() stops it), which would keep the process alive
+        state = getattr(running, "_generation_state", None)
+        if state is not None:
+            state.shutdown()
+    return running
+
+
+def header_timeout_protocol(seconds: float):
+    """uvicorn's h11 protocol class with a header timeout: a connection that has
+    not sent a whole request head ``seconds`` after it opened (or after its last
+    response) gets ``408 Request Timeout`` and is closed, so slow or stalled
+    clients (slowloris) cannot hold connections open.  uvicorn has only an idle
+    keep-alive timeout, disarmed by the first byte of a request."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        _header_timer = None
+        _head_bytes = 0
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()  # a connection that never sends a request head is closed too (silently)
+
+        def data_received(self, data: bytes) -> None:
+            if self.cycle is None or self.cycle.response_complete:  # bytes of a next request head
+                self._head_bytes += len(data)
+                if self._header_timer is None:
+                    self._arm()
+            super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            self._disarm()  # idle between requests: uvicorn's keep-alive timeout applies
+            self._head_bytes = 0
+            super().on_response_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(seconds, self._timed_out, self.cycle)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _timed_out(self, cycle_when_armed) -> None:
+            self._header_timer = None
+            if self.transport.is_closing() or self.cycle is not cycle_when_armed:
+                return  # closed, or a request head arrived since
+            if self._head_bytes:
+                body = f"no complete request head within {seconds:g} s (--header-timeout)\n".encode()
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                                     b"connection: close\r\ncontent-length: " + str(len(body)).encode()
+                                     + b"\r\n\r\n" + body)
+            self.transport.close()
+
+    return HeaderTimeoutH11Protocol
+
+
+def _add_metrics(app, served: _Served, stats) -> None:
+    """``GET /metrics`` (:mod:`cxlalloc.hf.serving_metrics`) on ``app``; without
+    prometheus_client, said once on stderr and left out."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        import sys
+
+        print("cxlalloc serve: warning: prometheus_client is not installed; serving without /metrics "
+              "(pip install 'cxlalloc[serve]')", file=sys.stderr)
+        return
+    from fastapi.responses import Response
+
+    from cxlalloc.hf.serving_metrics import ServeMetrics
+
+    def models():
+        with served.lock:
+            return dict(served.models)
+
+    metrics = ServeMetrics(models, stats)
+
+    class MetricsMiddleware:
+        def __init__(self, inner):
+            self.inner = metrics.middleware(inner)
+
+        async def __call__(self, scope, receive, send):
+            await self.inner(scope, receive, send)
+
+    app.add_middleware(MetricsMiddleware)
+
+    @app.get(METRICS_ROUTE)
+    def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def _jsonable(x):

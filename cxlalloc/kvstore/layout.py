@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import List, Tuple
+from typing import TYPE_CHECKING, List, Tuple
 
-import torch
 import xxhash
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the kv-server (verify_stored) runs without it
+    import torch
 
 MAX_BLOCK_TOKENS = 65536
 CHECKSUM_BYTES = 16  # the XXH3-128 trailer of every stored block
@@ -82,7 +84,7 @@ class BlockLayout:
 
     @property
     def elem_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def row_elems(self) -> int:
@@ -110,6 +112,8 @@ class BlockLayout:
 
     def seal(self, raw: torch.Tensor, key: bytes) -> None:
         """Write the checksum trailer of a written block (after its payload copies completed)."""
+        import torch
+
         raw[self.block_bytes:self.stored_bytes].copy_(torch.frombuffer(bytearray(self.checksum(raw, key)),
                                                                        dtype=torch.uint8))
 

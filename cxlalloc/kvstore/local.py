@@ -21,16 +21,22 @@ tier (the CXL node where one is chosen), indexed by chained keys
   eviction never touches.
 
 A ``lower`` tier (a :class:`cxlalloc.kvstore.tiers.Tier`, e.g. the Redis tier
-:class:`cxlalloc.kvstore.tiers.redis.RedisTier`) receives evicted blocks (write-back: the
-``evict`` mode of :mod:`cxlalloc.policy.redis_write_back`)
-and is asked for blocks this store misses.
+:class:`cxlalloc.kvstore.tiers.redis.RedisTier`) is asked for blocks this store
+misses, and receives blocks by ``lower_mode`` (:mod:`cxlalloc.policy.redis_write_back`):
+``"through"`` (the default; each block when it is committed, so another
+process sharing the tier hits it at once) or ``"evict"`` (each block when it
+is evicted from here: fewer writes, but nothing is shared until this store is
+full).  Sending is asynchronous (the tier's own writer thread; the bytes are
+copied out first); what is queued at interpreter exit is sent for up to 2 s.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import threading
 import warnings
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -42,6 +48,7 @@ from cxlalloc.kvstore.index import BlockIndex, Entry
 from cxlalloc.kvstore.layout import verify_stored
 from cxlalloc.kvstore.store import AccountedStore, hit_rate
 from cxlalloc.kvstore.tiers import Tier
+from cxlalloc.policy.redis_write_back import check_mode, write_on_commit, write_on_evict
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 DEFAULT_LIMIT_FRACTION = 0.25  # of the host tier's limit
@@ -140,10 +147,13 @@ class LocalBlockStore(AccountedStore):
         strict_placement: drop a block whose pages did not land on the node
             (default: keep it, count it, warn once).
         lower: the tier below, a :class:`~cxlalloc.kvstore.tiers.Tier`
-            (``put`` on eviction, ``get_many`` on a miss, ``stats``, ``close``), or None.
+            (``put``, ``get_many`` on a miss, ``stats``, ``close``; ``flush(timeout)``
+            if it queues), or None.
+        lower_mode: when blocks go to ``lower``: ``"through"`` (when
+            committed; shared at once) or ``"evict"`` (when evicted).
 
     Raises:
-        ValueError: a bad ``kv_store_limit``.
+        ValueError: a bad ``kv_store_limit`` or ``lower_mode``.
         cxlalloc.OutOfMemoryError: the arena's address space cannot be mapped.
     """
 
@@ -151,7 +161,8 @@ class LocalBlockStore(AccountedStore):
 
     def __init__(self, allocator, limit=None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  quotas: Optional[Dict[str, int]] = None, strict_placement: bool = False,
-                 lower: Optional[Tier] = None):
+                 lower: Optional[Tier] = None, lower_mode: str = "through"):
+        check_mode(lower_mode, "lower_mode")
         st = allocator.stats()
         self.allocator = allocator
         self.node = int(st["host"]["numa_node"])
@@ -162,11 +173,14 @@ class LocalBlockStore(AccountedStore):
                                    int(allocator.device))
         self._bytes = torch.from_dlpack(self._arena.dlpack())
         self.lower = lower
+        self.lower_mode = lower_mode
+        if lower is not None and hasattr(lower, "flush"):
+            atexit.register(_flush_at_exit, weakref.ref(self))
         self.strict_placement = bool(strict_placement)
         self._lock = threading.Lock()
         self._owners = itertools.count(1)
         self.index = BlockIndex(self.capacity_bytes, chunk, quotas=quotas,
-                                on_evict=self._evicted if lower is not None else None)
+                                on_evict=self._evicted if lower is not None and write_on_evict(lower_mode) else None)
         super().__init__(("placement_verified_bytes", "placement_misplaced_bytes",
                                        "placement_unverified_bytes", "register_failures", "lower_hit_blocks",
                                        "lower_put_blocks", "corrupt_blocks"))
@@ -281,6 +295,11 @@ class LocalBlockStore(AccountedStore):
                 if self.strict_placement:
                     continue
             keep.append(e)
+        lower = self.lower
+        if lower is not None and write_on_commit(self.lower_mode):
+            for e in keep:  # still WRITING and ours: copied out now, sent by the tier's writer thread
+                lower.put(e.key, e.ns, self._view(e).numpy().tobytes())
+            self.counters.add("lower_put_blocks", len(keep))
         with self._lock:
             kept = set(map(id, keep))
             self.index.abort([e for e in entries if id(e) not in kept], owner)
@@ -344,6 +363,11 @@ class LocalBlockStore(AccountedStore):
         if lower is not None:
             lower.close(timeout)
 
+    def flush(self, timeout: float = 2.0) -> bool:
+        """Wait until the blocks queued for the tier below were sent (True), up to ``timeout`` s."""
+        lower = self.lower
+        return lower.flush(timeout) if lower is not None and hasattr(lower, "flush") else True
+
     def check(self) -> None:
         """Verify the index invariants (tests)."""
         with self._lock:
@@ -352,3 +376,12 @@ class LocalBlockStore(AccountedStore):
     def __repr__(self) -> str:
         return (f"<cxlalloc LocalBlockStore {format_bytes(self.index.used_bytes)} of "
                 f"{format_bytes(self.capacity_bytes)} on node {self.node}>")
+
+
+def _flush_at_exit(ref) -> None:
+    store = ref()
+    if store is not None:
+        try:
+            store.flush(2.0)
+        except Exception:  # interpreter shutdown: nothing more to do
+            pass

@@ -18,18 +18,14 @@ from typing import List, Optional
 
 from cxlalloc.cli_usage import OneLineParser as _Parser, fail
 from cxlalloc.plan import hardware
-from cxlalloc.plan.layout import DTYPE_BYTES
+from cxlalloc.plan.layout import DTYPE_BYTES, PRESETS_DIR, presets
 from cxlalloc.plan.planner import PlanInputs, plan
 
-PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 DEFAULT_RECORDS = os.path.join("benchmarks", "results")
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 1 << 10, "mib": 1 << 20,
          "gib": 1 << 30, "tib": 1 << 40}
 
 
-def presets() -> List[str]:
-    """Names of the configs shipped under ``cxlalloc/plan/presets/`` (package data)."""
-    return sorted(f[:-5] for f in os.listdir(PRESETS_DIR) if f.endswith(".json"))
 
 
 def size(option: str):
@@ -145,6 +141,12 @@ def resolve_model(text: str) -> str:
 def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc plan") -> int:
     """Entry point of ``cxlalloc plan`` (returns the exit status)."""
     args = make_parser(prog).parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (checked before the plan is computed)
+        except ImportError:
+            fail(prog, "--plot needs matplotlib: install the 'bench' extra: pip install 'cxlalloc[bench]' "
+                 "(or leave out --plot)")
     records = [] if args.no_records else (args.records or ([DEFAULT_RECORDS] if os.path.isdir(DEFAULT_RECORDS) else []))
     try:
         info = None

@@ -136,11 +136,20 @@ class Layout:
 
 
 # ---------------------------------------------------------------------------- reading configs
+PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
+
+
+def presets() -> List[str]:
+    """Names of the configs shipped under ``cxlalloc/plan/presets/`` (package data), e.g. ``llama-3.1-8b``."""
+    return sorted(f[:-5] for f in os.listdir(PRESETS_DIR) if f.endswith(".json"))
+
+
 def load_config(source: Any) -> Dict[str, Any]:
     """A config as a plain dict: ``source`` is a model directory (its
-    ``config.json``), a path to a JSON file, a dict, or a transformers config
-    object (its decoder text config's ``to_dict()``, which carries the
-    ``layer_types`` its class computes).
+    ``config.json``), a path to a JSON file, a preset name (:func:`presets`,
+    when no such path exists), a dict, or a transformers config object (its
+    decoder text config's ``to_dict()``, which carries the ``layer_types`` its
+    class computes).
 
     Raises:
         FileNotFoundError: no such file, or a directory without ``config.json``.
@@ -157,11 +166,13 @@ def load_config(source: Any) -> Dict[str, Any]:
         d.setdefault("model_type", getattr(cfg, "model_type", None))
         return d
     path = os.fspath(source)
+    if not os.path.exists(path) and path in presets():
+        path = os.path.join(PRESETS_DIR, path + ".json")
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--model: no config.json at {path!r} (give a model directory, a config.json, or a "
-                                f"preset name)")
+                                f"preset name: {', '.join(presets())})")
     with open(path) as f:
         try:
             d = json.load(f)

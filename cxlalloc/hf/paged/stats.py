@@ -47,6 +47,8 @@ class CBCounters:
     load_ms: float = 0.0
     store_ms: float = 0.0
     store_failures: int = 0
+    peak_committed_bytes: int = 0  # the paged caches' committed memory (both tiers), at its highest
+    commit_refusals: int = 0  # growths neither tier had room for (the cache was capped there)
 
 
 class CBState:
@@ -75,6 +77,11 @@ class CBState:
         if key not in self.warned:
             self.warned.add(key)
             warnings.warn(text, ContinuousBatchingWarning, stacklevel=stacklevel)
+
+    def note_commit(self, committed: int) -> None:
+        """Record a paged cache's committed bytes after it grew."""
+        with self.lock:
+            self.counters.peak_committed_bytes = max(self.counters.peak_committed_bytes, int(committed))
 
     def cache(self) -> Optional["CxlPagedAttentionCache"]:
         return None if self._cache is None else self._cache()

@@ -232,6 +232,18 @@ def server_from_args(args) -> KVServer:
     size = parse_size_or_fraction(args.size, "--size")
     if isinstance(size, float):
         size = int(size * node_total_bytes(node))
+    if size < 1:
+        raise ValueError(f"cxlalloc option '--size': {args.size} must be above 0 bytes (the pool's bytes, e.g. "
+                         "--size 64GiB, or a share of the node's memory, e.g. --size 50%)")
+    try:
+        node_bytes = node_total_bytes(node)
+    except Exception:  # no NUMA topology to compare with: nothing to warn about
+        node_bytes = size
+    if size > node_bytes:
+        log.warning("--size %s is more than NUMA node %d's memory (%s): the pool is sparse and starts, but it can "
+                    "never fill; blocks written past the node's memory fail, or the kernel's OOM killer stops the "
+                    "server. Use --size %s or less (--size 80%% is a share of the node)", format_bytes(size), node,
+                    format_bytes(node_bytes), format_bytes(node_bytes))
     if args.chunk is None:  # 256 MiB, or the whole pool when it is smaller
         page = os.sysconf("SC_PAGESIZE")
         chunk = max(page, min(DEFAULT_CHUNK, size) // page * page)
@@ -402,7 +414,10 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc kv-server") -> 
         return 1
     try:
         server.start()
-    except (ValueError, OSError) as e:
+    except ValueError as e:  # the socket path: a server already listening there, a regular file (usage: exit 2)
+        server.stop(0.1)
+        parser.error(str(e))
+    except OSError as e:
         server.stop(0.1)
         print(f"cxlalloc kv-server: {e}", file=sys.stderr)
         return 1

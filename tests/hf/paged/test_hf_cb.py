@@ -259,7 +259,7 @@ def test_sliding_model_is_tiered_and_says_once_that_prefixes_are_not_shared():
 
     ref = qwen().generate_batch(ps, generation_config=gen,
                                 continuous_batching_config=cb_config(page_size=16, num_blocks=128))
-    m = wrapped(qwen)
+    m = wrapped(qwen, kv_device_limit=MiB)  # below one chunk: the cache's blocks are on the host tier
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for _ in range(2):
@@ -319,7 +319,7 @@ def test_seeded_sampling_matches_transformers():
         return tokens(mm.generate_batch(ps, generation_config=gen, continuous_batching_config=cb_config(num_blocks=40,
                                                                                                        seed=7)))
 
-    m = wrapped()
+    m = wrapped(kv_device_limit=MiB)  # below one chunk: the cache's blocks are on the host tier
     assert run(m) == run(model())
     assert cb_stats(m)["cache"]["kv_host_bytes"] > 0
 

@@ -20,6 +20,7 @@ def _run(*args, timeout=30):
 
 @pytest.mark.parametrize("args,words", [
     ([], ["'--size': required"]),
+    (["--size", "0"], ["'--size'", "0 must be above 0 bytes"]),
     (["--size", "2MiB", "--chunk", "4MiB"], ["'--size'", "below one chunk", "4.00 MiB"]),
     (["--size", "64MiB", "--chunk", "3000"], ["'--chunk'", "multiple of the page size"]),
     (["--size", "lots"], ["'--size'", "not a size"]),
@@ -40,6 +41,36 @@ def test_bad_options_exit_2_naming_the_option(args, words, sockdir):
     for w in words:
         assert w in r.stderr, (w, r.stderr)
     assert "Traceback" not in r.stderr
+
+
+def test_help_and_flag_errors_import_no_torch():
+    """``kv-server --help`` and a flag error are answered without importing torch
+    (seconds; the server itself never needs it)."""
+    code = ("import sys\nfrom cxlalloc.kvstore.server import cli as server_cli\n"
+            "for argv in (['--help'], ['--size', 'lots', '--socket', '/tmp/x.sock']):\n"
+            "    try:\n        server_cli.main(argv)\n    except SystemExit:\n        pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "--size" in r.stdout and "'--size'" in r.stderr
+
+
+def test_busy_socket_exits_2_and_a_pool_beyond_the_node_warns(server_proc, sockdir):
+    """A second server on a socket a live server listens on: one line, exit 2
+    (docs/kv-server.md); a pool larger than the node's memory starts (sparse)
+    with a warning naming the node's size."""
+    sp = server_proc("--size", "64MiB", "--chunk", "4MiB")
+    r = _run("--size", "64MiB", "--chunk", "4MiB", "--socket", sp.socket)
+    assert r.returncode == 2, r.stderr
+    assert "already listening" in r.stderr and "Traceback" not in r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if "error:" in ln]) == 1
+    from cxlalloc import topology
+
+    node0 = next(n for n in topology.read_topology()["nodes"] if n["id"] == 0)["total_bytes"]
+    big = server_proc("--size", str(node0 * 2), "--numa-node", "0", socket_name="big.sock")
+    assert "is more than NUMA node 0's memory" in big.log()
+    big.proc.send_signal(signal.SIGTERM)
+    assert big.proc.wait(timeout=10) == 0
 
 
 def test_status_without_a_server_exits_1(sockdir):

@@ -1,8 +1,10 @@
 """The Redis tier against a real redis-server on 127.0.0.1 (no mock): values,
 checks, down / full / restarted, AUTH, TLS, and below both kinds of pool."""
 
+import json
 import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -13,7 +15,7 @@ import cxlalloc.hf as hf
 from cxlalloc.kvstore.client import RemoteBlockStore
 from cxlalloc.kvstore.keys import namespaced_key
 from cxlalloc.kvstore.tiers.redis import HEADER_BYTES, RedisTier, redact_url
-from tests.kvstore.kvutil import generate, key, prompts, tiny_llama
+from tests.kvstore.kvutil import ROOT, generate, key, prompts, subprocess_env, tiny_llama
 from tests.helpers.wait import wait_until
 
 MiB = 1 << 20
@@ -343,3 +345,40 @@ def test_up_down_changes_are_logged_at_most_once_per_window_with_a_count(redis_s
         t._ok()
     finally:
         t.close(0.5)
+
+
+WORKER = r"""
+import json, sys
+import torch
+import cxlalloc.hf as hf
+from tests.kvstore.kvutil import generate, prompts, tiny_llama
+
+url, which = sys.argv[1], int(sys.argv[2])
+m = tiny_llama()
+hf.wrap(m, device_limit="256MiB", host_limit="512MiB", kv_store=url, block_tokens=8)
+out, r = generate(m, prompts()[which])
+ref = tiny_llama().generate(prompts()[which], max_new_tokens=8, do_sample=False)
+print(json.dumps({"same": bool(torch.equal(out, ref)), "hit_tokens": r["last"]["hit_tokens"],
+                  "lower_hit_blocks": r["store"]["lower_hit_blocks"], "put": r["store"]["lower_put_blocks"]}))
+"""  # exits without unwrap(): what is queued for Redis is sent at interpreter exit
+
+
+def test_two_processes_share_through_an_in_process_redis_tier(redis_server):
+    """Worker A, then worker B, each with ``kv_store="redis://..."`` (an
+    in-process store over one Redis): A's committed blocks are written through
+    (not only when evicted), so B hits them: 64 of its 75 prompt tokens, same
+    tokens as without reuse.  (Writing only on eviction, B had 0 hits and
+    Redis 0 keys.)"""
+    rs = redis_server()
+
+    def worker(which):
+        p = subprocess.run([sys.executable, "-c", WORKER, rs.url, str(which)], capture_output=True, text=True,
+                           env=subprocess_env(), cwd=ROOT, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    a = worker(0)
+    assert a["same"] and a["hit_tokens"] == 0 and a["put"] >= 8
+    assert len(rs.client().keys("cxlalloc:kv:*")) == a["put"]  # every committed block, sent before A exited
+    b = worker(1)
+    assert b["same"] and b["hit_tokens"] == 64 and b["lower_hit_blocks"] == 8, b
