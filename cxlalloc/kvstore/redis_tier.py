@@ -37,6 +37,13 @@ store the deployment already runs (docs/sources.md#kv-reuse).
   ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``, ``password``, ...) passed through,
   also as URL query options (``rediss://host:6380/0?ssl_ca_certs=/etc/ssl/ca.pem``).
   cxlalloc's own: ``?prefix=...&ttl=SECONDS&queue=SIZE``.
+* **A Cluster** (Redis Cluster / Valkey Cluster): ``redis+cluster://host:port``
+  (``rediss+cluster://`` for TLS), any node as the seed.  Keys are grouped by
+  hash slot and read with one pipeline per primary, in parallel; ``MOVED`` and
+  ``ASK`` are followed, the topology is re-read after a failover or resharding,
+  and a node down is misses for its slots only
+  (:mod:`cxlalloc.kvstore.resp_cluster`).  Values, MACs, the queue and the
+  counters are the same as on one server.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from typing import Dict, List, Optional, Sequence
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from cxlalloc.kvstore.keys import REDIS_PREFIX, namespaced_key, redis_key
+from cxlalloc.kvstore.resp_cluster import ClusterRouter, is_cluster_url, plain_url
 
 log = logging.getLogger("cxlalloc.kvstore.redis")
 
@@ -158,14 +166,17 @@ def redact_url(url: str) -> str:
 
 
 def check_url(url, option: str = "--redis") -> str:
-    """Validate a ``redis://`` / ``rediss://`` URL.
+    """Validate a ``redis://`` / ``rediss://`` URL, or a cluster's
+    ``redis+cluster://`` / ``rediss+cluster://`` (database 0 or none).
 
     Raises:
         ValueError: naming ``option``, for another scheme, no host, or a bad port/db.
     """
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://")):
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "redis+cluster://",
+                                                       "rediss+cluster://")):
         raise ValueError(f"cxlalloc option '{option}': {url!r} is not a Redis URL; use 'redis://host:port/db' "
-                         "or 'rediss://host:port/db' (TLS), with 'user:password@' for AUTH")
+                         "or 'rediss://host:port/db' (TLS), with 'user:password@' for AUTH, or for a Redis/Valkey "
+                         "Cluster 'redis+cluster://host:port' ('rediss+cluster://' for TLS; any node as the seed)")
     try:
         u = urlsplit(url)
         _ = u.port
@@ -177,6 +188,9 @@ def check_url(url, option: str = "--redis") -> str:
     if db and not db.isdigit():
         raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r}: the database must be a number "
                          "('redis://host:port/0')")
+    if db not in ("", "0") and is_cluster_url(url):
+        raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r}: a cluster has database 0 only; use "
+                         "'redis+cluster://host:port'")
     return url
 
 
@@ -203,7 +217,8 @@ class RedisTier:
     """Blocks in Redis/Valkey, written asynchronously, read with checks.
 
     Args:
-        url: ``redis://[user:password@]host:port/db`` or ``rediss://...`` (TLS).
+        url: ``redis://[user:password@]host:port/db`` or ``rediss://...`` (TLS);
+            ``redis+cluster://host:port`` (``rediss+cluster://``) for a Cluster.
         prefix: key prefix (default ``cxlalloc:kv:``).
         ttl: seconds a value lives (``SET ... EX``); None: until Redis evicts it.
         queue_bytes: bytes of blocks waiting to be written; past it puts are dropped.
@@ -262,8 +277,15 @@ class RedisTier:
         kw = dict(socket_timeout=float(timeout), socket_connect_timeout=float(timeout),
                   retry=Retry(NoBackoff(), 0))  # our own backoff; never redis-py's retries on top
         kw.update(redis_kwargs)
+        self._cluster: Optional[ClusterRouter] = None
+        self._r = None
         try:
-            self._r = redis.Redis.from_url(url, **kw)
+            if is_cluster_url(url):
+                kw.pop("retry", None)
+                self._cluster = ClusterRouter(plain_url(url), float(timeout), kw)
+                self.kind = "redis-cluster"
+            else:
+                self._r = redis.Redis.from_url(url, **kw)
         except (ValueError, TypeError) as e:
             raise ValueError(f"cxlalloc option '{option}': {self.url!r}: {e}") from None
         self._cv = threading.Condition()
@@ -344,7 +366,7 @@ class RedisTier:
             return self.config_warnings
         out: List[str] = []
         try:
-            cfg = self._r.config_get("maxmemory*")
+            cfg = (self._cluster or self._r).config_get("maxmemory*")
         except Exception as e:
             if self._is_conn_error(e):
                 return []
@@ -366,10 +388,13 @@ class RedisTier:
 
     def _is_conn_error(self, exc: BaseException) -> bool:
         r = self._redis_mod
-        return isinstance(exc, (r.exceptions.ConnectionError, r.exceptions.TimeoutError, OSError))
+        return isinstance(exc, (r.exceptions.ConnectionError, r.exceptions.TimeoutError, OSError, TimeoutError))
 
     def down(self) -> bool:
-        """True while a recent failure's backoff lasts (reads are misses then)."""
+        """True while a recent failure's backoff lasts (reads are misses then);
+        for a cluster, while no node answers (one node down is not down)."""
+        if self._cluster is not None:
+            return self._cluster.down()
         return time.monotonic() < self._down_until
 
     # ------------------------------------------------------------ writes
@@ -436,6 +461,8 @@ class RedisTier:
                 self.check_config()
 
     def _write(self, batch: List[tuple]) -> None:
+        if self._cluster is not None:
+            return self._write_cluster(batch)
         t0 = time.perf_counter()
         try:
             pipe = self._r.pipeline(transaction=False)
@@ -482,11 +509,59 @@ class RedisTier:
         with self._lock:
             self.c["put_seconds_us"] += int(dt * 1e6)
 
+    def _write_cluster(self, batch: List[tuple]) -> None:
+        """:meth:`_write` on a cluster: per item, stored, refused (counted,
+        dropped) or its node unreachable (put back once, behind the queue, if
+        it fits; dropped on the second failure)."""
+        t0 = time.perf_counter()
+        ex = max(1, int(round(self.ttl))) if self.ttl is not None else None
+        results = self._cluster.set_many([(self._rkey(nskey), value) for nskey, value, *_ in batch], ex)
+        retry = []
+        for item, res in zip(batch, results):
+            value = item[1]
+            with self._lock:
+                if res is True:
+                    self.c["put_blocks"] += 1
+                    self.c["put_bytes"] += len(value) - HEADER_BYTES
+                elif self._is_conn_error(res):
+                    self.c["put_errors"] += 1
+                    self.last_error = f"{type(res).__name__}: {res}"
+                    if len(item) == 2:
+                        retry.append((item[0], item[1], 1))
+                    else:
+                        self.c["dropped_blocks"] += 1
+                else:
+                    text = str(res)
+                    self.c["full_errors" if ("OOM" in text or "maxmemory" in text) else "put_errors"] += 1
+                    self.c["dropped_blocks"] += 1
+                    self.last_error = f"{type(res).__name__}: {text}"
+        if any(r is True for r in results):
+            self._ok()
+        elif results and self._cluster.down():
+            self._failed(ConnectionError(self._cluster.last_error or "no cluster node answers"), "put")
+        if retry:
+            time.sleep(min(0.05, self._cluster.timeout))  # the topology refresh runs meanwhile
+            with self._cv:
+                for item in retry:
+                    if self._q_bytes + len(item[1]) <= self.queue_bytes:
+                        self._q.append(item)
+                        self._q_bytes += len(item[1])
+                    else:
+                        self.c["dropped_blocks"] += 1
+        with self._lock:
+            self.c["put_seconds_us"] += int((time.perf_counter() - t0) * 1e6)
+
     def _refresh_info(self) -> None:
         now = time.monotonic()
         if now - self._info_at < _INFO_EVERY_S or self.down():
             return
         self._info_at = now
+        if self._cluster is not None:
+            info = self._cluster.info()
+            if info:
+                self.info = info
+                self._ok()
+            return
         try:
             mem = self._r.info("memory")
             self.info = {"used_memory": int(mem.get("used_memory", 0)), "maxmemory": int(mem.get("maxmemory", 0)),
@@ -528,6 +603,22 @@ class RedisTier:
             return out
         t0 = time.perf_counter()
         got = nbytes = 0
+        if self._cluster is not None:
+            values = self._cluster.get([self._rkey(k) for k in nskeys])
+            if self._cluster.ready():
+                self._ok()
+            for i, (k, v) in enumerate(zip(nskeys, values)):
+                data = self._checked(k, v)
+                if data is None:
+                    break
+                out[i] = data
+                got += 1
+                nbytes += len(data)
+            with self._lock:
+                self.c["hit_blocks"] += got
+                self.c["hit_bytes"] += nbytes
+                self.c["get_seconds_us"] += int((time.perf_counter() - t0) * 1e6)
+            return out
         try:
             for i in range(0, len(nskeys), self.batch_keys):
                 part = nskeys[i:i + self.batch_keys]
@@ -563,6 +654,21 @@ class RedisTier:
             self.c["get_seconds_us"] += int(dt * 1e6)
         return out
 
+    def _checked(self, k: bytes, v: Optional[bytes]) -> Optional[bytes]:
+        """The block bytes of value ``v`` of namespaced key ``k``, or None
+        (missing; bad or forged: counted)."""
+        problem = value_problem(k, v, self._mac_key)
+        if problem is None:
+            return v[HEADER_BYTES:HEADER_BYTES + _length(v)]
+        if problem != "missing":
+            with self._lock:
+                self.c["forged_values" if problem == "forged" else "bad_values"] += 1
+            if problem == "forged" and not self._warned_forged:
+                self._warned_forged = True
+                log.warning("cxlalloc kv: a Redis value without a valid MAC was refused (key "
+                            "%s...; counted in forged_values; said once)", self._rkey(k)[:40])
+        return None
+
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict:
         """Counters (blocks, bytes, seconds), queue, state; never does I/O.
@@ -596,6 +702,8 @@ class RedisTier:
         out["put_seconds"] = c.get("put_seconds_us", 0) / 1e6
         out["hit_rate"] = out["hit_blocks"] / out["lookup_blocks"] if out["lookup_blocks"] else 0.0
         out["load_seconds_per_block"] = out["get_seconds"] / out["hit_blocks"] if out["hit_blocks"] else None
+        if self._cluster is not None:
+            out["cluster"] = self._cluster.stats()
         return out
 
     def close(self, timeout: float = 2.0) -> None:
@@ -606,7 +714,7 @@ class RedisTier:
             self._cv.notify_all()
         self._writer.join(timeout=timeout + 1.0)
         try:
-            self._r.close()
+            (self._cluster or self._r).close()
         except Exception:
             pass
 

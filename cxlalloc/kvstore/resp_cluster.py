@@ -1,0 +1,447 @@
+"""Cluster addressing for the RESP tier: a Redis/Valkey **Cluster** below a pool.
+
+:class:`ClusterRouter` is what :class:`~cxlalloc.kvstore.redis_tier.RedisTier`
+uses for a ``redis+cluster://`` (``rediss+cluster://``) URL instead of one
+``redis.Redis`` connection.  The cluster protocol itself (node discovery from
+``CLUSTER SLOTS``/``CLUSTER SHARDS``, the slot map, ``MOVED`` slot updates,
+topology refresh, one connection pool per node, TLS/AUTH) is redis-py's
+``RedisCluster`` (its ``NodesManager``); docs/kv-server.md#redis-cluster says why
+redis-py and not valkey-glide.  What is added here is the part redis-py's own
+pipeline does not do for a cache:
+
+* **Grouped by node, pipelined, in parallel.**  A read of N keys is one
+  pipeline of ``GET`` per key per primary (keys grouped by hash slot, slots by
+  owner), the nodes' pipelines running at once; no ``MGET`` across slots
+  (``CROSSSLOT``), no hash tags (a hot prefix is spread over every node).
+  One ``GET`` per key rather than one ``MGET`` per slot: during a slot
+  migration a multi-key ``MGET`` answers ``TRYAGAIN`` when the slot's keys are
+  split between the two nodes; single keys are always served or redirected.
+* **A node down is misses for its slots only.**  redis-py's pipeline raises for
+  the whole batch when one node refuses; here each node's pipeline fails on
+  its own (its keys are misses, counted in ``node_errors``), the others'
+  values are returned, and a node that failed is skipped for a backoff
+  (0.25 s doubling to 10 s) instead of being waited for again.
+* **Never a stall beyond the timeout.**  A node that does not answer within
+  ``timeout`` is left behind: its keys are misses, the call returns.
+* **MOVED and ASK followed.**  ``MOVED`` updates the slot map (redis-py's
+  ``move_slot``) and the key is asked again of the new owner in the same call;
+  ``ASK`` sends ``ASKING`` + ``GET`` to the importing node.  Either also
+  schedules a full topology refresh.
+* **Topology refreshed in the background** after a node error or a redirect
+  (at most every ``REFRESH_MIN_S``): a failover (a replica promoted) or a
+  resharding is learnt without a caller waiting for it.
+
+Values, MACs, the write queue and the counters stay the tier's: this module only
+moves ``GET``/``SET`` to the right nodes.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+log = logging.getLogger("cxlalloc.kvstore.redis")
+
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+REFRESH_MIN_S = 0.5
+_BACKOFF_MIN_S = 0.25
+_BACKOFF_MAX_S = 10.0
+
+
+def is_cluster_url(url: str) -> bool:
+    """True for ``redis+cluster://`` and ``rediss+cluster://`` URLs."""
+    return isinstance(url, str) and url.split("://", 1)[0] in CLUSTER_SCHEMES
+
+
+def plain_url(url: str) -> str:
+    """``redis+cluster://h:p`` -> ``redis://h:p`` (what redis-py parses)."""
+    scheme, rest = url.split("://", 1)
+    return scheme.replace("+cluster", "") + "://" + rest
+
+
+class ClusterRouter:
+    """Reads and writes of single keys spread over a Redis/Valkey Cluster.
+
+    Args:
+        url: the seed node, ``redis://[user:password@]host:port`` (already
+            without ``+cluster``; the database must be 0: a cluster has one).
+        timeout: seconds for each connect, read and write, and the longest a
+            read waits for a node.
+        redis_kwargs: passed to ``redis.RedisCluster`` (AUTH, TLS, ...).
+
+    The ``RedisCluster`` client is made on first use and again after a failure
+    (its constructor connects), so a tier whose cluster is down at start-up
+    still starts; ``ready()`` says whether a slot map is known.
+    """
+
+    def __init__(self, url: str, timeout: float, redis_kwargs: dict):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self._redis = redis
+        self._url = url
+        self.timeout = float(timeout)
+        self._kw = dict(socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
+                        retry=Retry(NoBackoff(), 0), cluster_error_retry_attempts=1,
+                        require_full_coverage=False)
+        self._kw.update(redis_kwargs)
+        self._rc = None
+        self._rc_lock = threading.Lock()
+        self._rc_next_try = 0.0
+        self._rc_backoff = _BACKOFF_MIN_S
+        self._refresh_at = 0.0          # earliest next background refresh
+        self._refreshing = False
+        self._lock = threading.Lock()
+        self._node_down: Dict[str, float] = {}  # node name -> down until (monotonic)
+        self._node_backoff: Dict[str, float] = {}
+        self.c = collections.Counter()
+        self._pool = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="cxlalloc-redis-cluster")
+        self._closed = False
+
+    # ------------------------------------------------------------ topology
+    def client(self):
+        """The ``RedisCluster`` (made now if needed); None while no seed answers.
+
+        Raises nothing: a failure to reach the cluster is counted
+        (``topology_errors``) and retried after a backoff."""
+        rc = self._rc
+        if rc is not None:
+            return rc
+        with self._rc_lock:
+            if self._rc is not None:
+                return self._rc
+            now = time.monotonic()
+            if now < self._rc_next_try or self._closed:
+                return None
+            try:
+                self._rc = self._redis.RedisCluster.from_url(self._url, **self._kw)
+                self._rc_backoff = _BACKOFF_MIN_S
+            except (ValueError, TypeError):
+                raise
+            except Exception as e:
+                self.c["topology_errors"] += 1
+                self.last_error = f"{type(e).__name__}: {e}"
+                self._rc_next_try = now + self._rc_backoff
+                self._rc_backoff = min(self._rc_backoff * 2, _BACKOFF_MAX_S)
+                return None
+            return self._rc
+
+    last_error: Optional[str] = None
+
+    def ready(self) -> bool:
+        """True once a slot map is known."""
+        return self._rc is not None
+
+    def down(self) -> bool:
+        """True while no seed node answered (within the backoff): every key is a miss."""
+        return self._rc is None and time.monotonic() < self._rc_next_try
+
+    def refresh_soon(self) -> None:
+        """Re-read the topology in the background (at most every REFRESH_MIN_S)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._refreshing or now < self._refresh_at or self._rc is None or self._closed:
+                return
+            self._refreshing = True
+            self._refresh_at = now + REFRESH_MIN_S
+        try:
+            self._pool.submit(self._refresh)
+        except RuntimeError:  # closed
+            with self._lock:
+                self._refreshing = False
+
+    def _refresh(self) -> None:
+        rc = self._rc
+        try:
+            if rc is not None:
+                rc.nodes_manager.initialize()
+                self.c["topology_refreshes"] += 1
+        except Exception as e:
+            self.c["topology_errors"] += 1
+            self.last_error = f"{type(e).__name__}: {e}"
+        finally:
+            with self._lock:
+                self._refreshing = False
+
+    def _node_ok(self, name: str) -> None:
+        if name in self._node_down:
+            with self._lock:
+                self._node_down.pop(name, None)
+                self._node_backoff.pop(name, None)
+
+    def _node_failed(self, name: str, exc: BaseException) -> None:
+        with self._lock:
+            b = self._node_backoff.get(name, _BACKOFF_MIN_S)
+            self._node_down[name] = time.monotonic() + b
+            self._node_backoff[name] = min(b * 2, _BACKOFF_MAX_S)
+            self.c["node_errors"] += 1
+            self.last_error = f"{name}: {type(exc).__name__}: {exc}"
+        self.refresh_soon()
+
+    def _is_down(self, name: str) -> bool:
+        until = self._node_down.get(name)
+        return until is not None and time.monotonic() < until
+
+    def _group(self, rc, rkeys: Sequence[str]) -> Tuple[Dict[str, tuple], List[int]]:
+        """{node name: (node, [indices])} for the keys' primaries; indices of
+        keys whose slot no node covers or whose node is in its backoff."""
+        nm = rc.nodes_manager
+        by_node: Dict[str, tuple] = {}
+        skipped: List[int] = []
+        for i, k in enumerate(rkeys):
+            try:
+                node = nm.get_node_from_slot(rc.keyslot(k))
+            except Exception:
+                skipped.append(i)
+                continue
+            if self._is_down(node.name):
+                skipped.append(i)
+                continue
+            ent = by_node.get(node.name)
+            if ent is None:
+                by_node[node.name] = ent = (node, [])
+            ent[1].append(i)
+        return by_node, skipped
+
+    # ------------------------------------------------------------ per node
+    def _run_node(self, rc, node, ops: List[tuple]) -> list:
+        """One pipeline on ``node``: ops are ("get", key) / ("set", key, value, ex)
+        / ("askget", key); results in order (values or exceptions)."""
+        r = rc.get_redis_connection(node)
+        pipe = r.pipeline(transaction=False)
+        for op in ops:
+            if op[0] == "get":
+                pipe.execute_command("GET", op[1])
+            elif op[0] == "askget":
+                pipe.execute_command("ASKING")
+                pipe.execute_command("GET", op[1])
+            elif op[0] == "askset":
+                pipe.execute_command("ASKING")
+                pipe.set(op[1], op[2], ex=op[3])
+            else:
+                pipe.set(op[1], op[2], ex=op[3])
+        res = pipe.execute(raise_on_error=False)
+        if any(op[0] in ("askget", "askset") for op in ops):
+            out, j = [], 0
+            for op in ops:
+                if op[0] in ("askget", "askset"):
+                    j += 1  # ASKING's +OK
+                out.append(res[j])
+                j += 1
+            return out
+        return res
+
+    def _fan_out(self, rc, jobs: Dict[str, tuple]) -> Dict[str, object]:
+        """Run {name: (node, ops)} at once; {name: results list or exception};
+        a node not done within the timeout maps to TimeoutError."""
+        if len(jobs) == 1:
+            (name, (node, ops)), = jobs.items()
+            try:
+                return {name: self._run_node(rc, node, ops)}
+            except Exception as e:
+                return {name: e}
+        futs = {self._pool.submit(self._run_node, rc, node, ops): name for name, (node, ops) in jobs.items()}
+        done, _ = cf.wait(futs, timeout=self.timeout + 0.05)
+        out: Dict[str, object] = {}
+        for f, name in futs.items():
+            if f in done:
+                exc = f.exception()
+                out[name] = exc if exc is not None else f.result()
+            else:
+                out[name] = TimeoutError(f"no answer within {self.timeout:g} s")
+        return out
+
+    def _is_conn_error(self, exc: BaseException) -> bool:
+        r = self._redis
+        return isinstance(exc, (r.exceptions.ConnectionError, r.exceptions.TimeoutError, OSError, TimeoutError))
+
+    # ------------------------------------------------------------ API
+    def get(self, rkeys: Sequence[str]) -> List[Optional[bytes]]:
+        """The values of ``rkeys`` (None: missing, or its node down / not
+        answering / redirected twice).  Raises nothing."""
+        out: List[Optional[bytes]] = [None] * len(rkeys)
+        rc = self.client()
+        if rc is None:
+            self.c["skipped_keys"] += len(rkeys)
+            return out
+        by_node, skipped = self._group(rc, rkeys)
+        self.c["skipped_keys"] += len(skipped)
+        todo = {name: (node, [("get", rkeys[i]) for i in idx]) for name, (node, idx) in by_node.items()}
+        where = {name: idx for name, (node, idx) in by_node.items()}
+        for _attempt in range(2):  # the first round, and one for the redirected keys
+            if not todo:
+                break
+            self.c["node_pipelines"] += len(todo)
+            results = self._fan_out(rc, todo)
+            again: Dict[str, tuple] = {}
+            again_where: Dict[str, List[int]] = {}
+            for name, res in results.items():
+                if isinstance(res, BaseException):
+                    self._node_failed(name, res)
+                    self.c["node_error_keys"] += len(where[name])
+                    continue
+                self._node_ok(name)
+                for i, v in zip(where[name], res):
+                    if isinstance(v, BaseException):
+                        tgt = self._redirect(rc, v)
+                        if tgt is None:
+                            self.c["key_errors"] += 1
+                            continue
+                        node, kind = tgt
+                        ent = again.setdefault(node.name, (node, []))
+                        ent[1].append((kind + "get", rkeys[i]) if kind == "ask" else ("get", rkeys[i]))
+                        again_where.setdefault(node.name, []).append(i)
+                    else:
+                        out[i] = v
+            todo, where = again, again_where
+        return out
+
+    def _redirect(self, rc, exc):
+        """(node, "moved"|"ask") for a MOVED/ASK reply (the slot map updated
+        for MOVED, a refresh scheduled); None for another error."""
+        ex = self._redis.exceptions
+        if isinstance(exc, ex.MovedError):
+            self.c["moved"] += 1
+            try:
+                rc.nodes_manager.move_slot(exc)
+            except Exception:
+                pass
+            self.refresh_soon()
+            node = rc.nodes_manager.get_node(host=exc.host, port=exc.port)
+            if node is None:
+                return None
+            return node, "moved"
+        if isinstance(exc, ex.AskError):
+            self.c["ask"] += 1
+            node = rc.nodes_manager.get_node(host=exc.host, port=exc.port)
+            if node is None:
+                from redis.cluster import PRIMARY, ClusterNode
+
+                node = ClusterNode(exc.host, exc.port, PRIMARY)
+                node.redis_connection = None
+                try:
+                    rc.nodes_manager.nodes_cache[node.name] = node
+                    rc.nodes_manager.create_redis_connections([node])
+                except Exception:
+                    return None
+            self.refresh_soon()
+            return node, "ask"
+        if isinstance(exc, (ex.ClusterDownError, ex.TryAgainError)):
+            self.refresh_soon()
+        return None
+
+    def set_many(self, items: Sequence[Tuple[str, bytes]], ex: Optional[int]) -> List[object]:
+        """``SET`` each (key, value) (``EX ex`` when given) on its primary.
+        Returns per item: True (stored), a ``redis`` ResponseError (refused:
+        OOM and the like), or a connection error / TimeoutError (its node is
+        down or not answering: the caller may retry later).  Raises nothing."""
+        out: List[object] = [None] * len(items)
+        rc = self.client()
+        if rc is None:
+            e = self._redis.exceptions.ConnectionError(self.last_error or "no cluster node answers")
+            return [e] * len(items)
+        keys = [k for k, _ in items]
+        by_node, skipped = self._group(rc, keys)
+        for i in skipped:
+            out[i] = self._redis.exceptions.ConnectionError("its node is down (backoff) or its slot uncovered")
+        todo = {name: (node, [("set", items[i][0], items[i][1], ex) for i in idx])
+                for name, (node, idx) in by_node.items()}
+        where = {name: idx for name, (node, idx) in by_node.items()}
+        for attempt in range(2):
+            if not todo:
+                break
+            results = self._fan_out(rc, todo)
+            again: Dict[str, tuple] = {}
+            again_where: Dict[str, List[int]] = {}
+            for name, res in results.items():
+                if isinstance(res, BaseException):
+                    self._node_failed(name, res)
+                    for i in where[name]:
+                        out[i] = res
+                    continue
+                self._node_ok(name)
+                for i, v in zip(where[name], res):
+                    if isinstance(v, BaseException):
+                        tgt = self._redirect(rc, v) if attempt == 0 else None
+                        if tgt is None:
+                            out[i] = v
+                            continue
+                        node, kind = tgt
+                        again.setdefault(node.name, (node, []))[1].append(
+                            ("askset" if kind == "ask" else "set", items[i][0], items[i][1], ex))
+                        again_where.setdefault(node.name, []).append(i)
+                    else:
+                        out[i] = True
+            todo, where = again, again_where
+        return out
+
+    def info(self) -> Dict[str, int]:
+        """Memory of the primaries summed: used_memory, maxmemory (0 if any has
+        none), and the policy of the first; {} when unreachable."""
+        rc = self.client()
+        if rc is None:
+            return {}
+        used = cap = 0
+        unlimited = False
+        policy = None
+        for node in rc.get_primaries():
+            if self._is_down(node.name):
+                continue
+            try:
+                mem = rc.get_redis_connection(node).info("memory")
+            except Exception as e:
+                if self._is_conn_error(e):
+                    self._node_failed(node.name, e)
+                continue
+            used += int(mem.get("used_memory", 0))
+            m = int(mem.get("maxmemory", 0))
+            unlimited |= m == 0
+            cap += m
+            policy = policy or mem.get("maxmemory_policy")
+        return {"used_memory": used, "maxmemory": 0 if unlimited else cap, "maxmemory_policy": policy}
+
+    def config_get(self, pattern: str) -> dict:
+        """``CONFIG GET`` of one primary (raises as redis-py does)."""
+        rc = self.client()
+        if rc is None:
+            raise self._redis.exceptions.ConnectionError(self.last_error or "no cluster node answers")
+        node = rc.get_primaries()[0]
+        return rc.get_redis_connection(node).config_get(pattern)
+
+    def stats(self) -> dict:
+        """``nodes``, ``primaries``, ``slots_covered``, ``nodes_down`` and the
+        counters (``node_errors``, ``node_error_keys``, ``moved``, ``ask``,
+        ``topology_refreshes``, ``topology_errors``, ``skipped_keys``,
+        ``key_errors``, ``node_pipelines``); never does I/O."""
+        rc = self._rc
+        out = {k: int(self.c.get(k, 0)) for k in (
+            "node_errors", "node_error_keys", "moved", "ask", "topology_refreshes", "topology_errors",
+            "skipped_keys", "key_errors", "node_pipelines")}
+        now = time.monotonic()
+        with self._lock:
+            out["nodes_down"] = sorted(n for n, t in self._node_down.items() if t > now)
+        if rc is not None:
+            nm = rc.nodes_manager
+            try:
+                out["nodes"] = len(nm.nodes_cache)
+                out["primaries"] = len({v[0].name for v in nm.slots_cache.values() if v})
+                out["slots_covered"] = sum(1 for v in nm.slots_cache.values() if v)
+            except Exception:
+                pass
+        return out
+
+    def close(self) -> None:
+        """Close every node's connections and stop the worker threads."""
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        rc = self._rc
+        if rc is not None:
+            try:
+                rc.close()
+            except Exception:
+                pass
