@@ -87,7 +87,7 @@ class ClusterRouter:
         self._url = url
         self.timeout = float(timeout)
         self._kw = dict(socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
-                        retry=Retry(NoBackoff(), 0), cluster_error_retry_attempts=1,
+                        retry=Retry(NoBackoff(), 0),
                         require_full_coverage=False)
         self._kw.update(redis_kwargs)
         self._rc = None
@@ -124,6 +124,14 @@ class ClusterRouter:
             except (ValueError, TypeError):
                 raise
             except Exception as e:
+                if "cluster" in str(e).lower() and "not enabled" in str(e).lower() or "support disabled" in str(e):
+                    # One server without cluster mode: the same tier, every slot on it.
+                    self._rc = _Standalone(self._redis, self._url, self._kw)
+                    self.standalone = True
+                    log.warning("cxlalloc kv: %s is one server, not a cluster node (cluster mode not enabled): "
+                                "used as one node (the URL for one server is 'redis://host:port/0')",
+                                self._url.split("@")[-1])
+                    return self._rc
                 self.c["topology_errors"] += 1
                 self.last_error = f"{type(e).__name__}: {e}"
                 self._rc_next_try = now + self._rc_backoff
@@ -132,6 +140,7 @@ class ClusterRouter:
             return self._rc
 
     last_error: Optional[str] = None
+    standalone = False
 
     def ready(self) -> bool:
         """True once a slot map is known."""
@@ -143,6 +152,8 @@ class ClusterRouter:
 
     def refresh_soon(self) -> None:
         """Re-read the topology in the background (at most every REFRESH_MIN_S)."""
+        if self.standalone:
+            return
         now = time.monotonic()
         with self._lock:
             if self._refreshing or now < self._refresh_at or self._rc is None or self._closed:
@@ -190,6 +201,10 @@ class ClusterRouter:
     def _group(self, rc, rkeys: Sequence[str]) -> Tuple[Dict[str, tuple], List[int]]:
         """{node name: (node, [indices])} for the keys' primaries; indices of
         keys whose slot no node covers or whose node is in its backoff."""
+        if self.standalone:
+            if self._is_down(rc.node.name):
+                return {}, list(range(len(rkeys)))
+            return {rc.node.name: (rc.node, list(range(len(rkeys))))}, []
         nm = rc.nodes_manager
         by_node: Dict[str, tuple] = {}
         skipped: List[int] = []
@@ -389,7 +404,7 @@ class ClusterRouter:
         used = cap = 0
         unlimited = False
         policy = None
-        for node in rc.get_primaries():
+        for node in ([rc.node] if self.standalone else rc.get_primaries()):
             if self._is_down(node.name):
                 continue
             try:
@@ -410,7 +425,7 @@ class ClusterRouter:
         rc = self.client()
         if rc is None:
             raise self._redis.exceptions.ConnectionError(self.last_error or "no cluster node answers")
-        node = rc.get_primaries()[0]
+        node = rc.node if self.standalone else rc.get_primaries()[0]
         return rc.get_redis_connection(node).config_get(pattern)
 
     def stats(self) -> dict:
@@ -425,7 +440,9 @@ class ClusterRouter:
         now = time.monotonic()
         with self._lock:
             out["nodes_down"] = sorted(n for n, t in self._node_down.items() if t > now)
-        if rc is not None:
+        if rc is not None and self.standalone:
+            out.update(nodes=1, primaries=1, slots_covered=16384, standalone=True)
+        elif rc is not None:
             nm = rc.nodes_manager
             try:
                 out["nodes"] = len(nm.nodes_cache)
@@ -445,3 +462,21 @@ class ClusterRouter:
                 rc.close()
             except Exception:
                 pass
+
+
+class _Standalone:
+    """A one-server stand-in for ``RedisCluster`` (``node``, ``get_redis_connection``, ``close``)."""
+
+    def __init__(self, redis_mod, url: str, kw: dict):
+        from redis.cluster import PRIMARY, ClusterNode
+
+        kw = {k: v for k, v in kw.items() if k not in ("require_full_coverage",)}
+        r = redis_mod.Redis.from_url(url, **kw)
+        ck = r.connection_pool.connection_kwargs
+        self.node = ClusterNode(ck.get("host", "?"), ck.get("port", 0), PRIMARY, redis_connection=r)
+
+    def get_redis_connection(self, node):
+        return node.redis_connection
+
+    def close(self) -> None:
+        self.node.redis_connection.close()
