@@ -9,9 +9,10 @@ topology refresh, one connection pool per node, TLS/AUTH) is redis-py's
 redis-py and not valkey-glide.  What is added here is the part redis-py's own
 pipeline does not do for a cache:
 
-* **Grouped by node, pipelined, in parallel.**  A read of N keys is one
+* **Grouped by node, pipelined, at once.**  A read of N keys is one
   pipeline of ``GET`` per key per primary (keys grouped by hash slot, slots by
-  owner), the nodes' pipelines running at once; no ``MGET`` across slots
+  owner); every node's pipeline is written before any reply is read, so the
+  nodes work at the same time (one thread, no hand-off); no ``MGET`` across slots
   (``CROSSSLOT``), no hash tags (a hot prefix is spread over every node).
   One ``GET`` per key rather than one ``MGET`` per slot: during a slot
   migration a multi-key ``MGET`` answers ``TRYAGAIN`` when the slot's keys are
@@ -21,8 +22,9 @@ pipeline does not do for a cache:
   its own (its keys are misses, counted in ``node_errors``), the others'
   values are returned, and a node that failed is skipped for a backoff
   (0.25 s doubling to 10 s) instead of being waited for again.
-* **Never a stall beyond the timeout.**  A node that does not answer within
-  ``timeout`` is left behind: its keys are misses, the call returns.
+* **Never a stall beyond the timeout.**  One deadline (``timeout``) covers
+  the whole call: a node that has not answered by then is left behind (its
+  connection dropped), its keys are misses, the call returns.
 * **MOVED and ASK followed.**  ``MOVED`` updates the slot map (redis-py's
   ``move_slot``) and the key is asked again of the new owner in the same call;
   ``ASK`` sends ``ASKING`` + ``GET`` to the importing node.  Either also
@@ -100,7 +102,7 @@ class ClusterRouter:
         self._node_down: Dict[str, float] = {}  # node name -> down until (monotonic)
         self._node_backoff: Dict[str, float] = {}
         self.c = collections.Counter()
-        self._pool = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="cxlalloc-redis-cluster")
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cxlalloc-redis-topology")
         self._closed = False
 
     # ------------------------------------------------------------ topology
@@ -216,6 +218,7 @@ class ClusterRouter:
                 continue
             if self._is_down(node.name):
                 skipped.append(i)
+                self.refresh_soon()
                 continue
             ent = by_node.get(node.name)
             if ent is None:
@@ -224,51 +227,71 @@ class ClusterRouter:
         return by_node, skipped
 
     # ------------------------------------------------------------ per node
-    def _run_node(self, rc, node, ops: List[tuple]) -> list:
-        """One pipeline on ``node``: ops are ("get", key) / ("set", key, value, ex)
-        / ("askget", key); results in order (values or exceptions)."""
-        r = rc.get_redis_connection(node)
-        pipe = r.pipeline(transaction=False)
+    @staticmethod
+    def _commands(ops: List[tuple]) -> Tuple[List[tuple], List[int]]:
+        """The RESP commands of ``ops`` (("get", key) / ("set", key, value, ex)
+        / "ask*" variants preceded by ASKING) and the index of each op's reply."""
+        cmds: List[tuple] = []
+        at: List[int] = []
         for op in ops:
-            if op[0] == "get":
-                pipe.execute_command("GET", op[1])
-            elif op[0] == "askget":
-                pipe.execute_command("ASKING")
-                pipe.execute_command("GET", op[1])
-            elif op[0] == "askset":
-                pipe.execute_command("ASKING")
-                pipe.set(op[1], op[2], ex=op[3])
+            if op[0].startswith("ask"):
+                cmds.append(("ASKING",))
+            if op[0].endswith("get"):
+                cmds.append(("GET", op[1]))
             else:
-                pipe.set(op[1], op[2], ex=op[3])
-        res = pipe.execute(raise_on_error=False)
-        if any(op[0] in ("askget", "askset") for op in ops):
-            out, j = [], 0
-            for op in ops:
-                if op[0] in ("askget", "askset"):
-                    j += 1  # ASKING's +OK
-                out.append(res[j])
-                j += 1
-            return out
-        return res
+                cmds.append(("SET", op[1], op[2]) + (("EX", op[3]) if op[3] is not None else ()))
+            at.append(len(cmds) - 1)
+        return cmds, at
 
     def _fan_out(self, rc, jobs: Dict[str, tuple]) -> Dict[str, object]:
-        """Run {name: (node, ops)} at once; {name: results list or exception};
-        a node not done within the timeout maps to TimeoutError."""
-        if len(jobs) == 1:
-            (name, (node, ops)), = jobs.items()
-            try:
-                return {name: self._run_node(rc, node, ops)}
-            except Exception as e:
-                return {name: e}
-        futs = {self._pool.submit(self._run_node, rc, node, ops): name for name, (node, ops) in jobs.items()}
-        done, _ = cf.wait(futs, timeout=self.timeout + 0.05)
+        """Run {name: (node, ops)}: every node's pipeline is written first,
+        then the replies are read, all within one deadline (``timeout`` from
+        the start), so the nodes work at once and a node that does not answer
+        costs at most the rest of that deadline.  Returns {name: [reply or
+        exception per op]} or {name: exception} for a node that failed."""
+        r_exc = self._redis.exceptions
+        deadline = time.monotonic() + self.timeout
+        sent: List[tuple] = []
         out: Dict[str, object] = {}
-        for f, name in futs.items():
-            if f in done:
-                exc = f.exception()
-                out[name] = exc if exc is not None else f.result()
-            else:
-                out[name] = TimeoutError(f"no answer within {self.timeout:g} s")
+        try:
+            for name, (node, ops) in jobs.items():
+                cmds, at = self._commands(ops)
+                pool = rc.get_redis_connection(node).connection_pool
+                conn = None
+                try:
+                    conn = pool.get_connection()
+                    conn.send_packed_command(conn.pack_commands(cmds))
+                except Exception as e:
+                    if conn is not None:
+                        conn.disconnect()
+                        pool.release(conn)
+                    out[name] = e
+                    continue
+                sent.append((name, pool, conn, cmds, at))
+            for name, pool, conn, cmds, at in sent:
+                replies: List[object] = []
+                try:
+                    for _ in cmds:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise TimeoutError(f"no answer within {self.timeout:g} s")
+                        try:
+                            replies.append(conn.read_response(timeout=left))
+                        except r_exc.ResponseError as e:  # MOVED, ASK, OOM, ...: this command only
+                            replies.append(e)
+                except Exception as e:
+                    conn.disconnect()  # replies may still be in flight: never reuse it
+                    out[name] = e
+                else:
+                    out[name] = [replies[i] for i in at]
+                finally:
+                    pool.release(conn)
+        except BaseException:
+            for name, pool, conn, cmds, at in sent:
+                if name not in out:
+                    conn.disconnect()
+                    pool.release(conn)
+            raise
         return out
 
     def _is_conn_error(self, exc: BaseException) -> bool:

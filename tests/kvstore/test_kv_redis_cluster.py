@@ -172,16 +172,16 @@ def test_a_slot_migrated_mid_run_ask_then_moved(redis_cluster):
         d.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", c.node_id(src))
         s.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", c.node_id(dst))
         s.execute_command("MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS", rk0)  # k0 now on dst only
-        assert t.get_many([k0]) == [_data(0)]  # ASK followed (ASKING + GET on the importing node)
-        assert t.stats()["cluster"]["ask"] >= 1
+        assert t.get_many([k0]) == [_data(0)], t.stats()  # ASK followed (ASKING + GET on the importing node)
+        assert t.stats()["cluster"]["ask"] >= 1, t.stats()
         c.migrate_slot(slot, dst)  # the rest, then SETSLOT NODE on both
         c.wait_ok()
-        assert t.get_many(keys) == [_data(i) for i in range(64)]  # MOVED followed
+        assert t.get_many(keys) == [_data(i) for i in range(64)], t.stats()  # MOVED followed
         st = t.stats()["cluster"]
-        assert st["moved"] >= 1
+        assert st["moved"] >= 1, st
         stop.set()
         th.join(10)
-        assert not wrong and reads[0] > 0 and t.stats()["bad_values"] == 0
+        assert not wrong and reads[0] > 0 and t.stats()["bad_values"] == 0, (wrong, reads, t.stats())
         t.put(k0, "", _data(7))  # writes go to the new owner too
         assert t.flush(10) and d.get(rk0) is not None and s.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
     finally:
