@@ -187,7 +187,7 @@ class LocalBlockStore(AccountedStore):
         lower = self.lower
         if lower is None:
             return
-        lower.put(e.key, e.ns, self._view(e).numpy().tobytes())
+        lower.put(e.key, e.ns, self._view(e).numpy().tobytes(), tokens=e.tokens)
         self.counters.add("lower_put_blocks", 1)
 
     # ------------------------------------------------------------ reads
@@ -203,20 +203,24 @@ class LocalBlockStore(AccountedStore):
         return Lease(self, entries, owner, [self._view(e) for e in entries])
 
     def _from_lower(self, ns: str, keys: List[bytes], owner) -> List[Entry]:
-        got = []
-        for data in self.lower.get_many(keys, ns=ns):
-            if data is None:
+        got, toks = [], []
+        with_tokens = getattr(self.lower, "get_many_tokens", None)
+        for v in (with_tokens(keys, ns=ns) if with_tokens else self.lower.get_many(keys, ns=ns)):
+            if v is None:
                 break
+            data, tok = v if with_tokens else (v, 0)
             got.append(data)
+            toks.append(tok)
         if not got:
             return []
         out = []
         with self._lock:
             slots = self.index.reserve(keys[:len(got)], len(got[0]), ns, owner)
-        for e, data in zip(slots, got):
+        for e, data, tok in zip(slots, got, toks):
             if e is None or len(data) != e.nbytes:
                 break
             self._view(e).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            e.tokens = tok  # recorded in the value (0 for values written without it)
             out.append(e)
         with self._lock:
             self.index.publish(out, owner)

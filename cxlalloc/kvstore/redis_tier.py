@@ -73,6 +73,9 @@ _VERSION = 1
 _HEADER = struct.Struct("!4sHH32sQI")  # magic, version, flags, namespaced key, nbytes, crc32
 HEADER_BYTES = _HEADER.size
 FLAG_MAC = 1  # a MAC_BYTES keyed BLAKE2b of header + bytes follows the bytes
+# flags >> 1: the tokens the block holds (0 = not recorded: values of older versions), so a block restored from
+# Redis reports its tokens in hit_tokens; readers that know only FLAG_MAC ignore these bits.
+MAX_TOKENS = 0x7FFF
 MAC_BYTES = 32
 MIN_KEY_BYTES = 16
 _BACKOFF_MIN_S = 0.25
@@ -88,10 +91,13 @@ def _mac(mac_key: bytes, header: bytes, data) -> bytes:
     return h.digest()
 
 
-def pack_value(nskey: bytes, data, mac_key: Optional[bytes] = None) -> bytes:
-    """The Redis value of block ``nskey``: header, bytes, and with ``mac_key`` a MAC."""
+def pack_value(nskey: bytes, data, mac_key: Optional[bytes] = None, tokens: int = 0) -> bytes:
+    """The Redis value of block ``nskey``: header, bytes, and with ``mac_key`` a MAC.
+    ``tokens`` (0 to 32767; the tokens the block holds) rides in the header's
+    flags (covered by the MAC); :func:`value_tokens` reads it back."""
     data = bytes(data)
-    header = _HEADER.pack(_MAGIC, _VERSION, FLAG_MAC if mac_key else 0, nskey, len(data), zlib.crc32(data))
+    flags = (FLAG_MAC if mac_key else 0) | (min(max(int(tokens), 0), MAX_TOKENS) << 1)
+    header = _HEADER.pack(_MAGIC, _VERSION, flags, nskey, len(data), zlib.crc32(data))
     return header + data + (_mac(mac_key, header, data) if mac_key else b"")
 
 
@@ -104,6 +110,11 @@ def unpack_value(nskey: bytes, value: Optional[bytes], mac_key: Optional[bytes] 
 
 def _length(value: bytes) -> int:
     return _HEADER.unpack_from(value)[4]
+
+
+def value_tokens(value: bytes) -> int:
+    """The tokens recorded in a sound value's header (0: not recorded)."""
+    return _HEADER.unpack_from(value)[2] >> 1
 
 
 def value_problem(nskey: bytes, value: Optional[bytes], mac_key: Optional[bytes] = None) -> Optional[str]:
@@ -398,14 +409,15 @@ class RedisTier:
         return time.monotonic() < self._down_until
 
     # ------------------------------------------------------------ writes
-    def put(self, key: bytes, ns: str, data) -> bool:
-        """Queue block ``key`` of namespace ``ns``; False when dropped (queue full or closed)."""
-        return self.put_ns(namespaced_key(ns, key), data)
+    def put(self, key: bytes, ns: str, data, tokens: int = 0) -> bool:
+        """Queue block ``key`` of namespace ``ns`` (holding ``tokens`` tokens,
+        recorded in the value's header); False when dropped (queue full or closed)."""
+        return self.put_ns(namespaced_key(ns, key), data, tokens)
 
-    def put_ns(self, nskey: bytes, data) -> bool:
+    def put_ns(self, nskey: bytes, data, tokens: int = 0) -> bool:
         """:meth:`put` by namespaced key.  ``data`` must not change after the
         call (pass bytes: the pool slot may be reused at once)."""
-        value = pack_value(nskey, data, self._mac_key)
+        value = pack_value(nskey, data, self._mac_key, tokens)
         with self._cv:
             if self._closed or self._q_bytes + len(value) > self.queue_bytes:
                 self.c["dropped_blocks"] += 1
@@ -591,7 +603,16 @@ class RedisTier:
 
     def get_many_ns(self, nskeys: Sequence[bytes]) -> List[Optional[bytes]]:
         """:meth:`get_many` by namespaced keys."""
-        out: List[Optional[bytes]] = [None] * len(nskeys)
+        return [None if v is None else v[0] for v in self.get_many_ns_tokens(nskeys)]
+
+    def get_many_tokens(self, keys: Sequence[bytes], ns: str = "") -> List[Optional[tuple]]:
+        """:meth:`get_many` with each block's recorded tokens: ``(bytes,
+        tokens)`` or None (tokens 0: written without them)."""
+        return self.get_many_ns_tokens([namespaced_key(ns, k) for k in keys])
+
+    def get_many_ns_tokens(self, nskeys: Sequence[bytes]) -> List[Optional[tuple]]:
+        """:meth:`get_many_tokens` by namespaced keys."""
+        out: List[Optional[tuple]] = [None] * len(nskeys)
         if not nskeys:
             return out
         with self._lock:
@@ -611,7 +632,7 @@ class RedisTier:
                 data = self._checked(k, v)
                 if data is None:
                     break
-                out[i] = data
+                out[i] = (data, value_tokens(v))
                 got += 1
                 nbytes += len(data)
             with self._lock:
@@ -637,7 +658,7 @@ class RedisTier:
                         stop = True
                         break
                     data = v[HEADER_BYTES:HEADER_BYTES + _length(v)]
-                    out[i + j] = data
+                    out[i + j] = (data, value_tokens(v))
                     got += 1
                     nbytes += len(data)
                 if stop:

@@ -212,6 +212,7 @@ def test_below_the_server_pool_evicted_blocks_come_back_after_a_restart(redis_se
         assert lease.blocks == 0  # never across namespaces, in Redis either
     s = srv2.stats()
     assert s["pool"]["redis_hit_blocks"] == 8 and s["redis"]["hit_blocks"] == 8
+    assert s["pool"]["hit_tokens"] == 8 * 16  # the tokens written with each block came back from Redis
     with st2.lookup("t", keys[:8]) as lease:  # now in the pool
         assert lease.blocks == 8
     assert srv2.stats()["pool"]["redis_hit_blocks"] == 8
@@ -256,6 +257,7 @@ def test_in_process_store_with_redis_below_identical_tokens(redis_server):
     assert r["last"]["hit_tokens"] >= 32, r["last"]
     assert torch.equal(out, ref.generate(p2, max_new_tokens=8, do_sample=False))
     assert r["store"]["lower_hit_blocks"] >= 4
+    assert r["store"]["hit_tokens"] == 8 * r["store"]["lower_hit_blocks"]  # restored blocks report their tokens
     # unwrap closes the stores the wraps opened from the URL: no Redis writer thread outlives them
     writers = [t for t in threading.enumerate() if t.name == "cxlalloc-redis-writer" and t not in before]
     assert len(writers) == 2
