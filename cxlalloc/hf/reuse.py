@@ -64,7 +64,7 @@ import dataclasses
 import threading
 import time
 import warnings
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -157,6 +157,19 @@ def _env_kv_store() -> Optional[str]:
         return None
 
 
+# Where reused tokens came from, end to end (``tiers`` in the counters and in each CallRecord):
+#   vram_prefix  the model's own kept cache (the previous turn of a conversation): nothing copied
+#   host         an in-process store's host/CXL memory (kv_store=True / "local", the store of "redis://...")
+#   pool         a kv-server's pool (kv_store="unix://...")
+#   remote       the Redis/Valkey tier below either (one server or a Cluster), restored on a miss
+#   store        a store object that does not say (a user's BlockStore)
+TIERS = ("vram_prefix", "host", "pool", "remote", "store")
+
+
+def _tier_counts() -> Dict[str, Dict[str, int]]:
+    return {t: {"blocks": 0, "tokens": 0, "bytes": 0} for t in TIERS}
+
+
 @dataclasses.dataclass
 class CallRecord:
     """What one generate() call reused and stored (``hf.stats(model)["hf"]["reuse"]["last"]``)."""
@@ -175,6 +188,8 @@ class CallRecord:
     fallback: Optional[str] = None  # why a load failed (then the prompt was recomputed)
     namespace: Optional[str] = None
     conversation: bool = False      # the hit came from the previous turn's cache (sub-block reuse)
+    # {tier: {"blocks", "tokens", "bytes"}} of this call's reused tokens (TIERS; tokens sum to reused_tokens)
+    tiers: Dict[str, Dict[str, int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -284,7 +299,7 @@ class PrefixReuse:
                          "skipped_calls": 0, "load_failures": 0, "skipped_inputs": 0, "corrupt_blocks": 0,
                          "fingerprint_changes": 0, "fingerprint_ms": 0.0, "conversation_hits": 0,
                          "conversation_hit_tokens": 0, "conversation_kept": 0, "conversation_too_large": 0,
-                         "conversation_dropped": 0}
+                         "conversation_dropped": 0, "tiers": _tier_counts()}
         self._conv: Optional[_Conversation] = None   # the "last conversation" cache (sub-block reuse)
         self.last: Optional[CallRecord] = None
         self._probe()
@@ -457,6 +472,7 @@ class PrefixReuse:
             cache.reset()
             rec.fallback = f"{type(exc).__name__}: {exc}"
             rec.hit_tokens = rec.bytes_loaded = 0
+            rec.tiers = {}
             with self._lock:
                 self.counters["load_failures"] += 1
             self.store.record_failure()
@@ -464,6 +480,7 @@ class PrefixReuse:
             cache.reset()
             rec.hit_tokens = rec.reused_tokens = rec.bytes_loaded = 0
             rec.load_ms = 0.0
+            rec.tiers = {}
             return self._continue_conversation(call, ids[0], conv_hit, max_cache_len)
         return None
 
@@ -505,6 +522,7 @@ class PrefixReuse:
         rec.hit_tokens = rec.reused_tokens = hit
         rec.conversation = True
         rec.row_hit_tokens = [hit]
+        rec.tiers = {"vram_prefix": {"blocks": 0, "tokens": hit, "bytes": 0}}
         with self._lock:
             self.counters["conversation_hits"] += 1
             self.counters["conversation_hit_tokens"] += hit
@@ -582,7 +600,7 @@ class PrefixReuse:
         root = self.root(call.salt, call.fp)
         ns = call.salt or ""
         L = int(ids.shape[1])
-        leases, hits, corrupt = [], [], []
+        leases, hits, corrupt, leases_tiers = [], [], [], []
         try:
             for r in range(ids.shape[0]):
                 tokens = ids[r, pads[r]:]
@@ -590,6 +608,7 @@ class PrefixReuse:
                 keys = kvkeys.chain_keys(root, tokens, bt, max_blocks=max_blocks)
                 lease = self.store.lookup(ns, keys)
                 leases.append(lease)
+                leases_tiers.append(getattr(lease, "tiers", None) or [("store", lease.blocks)])
                 good = lease.blocks
                 for j, v in enumerate(lease.views):
                     if v.numel() != layout.stored_bytes:
@@ -620,8 +639,33 @@ class PrefixReuse:
         rec.hit_tokens = C
         rec.reused_tokens = sum(max(0, min(h, C - p)) for p, h in zip(pads, hits)) * expand
         rec.bytes_loaded = nbytes
+        rec.tiers = self._attribute(leases_tiers, pads, hits, C, expand, nbytes, rec.reused_tokens)
         rec.load_ms = dt * 1e3
         self.store.record_load(nbytes, dt)
+
+    def _attribute(self, leases_tiers, pads, hits, C, expand, nbytes, reused) -> Dict[str, Dict[str, int]]:
+        """{tier: {"blocks", "tokens", "bytes"}} of the tokens a load reused:
+        row r uses its first ``min(hits[r], C - pads[r])`` tokens, block j of
+        its lease covering tokens [j*bt, (j+1)*bt) and coming from the tier the
+        lease says (in order); tokens times ``expand``; the loaded bytes split
+        in proportion to the tokens."""
+        bt = self.block_tokens
+        out: Dict[str, Dict[str, int]] = {}
+        for tiers, p, h in zip(leases_tiers, pads, hits):
+            used = max(0, min(h, C - p))
+            j = 0
+            for tier, n in tiers:
+                for _ in range(int(n)):
+                    t = max(0, min(bt, used - j * bt))
+                    j += 1
+                    if t <= 0:
+                        continue
+                    d = out.setdefault(tier, {"blocks": 0, "tokens": 0, "bytes": 0})
+                    d["blocks"] += expand
+                    d["tokens"] += t * expand
+        for d in out.values():
+            d["bytes"] = int(nbytes * d["tokens"] / reused) if reused else 0
+        return out
 
     def drop_corrupt(self, ns: str, keys: List[bytes]) -> None:
         """Count blocks whose checksum failed and ask the store to drop them
@@ -705,6 +749,10 @@ class PrefixReuse:
             if rec.hit_tokens:
                 self.counters["calls_with_hit"] += 1
             self.counters["hit_tokens"] += rec.reused_tokens
+            for tier, d in rec.tiers.items():
+                agg = self.counters["tiers"].setdefault(tier, {"blocks": 0, "tokens": 0, "bytes": 0})
+                for k, v in d.items():
+                    agg[k] += v
             self.counters["prompt_tokens"] += rec.prompt_tokens * max(1, rec.rows)
             self.counters["stored_blocks"] += rec.stored_blocks
             self.last = rec
@@ -794,11 +842,14 @@ class PrefixReuse:
 
     def stats(self) -> dict:
         """``{"enabled", "off_reason", "block_tokens", "layout", "namespace",
-        "counters", "last" (CallRecord of the latest call), "conversation"
+        "counters" (with "tiers": {tier: {"blocks", "tokens", "bytes"}} of the
+        reused tokens by where they came from: vram_prefix, host, pool, remote,
+        store; see TIERS), "last" (CallRecord of the latest call), "conversation"
         (``limit_bytes``, ``kept``, ``kept_tokens``, ``kept_bytes``: the last
         conversation's cache), "store" (its stats)}``."""
         with self._lock:
             counters = dict(self.counters)
+            counters["tiers"] = {t: dict(d) for t, d in self.counters["tiers"].items()}
             last = dataclasses.asdict(self.last) if self.last is not None else None
         return {
             "enabled": self.layout is not None,

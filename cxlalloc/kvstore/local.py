@@ -77,8 +77,10 @@ class Lease(ScopedHandle):
     pinned memory on a GPU machine).  Use as a context manager.
     """
 
-    def __init__(self, store, entries: List[Entry], owner, views: List[torch.Tensor]):
+    def __init__(self, store, entries: List[Entry], owner, views: List[torch.Tensor], from_lower: int = 0):
         self._store, self.entries, self._owner, self.views = store, entries, owner, views
+        # Where the blocks came from, in order: this store's host/CXL memory, then the tier below.
+        self.tiers = [("host", len(entries) - from_lower), ("remote", from_lower)]
 
     @property
     def blocks(self) -> int:
@@ -198,9 +200,11 @@ class LocalBlockStore(AccountedStore):
         owner = next(self._owners)
         with self._lock:
             entries = self.index.match(keys, owner)
+        lower = []
         if self.lower is not None and len(entries) < len(keys):
-            entries += self._from_lower(ns, list(keys[len(entries):]), owner)
-        return Lease(self, entries, owner, [self._view(e) for e in entries])
+            lower = self._from_lower(ns, list(keys[len(entries):]), owner)
+            entries += lower
+        return Lease(self, entries, owner, [self._view(e) for e in entries], from_lower=len(lower))
 
     def _from_lower(self, ns: str, keys: List[bytes], owner) -> List[Entry]:
         got, toks = [], []

@@ -216,7 +216,8 @@ class ServerState:
         """The longest stored prefix of ``keys`` in ``ns`` (asking the tier
         below for the rest), pinned for ``cid`` under a new lease.
 
-        Returns ``{"lease": id (0: nothing found), "blocks": [[offset, nbytes, tokens], ...]}``.
+        Returns ``{"lease": id (0: nothing found), "blocks": [[offset, nbytes, tokens], ...],
+        "tier_blocks": how many of the blocks (the last ones) the tier below supplied}``.
 
         Raises:
             protocol.RemoteError: ``limit`` (MAX_LEASES_PER_CLIENT open leases).
@@ -227,15 +228,17 @@ class ServerState:
             if len(o.leases) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open leases; release some")
             entries = self.index.match(ik, o)
+        below = []
         if self.tier is not None and len(entries) < len(ik) and not self.tier.down():
-            entries += self.tier.read_through(ns, ik[len(entries):], o)
+            below = self.tier.read_through(ns, ik[len(entries):], o)
+            entries += below
         if not entries:
             return {"lease": 0, "blocks": []}
         with self.lock:
             lid = o.new_id()
             o.leases[lid] = entries
             self.c["hit_bytes"] += sum(e.nbytes for e in entries)
-        return {"lease": lid, "blocks": [[e.offset, e.nbytes, e.tokens] for e in entries]}
+        return {"lease": lid, "blocks": [[e.offset, e.nbytes, e.tokens] for e in entries], "tier_blocks": len(below)}
 
     def release(self, cid: int, lease_ids: Sequence[int]) -> int:
         """Unpin the leases ``lease_ids`` of ``cid``; returns how many were open."""

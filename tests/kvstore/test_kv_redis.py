@@ -258,6 +258,15 @@ def test_in_process_store_with_redis_below_identical_tokens(redis_server):
     assert torch.equal(out, ref.generate(p2, max_new_tokens=8, do_sample=False))
     assert r["store"]["lower_hit_blocks"] >= 4
     assert r["store"]["hit_tokens"] == 8 * r["store"]["lower_hit_blocks"]  # restored blocks report their tokens
+    # per-tier attribution: every reused token of this call came from the Redis tier below the store
+    last = r["last"]
+    assert set(last["tiers"]) == {"remote"} and last["tiers"]["remote"]["tokens"] == last["reused_tokens"] >= 32
+    assert last["tiers"]["remote"]["bytes"] == last["bytes_loaded"] > 0
+    assert r["counters"]["tiers"]["remote"]["tokens"] == last["reused_tokens"]
+    out, r = generate(b, p2)  # again: the previous turn's cache, kept in the model (no copy)
+    assert torch.equal(out, ref.generate(p2, max_new_tokens=8, do_sample=False))
+    assert r["last"]["tiers"] == {"vram_prefix": {"blocks": 0, "tokens": r["last"]["reused_tokens"], "bytes": 0}}
+    assert r["counters"]["tiers"]["remote"]["tokens"] == last["reused_tokens"]  # unchanged
     # unwrap closes the stores the wraps opened from the URL: no Redis writer thread outlives them
     writers = [t for t in threading.enumerate() if t.name == "cxlalloc-redis-writer" and t not in before]
     assert len(writers) == 2
@@ -293,6 +302,13 @@ def test_kv_server_process_with_redis_write_through_survives_kill_9(redis_server
         time.sleep(0.2)
     assert st["last"]["hit_tokens"] == 64
     assert sp.status()["pool"]["redis_hit_blocks"] >= 8
+    assert st["last"]["tiers"] == {"remote": {"blocks": 8, "tokens": 64, "bytes": st["last"]["bytes_loaded"]}}
+    out, st = generate(m, p2)  # now in the server's pool
+    assert torch.equal(out, ref.generate(p2, max_new_tokens=8, do_sample=False))
+    rt = st["last"]["reused_tokens"]
+    assert rt >= 64 and st["last"]["tiers"] == {"pool": {"blocks": rt // 8, "tokens": rt,
+                                                         "bytes": st["last"]["bytes_loaded"]}}
+    assert st["counters"]["tiers"]["pool"]["tokens"] >= 64 and st["counters"]["tiers"]["remote"]["tokens"] >= 64
 
 
 # ----------------------------------------------------------------- configuration and log volume
