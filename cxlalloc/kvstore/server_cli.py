@@ -339,6 +339,11 @@ def format_status(st: dict) -> str:
                               + (f" ({rd['last_error']})" if rd.get("last_error") and not rd["up"] else "")
                               + f", errors put {rd['put_errors']} get {rd['get_errors']} full {rd['full_errors']}, "
                                 f"bad values {rd['bad_values']}"))
+    src = pool.get("tiers")
+    if src:
+        rows.append(("served by tier", "; ".join(
+            f"{name} {d['blocks']:,} blocks, {format_bytes(d['bytes'])}, {d['tokens']:,} tokens"
+            for name, d in src.items())))
     heads = ("tier", "capacity", "used", "blocks", "hit rate", "loads", "load bytes", "stores", "store bytes",
              "evictions")
     ns = pool.get("namespaces") or {}

@@ -290,4 +290,5 @@ class RedisLink:
             st.index.c.lookup_blocks -= len(keep)
             st.c["redis_hit_blocks"] += len(pinned)
             st.c["redis_hit_bytes"] += sum(e.nbytes for e in pinned)
+            st.c["redis_hit_tokens"] += sum(e.tokens for e in pinned)
         return pinned

@@ -213,9 +213,17 @@ def test_below_the_server_pool_evicted_blocks_come_back_after_a_restart(redis_se
     s = srv2.stats()
     assert s["pool"]["redis_hit_blocks"] == 8 and s["redis"]["hit_blocks"] == 8
     assert s["pool"]["hit_tokens"] == 8 * 16  # the tokens written with each block came back from Redis
+    assert s["pool"]["tiers"] == {"pool": {"blocks": 0, "bytes": 0, "tokens": 0},
+                                  "remote": {"blocks": 8, "bytes": 8 * BLOCK, "tokens": 8 * 16}}
     with st2.lookup("t", keys[:8]) as lease:  # now in the pool
         assert lease.blocks == 8
     assert srv2.stats()["pool"]["redis_hit_blocks"] == 8
+    assert srv2.stats()["pool"]["tiers"]["pool"] == {"blocks": 8, "bytes": 8 * BLOCK, "tokens": 8 * 16}
+    from cxlalloc.kvstore.metrics import render
+
+    text = render(srv2.stats())
+    assert 'cxlalloc_kv_served_tokens_total{source="remote"} 128.0' in text
+    assert 'cxlalloc_kv_served_blocks_total{source="pool"} 8.0' in text
     st2.close()
 
 
