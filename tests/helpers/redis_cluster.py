@@ -189,6 +189,20 @@ class LocalCluster:
             c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
         return moved
 
+    def stop_all(self) -> None:
+        """Kill every node (the whole cluster is gone; :meth:`ensure_running` starts a new one)."""
+        for port in list(self.pids):
+            self.kill(port)
+
+    def ensure_running(self) -> "LocalCluster":
+        """Start a fresh cluster (new ports, empty) when a node is missing and
+        cannot be put back: after :meth:`stop_all`, or a test that failed
+        before restarting what it killed."""
+        if self.pids and all(self.pids.values()) and len(self.alive()) == len(self.pids):
+            return self
+        self.stop()
+        return self.start()
+
     def stop(self) -> None:
         subprocess.run([SCRIPT, "stop", self.workdir], capture_output=True, timeout=60)
         self.pids = {}

@@ -261,3 +261,9 @@ def redis_cluster(tmp_path_factory):
     c = LocalCluster(str(tmp_path_factory.mktemp("redis-cluster"))).start()
     yield c
     c.stop()
+
+
+@pytest.fixture
+def redis_cluster_up(redis_cluster):
+    """The session's cluster, started afresh first if a test took it down."""
+    return redis_cluster.ensure_running()

@@ -43,12 +43,12 @@ def _fill(t, n, ns=""):
     return keys
 
 
-def test_blocks_spread_over_every_primary_and_come_back_in_one_round(redis_cluster):
-    t = RedisTier(redis_cluster.cluster_url, prefix=_prefix(), timeout=1.0)
+def test_blocks_spread_over_every_primary_and_come_back_in_one_round(redis_cluster_up):
+    t = RedisTier(redis_cluster_up.cluster_url, prefix=_prefix(), timeout=1.0)
     try:
         keys = _fill(t, 96)
-        owners = {redis_cluster.port_of_slot(_slot(t, k)) for k in keys}
-        assert owners == set(redis_cluster.primaries())  # no hash tags: every primary holds some
+        owners = {redis_cluster_up.port_of_slot(_slot(t, k)) for k in keys}
+        assert owners == set(redis_cluster_up.primaries())  # no hash tags: every primary holds some
         before = t.stats()["cluster"]["node_pipelines"]
         assert t.get_many(keys) == [_data(i) for i in range(96)]
         st = t.stats()
@@ -60,13 +60,13 @@ def test_blocks_spread_over_every_primary_and_come_back_in_one_round(redis_clust
         t.close()
 
 
-def test_mac_values_on_the_cluster(redis_cluster, tmp_path):
+def test_mac_values_on_the_cluster(redis_cluster_up, tmp_path):
     kf = tmp_path / "mac.key"
     kf.write_bytes(os.urandom(32))
     kf.chmod(0o600)
     prefix = _prefix()
-    t = RedisTier(redis_cluster.cluster_url + f"?redis_key_file={kf}&prefix={prefix}")
-    plain = RedisTier(redis_cluster.cluster_url, prefix=prefix)  # a writer without the key
+    t = RedisTier(redis_cluster_up.cluster_url + f"?redis_key_file={kf}&prefix={prefix}")
+    plain = RedisTier(redis_cluster_up.cluster_url, prefix=prefix)  # a writer without the key
     try:
         keys = _fill(t, 8)
         assert t.get_many(keys) == [_data(i) for i in range(8)] and t.stats()["authenticated"]
@@ -95,8 +95,8 @@ def test_cluster_url_errors_and_one_server_behind_a_cluster_url(redis_server):
         t.close()
 
 
-def test_a_node_down_is_misses_for_its_slots_only_then_its_replica_serves(redis_cluster):
-    c = redis_cluster
+def test_a_node_down_is_misses_for_its_slots_only_then_its_replica_serves(redis_cluster_up):
+    c = redis_cluster_up
     t = RedisTier(c.cluster_url, prefix=_prefix(), timeout=0.5)
     stop = threading.Event()
     wrong, lat = [], []
@@ -147,8 +147,8 @@ def test_a_node_down_is_misses_for_its_slots_only_then_its_replica_serves(redis_
         c.wait_ok()
 
 
-def test_a_slot_migrated_mid_run_ask_then_moved(redis_cluster):
-    c = redis_cluster
+def test_a_slot_migrated_mid_run_ask_then_moved(redis_cluster_up):
+    c = redis_cluster_up
     t = RedisTier(c.cluster_url, prefix=_prefix(), timeout=1.0)
     stop = threading.Event()
     wrong, reads = [], [0]
@@ -189,8 +189,8 @@ def test_a_slot_migrated_mid_run_ask_then_moved(redis_cluster):
         t.close()
 
 
-def test_a_full_node_refuses_its_writes_only(redis_cluster):
-    c = redis_cluster
+def test_a_full_node_refuses_its_writes_only(redis_cluster_up):
+    c = redis_cluster_up
     t = RedisTier(c.cluster_url, prefix=_prefix(), timeout=1.0)
     full = c.primaries()[1]
     r = c.client(full)
@@ -229,8 +229,8 @@ print("evicted", r["store"]["evicted_blocks"])
 """
 
 
-def test_two_processes_share_blocks_through_the_cluster_identical_tokens(redis_cluster):
-    url = redis_cluster.cluster_url + f"?prefix={_prefix()}"
+def test_two_processes_share_blocks_through_the_cluster_identical_tokens(redis_cluster_up):
+    url = redis_cluster_up.cluster_url + f"?prefix={_prefix()}"
     out = subprocess.run([sys.executable, "-c", _CHILD, url], cwd=ROOT, env=subprocess_env(), capture_output=True,
                          text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
