@@ -150,6 +150,9 @@ class CBCounters:
     load_ms: float = 0.0
     store_ms: float = 0.0
     store_failures: int = 0
+    # {tier: {"blocks", "tokens", "bytes"}}: prefix tokens reused by where they came from (cxlalloc.hf.reuse.TIERS:
+    # vram_prefix = blocks already in the paged cache, then the store's host / pool / remote tiers)
+    tiers: Dict[str, Dict[str, int]] = dataclasses.field(default_factory=dict)
 
 
 class CBState:
@@ -567,6 +570,10 @@ class CxlPagedAttentionCache(PagedAttentionCache):
         matched = super().search_prefix_match(request_id, prompt_ids)
         with self.cb.lock:
             self.cb.counters.vram_hit_tokens += matched
+            if matched:
+                d = self.cb.counters.tiers.setdefault("vram_prefix", {"blocks": 0, "tokens": 0, "bytes": 0})
+                d["blocks"] += matched // self.page_size
+                d["tokens"] += matched
         if not self.store_on:
             return matched
         full = self.cache_allocators["full_attention"]
@@ -639,8 +646,14 @@ class CxlPagedAttentionCache(PagedAttentionCache):
                 table.append(b)
             parent = h
         nbytes = extra * self.layout.block_bytes
+        where = [t for t, n in (getattr(lease, "tiers", None) or [("store", n_hit)]) for _ in range(int(n))]
         with self.cb.lock:
             k = self.cb.counters
+            for j in range(have, have + extra):
+                d = k.tiers.setdefault(where[j] if j < len(where) else "store", {"blocks": 0, "tokens": 0, "bytes": 0})
+                d["blocks"] += 1
+                d["tokens"] += P
+                d["bytes"] += self.layout.block_bytes
             k.store_hit_blocks += extra
             k.store_hit_tokens += extra * P
             k.reprefills_avoided += 1
