@@ -91,7 +91,7 @@ class _Worker:
 
     def _read(self, arm: str, idx: List[int]):
         """(values or None per key, error or None)."""
-        from cxlalloc.kvstore.tiers.redis_format import unpack_value
+        from cxlalloc.kvstore.tiers.redis import unpack_value
 
         ks = [self.keys[i] for i in idx]
         if arm == "redispy_mget_nonatomic":
@@ -127,7 +127,7 @@ class _Worker:
             time.sleep(0.0005)
         t0 = time.perf_counter()
         if arm == "redispy_mset_nonatomic":
-            from cxlalloc.kvstore.tiers.redis_format import pack_value
+            from cxlalloc.kvstore.tiers.redis import pack_value
 
             t = self.tiers["tier_cluster"]
             self.rc.mset_nonatomic({t._rkey(k): pack_value(k, d) for k, d in zip(ks, data)})
