@@ -238,10 +238,12 @@ def _parse_kv_store(value: Any, option: str) -> Optional[str]:
     text = str(value).strip()
     if text.lower() in ("0", "false", "off", "no", "none", ""):
         return None
-    if text.lower() in ("1", "true", "on", "yes", "local") or text.startswith(("unix://", "redis://", "rediss://")):
+    if text.lower() in ("1", "true", "on", "yes", "local") or text.startswith(
+            ("unix://", "redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
         return text
     raise ValueError(f"cxlalloc option '{option}': {value!r} is not allowed; use local, unix:///path/kv.sock (a "
                      "cxlalloc kv-server), redis://host:port/db or rediss://... (a Redis tier below a local store), "
+                     "redis+cluster://host:port (a Redis/Valkey Cluster below a local store), "
                      "or off")
 
 

@@ -83,6 +83,7 @@ class ConversationMixin:
         rec.hit_tokens = rec.reused_tokens = hit
         rec.conversation = True
         rec.row_hit_tokens = [hit]
+        rec.tiers = {"vram_prefix": {"blocks": 0, "tokens": hit, "bytes": 0}}
         with self._lock:
             self.counters["conversation_hits"] += 1
             self.counters["conversation_hit_tokens"] += hit

@@ -65,7 +65,7 @@ import os
 import threading
 import time
 import warnings
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -112,6 +112,8 @@ class CallRecord:
     fallback: Optional[str] = None  # why a load failed (then the prompt was recomputed)
     namespace: Optional[str] = None
     conversation: bool = False      # the hit came from the previous turn's cache (sub-block reuse)
+    # {tier: {"blocks", "tokens", "bytes"}} of this call's reused tokens (store_io.TIERS; tokens sum to reused_tokens)
+    tiers: Dict[str, Dict[str, int]] = dataclasses.field(default_factory=dict)
 
 
 
@@ -197,7 +199,8 @@ class PrefixReuse(ConversationMixin):
                          "skipped_calls": 0, "load_failures": 0, "skipped_inputs": 0, "corrupt_blocks": 0,
                          "fingerprint_changes": 0, "fingerprint_ms": 0.0, "conversation_hits": 0,
                          "conversation_hit_tokens": 0, "conversation_kept": 0, "conversation_too_large": 0,
-                         "conversation_dropped": 0, "skipped_state": 0}
+                         "conversation_dropped": 0, "skipped_state": 0,
+                         "tiers": {t: {"blocks": 0, "tokens": 0, "bytes": 0} for t in store_io.TIERS}}
         self._warned_state = set()
         self._conv: Optional[_Conversation] = None   # the "last conversation" cache (sub-block reuse)
         self.last: Optional[CallRecord] = None
@@ -388,6 +391,7 @@ class PrefixReuse(ConversationMixin):
             cache.reset()
             rec.fallback = f"{type(exc).__name__}: {exc}"
             rec.hit_tokens = rec.bytes_loaded = 0
+            rec.tiers = {}
             with self._lock:
                 self.counters["load_failures"] += 1
             self.store.record_failure()
@@ -395,6 +399,7 @@ class PrefixReuse(ConversationMixin):
             cache.reset()
             rec.hit_tokens = rec.reused_tokens = rec.bytes_loaded = 0
             rec.load_ms = 0.0
+            rec.tiers = {}
             return self._continue_conversation(call, ids[0], conv_hit, max_cache_len)
         return None
 
@@ -451,6 +456,7 @@ class PrefixReuse(ConversationMixin):
         rec.hit_tokens = C
         rec.reused_tokens = sum(max(0, min(h, C - p)) for p, h in zip(pads, hits)) * expand
         rec.bytes_loaded = nbytes
+        rec.tiers = store_io.attribute(leases, pads, hits, C, expand, bt, nbytes, rec.reused_tokens)
         rec.load_ms = rd.seconds * 1e3
         rd.record(nbytes)
 
@@ -489,6 +495,7 @@ class PrefixReuse(ConversationMixin):
             if rec.hit_tokens:
                 self.counters["calls_with_hit"] += 1
             self.counters["hit_tokens"] += rec.reused_tokens
+            store_io.add_tiers(self.counters["tiers"], rec.tiers)
             self.counters["prompt_tokens"] += rec.prompt_tokens * max(1, rec.rows)
             self.counters["stored_blocks"] += rec.stored_blocks
             self.last = rec
@@ -540,11 +547,14 @@ class PrefixReuse(ConversationMixin):
     # ------------------------------------------------------------ stats
     def stats(self) -> dict:
         """``{"enabled", "off_reason", "block_tokens", "layout", "namespace",
-        "counters", "last" (CallRecord of the latest call), "conversation"
+        "counters" (with "tiers": {tier: {"blocks", "tokens", "bytes"}} of the
+        reused tokens by where they came from: vram_prefix, host, pool, remote,
+        store; see store_io.TIERS), "last" (CallRecord of the latest call), "conversation"
         (``limit_bytes``, ``kept``, ``kept_tokens``, ``kept_bytes``: the last
         conversation's cache), "store" (its stats)}``."""
         with self._lock:
             counters = dict(self.counters)
+            counters["tiers"] = {t: dict(d) for t, d in self.counters["tiers"].items()}
             last = dataclasses.asdict(self.last) if self.last is not None else None
         return {
             "enabled": self.layout is not None,

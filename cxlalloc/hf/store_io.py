@@ -22,7 +22,7 @@ Nothing here knows transformers or the cache classes.
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -174,6 +174,54 @@ class BlockWriter:
         return self.seconds
 
 
+# --------------------------------------------------------------------------- where reused tokens came from
+# The tiers a reused token can come from, end to end (``tiers`` in hf.stats: reuse counters, each call's record, the
+# continuous-batching counters):
+#   vram_prefix  already in the model's cache: the kept conversation, the paged cache's own prefix (nothing copied)
+#   host         an in-process store's host/CXL memory (kv_store=True / "local", the store of "redis://...")
+#   pool         a kv-server's pool (kv_store="unix://...")
+#   remote       the Redis/Valkey tier below either (one server or a Cluster), restored on a miss
+#   store        a store object that does not say (a user's BlockStore)
+TIERS = ("vram_prefix", "host", "pool", "remote", "store")
+
+
+def lease_tiers(lease) -> List[str]:
+    """The tier of each block of ``lease``, in order (a lease's ``tiers``:
+    ``[(tier, blocks), ...]``; ``"store"`` for a store that does not say)."""
+    runs = getattr(lease, "tiers", None) or [("store", lease.blocks)]
+    return [t for t, n in runs for _ in range(int(n))]
+
+
+def attribute(leases, pads: List[int], hits: List[int], C: int, expand: int, bt: int, nbytes: int,
+              reused: int) -> Dict[str, Dict[str, int]]:
+    """``{tier: {"blocks", "tokens", "bytes"}}`` of a load: row ``r`` uses its
+    first ``min(hits[r], C - pads[r])`` tokens, block ``j`` of its lease
+    covering tokens ``[j*bt, (j+1)*bt)`` from the tier the lease names; counts
+    times ``expand`` (cache rows per prompt row); the loaded ``nbytes`` split
+    in proportion to the tokens (``reused`` = their sum)."""
+    out: Dict[str, Dict[str, int]] = {}
+    for lease, p, h in zip(leases, pads, hits):
+        used = max(0, min(h, C - p))
+        for j, tier in enumerate(lease_tiers(lease)):
+            t = max(0, min(bt, used - j * bt))
+            if t <= 0:
+                break
+            d = out.setdefault(tier, {"blocks": 0, "tokens": 0, "bytes": 0})
+            d["blocks"] += expand
+            d["tokens"] += t * expand
+    for d in out.values():
+        d["bytes"] = int(nbytes * d["tokens"] / reused) if reused else 0
+    return out
+
+
+def add_tiers(total: Dict[str, Dict[str, int]], part: Dict[str, Dict[str, int]]) -> None:
+    """Add ``part``'s per-tier counts into ``total``."""
+    for tier, d in part.items():
+        agg = total.setdefault(tier, {"blocks": 0, "tokens": 0, "bytes": 0})
+        for k, v in d.items():
+            agg[k] += v
+
+
 # --------------------------------------------------------------------------- KV rows of a CxlCache <-> blocks
 def _batch1_contiguous(places) -> bool:
     """One batch-1 storage whose slots are exactly ``places`` in order: a
@@ -246,4 +294,5 @@ def copy_rows_out(layout: BlockLayout, bt: int, places, row: int, start: int, vi
                                          non_blocking=True)
 
 
-__all__ = ["BlockReader", "BlockWriter", "copy_rows_in", "copy_rows_out", "discard", "sync"]
+__all__ = ["BlockReader", "BlockWriter", "TIERS", "add_tiers", "attribute", "copy_rows_in", "copy_rows_out", "discard",
+           "lease_tiers", "sync"]

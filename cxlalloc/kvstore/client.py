@@ -149,8 +149,10 @@ class _Conn:
 class RemoteLease(ScopedHandle):
     """Blocks found on the server, pinned there until :meth:`close`."""
 
-    def __init__(self, store, conn: Optional[_Conn], lease_id: int, views: List[torch.Tensor]):
+    def __init__(self, store, conn: Optional[_Conn], lease_id: int, views: List[torch.Tensor], from_tier: int = 0):
         self._store, self._conn, self._id, self.views = store, conn, lease_id, views
+        # Where the blocks came from, in order: the server's pool, then the tier below it (read through).
+        self.tiers = [("pool", len(views) - from_tier), ("remote", from_tier)]
 
     @property
     def blocks(self) -> int:
@@ -449,7 +451,7 @@ class RemoteBlockStore(AccountedStore):
             self._register(c.pool, int(off), int(n))
             views.append(c.pool.bytes[int(off):int(off) + int(n)])
         self._count("hit_blocks", len(views))
-        return RemoteLease(self, c, int(reply["lease"]), views)
+        return RemoteLease(self, c, int(reply["lease"]), views, int(reply.get("tier_blocks") or 0))
 
     def discard(self, ns: str, keys: Sequence[bytes]) -> int:
         """Report blocks whose checksum failed on load: the server verifies

@@ -87,8 +87,10 @@ class Lease(ScopedHandle):
     pinned memory on a GPU machine).  Use as a context manager.
     """
 
-    def __init__(self, store, entries: List[Entry], owner, views: List[torch.Tensor]):
+    def __init__(self, store, entries: List[Entry], owner, views: List[torch.Tensor], from_lower: int = 0):
         self._store, self.entries, self._owner, self.views = store, entries, owner, views
+        # Where the blocks came from, in order: this store's host/CXL memory, then the tier below.
+        self.tiers = [("host", len(entries) - from_lower), ("remote", from_lower)]
 
     @property
     def blocks(self) -> int:
@@ -205,7 +207,7 @@ class LocalBlockStore(AccountedStore):
         lower = self.lower
         if lower is None:
             return
-        lower.put(e.key, e.ns, self._view(e).numpy().tobytes())
+        lower.put(e.key, e.ns, self._view(e).numpy().tobytes(), tokens=e.tokens)
         self.counters.add("lower_put_blocks", 1)
 
     # ------------------------------------------------------------ reads
@@ -216,25 +218,30 @@ class LocalBlockStore(AccountedStore):
         owner = next(self._owners)
         with self._lock:
             entries = self.index.match(keys, owner)
+        lower = []
         if self.lower is not None and len(entries) < len(keys):
-            entries += self._from_lower(ns, list(keys[len(entries):]), owner)
-        return Lease(self, entries, owner, [self._view(e) for e in entries])
+            lower = self._from_lower(ns, list(keys[len(entries):]), owner)
+            entries += lower
+        return Lease(self, entries, owner, [self._view(e) for e in entries], from_lower=len(lower))
 
     def _from_lower(self, ns: str, keys: List[bytes], owner) -> List[Entry]:
-        got = []
-        for data in self.lower.get_many(keys, ns=ns):
-            if data is None:
+        got, toks = [], []
+        for v in self.lower.get_many_tokens(keys, ns=ns):
+            if v is None:
                 break
+            data, tok = v
             got.append(data)
+            toks.append(tok)
         if not got:
             return []
         out = []
         with self._lock:
             slots = self.index.reserve(keys[:len(got)], len(got[0]), ns, owner)
-        for e, data in zip(slots, got):
+        for e, data, tok in zip(slots, got, toks):
             if e is None or len(data) != e.nbytes:
                 break
             self._view(e).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            e.tokens = tok  # recorded in the value (0 for values written without it)
             out.append(e)
         with self._lock:
             self.index.publish(out, owner)

@@ -5,6 +5,7 @@
 | ``True``, ``"local"`` | a :class:`~cxlalloc.kvstore.local.LocalBlockStore` in this process, on the allocator's host node |
 | ``"unix:///path/kv.sock"`` | a client of a ``cxlalloc kv-server`` on this machine (one pool for every process) |
 | ``"redis://host:port/db"``, ``"rediss://..."`` | a local store with a Redis/Valkey tier below it |
+| ``"redis+cluster://host:port"``, ``"rediss+cluster://..."`` | a local store with a Redis/Valkey **Cluster** below it |
 | a :class:`~cxlalloc.kvstore.store.BlockStore` | that store, shared (e.g. by several wrapped models) |
 """
 
@@ -14,7 +15,8 @@ from cxlalloc.kvstore.local import LocalBlockStore
 from cxlalloc.kvstore.store import BlockStore, missing_members
 
 SPEC_HELP = ("True or 'local' (in this process), 'unix:///path/kv.sock' (a cxlalloc kv-server), "
-             "'redis://host:port/db' (a local store with Redis below), or a store object")
+             "'redis://host:port/db' (a local store with Redis below), 'redis+cluster://host:port' (with a Redis/Valkey "
+             "Cluster below), or a store object")
 
 
 def is_store(obj) -> bool:
@@ -47,7 +49,7 @@ def open_store(spec, allocator, limit=None):
                              "while the server is away")
 
         return RemoteBlockStore(spec, allocator)
-    if isinstance(spec, str) and spec.startswith(("redis://", "rediss://")):
+    if isinstance(spec, str) and spec.startswith(("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
         from cxlalloc.kvstore.tiers.redis import RedisTier
 
         return LocalBlockStore(allocator, limit, lower=RedisTier(spec, option="kv_store"))

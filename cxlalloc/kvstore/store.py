@@ -44,7 +44,13 @@ class BlockLease(Protocol):
 
     ``views[i]`` is block ``i``'s bytes: a 1-D ``torch.uint8`` CPU tensor of
     the block's size (pinned or registered host memory on a GPU machine),
-    ``blocks == len(views)``.  A context manager (``__exit__`` closes)."""
+    ``blocks == len(views)``.  A context manager (``__exit__`` closes).
+
+    Optional: ``tiers``, where the blocks came from, in order, as
+    ``[(tier, blocks), ...]`` with tier ``"host"`` (an in-process store's
+    memory), ``"pool"`` (a kv-server's pool) or ``"remote"`` (the tier below
+    either); cxlalloc's stores set it, and a lease without it counts as
+    ``"store"`` in the per-tier stats (:data:`cxlalloc.hf.store_io.TIERS`)."""
 
     views: List
     blocks: int

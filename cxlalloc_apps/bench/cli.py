@@ -16,7 +16,7 @@ Benchmarks (``--only ceilings,allocation,decode,rightsizing``; default all):
                grid a CPU cannot run is refused, exit status 2)
   rightsizing  GPU: largest batch and tokens/s at a fixed budget (:mod:`.rightsizing`)
 
-Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, ``--only kvscale``, ``--only cb``, ``--only kvspeed``):
+Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, ``--only kvscale``, ``--only cb``, ``--only kvspeed``, ``--only cluster``):
 
   reuse        TTFT of a KV prefix hit vs a full prefill as the prefix grows, load
                GB/s vs the measured link rate, a block-size sweep (:mod:`.reuse`;
@@ -36,6 +36,9 @@ Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, 
   kvspeed      KV reuse side by side with what users pick instead: kv-server
                lookups vs redis-py MGET, insert vs memcpy, chat turns vs a
                by-hand DynamicCache, hits vs the deepcopy recipe (:mod:`.kvspeed`; CPU)
+  cluster      the Redis tier on a local 3+3 Redis/Valkey Cluster vs one server vs
+               redis-py's mget_nonatomic, 1-512 keys, 1-16 clients, and reads
+               during a primary's failover (:mod:`.cluster`; CPU)
 
 Each writes ``DIR/<name>.json`` (:mod:`.meta` describes the record; decode's
 ``parameters`` hold the grid that ran: ``points``, ``models``, ``contexts``,

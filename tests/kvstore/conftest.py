@@ -165,3 +165,27 @@ def tiny_model_factory():
     from tests.kvstore.kvutil import tiny_llama
 
     return tiny_llama
+
+
+# ----------------------------------------------------------------- a Redis/Valkey Cluster
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A local 3-primary + 3-replica Cluster (scripts/redis_cluster.sh), started
+    once per test session; a test that kills or fills a node puts it back."""
+    from tests.helpers.redis_cluster import LocalCluster, server_binary
+
+    if server_binary() is None or shutil.which("redis-cli") is None and shutil.which("valkey-cli") is None:
+        msg = "redis-server/valkey-server is not installed (Debian: apt-get install -y redis-server; .ci/run does this)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(msg + " -- CI must run the Redis Cluster tests")
+        pytest.skip(msg)
+    pytest.importorskip("redis")
+    c = LocalCluster(str(tmp_path_factory.mktemp("redis-cluster"))).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def redis_cluster_up(redis_cluster):
+    """The session's cluster, started afresh first if a test took it down."""
+    return redis_cluster.ensure_running()

@@ -14,7 +14,7 @@ import torch
 from cxlalloc.hf.paged.placement import PlacementMixin
 from cxlalloc.hf.paged.stats import CBState
 from cxlalloc.hf.paged.tf_classes import CachePool, PagedAttentionCache, compute_block_hash
-from cxlalloc.hf.store_io import BlockReader, BlockWriter
+from cxlalloc.hf.store_io import BlockReader, BlockWriter, add_tiers, lease_tiers
 from cxlalloc.kvstore import keys as kvkeys
 from cxlalloc.kvstore.layout import BlockLayout
 
@@ -246,6 +246,9 @@ class CxlPagedAttentionCache(PlacementMixin, PagedAttentionCache):
         matched = super().search_prefix_match(request_id, prompt_ids)
         with self.cb.lock:
             self.cb.counters.vram_hit_tokens += matched
+            if matched:
+                add_tiers(self.cb.counters.tiers, {"vram_prefix": {"blocks": matched // self.page_size,
+                                                                   "tokens": matched, "bytes": 0}})
         if not self.store_on:
             return matched
         full = self.cache_allocators["full_attention"]
@@ -293,8 +296,11 @@ class CxlPagedAttentionCache(PlacementMixin, PagedAttentionCache):
                 self.pool.free_blocks(full.index, blocks)  # never half applied: the request prefills instead
                 raise
         self._hash_loaded(full, request_id, prompt_ids, have, n_hit, blocks)
+        where = lease_tiers(lease)[have:n_hit]
         with self.cb.lock:
             k = self.cb.counters
+            for tier in where:
+                add_tiers(k.tiers, {tier: {"blocks": 1, "tokens": P, "bytes": self.layout.block_bytes}})
             k.store_hit_blocks += extra
             k.store_hit_tokens += extra * P
             k.reprefills_avoided += 1

@@ -7,7 +7,7 @@ import dataclasses
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Dict, Optional
 
 if TYPE_CHECKING:
     from cxlalloc.hf.paged.cache import CxlPagedAttentionCache
@@ -49,6 +49,9 @@ class CBCounters:
     store_failures: int = 0
     peak_committed_bytes: int = 0  # the paged caches' committed memory (both tiers), at its highest
     commit_refusals: int = 0  # growths neither tier had room for (the cache was capped there)
+    # {tier: {"blocks", "tokens", "bytes"}}: prefix tokens reused by where they came from (store_io.TIERS:
+    # vram_prefix = blocks already in the paged cache, then the store's host / pool / remote tiers)
+    tiers: Dict[str, Dict[str, int]] = dataclasses.field(default_factory=dict)
 
 
 class CBState:

@@ -139,7 +139,8 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
                         "get no slot, and a reserve of which none fits is answered 'limit'")
     p.add_argument("--strict-placement", action="store_true", help="drop blocks whose pages are not on the node")
     p.add_argument("--redis", default=None, metavar="URL", help="a Redis/Valkey tier below the pool: "
-                   "redis://[user:password@]host:port/db or rediss://... (TLS)")
+                   "redis://[user:password@]host:port/db or rediss://... (TLS); a Redis/Valkey Cluster: "
+                   "redis+cluster://host:port (any node as the seed)")
     p.add_argument("--redis-mode", default="evict", choices=REDIS_MODES, help="evict: blocks go to Redis when "
                    "evicted from the pool (default); through: also when committed")
     p.add_argument("--redis-ttl", type=float, default=None, metavar="S", help="seconds a block lives in Redis")
@@ -350,6 +351,11 @@ def format_status(st: dict) -> str:
                               + (f" ({rd['last_error']})" if rd.get("last_error") and not rd["up"] else "")
                               + f", errors put {rd['put_errors']} get {rd['get_errors']} full {rd['full_errors']}, "
                                 f"bad values {rd['bad_values']}"))
+    src = pool.get("tiers")
+    if src:
+        rows.append(("served by tier", "; ".join(
+            f"{name} {d['blocks']:,} blocks, {format_bytes(d['bytes'])}, {d['tokens']:,} tokens"
+            for name, d in src.items())))
     heads = ("tier", "capacity", "used", "blocks", "hit rate", "loads", "load bytes", "stores", "store bytes",
              "evictions")
     ns = pool.get("namespaces") or {}

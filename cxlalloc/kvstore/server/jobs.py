@@ -247,7 +247,7 @@ class RedisLink:
         # out; the tier sends them from its own thread.
         if not write_back.write_on_evict(self.mode):
             return  # written when committed
-        if self.redis.put_ns(e.key, self.state.block_bytes(e).tobytes()):
+        if self.redis.put_ns(e.key, self.state.block_bytes(e).tobytes(), e.tokens):
             self.state.c["redis_put_blocks"] += 1
 
     def write_through(self, entries: List[Entry]) -> int:
@@ -256,18 +256,19 @@ class RedisLink:
             return 0
         sent = 0
         for e in entries:  # still WRITING and owned by the committer: nobody else touches the slot
-            sent += bool(self.redis.put_ns(e.key, self.state.block_bytes(e).tobytes()))
+            sent += bool(self.redis.put_ns(e.key, self.state.block_bytes(e).tobytes(), e.tokens))
         return sent
 
     def read_through(self, ns: str, iks: List[bytes], owner) -> List[Entry]:
         """The blocks of ``iks`` (namespaced keys, in order) Redis has, up to
         its first miss, copied into the pool and pinned for ``owner``."""
         st = self.state
-        got = []
-        for data in self.redis.get_many_ns(iks):
-            if data is None:
+        got, toks = [], []
+        for v in self.redis.get_many_ns_tokens(iks):
+            if v is None:
                 break
-            got.append(data)
+            got.append(v[0])
+            toks.append(v[1])
         if not got:
             return []
         nbytes = len(got[0])
@@ -277,10 +278,11 @@ class RedisLink:
         with st.lock:
             slots = st.index.reserve(iks[:len(got)], nbytes, ns, owner)
         written = []
-        for e, data in zip(slots, got):
+        for e, data, tok in zip(slots, got, toks):
             if e is None:
                 break
             st.view[e.offset:e.offset + e.nbytes] = data
+            e.tokens = tok  # recorded in the value: hit_tokens counts restored blocks too
             written.append(e)
         keep = self.placement(written)
         with st.lock:
@@ -292,4 +294,5 @@ class RedisLink:
             st.index.c.lookup_blocks -= len(keep)
             st.c["redis_hit_blocks"] += len(pinned)
             st.c["redis_hit_bytes"] += sum(e.nbytes for e in pinned)
+            st.c["redis_hit_tokens"] += sum(e.tokens for e in pinned)
         return pinned

@@ -26,6 +26,8 @@ Names (``tier`` is ``pool`` or ``redis``; docs/kv-server.md#metrics lists them w
     cxlalloc_kv_redis_queue_bytes             cxlalloc_kv_redis_bad_values_total
     cxlalloc_kv_redis_load_seconds_per_block  cxlalloc_kv_uptime_seconds
     cxlalloc_kv_pool_info{node,pool_id,numa_method,socket}
+    cxlalloc_kv_served_blocks_total{source}   cxlalloc_kv_served_bytes_total{source}
+    cxlalloc_kv_served_tokens_total{source}   (source: pool, remote = read through from Redis/Valkey)
 
 As Prometheus practice has it (https://prometheus.io/docs/practices/naming/,
 https://prometheus.io/docs/practices/instrumentation/): HELP strings are the
@@ -114,6 +116,11 @@ def families(st: dict) -> Iterator:
                   tiers(pool["stored_blocks"], red.get("put_blocks")))
     yield counter("store_bytes", "Bytes committed / written.", ["tier"],
                   tiers(pool["stored_bytes"], red.get("put_bytes")))
+    src = pool.get("tiers") or {}
+    for what, doc in (("blocks", "Blocks"), ("bytes", "Bytes of the blocks"), ("tokens", "Tokens of the blocks")):
+        yield counter(f"served_{what}", f"{doc} served to clients by where they were found (pool: in the pool; "
+                      "remote: read through from the Redis/Valkey tier below on a pool miss).", ["source"],
+                      [((s,), d.get(what)) for s, d in src.items()])
     yield counter("evictions", "Blocks evicted from the pool (LRU or quota).", rows=[((), pool["evicted_blocks"])])
     yield counter("evicted_bytes", "Bytes evicted from the pool.", rows=[((), pool["evicted_bytes"])])
     yield counter("dropped_blocks", "Blocks not stored (pool: no room; redis: queue full, refused or down).",

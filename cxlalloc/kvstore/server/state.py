@@ -112,7 +112,8 @@ class ServerState:
         self.owners: Dict[int, Owner] = {}
         self.c = {"connections": 0, "refused_full": 0, "refused_denied": 0, "protocol_errors": 0,
                   "refused_too_large": 0, "refused_busy": 0, "refused_timeout": 0, "bad_frames": 0,
-                  "bad_requests": 0, "hit_bytes": 0, "redis_hit_blocks": 0, "redis_hit_bytes": 0, "redis_put_blocks": 0,
+                  "bad_requests": 0, "hit_bytes": 0, "redis_hit_blocks": 0, "redis_hit_bytes": 0, "redis_hit_tokens": 0,
+                  "redis_put_blocks": 0,
                   "placement_verified_bytes": 0, "placement_misplaced_bytes": 0, "placement_unverified_bytes": 0,
                   "placement_skipped_bytes": 0, "misplaced_dropped_blocks": 0, "peak_clients": 0, "requests": 0,
                   "refused_reserve_budget": 0, "reserve_budget_blocks": 0, "drop_us_max": 0, "corrupt_blocks": 0,
@@ -216,7 +217,8 @@ class ServerState:
         """The longest stored prefix of ``keys`` in ``ns`` (asking the tier
         below for the rest), pinned for ``cid`` under a new lease.
 
-        Returns ``{"lease": id (0: nothing found), "blocks": [[offset, nbytes, tokens], ...]}``.
+        Returns ``{"lease": id (0: nothing found), "blocks": [[offset, nbytes, tokens], ...],
+        "tier_blocks": how many of the blocks (the last ones) the tier below supplied}``.
 
         Raises:
             protocol.RemoteError: ``limit`` (MAX_LEASES_PER_CLIENT open leases).
@@ -227,15 +229,17 @@ class ServerState:
             if len(o.leases) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open leases; release some")
             entries = self.index.match(ik, o)
+        below = []
         if self.tier is not None and len(entries) < len(ik) and not self.tier.down():
-            entries += self.tier.read_through(ns, ik[len(entries):], o)
+            below = self.tier.read_through(ns, ik[len(entries):], o)
+            entries += below
         if not entries:
             return {"lease": 0, "blocks": []}
         with self.lock:
             lid = o.new_id()
             o.leases[lid] = entries
             self.c["hit_bytes"] += sum(e.nbytes for e in entries)
-        return {"lease": lid, "blocks": [[e.offset, e.nbytes, e.tokens] for e in entries]}
+        return {"lease": lid, "blocks": [[e.offset, e.nbytes, e.tokens] for e in entries], "tier_blocks": len(below)}
 
     def release(self, cid: int, lease_ids: Sequence[int]) -> int:
         """Unpin the leases ``lease_ids`` of ``cid``; returns how many were open."""
@@ -389,7 +393,13 @@ class ServerState:
             "placement_skipped_bytes": c["placement_skipped_bytes"],
             "misplaced_dropped_blocks": c["misplaced_dropped_blocks"],
             "redis_hit_blocks": c["redis_hit_blocks"], "redis_hit_bytes": c["redis_hit_bytes"],
-            "redis_put_blocks": c["redis_put_blocks"],
+            "redis_put_blocks": c["redis_put_blocks"], "redis_hit_tokens": c["redis_hit_tokens"],
+            # blocks served to clients by where they were found: the pool itself, or read through from the tier below
+            "tiers": {"pool": {"blocks": ic["hit_blocks"] - c["redis_hit_blocks"],
+                               "bytes": c["hit_bytes"] - c["redis_hit_bytes"],
+                               "tokens": ic["hit_tokens"] - c["redis_hit_tokens"]},
+                      "remote": {"blocks": c["redis_hit_blocks"], "bytes": c["redis_hit_bytes"],
+                                 "tokens": c["redis_hit_tokens"]}},
             "namespaces": {ns: {"used_bytes": b, "quota_bytes": quotas.get(ns, default_quota)}
                            for ns, b in ns_bytes.items()},
             "quotas": {**quotas, **({"*": default_quota} if default_quota is not None else {})},

@@ -84,14 +84,17 @@ class Tier(abc.ABC):
 
     # ------------------------------------------------------------ writes
     @abc.abstractmethod
-    def put_ns(self, nskey: bytes, data) -> bool:
+    def put_ns(self, nskey: bytes, data, tokens: int = 0) -> bool:
         """Queue ``data`` (bytes-like; it must not change after the call:
         pass ``bytes``) under namespaced key ``nskey`` (32 bytes); False when
-        dropped (queue full or tier closed).  Never blocks on I/O, never raises."""
+        dropped (queue full or tier closed).  ``tokens``: the tokens the block
+        holds, kept where the tier can (:meth:`get_many_ns_tokens` returns it,
+        so a restored block counts its tokens; 0 = unknown).  Never blocks on
+        I/O, never raises."""
 
-    def put(self, key: bytes, ns: str, data) -> bool:
+    def put(self, key: bytes, ns: str, data, tokens: int = 0) -> bool:
         """:meth:`put_ns` of block ``key`` (32-byte chained key) in namespace ``ns``."""
-        return self.put_ns(namespaced_key(ns, key), data)
+        return self.put_ns(namespaced_key(ns, key), data, tokens)
 
     @abc.abstractmethod
     def flush(self, timeout: float = 5.0) -> bool:
@@ -108,6 +111,16 @@ class Tier(abc.ABC):
         """:meth:`get_many_ns` of block ``keys`` (one sequence's chained keys,
         in order) in namespace ``ns``."""
         return self.get_many_ns([namespaced_key(ns, k) for k in keys])
+
+    def get_many_ns_tokens(self, nskeys: Sequence[bytes]) -> List[Optional[tuple]]:
+        """:meth:`get_many_ns` with each block's tokens as given to :meth:`put_ns`:
+        ``(bytes, tokens)`` or None (tokens 0 where the tier does not keep them:
+        this default)."""
+        return [None if v is None else (v, 0) for v in self.get_many_ns(nskeys)]
+
+    def get_many_tokens(self, keys: Sequence[bytes], ns: str = "") -> List[Optional[tuple]]:
+        """:meth:`get_many_ns_tokens` of block ``keys`` in namespace ``ns``."""
+        return self.get_many_ns_tokens([namespaced_key(ns, k) for k in keys])
 
     # ------------------------------------------------------------ state
     @abc.abstractmethod

@@ -37,6 +37,13 @@ store the deployment already runs (docs/sources.md#kv-reuse).
   ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``, ``password``, ...) passed through,
   also as URL query options (``rediss://host:6380/0?ssl_ca_certs=/etc/ssl/ca.pem``).
   cxlalloc's own: ``?prefix=...&ttl=SECONDS&queue=SIZE``.
+* **A Cluster** (Redis Cluster / Valkey Cluster): ``redis+cluster://host:port``
+  (``rediss+cluster://`` for TLS), any node as the seed.  Keys are grouped by
+  hash slot and read with one pipeline per primary, all written before any
+  reply is read; ``MOVED`` and ``ASK`` are followed, the topology is re-read
+  after a failover or resharding, and a node down is misses for its slots
+  only (:mod:`cxlalloc.kvstore.tiers.redis_cluster`).  Values, MACs, the queue
+  and the counters are the same as on one server.
 """
 
 from __future__ import annotations
@@ -51,7 +58,8 @@ from cxlalloc.kvstore.keys import REDIS_PREFIX, redis_key
 from cxlalloc.kvstore.tiers import Tier
 from cxlalloc.kvstore.tiers.redis_format import (_HEADER, HEADER_BYTES, _length, cache_config_warnings,  # noqa: F401
                                                   check_url, pack_value, read_key_file, redact_url, split_url_options, unpack_value,
-                                                  value_problem)
+                                                  value_problem, value_tokens, is_cluster_url, plain_url)
+from cxlalloc.kvstore.tiers.redis_cluster import ClusterRouter, cluster_info, write_batch
 
 log = logging.getLogger("cxlalloc.kvstore.redis")
 
@@ -68,7 +76,8 @@ class RedisTier(Tier):
     """Blocks in Redis/Valkey, written asynchronously, read with checks (a :class:`~cxlalloc.kvstore.tiers.Tier`).
 
     Args:
-        url: ``redis://[user:password@]host:port/db`` or ``rediss://...`` (TLS).
+        url: ``redis://[user:password@]host:port/db`` or ``rediss://...`` (TLS);
+            ``redis+cluster://host:port`` (``rediss+cluster://``) for a Cluster.
         prefix: key prefix (default ``cxlalloc:kv:``).
         ttl: seconds a value lives (``SET ... EX``); None: until Redis evicts it.
         queue_bytes: bytes of blocks waiting to be written; past it puts are dropped.
@@ -127,8 +136,15 @@ class RedisTier(Tier):
         kw = dict(socket_timeout=float(timeout), socket_connect_timeout=float(timeout),
                   retry=Retry(NoBackoff(), 0))  # our own backoff; never redis-py's retries on top
         kw.update(redis_kwargs)
+        self._cluster: Optional[ClusterRouter] = None
+        self._r = None
         try:
-            self._r = redis.Redis.from_url(url, **kw)
+            if is_cluster_url(url):
+                kw.pop("retry", None)
+                self._cluster = ClusterRouter(plain_url(url), float(timeout), kw)
+                self.kind = "redis-cluster"
+            else:
+                self._r = redis.Redis.from_url(url, **kw)
         except (ValueError, TypeError) as e:
             raise ValueError(f"cxlalloc option '{option}': {self.url!r}: {e}") from None
         self._cv = threading.Condition()
@@ -209,7 +225,7 @@ class RedisTier(Tier):
             return self.config_warnings
         out: List[str] = []
         try:
-            cfg = self._r.config_get("maxmemory*")
+            cfg = (self._cluster or self._r).config_get("maxmemory*")
         except Exception as e:
             if self._is_conn_error(e):
                 return []
@@ -225,17 +241,21 @@ class RedisTier(Tier):
 
     def _is_conn_error(self, exc: BaseException) -> bool:
         r = self._redis_mod
-        return isinstance(exc, (r.exceptions.ConnectionError, r.exceptions.TimeoutError, OSError))
+        return isinstance(exc, (r.exceptions.ConnectionError, r.exceptions.TimeoutError, OSError, TimeoutError))
 
     def down(self) -> bool:
-        """True while a recent failure's backoff lasts (reads are misses then)."""
+        """True while a recent failure's backoff lasts (reads are misses then);
+        for a cluster, while no node answers (one node down is not down)."""
+        if self._cluster is not None:
+            return self._cluster.down()
         return time.monotonic() < self._down_until
 
     # ------------------------------------------------------------ writes
-    def put_ns(self, nskey: bytes, data) -> bool:
+    def put_ns(self, nskey: bytes, data, tokens: int = 0) -> bool:
         """:meth:`put` by namespaced key.  ``data`` must not change after the
-        call (pass bytes: the pool slot may be reused at once)."""
-        value = pack_value(nskey, data, self._mac_key)
+        call (pass bytes: the pool slot may be reused at once); ``tokens`` is
+        recorded in the value's header."""
+        value = pack_value(nskey, data, self._mac_key, tokens)
         with self._cv:
             if self._closed or self._q_bytes + len(value) > self.queue_bytes:
                 self.c["dropped_blocks"] += 1
@@ -291,57 +311,19 @@ class RedisTier(Tier):
                 self.check_config()
 
     def _write(self, batch: List[tuple]) -> None:
-        t0 = time.perf_counter()
-        try:
-            pipe = self._r.pipeline(transaction=False)
-            for nskey, value in batch:
-                if self.ttl is not None:
-                    pipe.set(self._rkey(nskey), value, ex=max(1, int(round(self.ttl))))
-                else:
-                    pipe.set(self._rkey(nskey), value)
-            results = pipe.execute(raise_on_error=False)
-        except Exception as e:
-            if self._is_conn_error(e):
-                self._failed(e, "put")
-                with self._cv:  # put the batch back first in line, if it still fits
-                    room = self.queue_bytes - self._q_bytes
-                    keep = []
-                    for item in batch:
-                        if len(item[1]) <= room:
-                            keep.append(item)
-                            room -= len(item[1])
-                        else:
-                            self.c["dropped_blocks"] += 1
-                    self._q.extendleft(reversed(keep))
-                    self._q_bytes += sum(len(v) for _, v in keep)
-            else:
-                self._failed(e, "put")
-                self.c["dropped_blocks"] += len(batch)
-            return
-        self._ok()
-        dt = time.perf_counter() - t0
-        for (nskey, value), res in zip(batch, results):
-            if isinstance(res, Exception):
-                text = str(res)
-                with self._lock:
-                    if "OOM" in text or "maxmemory" in text:
-                        self.c["full_errors"] += 1
-                    else:
-                        self.c["put_errors"] += 1
-                    self.c["dropped_blocks"] += 1
-                    self.last_error = f"{type(res).__name__}: {text}"
-            else:
-                with self._lock:
-                    self.c["put_blocks"] += 1
-                    self.c["put_bytes"] += len(value) - HEADER_BYTES
-        with self._lock:
-            self.c["put_seconds_us"] += int(dt * 1e6)
+        (write_batch if self._cluster is not None else _write_single)(self, self._cluster, batch)
 
     def _refresh_info(self) -> None:
         now = time.monotonic()
         if now - self._info_at < _INFO_EVERY_S or self.down():
             return
         self._info_at = now
+        if self._cluster is not None:
+            info = cluster_info(self._cluster)
+            if info:
+                self.info = info
+                self._ok()
+            return
         try:
             mem = self._r.info("memory")
             self.info = {"used_memory": int(mem.get("used_memory", 0)), "maxmemory": int(mem.get("maxmemory", 0)),
@@ -367,7 +349,12 @@ class RedisTier(Tier):
         """The bytes of each of ``nskeys`` (namespaced block keys of one sequence,
         in order); None from the first missing, bad or forged one on (a prefix
         is all a caller can use).  Never raises."""
-        out: List[Optional[bytes]] = [None] * len(nskeys)
+        return [None if v is None else v[0] for v in self.get_many_ns_tokens(nskeys)]
+
+    def get_many_ns_tokens(self, nskeys: Sequence[bytes]) -> List[Optional[tuple]]:
+        """:meth:`get_many_ns` with the tokens each value records: ``(bytes,
+        tokens)`` or None (tokens 0: written without them)."""
+        out: List[Optional[tuple]] = [None] * len(nskeys)
         if not nskeys:
             return out
         with self._lock:
@@ -379,40 +366,57 @@ class RedisTier(Tier):
             return out
         t0 = time.perf_counter()
         got = nbytes = 0
+        # one server: MGET in batches, stopping at the first miss; a cluster: one call, grouped by node inside
+        status = [0, 0]  # a cluster's nodes that answered / failed
+
+        def fetch(rkeys):
+            if self._cluster is None:
+                return self._r.mget(rkeys)
+            values, status[0], status[1] = self._cluster.get_status(rkeys)
+            return values
+
+        step = len(nskeys) if self._cluster is not None else self.batch_keys
         try:
-            for i in range(0, len(nskeys), self.batch_keys):
-                part = nskeys[i:i + self.batch_keys]
-                values = self._r.mget([self._rkey(k) for k in part])
-                stop = False
-                for j, (k, v) in enumerate(zip(part, values)):
-                    problem = value_problem(k, v, self._mac_key)
-                    if problem is not None:
-                        if problem != "missing":
-                            with self._lock:
-                                self.c["forged_values" if problem == "forged" else "bad_values"] += 1
-                            if problem == "forged" and not self._warned_forged:
-                                self._warned_forged = True
-                                log.warning("cxlalloc kv: a Redis value without a valid MAC was refused (key "
-                                            "%s...; counted in forged_values; said once)", self._rkey(k)[:40])
-                        stop = True
+            for i in range(0, len(nskeys), step):
+                part = nskeys[i:i + step]
+                for j, (k, v) in enumerate(zip(part, fetch([self._rkey(k) for k in part]))):
+                    data = self._checked(k, v)
+                    if data is None:
                         break
-                    data = v[HEADER_BYTES:HEADER_BYTES + _length(v)]
-                    out[i + j] = data
+                    out[i + j] = (data, value_tokens(v))
                     got += 1
                     nbytes += len(data)
-                if stop:
-                    break
-            self._ok()
+                else:
+                    continue
+                break
+            if self._cluster is not None and status[1] and not status[0]:  # every node asked failed
+                self._failed(ConnectionError(self._cluster.last_error or "no cluster node answers"), "get")
+            else:
+                self._ok()
         except Exception as e:
             if not self._is_conn_error(e):
                 log.warning("cxlalloc kv: Redis read failed: %s: %s", type(e).__name__, e)
             self._failed(e, "get")
-        dt = time.perf_counter() - t0
         with self._lock:
             self.c["hit_blocks"] += got
             self.c["hit_bytes"] += nbytes
-            self.c["get_seconds_us"] += int(dt * 1e6)
+            self.c["get_seconds_us"] += int((time.perf_counter() - t0) * 1e6)
         return out
+
+    def _checked(self, k: bytes, v: Optional[bytes]) -> Optional[bytes]:
+        """The block bytes of value ``v`` of namespaced key ``k``, or None
+        (missing; bad or forged: counted, a forged one warned about once)."""
+        problem = value_problem(k, v, self._mac_key)
+        if problem is None:
+            return v[HEADER_BYTES:HEADER_BYTES + _length(v)]
+        if problem != "missing":
+            with self._lock:
+                self.c["forged_values" if problem == "forged" else "bad_values"] += 1
+            if problem == "forged" and not self._warned_forged:
+                self._warned_forged = True
+                log.warning("cxlalloc kv: a Redis value without a valid MAC was refused (key "
+                            "%s...; counted in forged_values; said once)", self._rkey(k)[:40])
+        return None
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict:
@@ -447,6 +451,8 @@ class RedisTier(Tier):
         out["put_seconds"] = c.get("put_seconds_us", 0) / 1e6
         out["hit_rate"] = out["hit_blocks"] / out["lookup_blocks"] if out["lookup_blocks"] else 0.0
         out["load_seconds_per_block"] = out["get_seconds"] / out["hit_blocks"] if out["hit_blocks"] else None
+        if self._cluster is not None:
+            out["cluster"] = self._cluster.stats()
         return out
 
     def close(self, timeout: float = 2.0) -> None:
@@ -457,9 +463,61 @@ class RedisTier(Tier):
             self._cv.notify_all()
         self._writer.join(timeout=timeout + 1.0)
         try:
-            self._r.close()
+            (self._cluster or self._r).close()
         except Exception:
             pass
 
     def __repr__(self) -> str:
         return f"<cxlalloc RedisTier {self.url} prefix={self.prefix!r}>"
+
+
+def _write_single(tier: "RedisTier", _router, batch: List[tuple]) -> None:
+    """The writer thread's batch on one server (``RedisTier._write``): one
+    pipeline of ``SET``; a connection error puts the batch back first in line
+    (if it still fits) and backs off; a refused value (OOM: ``full_errors``)
+    is dropped and counted."""
+    t0 = time.perf_counter()
+    try:
+        pipe = tier._r.pipeline(transaction=False)
+        for nskey, value in batch:
+            if tier.ttl is not None:
+                pipe.set(tier._rkey(nskey), value, ex=max(1, int(round(tier.ttl))))
+            else:
+                pipe.set(tier._rkey(nskey), value)
+        results = pipe.execute(raise_on_error=False)
+    except Exception as e:
+        if tier._is_conn_error(e):
+            tier._failed(e, "put")
+            with tier._cv:  # put the batch back first in line, if it still fits
+                room = tier.queue_bytes - tier._q_bytes
+                keep = []
+                for item in batch:
+                    if len(item[1]) <= room:
+                        keep.append(item)
+                        room -= len(item[1])
+                    else:
+                        tier.c["dropped_blocks"] += 1
+                tier._q.extendleft(reversed(keep))
+                tier._q_bytes += sum(len(v) for _, v in keep)
+        else:
+            tier._failed(e, "put")
+            tier.c["dropped_blocks"] += len(batch)
+        return
+    tier._ok()
+    dt = time.perf_counter() - t0
+    for (nskey, value), res in zip(batch, results):
+        if isinstance(res, Exception):
+            text = str(res)
+            with tier._lock:
+                if "OOM" in text or "maxmemory" in text:
+                    tier.c["full_errors"] += 1
+                else:
+                    tier.c["put_errors"] += 1
+                tier.c["dropped_blocks"] += 1
+                tier.last_error = f"{type(res).__name__}: {text}"
+        else:
+            with tier._lock:
+                tier.c["put_blocks"] += 1
+                tier.c["put_bytes"] += len(value) - HEADER_BYTES
+    with tier._lock:
+        tier.c["put_seconds_us"] += int(dt * 1e6)

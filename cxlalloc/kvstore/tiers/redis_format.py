@@ -23,6 +23,10 @@ _VERSION = 1
 _HEADER = struct.Struct("!4sHH32sQI")  # magic, version, flags, namespaced key, nbytes, crc32
 HEADER_BYTES = _HEADER.size
 FLAG_MAC = 1  # a MAC_BYTES keyed BLAKE2b of header + bytes follows the bytes
+# flags >> 1: the tokens the block holds (0 = not recorded: values of older versions), so a block restored from
+# Redis reports its tokens in hit_tokens; readers that know only FLAG_MAC ignore these bits.
+MAX_TOKENS = 0x7FFF
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 MAC_BYTES = 32
 MIN_KEY_BYTES = 16
 
@@ -34,10 +38,13 @@ def _mac(mac_key: bytes, header: bytes, data) -> bytes:
     return h.digest()
 
 
-def pack_value(nskey: bytes, data, mac_key: Optional[bytes] = None) -> bytes:
-    """The Redis value of block ``nskey``: header, bytes, and with ``mac_key`` a MAC."""
+def pack_value(nskey: bytes, data, mac_key: Optional[bytes] = None, tokens: int = 0) -> bytes:
+    """The Redis value of block ``nskey``: header, bytes, and with ``mac_key`` a MAC.
+    ``tokens`` (0 to 32767; the tokens the block holds) rides in the header's
+    flags (covered by the MAC); :func:`value_tokens` reads it back."""
     data = bytes(data)
-    header = _HEADER.pack(_MAGIC, _VERSION, FLAG_MAC if mac_key else 0, nskey, len(data), zlib.crc32(data))
+    flags = (FLAG_MAC if mac_key else 0) | (min(max(int(tokens), 0), MAX_TOKENS) << 1)
+    header = _HEADER.pack(_MAGIC, _VERSION, flags, nskey, len(data), zlib.crc32(data))
     return header + data + (_mac(mac_key, header, data) if mac_key else b"")
 
 
@@ -50,6 +57,22 @@ def unpack_value(nskey: bytes, value: Optional[bytes], mac_key: Optional[bytes] 
 
 def _length(value: bytes) -> int:
     return _HEADER.unpack_from(value)[4]
+
+
+def value_tokens(value: bytes) -> int:
+    """The tokens recorded in a sound value's header (0: not recorded)."""
+    return _HEADER.unpack_from(value)[2] >> 1
+
+
+def is_cluster_url(url: str) -> bool:
+    """True for ``redis+cluster://`` and ``rediss+cluster://`` URLs."""
+    return isinstance(url, str) and url.split("://", 1)[0] in CLUSTER_SCHEMES
+
+
+def plain_url(url: str) -> str:
+    """``redis+cluster://h:p`` -> ``redis://h:p`` (what redis-py parses)."""
+    scheme, rest = url.split("://", 1)
+    return scheme.replace("+cluster", "") + "://" + rest
 
 
 def value_problem(nskey: bytes, value: Optional[bytes], mac_key: Optional[bytes] = None) -> Optional[str]:
@@ -112,14 +135,17 @@ def redact_url(url: str) -> str:
 
 
 def check_url(url, option: str = "--redis") -> str:
-    """Validate a ``redis://`` / ``rediss://`` URL.
+    """Validate a ``redis://`` / ``rediss://`` URL, or a cluster's
+    ``redis+cluster://`` / ``rediss+cluster://`` (database 0 or none).
 
     Raises:
         ValueError: naming ``option``, for another scheme, no host, or a bad port/db.
     """
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://")):
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "redis+cluster://",
+                                                       "rediss+cluster://")):
         raise ValueError(f"cxlalloc option '{option}': {url!r} is not a Redis URL; use 'redis://host:port/db' "
-                         "or 'rediss://host:port/db' (TLS), with 'user:password@' for AUTH")
+                         "or 'rediss://host:port/db' (TLS), with 'user:password@' for AUTH, or for a Redis/Valkey "
+                         "Cluster 'redis+cluster://host:port' ('rediss+cluster://' for TLS; any node as the seed)")
     try:
         u = urlsplit(url)
         _ = u.port
@@ -131,6 +157,9 @@ def check_url(url, option: str = "--redis") -> str:
     if db and not db.isdigit():
         raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r}: the database must be a number "
                          "('redis://host:port/0')")
+    if db not in ("", "0") and is_cluster_url(url):
+        raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r}: a cluster has database 0 only; use "
+                         "'redis+cluster://host:port'")
     return url
 
 

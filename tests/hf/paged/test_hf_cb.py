@@ -218,6 +218,11 @@ def _second_batch_hits(make_store):
     assert c2["reprefills_avoided"] == 3
     assert c2["store_hit_tokens"] + c2["vram_hit_tokens"] == 6 * 4 * PAGE
     assert c2["bytes_loaded"] == 12 * BLOCK_BYTES and c2["store_failures"] == 0
+    # per tier: the documents' blocks from the store (its host memory, or a kv-server's pool), the rest in VRAM
+    store_tiers = {t: d for t, d in c2["tiers"].items() if t != "vram_prefix"}
+    assert len(store_tiers) == 1 and next(iter(store_tiers)) in ("host", "pool"), c2["tiers"]
+    assert next(iter(store_tiers.values())) == {"blocks": 12, "tokens": 3 * 4 * PAGE, "bytes": 12 * BLOCK_BYTES}
+    assert c2["tiers"]["vram_prefix"]["tokens"] == c2["vram_hit_tokens"]
     assert cb_stats(second)["kv_store"]["enabled"] is True
     assert c2["peak_kv_host_bytes"] > 0  # the hits landed in a cache that spans both tiers
 

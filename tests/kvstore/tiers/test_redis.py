@@ -210,9 +210,18 @@ def test_below_the_server_pool_evicted_blocks_come_back_after_a_restart(redis_se
         assert lease.blocks == 0  # never across namespaces, in Redis either
     s = srv2.stats()
     assert s["pool"]["redis_hit_blocks"] == 8 and s["redis"]["hit_blocks"] == 8
+    assert s["pool"]["hit_tokens"] == 8 * 16  # the tokens written with each block came back from Redis
+    assert s["pool"]["tiers"] == {"pool": {"blocks": 0, "bytes": 0, "tokens": 0},
+                                  "remote": {"blocks": 8, "bytes": 8 * BLOCK, "tokens": 8 * 16}}
     with st2.lookup("t", keys[:8]) as lease:  # now in the pool
         assert lease.blocks == 8
     assert srv2.stats()["pool"]["redis_hit_blocks"] == 8
+    assert srv2.stats()["pool"]["tiers"]["pool"] == {"blocks": 8, "bytes": 8 * BLOCK, "tokens": 8 * 16}
+    from cxlalloc.kvstore.server.metrics import render
+
+    text = render(srv2.stats())
+    assert 'cxlalloc_kv_served_tokens_total{source="remote"} 128.0' in text
+    assert 'cxlalloc_kv_served_blocks_total{source="pool"} 8.0' in text
     st2.close()
 
 
@@ -254,6 +263,16 @@ def test_in_process_store_with_redis_below_identical_tokens(redis_server):
     assert r["last"]["hit_tokens"] >= 32, r["last"]
     assert torch.equal(out, ref.generate(p2, max_new_tokens=8, do_sample=False))
     assert r["store"]["lower_hit_blocks"] >= 4
+    assert r["store"]["hit_tokens"] == 8 * r["store"]["lower_hit_blocks"]  # restored blocks report their tokens
+    # per-tier attribution: every reused token of this call came from the Redis tier below the store
+    last = r["last"]
+    assert set(last["tiers"]) == {"remote"} and last["tiers"]["remote"]["tokens"] == last["reused_tokens"] >= 32
+    assert last["tiers"]["remote"]["bytes"] == last["bytes_loaded"] > 0
+    assert r["counters"]["tiers"]["remote"]["tokens"] == last["reused_tokens"]
+    out, r = generate(b, p2)  # again: the previous turn's cache, kept in the model (no copy)
+    assert torch.equal(out, ref.generate(p2, max_new_tokens=8, do_sample=False))
+    assert r["last"]["tiers"] == {"vram_prefix": {"blocks": 0, "tokens": r["last"]["reused_tokens"], "bytes": 0}}
+    assert r["counters"]["tiers"]["remote"]["tokens"] == last["reused_tokens"]  # unchanged
     # unwrap closes the stores the wraps opened from the URL: no Redis writer thread outlives them
     writers = [t for t in threading.enumerate() if t.name == "cxlalloc-redis-writer" and t not in before]
     assert len(writers) == 2
@@ -289,6 +308,13 @@ def test_kv_server_process_with_redis_write_through_survives_kill_9(redis_server
         time.sleep(0.2)
     assert st["last"]["hit_tokens"] == 64
     assert sp.status()["pool"]["redis_hit_blocks"] >= 8
+    assert st["last"]["tiers"] == {"remote": {"blocks": 8, "tokens": 64, "bytes": st["last"]["bytes_loaded"]}}
+    out, st = generate(m, p2)  # now in the server's pool
+    assert torch.equal(out, ref.generate(p2, max_new_tokens=8, do_sample=False))
+    rt = st["last"]["reused_tokens"]
+    assert rt >= 64 and st["last"]["tiers"] == {"pool": {"blocks": rt // 8, "tokens": rt,
+                                                         "bytes": st["last"]["bytes_loaded"]}}
+    assert st["counters"]["tiers"]["pool"]["tokens"] >= 64 and st["counters"]["tiers"]["remote"]["tokens"] >= 64
 
 
 # ----------------------------------------------------------------- configuration and log volume

@@ -33,7 +33,18 @@ def _redis(request) -> Made:
     return Made(RedisTier(rs.url, prefix="contract:", timeout=0.5), rs.stop)
 
 
-TIERS = {"redis": _redis}
+def _redis_cluster(request) -> Made:
+    """The same tier on a real local 3+3 Redis Cluster (the session's; a test
+    that takes it away gets a fresh one for the next)."""
+    import uuid
+
+    from cxlalloc.kvstore.tiers.redis import RedisTier
+
+    c = request.getfixturevalue("redis_cluster_up")
+    return Made(RedisTier(c.cluster_url, prefix=f"contract{uuid.uuid4().hex[:8]}:", timeout=0.5), c.stop_all)
+
+
+TIERS = {"redis": _redis, "redis-cluster": _redis_cluster}
 
 
 @pytest.fixture(params=sorted(TIERS))

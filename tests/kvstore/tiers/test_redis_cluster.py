@@ -1,0 +1,250 @@
+"""The RESP tier on a real local Redis/Valkey Cluster (3 primaries + 3 replicas,
+scripts/redis_cluster.sh, started once per session): blocks spread over every
+slot, shared by two processes, a primary killed under load, a slot migrated
+mid-run (ASK and MOVED), a node full, MAC'd values; no mock."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+import cxlalloc.hf as hf
+from cxlalloc.kvstore.keys import namespaced_key
+from cxlalloc.kvstore.tiers.redis import RedisTier
+from tests.kvstore.kvutil import ROOT, generate, key, prompts, subprocess_env, tiny_llama
+
+BLOCK = 16 << 10
+
+
+def _data(i, n=BLOCK):
+    return bytes([i % 251]) * (n - 4) + i.to_bytes(4, "little")
+
+
+def _prefix():
+    return f"t{uuid.uuid4().hex[:8]}:"
+
+
+def _slot(t, k, ns=""):
+    from redis.crc import key_slot
+
+    return key_slot(t._rkey(namespaced_key(ns, k)).encode())
+
+
+def _fill(t, n, ns=""):
+    keys = [key(i) for i in range(n)]
+    for i, k in enumerate(keys):
+        assert t.put(k, ns, _data(i))
+    assert t.flush(20)
+    assert t.stats()["put_blocks"] >= n
+    return keys
+
+
+def test_blocks_spread_over_every_primary_and_come_back_in_one_round(redis_cluster_up):
+    t = RedisTier(redis_cluster_up.cluster_url, prefix=_prefix(), timeout=1.0)
+    try:
+        keys = _fill(t, 96)
+        owners = {redis_cluster_up.port_of_slot(_slot(t, k)) for k in keys}
+        assert owners == set(redis_cluster_up.primaries())  # no hash tags: every primary holds some
+        before = t.stats()["cluster"]["node_pipelines"]
+        assert t.get_many(keys) == [_data(i) for i in range(96)]
+        st = t.stats()
+        assert st["cluster"]["node_pipelines"] - before == 3  # one pipeline per primary, not one per key
+        assert st["hit_blocks"] == 96 and st["hit_bytes"] == 96 * BLOCK and st["kind"] == "redis-cluster"
+        assert st["cluster"]["primaries"] == 3 and st["cluster"]["slots_covered"] == 16384
+        assert t.get_many(keys, ns="other") == [None] * 96  # namespaces stay apart
+    finally:
+        t.close()
+
+
+def test_mac_values_on_the_cluster(redis_cluster_up, tmp_path):
+    kf = tmp_path / "mac.key"
+    kf.write_bytes(os.urandom(32))
+    kf.chmod(0o600)
+    prefix = _prefix()
+    t = RedisTier(redis_cluster_up.cluster_url + f"?redis_key_file={kf}&prefix={prefix}")
+    plain = RedisTier(redis_cluster_up.cluster_url, prefix=prefix)  # a writer without the key
+    try:
+        keys = _fill(t, 8)
+        assert t.get_many(keys) == [_data(i) for i in range(8)] and t.stats()["authenticated"]
+        plain.put(keys[3], "", b"forged" * 100)
+        assert plain.flush(10)
+        got = t.get_many(keys)
+        assert got[:3] == [_data(i) for i in range(3)] and got[3:] == [None] * 5  # refused, never loaded
+        assert t.stats()["forged_values"] == 1
+    finally:
+        t.close()
+        plain.close()
+
+
+def test_cluster_url_errors_and_one_server_behind_a_cluster_url(redis_server):
+    with pytest.raises(ValueError, match="cluster has database 0 only"):
+        RedisTier("redis+cluster://127.0.0.1:7000/3")
+    with pytest.raises(ValueError, match="redis\\+cluster://host:port"):
+        RedisTier("valkey://127.0.0.1:7000")
+    rs = redis_server()  # no cluster mode: the same tier, every slot on that server
+    t = RedisTier(f"redis+cluster://127.0.0.1:{rs.port}")
+    try:
+        keys = _fill(t, 5)
+        assert t.get_many(keys) == [_data(i) for i in range(5)]
+        assert t.stats()["cluster"]["standalone"] is True
+    finally:
+        t.close()
+
+
+def test_a_node_down_is_misses_for_its_slots_only_then_its_replica_serves(redis_cluster_up):
+    c = redis_cluster_up
+    t = RedisTier(c.cluster_url, prefix=_prefix(), timeout=0.5)
+    stop = threading.Event()
+    wrong, lat = [], []
+    try:
+        keys = _fill(t, 120)
+        c.wait_ok()  # replicas have every value
+        victim = c.primaries()[0]
+        on_victim = {i for i, k in enumerate(keys) if c.port_of_slot(_slot(t, k)) == victim}
+        assert 0 < len(on_victim) < 120
+
+        def load():  # readers and writers keep going through the failover
+            j = 1000
+            while not stop.is_set():
+                i = j % 120
+                t0 = time.perf_counter()
+                (v,) = t.get_many([keys[i]])
+                lat.append(time.perf_counter() - t0)
+                if v is not None and v != _data(i):
+                    wrong.append(i)
+                t.put(key(j), "", _data(j))
+                j += 1
+
+        th = threading.Thread(target=load)
+        th.start()
+        c.kill(victim)
+        got = [t.get_many([k])[0] for k in keys]  # at once, before any failover
+        hits = {i for i, v in enumerate(got) if v is not None}
+        assert hits >= set(range(120)) - on_victim and not (hits & on_victim) or hits == set(range(120))
+        assert all(got[i] == _data(i) for i in hits)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the replica is promoted; the tier learns it by itself
+            got = t.get_many(keys)
+            if all(v is not None for v in got):
+                break
+            time.sleep(0.1)
+        stop.set()
+        th.join(10)
+        assert got == [_data(i) for i in range(120)]  # identical bytes from the promoted replica
+        assert not wrong and t.stats()["bad_values"] == 0
+        assert max(lat) < 2.0, max(lat)  # no read stalls (timeout 0.5 s; slack for a loaded 2-core machine)
+        st = t.stats()["cluster"]
+        assert st["node_errors"] >= 1 and st["topology_refreshes"] >= 1 and victim not in c.primaries()
+    finally:
+        stop.set()
+        t.close()
+        if c.pids.get(victim) == 0:
+            c.restart(victim)  # it rejoins as a replica
+        c.wait_ok()
+
+
+def test_a_slot_migrated_mid_run_ask_then_moved(redis_cluster_up):
+    c = redis_cluster_up
+    t = RedisTier(c.cluster_url, prefix=_prefix(), timeout=1.0)
+    stop = threading.Event()
+    wrong, reads = [], [0]
+    try:
+        keys = _fill(t, 64)
+        k0 = keys[0]
+        slot = _slot(t, k0)
+        src = c.port_of_slot(slot)
+        dst = next(p for p in c.primaries() if p != src)
+        rk0 = t._rkey(namespaced_key("", k0))
+
+        def reader():
+            while not stop.is_set():
+                got = t.get_many(keys)
+                reads[0] += 1
+                wrong.extend(i for i, v in enumerate(got) if v is not None and v != _data(i))
+
+        th = threading.Thread(target=reader)
+        th.start()
+        s, d = c.client(src), c.client(dst)
+        d.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", c.node_id(src))
+        s.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", c.node_id(dst))
+        s.execute_command("MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS", rk0)  # k0 now on dst only
+        assert t.get_many([k0]) == [_data(0)], t.stats()  # ASK followed (ASKING + GET on the importing node)
+        assert t.stats()["cluster"]["ask"] >= 1, t.stats()
+        c.migrate_slot(slot, dst)  # the rest, then SETSLOT NODE on both
+        c.wait_ok()
+        assert t.get_many(keys) == [_data(i) for i in range(64)], t.stats()  # MOVED followed
+        st = t.stats()["cluster"]
+        assert st["moved"] >= 1, st
+        stop.set()
+        th.join(10)
+        assert not wrong and reads[0] > 0 and t.stats()["bad_values"] == 0, (wrong, reads, t.stats())
+        t.put(k0, "", _data(7))  # writes go to the new owner too
+        assert t.flush(10) and d.get(rk0) is not None and s.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+    finally:
+        stop.set()
+        t.close()
+
+
+def test_a_full_node_refuses_its_writes_only(redis_cluster_up):
+    c = redis_cluster_up
+    t = RedisTier(c.cluster_url, prefix=_prefix(), timeout=1.0)
+    full = c.primaries()[1]
+    r = c.client(full)
+    used = int(r.info("memory")["used_memory"])
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", used + (64 << 10))
+    try:
+        keys = [key(i) for i in range(150)]
+        for i, k in enumerate(keys):
+            t.put(k, "", _data(i))
+        assert t.flush(20)
+        st = t.stats()
+        on_full = {i for i, k in enumerate(keys) if c.port_of_slot(_slot(t, k)) == full}
+        assert st["full_errors"] > 0 and st["put_blocks"] >= 150 - len(on_full)
+        assert st["up"] is True
+        for i, k in enumerate(keys):  # every other node took its blocks; nothing wrong comes back
+            (v,) = t.get_many([k])
+            assert v == _data(i) or (v is None and i in on_full)
+    finally:
+        r.config_set("maxmemory", 0)
+        t.close()
+
+
+_CHILD = """
+import sys, torch
+import cxlalloc.hf as hf
+from tests.kvstore.kvutil import generate, prompts, tiny_llama
+url = sys.argv[1]
+p1 = prompts()[0]
+a = tiny_llama()
+hf.wrap(a, device_limit="256MiB", host_limit="512MiB", kv_store=url, kv_store_limit="28KiB", block_tokens=8)
+generate(a, p1)
+_, r = generate(a, prompts(seed=99)[0])  # another document evicts p1's blocks to the cluster
+hf.unwrap(a)  # closes the store: what was queued is sent
+print("evicted", r["store"]["evicted_blocks"])
+"""
+
+
+def test_two_processes_share_blocks_through_the_cluster_identical_tokens(redis_cluster_up):
+    url = redis_cluster_up.cluster_url + f"?prefix={_prefix()}"
+    out = subprocess.run([sys.executable, "-c", _CHILD, url], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert int(out.stdout.split("evicted")[1]) >= 4
+    _, p2 = prompts()
+    ref = tiny_llama()
+    b = tiny_llama()
+    hf.wrap(b, device_limit="256MiB", host_limit="512MiB", kv_store=url, kv_store_limit="28KiB", block_tokens=8)
+    try:
+        got, r = generate(b, p2)
+        assert torch.equal(got, ref.generate(p2, max_new_tokens=8, do_sample=False))
+        assert r["store"]["lower_hit_blocks"] >= 4 and r["last"]["hit_tokens"] >= 32, r["last"]
+        lower = r["store"]["lower"]
+        assert lower["kind"] == "redis-cluster" and lower["bad_values"] == 0
+    finally:
+        hf.unwrap(b)
