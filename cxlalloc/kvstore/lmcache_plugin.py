@@ -79,7 +79,7 @@ from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.client import DEFAULT_TIMEOUT_S, RemoteBlockStore
 from cxlalloc.kvstore.counters import StoreCounters
 
-try:  # the extra: pip install 'cxlalloc[lmcache]'
+try:  # the extra: pip install '.[lmcache]' (from a clone)
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.memory_management import MemoryObj
     from lmcache.v1.protocol import RemoteMetadata, get_remote_metadata_bytes
@@ -87,7 +87,7 @@ try:  # the extra: pip install 'cxlalloc[lmcache]'
     from lmcache.v1.exceptions import IrrecoverableException
     from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 except ImportError as _e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("cxlalloc's LMCache plugin needs LMCache: pip install 'cxlalloc[lmcache]' "
+    raise ImportError("cxlalloc's LMCache plugin needs LMCache: pip install '.[lmcache]' from a clone of cxlalloc "
                       f"(import failed: {_e})") from _e
 
 log = logging.getLogger("cxlalloc.kvstore.lmcache")

@@ -8,7 +8,7 @@ after that request the child writes ``SPEC.out + '.paused'`` and waits for the
 file ``SPEC.out + '.go'``, so the test can kill the kv-server between two
 requests of a running engine).  Each request runs alone (greedy,
 ``max_tokens``), and the child writes, per request: the generated token ids,
-vLLM's ``num_cached_tokens`` and the wall time of the request.
+vLLM's ``num_cached_tokens``, the wall time of the request and vLLM's time to its first token.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main(argv) -> int:
 
     kw = dict(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=spec["max_model_len"],
               enforce_eager=True, seed=0, enable_prefix_caching=False,
-              max_num_batched_tokens=spec["max_model_len"])
+              max_num_batched_tokens=spec["max_model_len"], disable_log_stats=False)
     if spec["lmcache"]:
         from vllm.config import KVTransferConfig
 
@@ -41,7 +41,8 @@ def main(argv) -> int:
         t = time.monotonic()
         r = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
         out["requests"].append({"tokens": list(r.outputs[0].token_ids), "num_cached_tokens": r.num_cached_tokens,
-                                "prompt_tokens": len(ids), "wall_s": time.monotonic() - t})
+                                "prompt_tokens": len(ids), "wall_s": time.monotonic() - t,
+                                "ttft_s": getattr(r.metrics, "first_token_latency", None)})
         if spec.get("pause_after") == i:
             with open(spec["out"] + ".paused", "w") as f:
                 json.dump(out, f)
