@@ -28,6 +28,10 @@ def main(argv) -> int:
     kw = dict(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=spec["max_model_len"],
               enforce_eager=True, seed=0, enable_prefix_caching=False,
               max_num_batched_tokens=spec["max_model_len"], disable_log_stats=False)
+    import torch
+
+    if torch.cuda.is_available():  # scripts/gpu_check.sh: two engines share the card
+        kw["gpu_memory_utilization"] = float(os.environ.get("CXLALLOC_ENGINE_GPU_MEMORY", "0.2"))
     if spec["lmcache"]:
         from vllm.config import KVTransferConfig
 
