@@ -16,7 +16,8 @@ Benchmarks (``--only ceilings,allocation,decode,rightsizing``; default all):
                grid a CPU cannot run is refused, exit status 2)
   rightsizing  GPU: largest batch and tokens/s at a fixed budget (:mod:`.rightsizing`)
 
-Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, ``--only kvscale``, ``--only cb``, ``--only kvspeed``):
+Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, ``--only kvscale``, ``--only cb``, ``--only kvspeed``,
+``--only engines``):
 
   reuse        TTFT of a KV prefix hit vs a full prefill as the prefix grows, load
                GB/s vs the measured link rate, a block-size sweep (:mod:`.reuse`;
@@ -36,6 +37,10 @@ Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, 
   kvspeed      KV reuse side by side with what users pick instead: kv-server
                lookups vs redis-py MGET, insert vs memcpy, chat turns vs a
                by-hand DynamicCache, hits vs the deepcopy recipe (:mod:`.kvspeed`; CPU)
+  engines      vLLM's time to first token with a shared 1,280-token prefix: no cache,
+               vLLM's prefix cache, LMCache's local CPU tier, cxlalloc:// from another
+               process; arms interleaved (:mod:`.engines`; CPU, vLLM's CPU build from
+               scripts/install_engines.sh, a clone's tests/engines stand-in connector)
 
 Each writes ``DIR/<name>.json`` (:mod:`.meta` describes the record; decode's
 ``parameters`` hold the grid that ran: ``points``, ``models``, ``contexts``,

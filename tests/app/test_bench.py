@@ -748,3 +748,18 @@ def test_kvspeed_is_opt_in_and_plots_its_ratios(tmp_path):
     out = ks.plot(rec, str(tmp_path / "kvspeed.png"))
     assert out and os.path.getsize(out) > 10_000
     assert ks.plot({"results": []}, str(tmp_path / "none.png")) is None
+
+
+def test_engines_runs_only_when_named_and_says_why_it_skips(tmp_path):
+    """``bench --only engines`` (vLLM's TTFT, four arms) without the engine venv: a skipped record naming
+    scripts/install_engines.sh, never a silent nothing."""
+    assert "engines" in meta.OPT_IN and "engines" not in meta.BENCHMARKS
+    env = _env()
+    env["CXLALLOC_ENGINES_VENV"] = str(tmp_path / "no-venv")
+    p = subprocess.run([sys.executable, "-m", "cxlalloc", "bench", "--only", "engines", "--out", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    with open(tmp_path / "engines.json") as f:
+        rec = json.load(f)
+    assert meta.validate_record(rec) == [] and rec["status"] == "skipped"
+    assert "scripts/install_engines.sh" in rec["skipped"][0]["reason"]
