@@ -199,7 +199,7 @@ setup(
         # cxlalloc kv-server (msgpack: the protocol, also for its clients; redis: the Redis/Valkey tier;
         # prometheus_client: --metrics-port/--metrics-file; rich: --status tables)
         "kvserver": ["msgpack>=1.0", "redis>=5.0", "prometheus_client>=0.17", "rich"],
-        # the LMCache remote-storage plugin (cxlalloc://, cxlalloc/kvstore/lmcache_plugin.py) and the kv-server
+        # the LMCache remote-storage plugin (cxlalloc://, cxlalloc/kvstore/engines/lmcache_plugin.py) and the kv-server
         # docs/engines.md then starts, for an engine's environment (vLLM, SGLang, Dynamo): `pip install '.[lmcache]'`
         # from a clone; the project's own venv uses scripts/install_lmcache.sh instead
         "lmcache": ["lmcache==0.5.6", "msgpack>=1.0", "redis>=5.0", "prometheus_client>=0.17", "rich"],

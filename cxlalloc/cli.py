@@ -8,7 +8,7 @@
     cxlalloc bench ...                       benchmarks (the app cxlalloc_apps.bench, found by entry point)
     cxlalloc demo ...                        the main job: HuggingFace generate() past VRAM (cxlalloc_apps.demo)
     cxlalloc serve [MODEL] ...               OpenAI-compatible server on the tiered KV cache (cxlalloc.serve_cli)
-    cxlalloc kv-server ...                   shared KV cache server (cxlalloc.kvstore.server_cli)
+    cxlalloc kv-server ...                   shared KV cache server (cxlalloc.kvstore.server.cli)
     cxlalloc plan --model M ...              right-sizing: KV bytes, VRAM split, GPUs with/without CXL (cxlalloc.plan.cli)
 
 Exit codes: 0 success (also when the reader of stdout closes it early, as
@@ -179,7 +179,7 @@ def gather_info(simulate: bool = False, libcuda: str = "libcuda.so.1", import_to
 
 
 def _engines_section(numa: dict) -> Optional[dict]:
-    """The serving-engine lines for this machine's node (cxlalloc/kvstore/engines.py), None without NUMA."""
+    """The serving-engine lines for this machine's node (cxlalloc/kvstore/engines/config.py), None without NUMA."""
     from cxlalloc.kvstore.engines import engine_lines
 
     an = numa.get("auto_node") if numa.get("available") else None
@@ -349,7 +349,7 @@ def cmd_run(args) -> int:
 # imports them, it finds them through the entry-point group setup.py declares.
 APP_GROUP = "cxlalloc.apps"
 APPS = {"bench": "benchmarks", "demo": "HuggingFace generate() demo"}
-PRODUCT_COMMANDS = {"kv-server": ("cxlalloc.kvstore.server_cli", "shared KV cache server"),
+PRODUCT_COMMANDS = {"kv-server": ("cxlalloc.kvstore.server.cli", "shared KV cache server"),
                     "plan": ("cxlalloc.plan.cli", "right-sizing: KV bytes, VRAM split, GPUs with and without CXL"),
                     "serve": ("cxlalloc.serve_cli", "OpenAI-compatible server on the tiered KV cache")}
 DELEGATES = [*APPS, *PRODUCT_COMMANDS]

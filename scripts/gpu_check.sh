@@ -113,7 +113,7 @@ STEPS=(
   "pytest-gpu|170|$PY -m pytest -m gpu -q -ra --timeout=60 -p no:cacheprovider --junitxml=$RES/pytest.xml --ignore=tests/kvstore tests; rc=\$?; if [ \$rc -eq 5 ]; then echo 'no GPU-marked tests collected'; exit 0; fi; exit \$rc"
   "kvserver|60|$PY -c 'import msgpack' || { echo 'msgpack is missing on this machine: carry its wheel in .whl/ (see the header)'; exit 1; }; $PY -m pytest -m gpu -q -ra --timeout=50 -p no:cacheprovider --junitxml=$RES/pytest-kvserver.xml tests/kvstore/test_kv_gpu.py"
   "reuse|90|$BENCH --only reuse --time-budget \$STEP_BUDGET"
-  "lmcache|45|$PY -c 'import lmcache, msgpack' 2>/dev/null || { echo 'lmcache (or msgpack) is not installed on this machine: the plugin step did not run (pip install .[lmcache] from the clone where a network is reachable; the vllm step installs vLLM)'; exit 0; }; $PY -m pytest -m gpu -q -ra -s --timeout=40 -p no:cacheprovider --junitxml=$RES/pytest-lmcache.xml tests/kvstore/test_lmcache_gpu.py"
+  "lmcache|45|$PY -c 'import lmcache, msgpack' 2>/dev/null || { echo 'lmcache (or msgpack) is not installed on this machine: the plugin step did not run (pip install .[lmcache] from the clone where a network is reachable; the vllm step installs vLLM)'; exit 0; }; $PY -m pytest -m gpu -q -ra -s --timeout=40 -p no:cacheprovider --junitxml=$RES/pytest-lmcache.xml tests/kvstore/engines/test_lmcache_gpu.py"
   "vllm|150|bash scripts/gpu_vllm_step.sh $WORK/engines"
   "cb|60|$BENCH --only cb --time-budget \$STEP_BUDGET"
   "decode|130|$BENCH --only decode --time-budget \$STEP_BUDGET"

@@ -6,7 +6,7 @@
 # lmcache==0.5.6 pins numpy<=2.2.6, prometheus_client<=0.24.1 and setuptools<81, which would replace the venv's
 # newer ones; it runs with those (its connector, memory-management and storage-backend modules on the CPU).
 # So it goes into DIR with --no-deps, the venv keeping torch, transformers and numpy, and the tests append DIR
-# to sys.path (tests/kvstore/lmc.py; CXLALLOC_LMCACHE_SITE names another folder).  In an engine's own
+# to sys.path (tests/kvstore/engines/lmc.py; CXLALLOC_LMCACHE_SITE names another folder).  In an engine's own
 # environment (vLLM, SGLang, Dynamo) use `pip install '.[lmcache]'` from a clone instead.
 # About 660 MB (cupy and the CUDA Python bindings included); measured 151 s on a shared 2-core machine.
 set -euo pipefail
@@ -27,7 +27,7 @@ import sys
 sys.path.append(sys.argv[1])  # appended: the venv's torch and numpy win
 import lmcache
 from lmcache.v1.storage_backend.connector import ConnectorAdapter  # noqa: F401
-import cxlalloc.kvstore.lmcache_plugin  # noqa: F401
+import cxlalloc.kvstore.engines.lmcache_plugin  # noqa: F401
 print(f"install_lmcache: lmcache {lmcache.__version__} imports with the venv's torch; the cxlalloc:// plugin loads")
 PYEOF
 echo "$key" > "$STAMP"

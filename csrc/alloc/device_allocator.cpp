@@ -15,13 +15,22 @@ DeviceAllocator::DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std
       cfg_(cfg),
       numa_(std::move(numa)),
       ctx_(drv_, cfg.device),
+      limits_(cfg.device_limit, cfg.host_limit, cfg.kv_device_limit, cfg.device_headroom, cfg.kv_aware),
+      pending_frees_(
+          drv_, [this](Block* b) { retire(b); },
+          [this](CUresult r) {
+            // Counted and reported once: a healthy driver never gets here.
+            if (stats_.on_event_record_failure())
+              log_warning("cuEventRecord on a stream that used a freed block failed (" + drv_->describe(r) +
+                          "); waiting for that stream instead");
+          }),
       migration_budget_(cfg.migration_rate, cfg.migration_burst) {
   if (cfg_.device_limit == 0)
     throw Error(ErrorKind::InvalidArgument, "device_limit: must be > 0 bytes (a size like '8GiB' or a fraction of VRAM)");
   driver::ContextGuard guard(*drv_, ctx_.get());
-  host_enabled_ = cfg_.host_limit > 0;
+  const bool host_enabled = limits_.host_enabled();
   backend::Selection chosen =
-      backend::select_backends(drv_, {cfg_.device, cfg_.host_node, host_enabled_, cfg_.backend, cfg_.strict_placement});
+      backend::select_backends(drv_, {cfg_.device, cfg_.host_node, host_enabled, cfg_.backend, cfg_.strict_placement});
   facts_ = chosen.facts;
   support_ = std::move(chosen.support);
   const backend::FactoryConfig& fc = chosen.factory;
@@ -32,14 +41,14 @@ DeviceAllocator::DeviceAllocator(driver::DriverPtr drv, AllocatorConfig cfg, std
                 "device_limit: " + format_bytes(cfg_.device_limit) + " is below cuda:" + std::to_string(cfg_.device) +
                     "'s allocation granularity (" + format_bytes(fc.device_granularity) +
                     "): not one segment would fit in VRAM; use at least " + format_bytes(fc.device_granularity));
-  if (host_enabled_ && cfg_.host_limit < fc.host_granularity)
+  if (host_enabled && cfg_.host_limit < fc.host_granularity)
     throw Error(ErrorKind::InvalidArgument,
                 "host_limit: " + format_bytes(cfg_.host_limit) + " is below the host tier's allocation granularity (" +
                     format_bytes(fc.host_granularity) + ", backend " + backend::host_backend_name(fc.host_backend) +
                     "): use at least " + format_bytes(fc.host_granularity) + ", or 0 to run without a host tier");
   // host-vmm and managed commit lazily; pinned touches and pins a whole
   // request at once: beyond the node's free memory that is the OOM killer.
-  if (host_enabled_ && fc.host_backend == backend::HostBackend::Pinned && cfg_.host_node_free_bytes > 0 &&
+  if (host_enabled && fc.host_backend == backend::HostBackend::Pinned && cfg_.host_node_free_bytes > 0 &&
       cfg_.host_limit > cfg_.host_node_free_bytes)
     throw Error(ErrorKind::InvalidArgument,
                 "host_limit: " + format_bytes(cfg_.host_limit) + " is above the free memory of NUMA node " +
@@ -59,8 +68,7 @@ DeviceAllocator::~DeviceAllocator() {
   bool have_prev = drv_->api().fn_cuCtxGetCurrent(&prev) == CUDA_SUCCESS;
   if (drv_->api().fn_cuCtxSetCurrent(ctx_.get()) != CUDA_SUCCESS) note_cleanup_failure("teardown: cuCtxSetCurrent");
   if (drv_->api().fn_cuCtxSynchronize() != CUDA_SUCCESS) note_cleanup_failure("teardown: cuCtxSynchronize");
-  pending_.clear();
-  event_pool_.clear();
+  pending_frees_.clear();
   cache_.clear();
   allocated_.clear();
   for (auto& [base, seg] : segments_) {
@@ -78,45 +86,38 @@ DeviceAllocator::~DeviceAllocator() {
 }
 
 std::string DeviceAllocator::host_backend_name() const {
-  if (!host_enabled_) return "none";
+  if (!limits_.host_enabled()) return "none";
   return backend::host_backend_name(factory_->config().host_backend);
 }
 
 bool DeviceAllocator::demotion_supported() const { return factory_->can_move_between_tiers(); }
 
-size_t DeviceAllocator::device_limit_eff() const {
-  return cfg_.device_limit > external_device_bytes_ ? cfg_.device_limit - external_device_bytes_ : 0;
-}
-
 void DeviceAllocator::set_external_device_bytes(size_t n) {
   std::lock_guard<std::mutex> lk(mu_);
-  external_device_bytes_ = n;
+  limits_.set_external_device_bytes(n);
 }
 
 void DeviceAllocator::set_device_limit(size_t bytes) {
   if (bytes == 0) throw Error(ErrorKind::InvalidArgument, "device_limit: must be > 0 bytes");
   std::lock_guard<std::mutex> lk(mu_);
-  cfg_.device_limit = bytes;
+  cfg_.device_limit = bytes;  // config() reports it
+  limits_.set_device_limit(bytes);
 }
 
 policy::TierBudget DeviceAllocator::budget() const {
-  policy::TierBudget b;
-  b.device_limit = device_limit_eff();
-  b.device_reserved = stats_.reserved(Tier::Device);
-  b.host_limit = host_enabled_ ? cfg_.host_limit : 0;
-  b.host_reserved = stats_.reserved(Tier::Host);
+  // Reclaimable: wholly free cached segments, except those of a private pool
+  // still in use (a graph may replay into them).
+  size_t cached_free[kNumTiers] = {0, 0};
   for (const auto& [base, seg] : segments_) {
     if (!seg->fully_free()) continue;
     if (!seg->pool.is_default()) {
       auto it = pools_.find(seg->pool);
       if (it != pools_.end() && it->second.use_count > 0) continue;
     }
-    (seg->tier() == Tier::Device ? b.device_cached_free : b.host_cached_free) += seg->size;
+    cached_free[int(seg->tier())] += seg->size;
   }
-  b.kv_device_quota = cfg_.kv_aware ? cfg_.kv_device_limit : SIZE_MAX;
-  b.kv_device_bytes = stats_.kv_device_bytes;
-  b.device_headroom = cfg_.kv_aware ? cfg_.device_headroom : 0;
-  return b;
+  return limits_.snapshot(stats_.reserved(Tier::Device), stats_.reserved(Tier::Host), cached_free[int(Tier::Device)],
+                          cached_free[int(Tier::Host)], stats_.kv_device_bytes);
 }
 
 bool DeviceAllocator::capturing(CUstream s) const {
@@ -161,12 +162,13 @@ double DeviceAllocator::now_s() const {
 std::string DeviceAllocator::describe_tiers() const {
   const auto& d = stats_.tier[0];
   const auto& h = stats_.tier[1];
-  std::string s = "device tier (cuda:" + std::to_string(cfg_.device) + "): " +
-                  format_bytes(static_cast<size_t>(d.allocated_bytes.current)) + " allocated, " +
+  std::string s = "device tier (cuda:" + std::to_string(cfg_.device) +
+                  "): " + format_bytes(static_cast<size_t>(d.allocated_bytes.current)) + " allocated, " +
                   format_bytes(static_cast<size_t>(d.reserved_bytes.current)) + " reserved of " +
-                  format_bytes(device_limit_eff()) + " limit";
-  if (external_device_bytes_) s += " (" + format_bytes(external_device_bytes_) + " used outside cxlalloc)";
-  if (host_enabled_)
+                  format_bytes(limits_.device()) + " limit";
+  if (limits_.external_device_bytes())
+    s += " (" + format_bytes(limits_.external_device_bytes()) + " used outside cxlalloc)";
+  if (limits_.host_enabled())
     s += "; host tier (NUMA node " + std::to_string(cfg_.host_node) + ", backend " + host_backend_name() + "): " +
          format_bytes(static_cast<size_t>(h.allocated_bytes.current)) + " allocated, " +
          format_bytes(static_cast<size_t>(h.reserved_bytes.current)) + " reserved of " +

@@ -32,8 +32,10 @@
 
 #include "alloc/block.h"
 #include "alloc/block_cache.h"
+#include "alloc/pending_frees.h"
 #include "alloc/segment.h"
 #include "alloc/stats.h"
+#include "alloc/tier_limits.h"
 #include "backend/backends.h"
 #include "backend/placement.h"
 #include "backend/segment_factory.h"
@@ -229,10 +231,6 @@ class DeviceAllocator {
 
  private:
   // Helpers below assume mu_ is held and the context is current.
-  struct PendingFree {
-    driver::Event event;
-    Block* block;
-  };
   struct PrivatePool {
     int use_count = 0;
   };
@@ -241,9 +239,9 @@ class DeviceAllocator {
     Filter filter;
   };
 
-  // device_allocator.cpp: budgets and shared helpers
+  // device_allocator.cpp: the policy's budget snapshot and shared helpers
+  // limits_ (tier_limits.h) plus what the segments hold.
   policy::TierBudget budget() const;
-  size_t device_limit_eff() const;
   bool capturing(CUstream s) const;
   void sync_device();
   double now_s() const;
@@ -251,6 +249,30 @@ class DeviceAllocator {
   Segment* segment_of(CUdeviceptr p) const;
 
   // device_allocator_malloc.cpp: the allocation path
+  // One allocation's facts and decisions, carried through the order of
+  // resort step by step (torch's AllocParams in CUDACachingAllocator.cpp):
+  // what was asked, where it may come from, and what the policy chose.
+  struct AllocRequest {
+    size_t nbytes = 0;  // as asked
+    size_t size = 0;    // rounded (sizes.h): the block's size
+    CUstream stream = nullptr;
+    AllocClass cls = AllocClass::Other;
+    bool only_host = false;                       // the scoped mode's spill pool
+    bool capturing = false;                       // graph capture: device only, no reclaim (C10, C14)
+    FreeListKey key{};                            // pool, device tier, class, small/large
+    size_t seg_bytes = 0;                         // a new segment's size class
+    size_t min_seg = 0;                           // the least a new segment may be (alloc_in's exact-size fallback)
+    policy::Request policy{};                     // what the policy judges
+    policy::TierBudget budget{};                  // both tiers when the cache missed
+    Tier first = Tier::Device;                    // the policy's first choice
+    uint64_t refused_before[kNumTiers] = {0, 0};  // driver refusals so far (for the OOM message)
+  };
+  AllocRequest make_request(size_t nbytes, CUstream stream, AllocClass cls, bool only_host);
+  void reclaim_finished();                 // owned moves, parked frees, completed events
+  void plan_new_segment(AllocRequest& r);  // sizes, the budget and the policy's first tier
+  Block* try_device(const AllocRequest& r, bool allow_demote);
+  Block* try_host(const AllocRequest& r);
+  [[noreturn]] void refuse(const AllocRequest& r);  // capture error or OutOfMemoryError
   Block* alloc_in(Tier tier, const FreeListKey& key, size_t size, size_t requested, CUstream stream,
                   bool allow_new_segment);
   Segment* new_segment(Tier tier, const FreeListKey& key, size_t size, CUstream stream);
@@ -270,18 +292,7 @@ class DeviceAllocator {
   void extent_free_locked(uint64_t id);
   void retry_parked();
   std::string diagnose_bad_free(CUdeviceptr p) const;
-  // Retire completed pending frees; with `wait`, wait for them.  only_tier
-  // >= 0 restricts the pass to blocks on that tier.
-  void process_events(bool wait, int only_tier = -1);
-  void flush_deferred();
-  driver::Event acquire_event();
-  // `n` events, or none (throws, with the pool as it was).
-  std::vector<driver::Event> acquire_events(size_t n);
-  // Order `b`'s reuse after the streams that used it, with one event of
-  // `events` per stream (acquired before the free changed anything); retire
-  // it at once if there are none left to wait for.  Never throws.
-  void wait_for_uses(Block* b, std::vector<driver::Event> events);
-  // A freed block whose uses are complete joins its free list.
+  // PendingFrees' hook: a freed block whose uses are complete joins its free list.
   void retire(Block* b);
 
   // device_allocator_migration.cpp: demotion and promotion
@@ -317,23 +328,20 @@ class DeviceAllocator {
   backend::DeviceFacts facts_;
   std::map<std::string, backend::Support> support_;
   std::unique_ptr<backend::SegmentFactory> factory_;
-  bool host_enabled_ = false;
+  TierLimits limits_;  // the tier budget: limits, room, the policy's snapshot (tier_limits.h)
 
   mutable std::mutex mu_;
   std::map<CUdeviceptr, std::unique_ptr<Segment>> segments_;  // by base address
   std::unordered_map<CUdeviceptr, Block*> allocated_;         // live blocks by pointer
   BlockCache cache_;  // the free blocks: best fit, split, merge (block_cache.h)
-  std::deque<PendingFree> pending_;
-  std::vector<Block*> deferred_;  // freed with stream uses during capture
+  PendingFrees pending_frees_;    // frees waiting on other streams' events (pending_frees.h)
   std::set<CUdeviceptr> parked_;  // owned blocks whose deleter's free failed (retried)
   std::set<uint64_t> parked_extents_;  // extents whose release in a destructor failed (retried)
-  std::vector<driver::Event> event_pool_;
   std::map<PoolId, PrivatePool> pools_;
   std::vector<Route> routes_;
   std::map<uint64_t, Segment*> extents_;
 
   Stats stats_;  // every counter; its operations are the accounting rules (stats.cpp)
-  size_t external_device_bytes_ = 0;
   uint64_t seq_ = 0;            // allocation / commit sequence
   uint64_t step_start_seq_ = 0;
   bool steps_marked_ = false;

@@ -24,7 +24,7 @@ ExtentInfo DeviceAllocator::extent_create(size_t capacity, AllocClass cls) {
   const size_t chunk = cfg_.extent_chunk ? round_up(cfg_.extent_chunk, align) : align;
   if (capacity == 0) throw Error(ErrorKind::InvalidArgument, "extent capacity must be > 0 bytes");
   size_t cap = round_up(capacity, chunk);
-  size_t total = device_limit_eff() + (host_enabled_ ? cfg_.host_limit : 0);
+  size_t total = limits_.device() + limits_.host();
   if (cap == 0 || cap > total) throw_oom(capacity, cls, "the extent's capacity exceeds both tiers together");
 
   std::unique_ptr<Segment> seg;
@@ -46,8 +46,8 @@ ExtentInfo DeviceAllocator::extent_create(size_t capacity, AllocClass cls) {
     policy::Request req{cls, cap, false};
     Tier first = policy::first_choice(req, budget());
     for (Tier t : {first, first == Tier::Device ? Tier::Host : Tier::Device}) {
-      if (t == Tier::Host && !host_enabled_) continue;
-      size_t limit = t == Tier::Device ? device_limit_eff() : cfg_.host_limit;
+      if (t == Tier::Host && !limits_.host_enabled()) continue;
+      size_t limit = limits_.limit(t);
       if (stats_.reserved(t) + cap > limit) continue;
       try {
         auto fresh = std::make_unique<Segment>();
@@ -121,19 +121,19 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
   }
   const double now = now_s();
   size_t allowed = can_demote ? migration_budget_.available(now) : 0;
-  size_t host_room = host_enabled_ ? cfg_.host_limit - std::min(cfg_.host_limit, stats_.reserved(Tier::Host)) : 0;
+  size_t host_room = limits_.room(Tier::Host, stats_.reserved(Tier::Host));
   // Demoted chunks and host-placed new chunks share the host room; the
   // commit loop below re-checks every chunk against the limits.
   policy::GrowthPlan plan;
   if (kv_policy) {
-    plan = policy::plan_extent_growth(fresh.size(), chunk, budget(), device_kv, std::min(allowed, host_room), can_demote,
-                                      host_enabled_);
+    plan = policy::plan_extent_growth(fresh.size(), chunk, budget(), device_kv, std::min(allowed, host_room),
+                                      can_demote, limits_.host_enabled());
   } else {
     // Weight/other extents, and every extent under first-fit: the device
     // while it has room, else the host (first come, first served).
     size_t room = policy::device_available(budget());
     size_t dev = std::min(fresh.size(), room / chunk);
-    plan.device_new = host_enabled_ ? dev : fresh.size();
+    plan.device_new = limits_.host_enabled() ? dev : fresh.size();
     plan.host_new = fresh.size() - plan.device_new;
   }
   if (!plan.demote.empty()) {
@@ -155,8 +155,8 @@ void DeviceAllocator::extent_grow(uint64_t id, size_t bytes) {
     Tier first = i < plan.host_new ? Tier::Host : Tier::Device;
     bool done = false;
     for (Tier t : {first, first == Tier::Device ? Tier::Host : Tier::Device}) {
-      if (t == Tier::Host && !host_enabled_) continue;
-      size_t limit = t == Tier::Device ? device_limit_eff() : cfg_.host_limit;
+      if (t == Tier::Host && !limits_.host_enabled()) continue;
+      size_t limit = limits_.limit(t);
       if (stats_.reserved(t) + c.size > limit) continue;
       try {
         factory_->commit_chunk(*seg, c, t);

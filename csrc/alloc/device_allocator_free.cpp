@@ -142,7 +142,7 @@ void DeviceAllocator::free_locked(CUdeviceptr p, bool by_owner) {
   if (!b->stream_uses.empty()) {
     any_capturing = capturing(b->stream);
     for (CUstream s : b->stream_uses) any_capturing = any_capturing || capturing(s);
-    if (!any_capturing) events = acquire_events(b->stream_uses.size());
+    if (!any_capturing) events = pending_frees_.acquire(b->stream_uses.size());
   }
   b->owned = false;
   allocated_.erase(it);
@@ -161,11 +161,10 @@ void DeviceAllocator::free_locked(CUdeviceptr p, bool by_owner) {
   stats_.on_block_awaiting_events(seg->tier(), seg->kind, b->size);
   if (any_capturing) {
     // Recording an event on a capturing stream is illegal (C14): defer.
-    b->event_count = 1;  // placeholder until flush_deferred records real events
-    deferred_.push_back(b);
+    pending_frees_.defer(b);
     return;
   }
-  wait_for_uses(b, std::move(events));
+  pending_frees_.wait_for_uses(b, std::move(events));
 }
 
 void DeviceAllocator::record_stream(void* ptr, CUstream stream) {
@@ -183,99 +182,10 @@ size_t DeviceAllocator::allocation_size(void* ptr) const {
   return it == allocated_.end() ? 0 : it->second->requested;
 }
 
-driver::Event DeviceAllocator::acquire_event() {
-  if (!event_pool_.empty()) {
-    driver::Event ev = std::move(event_pool_.back());
-    event_pool_.pop_back();
-    return ev;
-  }
-  return driver::Event(drv_);
-}
-
-std::vector<driver::Event> DeviceAllocator::acquire_events(size_t n) {
-  std::vector<driver::Event> out;
-  out.reserve(n);
-  try {
-    while (out.size() < n) out.push_back(acquire_event());
-  } catch (...) {
-    for (auto& ev : out) event_pool_.push_back(std::move(ev));  // nothing taken is lost
-    throw;
-  }
-  return out;
-}
-
-void DeviceAllocator::wait_for_uses(Block* b, std::vector<driver::Event> events) {
-  b->event_count = 0;
-  size_t next = 0;
-  for (CUstream s : b->stream_uses) {
-    driver::Event ev = std::move(events[next++]);
-    CUresult r = drv_->api().fn_cuEventRecord(ev.get(), s);
-    if (r != CUDA_SUCCESS) {
-      // Reuse cannot be ordered after that stream's work: wait for it now
-      // instead (slow but safe).  A stream that is no longer valid (destroyed
-      // after record_stream) may still have work queued: wait for the whole
-      // context then.  The free itself never fails half-way: the block's
-      // state was already changed, and a throw here would strand it outside
-      // every list.  Counted and reported once: a healthy driver never gets here.
-      if (stats_.on_event_record_failure())
-        log_warning("cuEventRecord on a stream that used a freed block failed (" + drv_->describe(r) +
-                    "); waiting for that stream instead");
-      event_pool_.push_back(std::move(ev));
-      if (drv_->api().fn_cuStreamSynchronize(s) != CUDA_SUCCESS &&
-          drv_->api().fn_cuCtxSynchronize() != CUDA_SUCCESS)
-        note_cleanup_failure("free: neither the stream that used the block nor the context could be synchronized; "
-                             "the context is unusable, so nothing can still touch the block");
-      continue;
-    }
-    b->event_count++;
-    pending_.push_back(PendingFree{std::move(ev), b});
-  }
-  for (; next < events.size(); ++next) event_pool_.push_back(std::move(events[next]));
-  b->stream_uses.clear();
-  if (b->event_count == 0) retire(b);
-}
-
+// PendingFrees' retire hook: a freed block whose uses are complete.
 void DeviceAllocator::retire(Block* b) {
   stats_.on_block_events_done(b->segment->tier(), b->segment->kind, b->size);
   cache_.give_back(b);
-}
-
-void DeviceAllocator::flush_deferred() {
-  std::vector<Block*> later;
-  later.swap(deferred_);
-  for (size_t i = 0; i < later.size(); ++i) {
-    std::vector<driver::Event> events;
-    try {
-      events = acquire_events(later[i]->stream_uses.size());
-    } catch (...) {
-      // No event now: the blocks stay deferred (still counted as awaiting
-      // events) and the next call tries again.
-      deferred_.insert(deferred_.end(), later.begin() + i, later.end());
-      return;
-    }
-    wait_for_uses(later[i], std::move(events));
-  }
-}
-
-// Every pending event is checked, not just the queue's head: one slow stream
-// must not hold back frees on all the others (case C06, pytorch#71616).
-void DeviceAllocator::process_events(bool wait, int only_tier) {
-  for (auto it = pending_.begin(); it != pending_.end();) {
-    if (only_tier >= 0 && int(it->block->segment->tier()) != only_tier) {
-      ++it;
-      continue;
-    }
-    CUresult r = wait ? drv_->api().fn_cuEventSynchronize(it->event.get()) : drv_->api().fn_cuEventQuery(it->event.get());
-    if (r == CUDA_ERROR_NOT_READY) {
-      ++it;
-      continue;
-    }
-    drv_->check(r, wait ? "cuEventSynchronize" : "cuEventQuery");
-    Block* b = it->block;
-    event_pool_.push_back(std::move(it->event));
-    it = pending_.erase(it);
-    if (--b->event_count == 0) retire(b);
-  }
 }
 
 }  // namespace cxl::alloc

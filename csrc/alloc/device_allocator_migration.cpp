@@ -98,7 +98,7 @@ size_t DeviceAllocator::demote_for(size_t need, bool budgeted) {
   if (total < need) return 0;
   const double now = now_s();
   size_t allowed = budgeted ? migration_budget_.available(now) : SIZE_MAX;
-  size_t host_room = cfg_.host_limit - std::min(cfg_.host_limit, stats_.reserved(Tier::Host));
+  size_t host_room = limits_.room(Tier::Host, stats_.reserved(Tier::Host));
   // What the calling thread owns moves now; memory other threads use is
   // only queued for them (device_allocator_owners.cpp).
   std::vector<policy::Candidate> own;
@@ -152,11 +152,11 @@ size_t DeviceAllocator::migrate(const void* ptr, size_t len, Tier target) {
         bytes += c.size;
       }
   } else if (seg->tier() != target) {
-    if (seg->has_event_pending_frees()) process_events(true);
+    if (seg->has_event_pending_frees()) pending_frees_.collect(true);
     bytes = seg->size;
   }
   if (bytes == 0) return 0;
-  size_t limit = target == Tier::Device ? device_limit_eff() : cfg_.host_limit;
+  size_t limit = limits_.limit(target);
   size_t used = stats_.reserved(target);
   if (used + bytes > limit)
     throw_oom(bytes, seg->cls, std::string("no room to migrate to the ") + tier_name(target) + " tier");
@@ -191,7 +191,7 @@ size_t DeviceAllocator::rebalance() {
   // The policy counts cached free device segments as room: a promotion
   // makes new device memory, so release those first, or reserved VRAM
   // would pass device_limit.
-  const size_t limit = device_limit_eff();
+  const size_t limit = limits_.device();
   size_t want = 0;
   for (uint64_t id : ids) want += cands[id].bytes;
   const size_t free_now = limit - std::min(limit, stats_.reserved(Tier::Device));

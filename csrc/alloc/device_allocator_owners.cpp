@@ -83,7 +83,7 @@ void DeviceAllocator::run_owned_moves() {
       continue;
     }
     if (!may_move_now(u)) continue;
-    const size_t limit = m.target == Tier::Device ? device_limit_eff() : (host_enabled_ ? cfg_.host_limit : 0);
+    const size_t limit = limits_.limit(m.target);
     if (stats_.reserved(m.target) + bytes > limit) continue;
     if (!migration_budget_.consume(bytes, now)) {
       stats_.on_migration_budget_denied();

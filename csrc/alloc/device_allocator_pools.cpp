@@ -100,7 +100,7 @@ size_t DeviceAllocator::release_free_segments(Tier tier, size_t want, bool inclu
 size_t DeviceAllocator::empty_cache() {
   std::lock_guard<std::mutex> lk(mu_);
   driver::ContextGuard guard(*drv_, ctx_.get());
-  if (!pending_.empty()) process_events(true);
+  if (pending_frees_.waiting()) pending_frees_.collect(true);
   size_t n = release_free_segments(Tier::Device, SIZE_MAX, false);
   n += release_free_segments(Tier::Host, SIZE_MAX, false);
   return n;

@@ -85,8 +85,7 @@ void DeviceAllocator::check_invariants() const {
   int64_t reserved[2] = {0, 0}, allocated[2] = {0, 0}, cls_bytes[kNumClasses][2] = {};
   size_t kv_dev = 0, live_blocks = 0, free_blocks = 0, pending_blocks = 0;
   std::set<const Block*> pending_set;
-  for (const auto& pf : pending_) pending_set.insert(pf.block);
-  for (const Block* b : deferred_) pending_set.insert(b);
+  for (const Block* b : pending_frees_.blocks()) pending_set.insert(b);
   for (const auto& [base, seg] : segments_) {
     if (base != seg->base) fail("segment map key != base");
     for (const Chunk& c : seg->chunks) {

@@ -41,19 +41,19 @@ Source of the API facts: transformers ``cache_utils.py`` (``CacheLayerMixin``,
 from __future__ import annotations
 
 import copy
-import operator
 from typing import List, Optional, Tuple
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
+from cxlalloc.hf.cache_batch import BatchRowsMixin
 from cxlalloc.hf.indices import batch_rows, crop_layers
-from cxlalloc.hf.layers import LAYER_CLASSES, CxlKVLayer
+from cxlalloc.hf.layers import LAYER_CLASSES, CxlKVLayer, CxlSlidingLayer
 from cxlalloc.hf.pool import PICKLE_ERROR, KVPool, _shallow_copy, default_allocator
 from cxlalloc.hf.storage import Geometry, KVCounters, KVStorage
 
 
-class CxlCache(DynamicCache):
+class CxlCache(BatchRowsMixin, DynamicCache):
     """``transformers.DynamicCache`` with its full-attention layers in cxlalloc.
 
     Args:
@@ -108,7 +108,7 @@ class CxlCache(DynamicCache):
     # ------------------------------------------------------------ steps
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
-        if getattr(layer, "_prepared", False):  # the step began in prepare_forward
+        if isinstance(layer, CxlKVLayer) and layer._prepared:  # the step began in prepare_forward
             self._last_layer_idx = layer_idx
             return layer.update(key_states, value_states, *args, **kwargs)
         # A forward pass visits the layers in increasing order: an index that does
@@ -137,7 +137,7 @@ class CxlCache(DynamicCache):
         cached one: update() then says what to do; or grad enabled).
         """
         layers = self._cxl_layers()
-        windows = [layer for layer in self.layers if callable(getattr(layer, "plan_window", None))]
+        windows = [layer for layer in self.layers if isinstance(layer, CxlSlidingLayer)]
         if (not layers and not windows) or tokens < 1 or torch.is_grad_enabled():
             # With grad the update returns torch.cat'd tensors (CxlKVLayer.update), not planned views.
             return False
@@ -190,6 +190,22 @@ class CxlCache(DynamicCache):
     def _cxl_layers(self):
         return [layer for layer in self.layers if isinstance(layer, CxlKVLayer)]
 
+    def kv_layers(self) -> List[CxlKVLayer]:
+        """The layers whose per-token K/V live in cxlalloc (:class:`CxlKVLayer`), in order."""
+        return self._cxl_layers()
+
+    def kv_places(self) -> Optional[List[Tuple[KVStorage, int]]]:
+        """``[(storage, slot)]`` of :meth:`kv_layers`, in order; None when there is
+        none or a layer has no storage yet (nothing written)."""
+        layers = self._cxl_layers()
+        if not layers or any(layer._store is None for layer in layers):
+            return None
+        return [(layer._store, layer._slot) for layer in layers]
+
+    def held_tokens(self) -> int:
+        """Tokens every :meth:`kv_layers` layer holds (the least; 0 when there is none)."""
+        return min((layer._len for layer in self._cxl_layers()), default=0)
+
     def _stores(self):
         out = []
         for layer in self._cxl_layers():
@@ -221,88 +237,6 @@ class CxlCache(DynamicCache):
     def _on(idx: torch.Tensor, layer) -> torch.Tensor:
         dev = getattr(layer, "device", None)
         return idx.to(dev) if isinstance(dev, torch.device) and dev != idx.device else idx
-
-    def reorder_cache(self, beam_idx) -> None:
-        """Beam search: ``new[b] = old[beam_idx[b]]`` for every layer.  Full-attention
-        layers record it and apply it at the next forward (only rows that move
-        are copied; the reorder after generate()'s last step is never applied).
-
-        ``beam_idx``: integer rows as :func:`batch_rows` (tensor of any integer
-        dtype, list, tuple, numpy array); one of another length than the batch
-        selects those rows (:meth:`batch_select_indices`), as ``index_select``
-        does in transformers' layers.  Views handed out before are rewritten in
-        place when the reorder is applied (docs/huggingface.md, "CxlCache vs
-        DynamicCache").
-
-        Raises:
-            TypeError / ValueError / IndexError: as :func:`batch_rows`.
-        """
-        idx = self._rows(beam_idx, "beam_idx", allow_mask=False)
-        batch = self._batch()
-        if batch is not None and idx.numel() != batch:
-            self.batch_select_indices(idx)
-            return
-        for s in self._stores():
-            s.reorder(idx)
-        for layer in self.layers:
-            if isinstance(layer, CxlKVLayer):
-                layer._reorder_extra(idx)
-            else:
-                layer.reorder_cache(self._on(idx, layer))
-
-    def _check_supported(self, op: str) -> None:
-        """Raise before changing anything if one of transformers' own layers has
-        no ``op`` (5.24's linear-attention layers have no batch_select_indices /
-        batch_repeat_interleave: DynamicCache raises AttributeError there after
-        the layers before it were changed)."""
-        for i, layer in enumerate(self.layers):
-            if not isinstance(layer, CxlKVLayer) and not callable(getattr(layer, op, None)):
-                raise AttributeError(f"cxlalloc.hf: cache layer {i} is transformers' {type(layer).__name__}, which "
-                                     f"has no {op}() (DynamicCache cannot do it either); nothing was changed")
-
-    def _rebuild(self, batch_of, transform, stock_op, op: str = "", arg=None) -> None:
-        for s in self._stores():
-            if s.live_tokens == 0:
-                continue
-            new = s.rebuilt(batch_of(s.g.batch), transform)
-            self._pool.stores.add(new)
-            if self._pool.shared is s:
-                self._pool.shared = new
-            for layer in self._cxl_layers():
-                if layer._store is s:
-                    layer._store = new
-        for layer in self.layers:
-            if isinstance(layer, CxlKVLayer):
-                layer._batch_extra(op, arg)
-            else:
-                stock_op(layer)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat every cached sequence ``repeats`` times on the batch dim (to
-        continue a batch-B cache with ``num_return_sequences``/``num_beams``)."""
-        repeats = operator.index(repeats)
-        if repeats < 1:
-            raise ValueError(f"cxlalloc.hf: batch_repeat_interleave(repeats) needs repeats >= 1, got {repeats}")
-        self._check_supported("batch_repeat_interleave")
-        self._rebuild(lambda b: b * repeats, lambda t: t.repeat_interleave(repeats, dim=0),
-                      lambda layer: layer.batch_repeat_interleave(repeats), "batch_repeat_interleave", repeats)
-
-    def batch_select_indices(self, indices) -> None:
-        """Keep only the batch rows ``indices``, in that order, in every layer:
-        a 1-D tensor (any integer dtype, or a bool mask of ``batch`` rows), a
-        list, tuple or numpy array of rows (a tuple is a sequence of rows, as in
-        ``DynamicLayer``, never a multi-dimensional index); negative rows count
-        from the end.  Full-attention K/V are copied into new storage; views
-        handed out before keep their values.
-
-        Raises:
-            TypeError / ValueError / IndexError: as :func:`batch_rows` (nothing
-            changed).
-        """
-        idx = self._rows(indices, "indices")
-        self._check_supported("batch_select_indices")
-        self._rebuild(lambda b: idx.numel(), lambda t: t.index_select(0, idx),
-                      lambda layer: layer.batch_select_indices(self._on(idx, layer)), "batch_select_indices", idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove tokens from every layer under the installed transformers'
@@ -460,7 +394,8 @@ class CxlCache(DynamicCache):
             (``bytes_copied``, ``step_bytes_copied``, ``regrowths``, ``demoted_bytes``...).
         """
         stores = self._stores()
-        extra = [s for layer in self.layers for s in getattr(layer, "_extra_stores", list)()]
+        extra = [s for layer in self.layers if isinstance(layer, (CxlKVLayer, CxlSlidingLayer))
+                 for s in layer._extra_stores()]
         tiers = {"device": 0, "host": 0}
         for s in stores + extra:
             for k, v in s.tier_bytes().items():

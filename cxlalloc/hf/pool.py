@@ -17,7 +17,8 @@ import torch
 
 from cxlalloc import _C
 from cxlalloc.allocator import Allocator
-from cxlalloc.hf.storage import Geometry, KVCounters, KVStorage, grown_capacity
+from cxlalloc.hf.storage import Geometry, KVCounters, KVStorage
+from cxlalloc.policy.kv_growth import grown_capacity
 
 
 PICKLE_ERROR = ("cxlalloc.hf: a {what} cannot be pickled or torch.save'd: its K/V live in cxlalloc memory of "

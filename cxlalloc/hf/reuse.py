@@ -64,22 +64,22 @@ import dataclasses
 import threading
 import time
 import warnings
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import torch
 
-from cxlalloc.config import make_config, parse_env, parse_size
+from cxlalloc.hf import store_io
 from cxlalloc.hf.cache import CxlCache
+from cxlalloc.hf.conversation import ConversationMixin, _Conversation
 from cxlalloc.hf.layers import STOCK_KIND, CxlKVLayer
+from cxlalloc.hf.reuse_options import (DEFAULT_BLOCK_TOKENS, DEFAULT_CONVERSATION_LIMIT,  # noqa: F401
+                                      REUSE_OPTIONS, ReuseOptions, parse_reuse_options)
+from cxlalloc.hf.store_io import BlockReader, BlockWriter, copy_rows_in, copy_rows_out
 from cxlalloc.kvstore import keys as kvkeys
-from cxlalloc.kvstore.layout import BlockLayout, check_block_tokens
+from cxlalloc.kvstore.layout import BlockLayout
 from cxlalloc.kvstore.open import open_store
 from cxlalloc.kvstore.store import BlockStore
 
-DEFAULT_BLOCK_TOKENS = 64
-DEFAULT_CONVERSATION_LIMIT = 256 << 20   # bytes of KV the "last conversation" cache may keep (kv_conversation_limit)
-REUSE_OPTIONS = ("kv_store", "kv_store_limit", "block_tokens", "cache_salt", "kv_store_fingerprint",
-                 "kv_store_verify", "kv_conversation_limit")
 # generate() arguments that never change a K/V value beyond what the block key covers (the token ids; a 2-D
 # attention mask is checked to be left padding).  Any other tensor argument (inputs_embeds, pixel_values,
 # position_ids, cache_position, token_type_ids, a 4-D mask, ...) may change K/V for the same ids: no lookup,
@@ -87,74 +87,9 @@ REUSE_OPTIONS = ("kv_store", "kv_store_limit", "block_tokens", "cache_salt", "kv
 _KEYED_INPUTS = frozenset({"input_ids", "inputs", "attention_mask"})
 
 
+
 class KVReuseWarning(UserWarning):
     """KV reuse cannot apply to this model or call (said once per model/reason)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ReuseOptions:
-    """The KV reuse options of :func:`cxlalloc.hf.wrap` (validated)."""
-
-    kv_store: Any
-    kv_store_limit: Any = None
-    block_tokens: int = DEFAULT_BLOCK_TOKENS
-    cache_salt: Optional[str] = None
-    kv_store_fingerprint: str = kvkeys.DEFAULT_WEIGHT_MODE
-    kv_store_verify: bool = True
-    kv_conversation_limit: int = DEFAULT_CONVERSATION_LIMIT
-
-
-def parse_reuse_options(options: dict) -> Optional[ReuseOptions]:
-    """Pop the reuse options out of ``options`` (wrap()'s keyword arguments).
-
-    Returns None when ``kv_store`` is absent, None or False (reuse off).
-
-    Raises:
-        ValueError: a bad value, naming the option and its allowed values; or a
-            reuse option given without ``kv_store``.
-    """
-    got = {k: options.pop(k) for k in REUSE_OPTIONS if k in options}
-    if "kv_store" not in got:  # CXLALLOC=kv_store:unix:///run/cxlalloc/kv.sock (one setting for every process)
-        env = _env_kv_store()
-        if env is not None:
-            got["kv_store"] = env
-    store = got.get("kv_store")
-    if store is None or store is False:
-        extra = [k for k, v in got.items() if k != "kv_store" and v is not None]
-        if extra:
-            raise ValueError(f"cxlalloc.hf.wrap: {', '.join(extra)} given without kv_store; pass kv_store=True (or "
-                             "'local', 'unix:///path/kv.sock', 'redis://host:port/db', or a store object)")
-        return None
-    bt = got.get("block_tokens")
-    bt = DEFAULT_BLOCK_TOKENS if bt is None else check_block_tokens(bt)
-    salt = got.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise ValueError(f"cxlalloc option 'cache_salt': {salt!r} is not a string (a namespace such as a tenant id)")
-    fp = got.get("kv_store_fingerprint")
-    fp = kvkeys.DEFAULT_WEIGHT_MODE if fp is None else fp
-    if fp not in kvkeys.WEIGHT_MODES:
-        raise ValueError(f"cxlalloc option 'kv_store_fingerprint': {fp!r} is not allowed; allowed: "
-                         f"{', '.join(kvkeys.WEIGHT_MODES)}")
-    verify = got.get("kv_store_verify")
-    verify = True if verify is None else verify
-    if not isinstance(verify, bool):
-        raise ValueError(f"cxlalloc option 'kv_store_verify': {verify!r} is not allowed; allowed: True, False "
-                         "(check each loaded block's checksum)")
-    conv = got.get("kv_conversation_limit")
-    conv = DEFAULT_CONVERSATION_LIMIT if conv is None else parse_size(conv, "kv_conversation_limit")
-    return ReuseOptions(kv_store=store, kv_store_limit=got.get("kv_store_limit"), block_tokens=bt, cache_salt=salt,
-                        kv_store_fingerprint=fp, kv_store_verify=verify,
-                        kv_conversation_limit=conv)
-
-
-def _env_kv_store() -> Optional[str]:
-    """The ``kv_store`` key of the CXLALLOC environment variable, or None
-    (an invalid CXLALLOC was already reported by the start-up hook)."""
-    try:
-        opts = parse_env() or {}
-        return make_config(kv_store=opts["kv_store"]).kv_store if "kv_store" in opts else None
-    except ValueError:
-        return None
 
 
 @dataclasses.dataclass
@@ -176,31 +111,6 @@ class CallRecord:
     namespace: Optional[str] = None
     conversation: bool = False      # the hit came from the previous turn's cache (sub-block reuse)
 
-
-@dataclasses.dataclass
-class _Conversation:
-    """The last conversation's cache, kept after its generate() returned (one per wrapped model).
-
-    ``ids`` (1-D int64, CPU) are the tokens whose K/V the cache holds, in
-    order (the prompt and the answer but its last token, which no forward
-    fed); ``root`` is the block-key root of that call (fingerprint, layout,
-    block size, namespace), so changed weights or another namespace never
-    continue it; ``nbytes`` the KV storage it holds (committed bytes, both tiers)."""
-
-    cache: CxlCache
-    ids: torch.Tensor
-    root: bytes
-    salt: Optional[str]
-    nbytes: int
-
-
-def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Tokens ``a`` (1-D) and ``b`` (1-D) share from their start (0 if none)."""
-    n = min(int(a.numel()), int(b.numel()))
-    if n == 0:
-        return 0
-    diff = (a[:n] != b[:n]).nonzero()
-    return int(diff[0, 0]) if diff.numel() else n
 
 
 def _has_tensor(v) -> bool:
@@ -245,12 +155,13 @@ class _Call:
         self.record = CallRecord()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+class _CallStack(threading.local):
+    """Per thread: the wrapped generate() calls in progress (innermost last)."""
+
+    calls: Optional[List[_Call]] = None
 
 
-class PrefixReuse:
+class PrefixReuse(ConversationMixin):
     """The reuse state of one wrapped model: its store, fingerprint, layout and counters.
 
     Args:
@@ -278,7 +189,7 @@ class PrefixReuse:
         self._roots = {}
         self._warned_inputs = set()
         self._warned_corrupt = False
-        self._tls = threading.local()
+        self._tls = _CallStack()
         self._lock = threading.Lock()
         self.counters = {"calls": 0, "calls_with_hit": 0, "hit_tokens": 0, "prompt_tokens": 0, "stored_blocks": 0,
                          "skipped_calls": 0, "load_failures": 0, "skipped_inputs": 0, "corrupt_blocks": 0,
@@ -322,10 +233,10 @@ class PrefixReuse:
                 return
             slots = []
             for layer in kv:
-                g = layer._store.g
+                g = layer.storage.g
                 slots.append((g.heads, g.k_dim, g.v_dim))
-            self.layout = BlockLayout(self.block_tokens, kv[0]._store.g.dtype, tuple(slots))
-            self._dtypes = [layer._store.g.dtype for layer in kv]
+            self.layout = BlockLayout(self.block_tokens, kv[0].storage.g.dtype, tuple(slots))
+            self._dtypes = [layer.storage.g.dtype for layer in kv]
         finally:
             cache.release()
         self.store.check_block_bytes(self.layout.stored_bytes)
@@ -394,7 +305,7 @@ class PrefixReuse:
             call.record.skipped = "kv_reuse=False"
         elif self.layout is None:
             call.record.skipped = self.off_reason
-        stack = getattr(self._tls, "calls", None)
+        stack = self._tls.calls
         if stack is None:
             stack = self._tls.calls = []
         stack.append(call)
@@ -407,7 +318,7 @@ class PrefixReuse:
             call.record.skipped = call.record.skipped or reason
 
     def _current(self) -> Optional[_Call]:
-        stack = getattr(self._tls, "calls", None)
+        stack = self._tls.calls
         return stack[-1] if stack else None
 
     def load(self, cache: CxlCache, generation_config, batch_size: int,
@@ -468,90 +379,6 @@ class PrefixReuse:
         return None
 
     # ------------------------------------------------------------ the last conversation
-    def _conversation_hit(self, call: _Call, tokens: torch.Tensor) -> int:
-        """Tokens of ``tokens`` (this prompt, 1-D) the kept conversation holds
-        (0: none kept, another namespace or weights, or no shared start); at
-        most ``len(tokens) - 1``, so the last prompt token is prefilled."""
-        conv = self._conv
-        if conv is None or conv.salt != call.salt:
-            return 0
-        if conv.root != self.root(call.salt):  # the weights changed since: never continue it
-            self._drop_conversation(conv)
-            return 0
-        return min(common_prefix(conv.ids, tokens), int(tokens.numel()) - 1)
-
-    def _continue_conversation(self, call: _Call, tokens: torch.Tensor, hit: int,
-                               max_cache_len: Optional[int]) -> Optional[CxlCache]:
-        """Take the kept cache for this call, cropped to ``hit`` tokens; None
-        when another thread took it first or it cannot be reused (then the
-        call goes on with its own, empty or store-loaded, cache)."""
-        with self._lock:
-            conv, self._conv = self._conv, None
-        if conv is None:
-            return None
-        kc = conv.cache
-        try:
-            held = min(layer._len for layer in kc._cxl_layers())
-            if held > hit:
-                kc.crop(hit - held)  # drop the tokens this prompt does not share
-            if max_cache_len:
-                kc.reserve(int(max_cache_len))
-        except Exception as exc:  # never a wrong token: this call computes its prompt
-            kc.release()
-            call.record.fallback = f"conversation cache: {type(exc).__name__}: {exc}"
-            return None
-        call.cache = kc
-        rec = call.record
-        rec.hit_tokens = rec.reused_tokens = hit
-        rec.conversation = True
-        rec.row_hit_tokens = [hit]
-        with self._lock:
-            self.counters["conversation_hits"] += 1
-            self.counters["conversation_hit_tokens"] += hit
-        return kc
-
-    def _keep_conversation(self, call: _Call, output) -> None:
-        """After a batch-1 call: keep its cache as the last conversation (the
-        one kept before is released), if it fits ``kv_conversation_limit``
-        and the caller was not handed the cache (``return_dict_in_generate``
-        with ``past_key_values``: it is the caller's then)."""
-        cache = call.cache
-        seqs = output if torch.is_tensor(output) else getattr(output, "sequences", None)
-        if seqs is None or seqs.shape[0] != 1 or getattr(output, "past_key_values", None) is cache:
-            return
-        layers = cache._cxl_layers()
-        if not layers or any(layer._store is None for layer in layers):
-            return
-        held = min(layer._len for layer in layers)
-        if held <= 0 or seqs.shape[1] < held:
-            return
-        kv = cache.kv_stats()
-        nbytes = int(kv.get("kv_device_bytes", 0)) + int(kv.get("kv_host_bytes", 0))
-        if nbytes > self.opts.kv_conversation_limit:
-            with self._lock:
-                self.counters["conversation_too_large"] += 1
-            return
-        conv = _Conversation(cache, seqs[0, :held].detach().to("cpu", torch.long).clone(), self.root(call.salt),
-                             call.salt, nbytes)
-        with self._lock:
-            old, self._conv = self._conv, conv
-            self.counters["conversation_kept"] += 1
-        if old is not None and old.cache is not cache:
-            old.cache.release()
-
-    def _drop_conversation(self, conv: Optional[_Conversation] = None) -> None:
-        with self._lock:
-            if self._conv is None or (conv is not None and self._conv is not conv):
-                return
-            conv, self._conv = self._conv, None
-            self.counters["conversation_dropped"] += 1
-        conv.cache.release()
-
-    def forget_conversation(self) -> None:
-        """Release the kept "last conversation" cache now (its KV memory); the
-        next call starts from the block store.  ``cxlalloc.hf.forget_conversation(model)``."""
-        self._drop_conversation()
-
     def close(self) -> None:
         """Release the kept conversation and close the store if this wrap opened
         it from a ``kv_store`` spec (a store object passed in is the caller's to
@@ -577,51 +404,35 @@ class PrefixReuse:
         return pads
 
     def _load(self, call: _Call, cache: CxlCache, ids: torch.Tensor, pads: List[int], expand: int) -> None:
+        """Look each prompt row up and load the hit (the cache length ``C``
+        every row can use) into ``cache`` (:class:`~cxlalloc.hf.store_io.BlockReader`)."""
         layout, bt, rec = self.layout, self.block_tokens, call.record
         call.fp = self.fingerprint()
         root = self.root(call.salt, call.fp)
-        ns = call.salt or ""
         L = int(ids.shape[1])
-        leases, hits, corrupt = [], [], []
-        try:
+        leases, hits = [], []
+        with BlockReader(self.store, call.salt or "", layout, self.opts.kv_store_verify, self.drop_corrupt) as rd:
             for r in range(ids.shape[0]):
-                tokens = ids[r, pads[r]:]
                 max_blocks = max(0, (L - 1 - pads[r]) // bt)
-                keys = kvkeys.chain_keys(root, tokens, bt, max_blocks=max_blocks)
-                lease = self.store.lookup(ns, keys)
+                lease, good = rd.lookup(kvkeys.chain_keys(root, ids[r, pads[r]:], bt, max_blocks=max_blocks))
                 leases.append(lease)
-                good = lease.blocks
-                for j, v in enumerate(lease.views):
-                    if v.numel() != layout.stored_bytes:
-                        raise ValueError(f"a stored block of {v.numel()} bytes, expected {layout.stored_bytes}")
-                    if self.opts.kv_store_verify and not layout.verify(v, keys[j]):
-                        # A bit flipped in the pool (another client's bug, a bad DIMM) or bytes under the
-                        # wrong key: use the blocks before it, drop it, recompute from there.
-                        good = j
-                        corrupt.append(keys[j])
-                        break
                 hits.append(good * bt)
             rec.row_hit_tokens = list(hits)
             C = min(min(p + h for p, h in zip(pads, hits)), L - 1)
             if C <= 0 or not any(min(h, C - p) > 0 for p, h in zip(pads, hits)):
                 return
-            t0 = time.perf_counter()
-            geoms = [(h, dk, dv, dt) for (h, dk, dv), dt in zip(layout.slots, self._dtypes)]
-            places = cache.open_prefix(geoms, ids.shape[0] * expand, C)
-            nbytes = self._copy_in(places, leases, pads, C, expand)
-            device = places[0][0].g.device
-            _sync(device)
-            dt = time.perf_counter() - t0
-        finally:
-            for lease in leases:
-                lease.close()
-            if corrupt:
-                self.drop_corrupt(ns, corrupt)
+
+            def copy_in():
+                geoms = [(h, dk, dv, dt) for (h, dk, dv), dt in zip(layout.slots, self._dtypes)]
+                places = cache.open_prefix(geoms, ids.shape[0] * expand, C)
+                return copy_rows_in(layout, bt, places, leases, pads, C, expand), places[0][0].g.device
+
+            nbytes = rd.copy(copy_in)
         rec.hit_tokens = C
         rec.reused_tokens = sum(max(0, min(h, C - p)) for p, h in zip(pads, hits)) * expand
         rec.bytes_loaded = nbytes
-        rec.load_ms = dt * 1e3
-        self.store.record_load(nbytes, dt)
+        rec.load_ms = rd.seconds * 1e3
+        rd.record(nbytes)
 
     def drop_corrupt(self, ns: str, keys: List[bytes]) -> None:
         """Count blocks whose checksum failed and ask the store to drop them
@@ -633,59 +444,12 @@ class PrefixReuse:
             warnings.warn(f"cxlalloc.hf: kv_store: {len(keys)} stored block(s) failed their checksum on load; "
                           "they were dropped and recomputed (counted in reuse counters 'corrupt_blocks'; said "
                           "once)", KVReuseWarning, stacklevel=5)
-        discard = getattr(self.store, "discard", None)
-        if discard is not None:
-            try:
-                discard(ns, keys)
-            except Exception:  # dropping is best effort: the answer is already right
-                pass
-
-    def _copy_in(self, places, leases, pads, C, expand) -> int:
-        """Write the hit K/V into the cache's storage; returns bytes copied from the store."""
-        layout, bt = self.layout, self.block_tokens
-        stores = {id(s): s for s, _ in places}
-        bulk = (len(stores) == 1 and len(leases) == 1 and expand == 1 and pads[0] == 0
-                and places[0][0].g.batch == 1 and places[0][0].n_slots == len(places)
-                and [slot for _, slot in places] == list(range(len(places))))
-        nbytes = 0
-        if bulk:  # one contiguous copy per block: the block format is a batch-1 storage row
-            storage = places[0][0]
-            for j, view in enumerate(leases[0].views):
-                t0 = j * bt
-                if t0 >= C:
-                    break
-                n = min(bt, C - t0)
-                storage.rows(t0, t0 + n).copy_(layout.rows(view)[:n], non_blocking=True)
-                nbytes += n * layout.row_bytes
-            return nbytes
-        for r, lease in enumerate(leases):
-            pad = pads[r]
-            real = max(0, C - pad)
-            for e in range(r * expand, (r + 1) * expand):
-                for s, (storage, slot) in enumerate(places):
-                    if pad:
-                        storage.key_view(slot, 0, min(pad, C))[e].zero_()
-                        storage.value_view(slot, 0, min(pad, C))[e].zero_()
-            for j, view in enumerate(lease.views):
-                t0 = j * bt
-                if t0 >= real:
-                    break
-                n = min(bt, real - t0)
-                rows = layout.rows(view)[:n]
-                for s, (storage, slot) in enumerate(places):
-                    k_src = layout.key_part(rows, s).permute(1, 0, 2)   # (H, n, Dk)
-                    v_src = layout.value_part(rows, s).permute(1, 0, 2)
-                    a, b = pad + t0, pad + t0 + n
-                    for e in range(r * expand, (r + 1) * expand):
-                        storage.key_view(slot, a, b)[e].copy_(k_src, non_blocking=True)
-                        storage.value_view(slot, a, b)[e].copy_(v_src, non_blocking=True)
-                nbytes += n * layout.row_bytes
-        return nbytes
+        store_io.discard(self.store, ns, keys)
 
     def finish(self, output, error: bool) -> None:
         """Called by the generate() wrapper after transformers' generate():
         store the new full blocks, update the counters."""
-        stack = getattr(self._tls, "calls", None)
+        stack = self._tls.calls
         call = stack.pop() if stack else None
         if call is None:
             return
@@ -710,21 +474,20 @@ class PrefixReuse:
             self.last = rec
 
     def _store_call(self, call: _Call, output) -> None:
+        """Store the full blocks of each row's tokens (prompt and answer up to
+        its first EOS; the prompt only for beam search) that the cache holds
+        (:class:`~cxlalloc.hf.store_io.BlockWriter`)."""
         cache = call.cache
         seqs = output if torch.is_tensor(output) else getattr(output, "sequences", None)
-        if seqs is None or not cache._cxl_layers():
+        places = cache.kv_places()
+        if seqs is None or places is None:
             return
-        layers = cache._cxl_layers()
-        places = [(layer._store, layer._slot) for layer in layers]
-        if any(s is None for s, _ in places):
-            return
-        cache_len = min(layer._len for layer in layers)
+        cache_len = cache.held_tokens()
         batch = places[0][0].g.batch
         L = int(call.input_ids.shape[1])
         seqs = seqs.detach().to("cpu", torch.long)
-        layout, bt = self.layout, self.block_tokens
+        bt = self.block_tokens
         root = self.root(call.salt, call.fp)
-        ns = call.salt or ""
         # (cache row, that row's token ids, tokens of it to store)
         if call.beam:  # the prompt only: beams' cache rows are not the returned sequences
             ids = call.input_ids.detach().to("cpu", torch.long)
@@ -733,65 +496,28 @@ class PrefixReuse:
             rows = [(r, seqs[r], cache_len) for r in range(batch)]
         else:
             rows = []
-        t0 = time.perf_counter()
-        stored = nbytes = 0
+        writer = BlockWriter(self.store, call.salt or "", self.layout, bt)
         seen = set()
         for r, row_ids, end in rows:
             pad = call.pads[r // call.expand]
             tokens = row_ids[pad:end]
             if call.eos and tokens.numel() > L - pad:
-                gen = tokens[L - pad:]
-                hit = [i for i, t in enumerate(gen.tolist()) if t in call.eos]
+                hit = [i for i, t in enumerate(tokens[L - pad:].tolist()) if t in call.eos]
                 if hit:
                     tokens = tokens[:L - pad + hit[0] + 1]
-            keys = kvkeys.chain_keys(root, tokens, bt)
-            new = [(j, k) for j, k in enumerate(keys) if k not in seen]
+            new = [(j, k) for j, k in enumerate(kvkeys.chain_keys(root, tokens, bt)) if k not in seen]
             seen.update(k for _, k in new)
-            if not new:
-                continue
-            res = self.store.reserve(ns, [k for _, k in new], layout.stored_bytes, bt)
-            try:
-                written = []
-                for (j, k), view in zip(new, res.views):
-                    if view is None:
-                        continue
-                    self._copy_out(places, r, pad + j * bt, view)
-                    written.append((k, view))
-                    nbytes += layout.block_bytes
-                _sync(places[0][0].g.device)
-                for k, view in written:  # after the copies landed: the checksum covers the bytes readers get
-                    layout.seal(view, k)
-                stored += res.commit()
-            finally:
-                res.abort()
-        dt = time.perf_counter() - t0
-        call.record.stored_blocks = stored
-        call.record.bytes_stored = nbytes
+            if new:
+                writer.write([k for _, k in new],
+                             lambda i, view, r=r, new=new, pad=pad: copy_rows_out(self.layout, bt, places, r, pad + new[i][0] * bt,
+                                                                           view),
+                             places[0][0].g.device)
+        dt = writer.finish()
+        call.record.stored_blocks = writer.stored
+        call.record.bytes_stored = writer.nbytes
         call.record.store_ms = dt * 1e3
-        if nbytes:
-            self.store.record_store(nbytes, dt)
-
-    def _copy_out(self, places, row: int, start: int, view: torch.Tensor) -> None:
-        layout, bt = self.layout, self.block_tokens
-        rows = layout.rows(view)
-        storage = places[0][0]
-        if (storage.g.batch == 1 and len({id(s) for s, _ in places}) == 1 and storage.n_slots == len(places)
-                and [slot for _, slot in places] == list(range(len(places)))):
-            rows.copy_(storage.rows(start, start + bt), non_blocking=True)
-            return
-        for s, (st, slot) in enumerate(places):
-            layout.key_part(rows, s).copy_(st.key_view(slot, start, start + bt)[row].permute(1, 0, 2),
-                                           non_blocking=True)
-            layout.value_part(rows, s).copy_(st.value_view(slot, start, start + bt)[row].permute(1, 0, 2),
-                                             non_blocking=True)
 
     # ------------------------------------------------------------ stats
-    def _conversation_stats(self) -> dict:
-        conv = self._conv
-        return {"limit_bytes": self.opts.kv_conversation_limit, "kept": conv is not None,
-                "kept_tokens": int(conv.ids.numel()) if conv is not None else 0,
-                "kept_bytes": conv.nbytes if conv is not None else 0}
-
     def stats(self) -> dict:
         """``{"enabled", "off_reason", "block_tokens", "layout", "namespace",
         "counters", "last" (CallRecord of the latest call), "conversation"

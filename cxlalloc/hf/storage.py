@@ -30,7 +30,6 @@ Nothing here knows transformers; :mod:`cxlalloc.hf.layers` builds the layers on 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, List, Optional
 
 import torch
@@ -359,10 +358,3 @@ def _storage_refs(t: torch.Tensor) -> Optional[int]:
     dropped (memory kept, never a read of released memory)."""
     fn = getattr(torch._C, "_storage_Use_Count", None)
     return None if fn is None else int(fn(t.untyped_storage()._cdata))
-
-
-def grown_capacity(need: int, current: int, growth: float = 2.0, round_tokens: int = 256) -> int:
-    """Capacity (tokens) for a regrowth: at least ``need``, ``growth`` times the
-    current one, rounded up to ``round_tokens`` (amortised O(1) copy per token)."""
-    cap = max(int(need), int(math.ceil(current * growth)))
-    return -(-cap // round_tokens) * round_tokens

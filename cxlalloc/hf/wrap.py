@@ -47,153 +47,28 @@ without a graph break, and compiles no more often than with ``DynamicCache``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
-import sys
-import threading
-import warnings
-import weakref
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import torch
-from torch._dynamo.eval_frame import skip_code
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
 from cxlalloc import _C
 from cxlalloc.allocator import Allocator
 from cxlalloc.config import format_bytes, make_config
 from cxlalloc.hf.cache import CxlCache
-from cxlalloc.hf.coverage import (CacheCoverageWarning, layer_report, needs_warning, signature, tensor_bytes,
-                                  warning_text)
-from cxlalloc.hf.encdec import CxlEncoderDecoderCache
-from cxlalloc.hf.model_caches import cxl_cache_for, own_cache_class
-from cxlalloc.hf.storage import Geometry
-from cxlalloc.hf.compat import TRANSFORMERS_VERSION, cache_kwarg, returned_cache
+from cxlalloc.hf.compat import TRANSFORMERS_VERSION, cache_kwarg
 from cxlalloc.hf.reuse import PrefixReuse, parse_reuse_options
+from cxlalloc.hf.generate_hooks import make_generate, make_pre_forward, make_prepare_hook, predicted_report, warn_once
+from cxlalloc.hf.wrap_state import (INSTANCE_ATTRS, STATE_ATTR, GetState, UnwrappedCopyWarning,  # noqa: F401
+                                    WrapState, _state, is_wrapped)
 from cxlalloc.hf import paged
 
-STATE_ATTR = "_cxlalloc_hf"
-# Instance attributes wrap() sets on the model (unwrap() and copies drop them).
-INSTANCE_ATTRS = ("_prepare_cache_for_generation", "generate", "init_continuous_batching", "__getstate__", STATE_ATTR)
-# forward() keywords under which models without a transformers Cache pass their own
-# state back in (XLNet / Transfo-XL "mems", RWKV "state", Reformer "past_buckets_states").
-OWN_STATE_KWARGS = ("mems", "state", "past_buckets_states")
 HOOK_PARAMS = ("generation_config", "model_kwargs", "generation_mode", "batch_size", "max_cache_length")
 # Scoped mode on a GPU without a device_limit: VRAM left to torch's own allocator
 # (activations, logits, cuBLAS workspaces) = max(2 GiB, 10% of VRAM).  Not yet
 # measured on a GPU.
 ACTIVATION_RESERVE_MIN = 2 << 30
 ACTIVATION_RESERVE_FRACTION = 0.10
-
-
-class UnwrappedCopyWarning(UserWarning):
-    """A wrapped model was deep-copied or pickled: the copy is a plain model."""
-
-
-COPY_WARNING = ("cxlalloc.hf: copying/pickling a wrapped model gives an unwrapped copy (transformers' own generate(); "
-                "a deep copy or a pickle has its weights in torch's memory); call cxlalloc.hf.wrap() on the copy to "
-                "tier it")
-
-
-_COPY_MODULES = ("copy", "copyreg", "pickle", "torch.serialization")
-
-
-def _caller_level() -> int:
-    """``stacklevel`` that points a warning raised in ``_GetState.__call__`` at
-    the user's deepcopy/pickle/torch.save line, past the copy machinery."""
-    level, f = 2, sys._getframe(2)  # level 2: the frame that called __call__
-    while f is not None and f.f_globals.get("__name__") in _COPY_MODULES:
-        level, f = level + 1, f.f_back
-    return level
-
-
-class _GetState:
-    """``model.__getstate__`` of a wrapped model (an instance attribute, found
-    before the class's by ``copy``/``pickle``): the model class's state without
-    what wrap() attached (the allocator, the hooks: not picklable, and bound to
-    this model), so that deepcopy/pickle/torch.save give a plain model."""
-
-    def __init__(self, model):
-        self._model = weakref.ref(model)
-
-    def __call__(self):
-        model = self._model()
-        if model is None:  # cannot happen while the model is being copied
-            raise TypeError("cxlalloc.hf: the wrapped model is gone")
-        warnings.warn(COPY_WARNING, UnwrappedCopyWarning, stacklevel=_caller_level())
-        base = getattr(type(model), "__getstate__", None)
-        state = dict(base(model) if base is not None else model.__dict__)
-        for name in INSTANCE_ATTRS:
-            state.pop(name, None)
-        st = model.__dict__.get(STATE_ATTR)
-        hook_id = getattr(getattr(st, "pre_hook", None), "id", None)
-        for name in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):  # the copy's dicts, not the model's
-            if hook_id is not None and isinstance(state.get(name), dict) and hook_id in state[name]:
-                state[name] = type(state[name])((k, v) for k, v in state[name].items() if k != hook_id)
-        return state
-
-
-@dataclasses.dataclass
-class WrapState:
-    """What :func:`wrap` attached to a model (``model._cxlalloc_hf``)."""
-
-    allocator: Any
-    mode: str  # "scoped" (own Allocator) or "global" (the process-wide engine)
-    device: torch.device
-    cache_kw: str
-    hook: str  # "prepare" or "generate"
-    options: dict  # as given to wrap() (for messages)
-    config: Any = None  # the options as values (cxlalloc.config.Config), compared on a repeated wrap()
-    weights_placed: bool = False
-    weight_bytes: int = 0
-    weight_params: int = 0
-    caches_created: int = 0
-    last_stats: Optional[dict] = None
-    orig_prepare: Any = None
-    orig_generate: Any = None
-    reuse: Any = None  # cxlalloc.hf.reuse.PrefixReuse when kv_store is set
-    reuse_options: Any = None
-    _tls: Any = dataclasses.field(default_factory=threading.local)  # per thread: caches of its running generate()
-    pre_hook: Any = None  # handle of the forward pre-hook (_make_pre_forward)
-    _last: Any = None  # weakref to the last cache
-    layer_report: Optional[dict] = None  # cxlalloc.hf.coverage.layer_report of the last generate() (or predicted)
-    warned: set = dataclasses.field(default_factory=set)  # coverage situations already warned about
-    cb: Any = None  # cxlalloc.hf.paged.CBState: continuous batching (generate_batch / init_continuous_batching)
-
-    @property
-    def _live(self) -> List[Any]:
-        live = getattr(self._tls, "live", None)
-        if live is None:
-            live = self._tls.live = []
-        return live
-
-    def new_cache(self, model, max_cache_len: Optional[int], count: bool = True):
-        """A CxlCache (a CxlEncoderDecoderCache for an encoder-decoder model)."""
-        if count:
-            self.caches_created += 1
-        cfg = model.config.get_text_config(decoder=True)
-        if getattr(model.config, "is_encoder_decoder", False):
-            return CxlEncoderDecoderCache(cfg, allocator=self.allocator, max_cache_len=max_cache_len)
-        return CxlCache(config=cfg, allocator=self.allocator, max_cache_len=max_cache_len)
-
-    def note(self, cache) -> None:
-        if isinstance(cache, (CxlCache, CxlEncoderDecoderCache)):
-            self._live.append(cache)
-            self._last = weakref.ref(cache)
-
-    def last_cache(self) -> Optional[CxlCache]:
-        return None if self._last is None else self._last()
-
-
-def _state(model) -> WrapState:
-    st = model.__dict__.get(STATE_ATTR)
-    if st is None:
-        raise ValueError("cxlalloc.hf: this model is not wrapped; call cxlalloc.hf.wrap(model, ...) first")
-    return st
-
-
-def is_wrapped(model) -> bool:
-    return STATE_ATTR in getattr(model, "__dict__", {})
 
 
 def _options_config(options: dict, device: torch.device):
@@ -234,8 +109,9 @@ def _option_differences(old, new) -> List[str]:
     """``"name: A (wrapped) vs B (asked)"`` for each option whose value differs
     (type-aware: 1 byte is not 1.0 = 100%)."""
     out = []
+    olds, news = vars(old), vars(new)  # Config: a frozen dataclass, its fields in __dict__
     for f in dataclasses.fields(old):
-        a, b = getattr(old, f.name), getattr(new, f.name)
+        a, b = olds[f.name], news[f.name]
         if type(a) is not type(b) or a != b:
             out.append(f"{f.name}: {_show_option(f.name, a)} (wrapped) vs {_show_option(f.name, b)} (asked)")
     return out
@@ -414,295 +290,17 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
     st.orig_generate = model.generate
     if st.hook == "prepare":
         st.orig_prepare = model._prepare_cache_for_generation
-        model.__dict__["_prepare_cache_for_generation"] = _make_prepare_hook(model, st)
-    model.__dict__["generate"] = _make_generate(model, st)
+        model.__dict__["_prepare_cache_for_generation"] = make_prepare_hook(model, st)
+    model.__dict__["generate"] = make_generate(model, st)
     if callable(getattr(model, "init_continuous_batching", None)):
         st.cb = paged.install(model, st)
-    model.__dict__["__getstate__"] = _GetState(model)
+    model.__dict__["__getstate__"] = GetState(model)
     model.__dict__[STATE_ATTR] = st
-    st.pre_hook = model.register_forward_pre_hook(_make_pre_forward(model, st), with_kwargs=True)
-    st.layer_report = _predicted_report(model, st)
+    st.pre_hook = model.register_forward_pre_hook(make_pre_forward(model, st), with_kwargs=True)
+    st.layer_report = predicted_report(model, st)
     if st.layer_report is not None:
-        _warn_once(st, st.layer_report, measured=False, stacklevel=3)
+        warn_once(st, st.layer_report, measured=False, stacklevel=3)
     return model
-
-
-def _kv_geometry(model, device: torch.device) -> Optional[Geometry]:
-    """The K/V state geometry of the model's full-attention layers from its
-    config (batch 1; the batch of each forward replaces it), or None."""
-    try:
-        cfg = model.config.get_text_config(decoder=True)
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        if getattr(cfg, "kv_lora_rank", None) and getattr(cfg, "qk_rope_head_dim", None):
-            # Multi-head latent attention (DeepSeek-V3/V3.2, GLM-MoE-DSA, Kimi-Linear, ...): the cache holds the
-            # compressed latents, single-head: K (B, 1, L, kv_lora_rank), V (B, 1, L, qk_rope_head_dim)
-            # (transformers models/deepseek_v3/modeling_deepseek_v3.py, DeepseekV3Attention.forward).  A model
-            # that caches otherwise only loses the plan (CxlCache.prepare_forward), not correctness.
-            return Geometry(1, 1, int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim), dtype, device)
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    except (AttributeError, StopIteration, TypeError, ZeroDivisionError):
-        return None
-    return Geometry(1, int(heads), int(head_dim), int(head_dim), dtype, device)
-
-
-def _make_pre_forward(model, st: WrapState):
-    """A forward pre-hook that plans a CxlCache's next update before the forward
-    runs (:meth:`CxlCache.prepare_forward`): the engine calls happen here, so
-    that a ``torch.compile``'d ``model.forward`` traces the cache update without
-    a graph break and compiles no more often than with transformers' DynamicCache
-    (a graph break inside the forward makes dynamo compile transformers'
-    decorated module forwards one by one, which share one code object and
-    reach its recompile limit)."""
-    geometry = _kv_geometry(model, torch.device("cpu") if st.device.type == "cpu" else st.device)
-
-    @torch.compiler.disable
-    def plan(cache, x: torch.Tensor) -> None:
-        cache.prepare_forward(int(x.shape[1]), int(x.shape[0]), geometry)  # engine calls: never traced
-
-    @torch.compiler.disable
-    def eager(args, kwargs):
-        cache = kwargs.get(st.cache_kw)
-        tls = st._tls
-        if getattr(tls, "depth", 0):  # inside a wrapped generate(): what cache does it use (coverage report)
-            tls.forwards = getattr(tls, "forwards", 0) + 1
-            used = cache
-            for name in OWN_STATE_KWARGS:
-                if used is None:
-                    used = kwargs.get(name)
-            if used is not None:
-                if getattr(tls, "seen", None) is None and not isinstance(used, Cache):
-                    tls.first_bytes = tensor_bytes(used)  # a plain state: does it grow? (coverage report)
-                tls.seen = used
-            if kwargs.get("use_cache") is False:
-                tls.no_cache = True
-        x = _main_input(args, kwargs) if isinstance(cache, CxlCache) else None
-        if x is not None:
-            plan(cache, x)
-
-    def pre_forward(module, args, kwargs):
-        # Kept out of torch.compile (docs/sources.md#torch-compile-hooks).  transformers' auto-compiled forward (a
-        # static cache and a compile_config: model.get_compiled_call) and torch.compile(model) compile __call__;
-        # torch runs its _call_impl eagerly and dynamo catches each hook as a frame of its own, guarding on every
-        # Python value it reads: the forward counter changes every step, so it recompiled on each decode step.
-        # That frame is skipped (skip_code below): eager() runs as in eager mode, counter exact, engine calls
-        # outside the graph, and no compile of the hook at all.  Inlined into a larger traced function (a
-        # compiled function that calls the model), dynamo traces this body instead: is_compiling() is then a
-        # constant True, the per-step bookkeeping is left out and only a CxlCache is planned (a graph break).
-        if torch.compiler.is_compiling():
-            cache = kwargs.get(st.cache_kw)
-            if isinstance(cache, CxlCache) and (x := _main_input(args, kwargs)) is not None:
-                plan(cache, x)
-            return None
-        eager(args, kwargs)
-        return None
-
-    skip_code(pre_forward.__code__)
-    return pre_forward
-
-
-def _main_input(args, kwargs) -> Optional[torch.Tensor]:
-    """A forward's ``input_ids`` / ``inputs_embeds`` (``(batch, tokens, ...)``), or None."""
-    x = kwargs.get("input_ids")
-    if x is None:
-        x = kwargs.get("inputs_embeds")
-    if x is None and args and isinstance(args[0], torch.Tensor):
-        x = args[0]
-    return x if isinstance(x, torch.Tensor) and x.dim() >= 2 else None
-
-
-def _keep_recording(made, cache) -> None:
-    """Carry past-state recording from the cache transformers made over to the
-    CxlCache that replaces it.  transformers 5.24's
-    ``_prepare_cache_for_generation`` calls ``activate_past_recording()`` on
-    the cache it makes for an assistant model (``generation_config.is_assistant``,
-    set by ``AssistedCandidateGenerator``), so that its later ``crop()`` rollbacks
-    can restore sliding-window and linear-attention layers; a fresh cache would
-    refuse the first rollback once the window is reached
-    (transformers ``generation/utils.py``, ``cache_utils.py``
-    ``DynamicSlidingWindowLayer.crop``: docs/sources.md#transformers-cache-api)."""
-    for i, layer in enumerate(getattr(made, "layers", ())):
-        if getattr(layer, "record_past", False) and i < len(cache.layers):
-            target = cache.layers[i]
-            if hasattr(target, "activate_past_recording"):
-                target.activate_past_recording()
-
-
-def _make_prepare_hook(model, st: WrapState):
-    def _prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
-                                      *args, **kwargs):
-        name = st.cache_kw
-        user = model_kwargs.get(name)
-        if isinstance(user, (CxlCache, CxlEncoderDecoderCache)) and max_cache_length:
-            user.reserve(int(max_cache_length))  # a continuation: grow once now, not during decode
-        out = st.orig_prepare(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
-                              *args, **kwargs)
-        made = model_kwargs.get(name)
-        dynamic = getattr(generation_config, "cache_implementation", None) in (None, "dynamic")
-        if (user is None and dynamic and type(made) is EncoderDecoderCache
-                and type(made.self_attention_cache) is DynamicCache and type(made.cross_attention_cache) is DynamicCache
-                and not getattr(made.self_attention_cache, "offloading", False)
-                and (tiered := CxlEncoderDecoderCache.like(
-                    made, model.config.get_text_config(decoder=True), allocator=st.allocator,
-                    max_cache_len=int(max_cache_length) if max_cache_length else None)) is not None):
-            st.caches_created += 1
-            model_kwargs[name] = tiered
-            if st.reuse is not None:
-                st.reuse.skip("an encoder-decoder model (prefix reuse stores decoder-only caches)")
-        elif (user is None and type(made) is DynamicCache and not getattr(made, "offloading", False)
-                and dynamic):
-            cache = model_kwargs[name] = st.new_cache(model, int(max_cache_length) if max_cache_length else None)
-            _keep_recording(made, cache)
-            if st.reuse is not None:
-                kept = st.reuse.load(cache, generation_config, batch_size,
-                                     int(max_cache_length) if max_cache_length else None)
-                if kept is not None:  # the previous turn's cache continues (cxlalloc.hf.reuse)
-                    cache.release()
-                    model_kwargs[name] = kept
-        elif (user is None and made is None and dynamic and getattr(generation_config, "use_cache", True) is not False
-                and own_cache_class(model) is not None):
-            # A model that builds its own DynamicCache subclass in forward() (MiniMax): give it a tiered one.
-            st.caches_created += 1
-            model_kwargs[name] = cxl_cache_for(model, st.allocator, int(max_cache_length) if max_cache_length else None)
-            if st.reuse is not None:
-                st.reuse.skip("the model's own cache class (prefix reuse stores plain full-attention caches)")
-        elif st.reuse is not None:
-            st.reuse.skip("a cache was passed in" if user is not None else
-                          "generate() uses another cache (cache_implementation, use_cache=False or offloading)")
-        swapped = model_kwargs.get(name)
-        if swapped is not made and type(made) is not DynamicCache and getattr(generation_config, "is_assistant", False):
-            # An assistant's encoder-decoder or model-specific cache (a DynamicCache's: _keep_recording above):
-            # transformers records the past of the cache it makes, so that crop() can roll it back.
-            swapped.activate_past_recording()
-        st.note(swapped)
-        return out
-
-    return _prepare_cache_for_generation
-
-
-def _make_generate(model, st: WrapState):
-    orig = st.orig_generate
-
-    @functools.wraps(orig)
-    def generate(*args, **kwargs):
-        began = False
-        if st.hook == "generate":
-            name = st.cache_kw
-            gcfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-            impl = kwargs.get("cache_implementation", getattr(gcfg, "cache_implementation", None))
-            use_cache = kwargs.get("use_cache", getattr(gcfg, "use_cache", True))
-            supports = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
-            if kwargs.get(name) is None and impl is None and use_cache is not False and supports:
-                kwargs[name] = st.new_cache(model, None)
-                if getattr(gcfg, "is_assistant", False):
-                    # The cache is passed in as the user's, so transformers does not mark it for past
-                    # recording as it does the assistant cache it makes (_keep_recording).
-                    kwargs[name].activate_past_recording()
-                if st.reuse is not None and not isinstance(kwargs[name], CxlEncoderDecoderCache):
-                    st.reuse.begin(args, kwargs)
-                    began = True
-                    kept = st.reuse.load(kwargs[name], _merged_generation_config(model, kwargs),
-                                         _batch_of(args, kwargs))
-                    if kept is not None:  # the previous turn's cache continues (cxlalloc.hf.reuse)
-                        kwargs[name].release()
-                        kwargs[name] = kept
-            st.note(kwargs.get(name))
-        elif st.reuse is not None:
-            st.reuse.begin(args, kwargs)
-            began = True
-        outer = len(st._live)
-        tls = st._tls
-        saved = (getattr(tls, "depth", 0), getattr(tls, "forwards", 0), getattr(tls, "seen", None),
-                 getattr(tls, "no_cache", False))
-        tls.depth, tls.forwards, tls.seen, tls.no_cache = saved[0] + 1, 0, None, False
-        out, ok = None, False
-        try:
-            out = orig(*args, **kwargs)
-            ok = True
-            return out
-        finally:
-            live = st._live
-            mine, live[outer:] = live[outer:], []
-            if mine:
-                st.last_stats = mine[-1].kv_stats()
-            seen, forwards, no_cache = tls.seen, tls.forwards, tls.no_cache
-            first, tls.first_bytes = getattr(tls, "first_bytes", None), None
-            tls.depth, tls.forwards, tls.seen, tls.no_cache = saved
-            if ok:
-                used = mine[-1] if mine else (seen if seen is not None else returned_cache(out))
-                grew = None if first is None or used is not seen else tensor_bytes(seen) > first
-                _report_coverage(model, st, used, forwards, no_cache, grew)
-                if no_cache and forwards >= 2 and kwargs.get("use_cache") is not False:
-                    _warn_no_cache(model, st, forwards)
-            if began:
-                st.reuse.finish(out, error=not ok)
-
-    return generate
-
-
-def _report_coverage(model, st: WrapState, cache, forwards: int, no_cache: bool, grew: Optional[bool]) -> None:
-    """After a generate(): classify the cache it used (``st.layer_report``) and
-    warn once per situation if anything is left to transformers."""
-    if cache is None and (no_cache or forwards < 2):
-        return  # use_cache=False, or too few forwards to know: nothing to report
-    r = layer_report(cache, type(model).__name__, grew)
-    st.layer_report = r
-    _warn_once(st, r, measured=True, stacklevel=4)
-
-
-NO_CACHE_WARNING = ("cxlalloc.hf: {model}'s generate() ran {forwards} forward passes with use_cache=False that the "
-                    "call did not pass (this model or its generation config keeps no KV cache): there is no KV to "
-                    "tier, each step recomputes the whole sequence, and hf.stats() lists the layers a cache would "
-                    "have, not bytes held")
-
-
-def _warn_no_cache(model, st: WrapState, forwards: int) -> None:
-    """Warn once (``CacheCoverageWarning``) when transformers ran a wrapped
-    generate() without a KV cache the caller did not turn off (transformers'
-    MPT does): wrapping cannot apply, and it says so instead of a silent no-op."""
-    if ("no-cache",) in st.warned:
-        return
-    st.warned.add(("no-cache",))
-    warnings.warn(NO_CACHE_WARNING.format(model=type(model).__name__, forwards=forwards), CacheCoverageWarning,
-                  stacklevel=4)
-
-
-def _warn_once(st: WrapState, r: dict, measured: bool, stacklevel: int) -> None:
-    if needs_warning(r) and signature(r) not in st.warned:
-        st.warned.add(signature(r))
-        warnings.warn(warning_text(r, measured), CacheCoverageWarning, stacklevel=stacklevel)
-
-
-def _predicted_report(model, st: WrapState) -> Optional[dict]:
-    """The layer report of the cache generate() will use, from the config
-    (building a CxlCache allocates nothing), or None when only a generate()
-    tells (a model that builds its own cache, or a configured cache_implementation)."""
-    supports = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
-    impl = getattr(getattr(model, "generation_config", None), "cache_implementation", None)
-    if not supports or impl not in (None, "dynamic"):
-        return None
-    try:
-        cache = st.new_cache(model, 1, count=False)
-    except Exception:  # a config transformers' DynamicCache cannot read: learn it from generate()
-        return None
-    return layer_report(cache, type(model).__name__)
-
-
-def _merged_generation_config(model, kwargs):
-    """generate()'s generation config with this call's keyword overrides (the
-    ``hook="generate"`` path only; the prepare hook gets transformers' own)."""
-    import copy
-
-    cfg = copy.deepcopy(kwargs.get("generation_config") or getattr(model, "generation_config", None))
-    for k in ("num_beams", "num_return_sequences", "eos_token_id"):
-        if k in kwargs and cfg is not None:
-            setattr(cfg, k, kwargs[k])
-    return cfg
-
-
-def _batch_of(args, kwargs) -> int:
-    ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
-    return int(ids.shape[0]) if torch.is_tensor(ids) else 0
 
 
 def unwrap(model):

@@ -6,26 +6,29 @@ loaded in bulk by the next request that shares the prefix, instead of being
 prefilled again.  :mod:`cxlalloc.hf.reuse` does this for ``generate()``
 (``cxlalloc.hf.wrap(model, kv_store=True)``).
 
-Modules:
-    store      BlockStore: the contract of every store (lookup, reserve, commit, release, stats, accounting)
+Modules (the top: the store contract, the in-process store, what client and server share):
+    store      BlockStore: the contract of every store (lookup, reserve, discard, stats, accounting)
     keys       model fingerprint, chained block keys (BLAKE2b-256), namespaced and Redis key names
     layout     the byte format of a block (token-major rows of all KV layers)
-    index      key -> block bookkeeping: chunks filled by a bump pointer, LRU eviction, pins, write-then-publish
+    index      key -> block bookkeeping: chunks filled by a bump pointer, pins, write-then-publish
+               (the eviction order: cxlalloc.policy.store_eviction)
     local      LocalBlockStore: the in-process store over a HostArena
     open       kv_store=... option values -> a store
+    handles    the scoped lease / reservation handle both stores' handles build on
+    counters   the transfer counters every store shares
     protocol   the kv-server's wire format (length-prefixed msgpack over a unix socket)
-    server     KVServer: one shared pool for every process of a machine (the façade of the three below)
-    server_state      the pool, index, owners, quotas: plain methods taking a client id (no socket)
-    server_transport  bind, socket permissions, framing, accept, dispatch of ops to the state
-    server_jobs       placement verification, rate sampling, Redis read-through / write-back
-    server_cli ``cxlalloc kv-server``: options, start-up, signals, --status
     client     RemoteBlockStore: a kv-server as a store (kv_store="unix:///path/kv.sock")
-    redis_tier RedisTier: a Redis/Valkey tier below a pool (kv_store="redis://...", --redis)
-    metrics    the kv-server's Prometheus metrics
-    lmcache_plugin  the kv-server as LMCache's ``cxlalloc://`` remote-storage plugin (serving engines;
-               needs ``cxlalloc[lmcache]``; not imported here)
-    engines    the config lines that put a serving engine's KV on the kv-server / the CXL node
-               (``cxlalloc info`` prints them; docs/engines.md)
+
+Rooms:
+    server/    the kv-server: one shared pool for every process of a machine (``KVServer``,
+               state, transport, jobs, cli, metrics)
+    tiers/     the tier below a pool: the ``Tier`` contract and the Redis/Valkey tier
+               (kv_store="redis://...", --redis)
+    engines/   serving-engine plugins (LMCache's ``cxlalloc://``; needs the ``lmcache`` extra;
+               not imported here) and the config lines ``cxlalloc info`` prints (docs/engines.md)
+
+``lmcache_plugin`` here is only an alias of ``engines.lmcache_plugin`` for LMCache YAML written
+before the move (its ``module_path``).
 """
 
 # Imported when first used (PEP 562): the kv-server process needs neither torch
@@ -43,7 +46,8 @@ _EXPORTS = {
     "BlockStore": "cxlalloc.kvstore.store",
     "AccountedStore": "cxlalloc.kvstore.store",
     "RemoteBlockStore": "cxlalloc.kvstore.client",
-    "RedisTier": "cxlalloc.kvstore.redis_tier",
+    "RedisTier": "cxlalloc.kvstore.tiers.redis",
+    "Tier": "cxlalloc.kvstore.tiers",
     "KVServer": "cxlalloc.kvstore.server",
     "lmcache_yaml": "cxlalloc.kvstore.engines",
     "engine_lines": "cxlalloc.kvstore.engines",

@@ -247,7 +247,7 @@ class RemoteBlockStore(AccountedStore):
             GPU) the pool is registered for; None maps the pool for CPU
             copies only (no GPU registration, no ``fallback``): what a
             process that stages blocks in its own pinned buffers uses (the
-            LMCache plugin, :mod:`cxlalloc.kvstore.lmcache_plugin`).
+            LMCache plugin, :mod:`cxlalloc.kvstore.engines.lmcache_plugin`).
         timeout: seconds per request (overrides the URL's).
         fallback: bytes of a local store used while the server is away (overrides the URL's).
         name: shown in the server's client list (default: the program's name).
@@ -283,7 +283,7 @@ class RemoteBlockStore(AccountedStore):
             fallback = parse_size(q["fallback"], "kv_store fallback")
         self.allocator = allocator
         self.name = (name or os.path.basename((sys.argv or [""])[0]) or "python")[:64]
-        self.simulated = bool(getattr(allocator, "simulated", False))
+        self.simulated = allocator is not None and bool(allocator.simulated)
         self.fallback = None
         if fallback:
             if allocator is None:

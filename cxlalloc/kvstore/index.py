@@ -40,7 +40,8 @@ a half-written block visible ("write, then publish").
 
 Eviction: least recently used first (a hit or a publish is a use), never a
 pinned or WRITING block; a namespace over its quota evicts its own blocks first
-(LMCache's IsolatedLRU, docs/sources.md#kv-reuse).
+(LMCache's IsolatedLRU, docs/sources.md#kv-reuse).  The order and the choice
+are :mod:`cxlalloc.policy.store_eviction`; this module keeps the lists current.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import sys
-from typing import Callable, Dict, Hashable, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Hashable, List, Optional, Sequence
+
+from cxlalloc.policy.store_eviction import Lru, over_quota, victim
 
 WRITING = "writing"
 READY = "ready"
@@ -91,57 +94,6 @@ class QuotaEntry(Entry):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.nprev = self.nnext = None
-
-
-class _Lru:
-    """An intrusive doubly-linked list of entries, oldest first (O(1) add, remove, oldest).
-
-    ``ns=False`` uses the entries' ``prev``/``next`` links, ``ns=True`` the
-    ``nprev``/``nnext`` of a :class:`QuotaEntry` (in the global list and its
-    namespace's)."""
-
-    __slots__ = ("head", "tail", "n", "_p", "_n")
-
-    def __init__(self, ns: bool = False):
-        self.head = self.tail = None
-        self.n = 0
-        self._p, self._n = ("nprev", "nnext") if ns else ("prev", "next")
-
-    def add(self, e: Entry) -> None:  # newest at the tail
-        p, n = self._p, self._n
-        setattr(e, p, self.tail)
-        setattr(e, n, None)
-        if self.tail is None:
-            self.head = e
-        else:
-            setattr(self.tail, n, e)
-        self.tail = e
-        self.n += 1
-
-    def remove(self, e: Entry) -> None:
-        p, n = self._p, self._n
-        a, b = getattr(e, p), getattr(e, n)
-        if a is None:
-            self.head = b
-        else:
-            setattr(a, n, b)
-        if b is None:
-            self.tail = a
-        else:
-            setattr(b, p, a)
-        setattr(e, p, None)
-        setattr(e, n, None)
-        self.n -= 1
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self) -> Iterator[Entry]:
-        e, n = self.head, self._n
-        while e is not None:
-            nxt = getattr(e, n)
-            yield e
-            e = nxt
 
 
 class _TailTree:
@@ -235,8 +187,8 @@ class BlockIndex:
         self._tails = _TailTree(self._csize)
         self._largest = max(self._csize)
         self.entries: Dict[bytes, Entry] = {}
-        self._lru = _Lru()
-        self._lru_ns: Dict[str, _Lru] = {}
+        self._lru = Lru()
+        self._lru_ns: Dict[str, Lru] = {}
         self._pins: Dict[Hashable, Dict[bytes, int]] = {}
         self._writing: Dict[Hashable, Dict[bytes, Entry]] = {}
         self._writing_bytes: Dict[Hashable, int] = {}
@@ -266,10 +218,10 @@ class BlockIndex:
                 "'block_tokens'")
 
     # ------------------------------------------------------------ LRU
-    def _ns_lru(self, ns: str) -> _Lru:
+    def _ns_lru(self, ns: str) -> Lru:
         lru = self._lru_ns.get(ns)
         if lru is None:
-            lru = self._lru_ns[ns] = _Lru(ns=True)
+            lru = self._lru_ns[ns] = Lru(("nprev", "nnext"))
         return lru
 
     def _lru_add(self, e: Entry) -> None:
@@ -422,8 +374,8 @@ class BlockIndex:
                 del self._writing[w]
                 del self._writing_bytes[w]
 
-    def _evict_from(self, lru: Optional[_Lru]) -> bool:
-        e = lru.head if lru is not None else None  # oldest; everything in an LRU is unpinned and READY
+    def _evict_from(self, lru: Optional[Lru]) -> bool:
+        e = victim(lru)  # everything in an LRU is unpinned and READY
         if e is None:
             return False
         if self.on_evict is not None:
@@ -435,7 +387,7 @@ class BlockIndex:
 
     def _make_room(self, size: int, nbytes: int, ns: str):
         quota = self.quotas.get(ns)
-        while quota is not None and self.ns_bytes.get(ns, 0) + nbytes > quota:
+        while over_quota(self.ns_bytes.get(ns, 0), nbytes, quota):
             if not self._evict_from(self._lru_ns.get(ns)):
                 return None
         while True:
@@ -560,56 +512,62 @@ class BlockIndex:
         return sys.getsizeof(self.entries) / n + per
 
     def check(self) -> None:
-        """Verify the invariants of the module docstring; raise AssertionError."""
-        es = list(self.entries.values())
-        assert self.used_bytes == sum(e.nbytes for e in es), "used_bytes"
-        assert self.slot_bytes == sum(self.slot_size(e.nbytes) for e in es), "slot_bytes"
-        per_ns = collections.Counter()
-        for e in es:
-            per_ns[e.ns] += e.nbytes
-        for ns, b in self.ns_bytes.items():
-            assert per_ns.get(ns, 0) == b, f"ns_bytes[{ns}]"
-        used = collections.Counter(e.offset // self.chunk_bytes for e in es)
-        free_by_chunk = collections.defaultdict(list)
-        for i, free in enumerate(self._free):
-            for s, offs in (free or {}).items():
-                assert offs and i in self._open.get(s, {}), f"chunk {i} free list of {s}"
-                free_by_chunk[i] += [(o, s) for o in offs]
-        for s, chunks in self._open.items():
-            for i in chunks:
-                assert self._free[i] and self._free[i].get(s), f"open list of {s} names chunk {i}"
-        for i in range(len(self._csize)):
-            assert self._used[i] == used.get(i, 0), f"chunk {i} used"
-            assert 0 <= self._top[i] <= self._csize[i], f"chunk {i} top"
-            assert self._tails.t[self._tails.p + i] == self._csize[i] - self._top[i], f"chunk {i} tail"
-            if self._used[i] == 0:
-                assert self._top[i] == 0 and not self._free[i], f"empty chunk {i} not reset"
-        spans = sorted([(e.offset, self.slot_size(e.nbytes), e.offset // self.chunk_bytes) for e in es]
-                       + [(o, s, i) for i, lst in free_by_chunk.items() for o, s in lst])
-        for a, n, i in spans:
-            base = i * self.chunk_bytes
-            assert base <= a and a + n <= base + self._top[i], "slot outside its chunk's used part"
-        for (a, n, _), (b, _, _) in zip(spans, spans[1:]):
-            assert a + n <= b, "overlapping slots"
-        in_lru = set(id(e) for e in self._lru)
-        assert len(in_lru) == self._lru.n, "lru length"
-        for e in es:
-            assert (id(e) in in_lru) == (e.state == READY and e.pins == 0), f"lru membership of {e.key.hex()[:8]}"
-        assert sum(lru.n for lru in self._lru_ns.values()) == sum(type(e) is QuotaEntry for e in self._lru), \
-            "namespace lru lengths"
-        pins = collections.Counter()
-        for mine in self._pins.values():
-            for k, n in mine.items():
-                pins[k] += n
-        assert self.pinned_blocks == sum(len(m) for m in self._pins.values()), "pinned_blocks"
-        for e in es:
-            assert e.pins == pins.get(e.key, 0), "pin counts"
-        writing = [e for e in es if e.state == WRITING]
-        assert self.writing_blocks == len(writing) == sum(len(m) for m in self._writing.values()), "writing"
-        for e in writing:
-            assert self._writing[e.writer][e.key] is e, "writing owner"
-        for w, mine in self._writing.items():
-            assert self._writing_bytes[w] == sum(self.slot_size(e.nbytes) for e in mine.values()), "writing bytes"
-        assert self.used_bytes <= self.capacity_bytes, "over capacity"
-        for ns, q in self.quotas.items():
-            assert self.ns_bytes.get(ns, 0) <= q, f"namespace {ns} over quota"
+        """Verify the invariants of the module docstring; raise AssertionError (:func:`check_invariants`)."""
+        check_invariants(self)
+
+
+
+def check_invariants(index: "BlockIndex") -> None:
+    """Verify the invariants of the module docstring on ``index``; raise AssertionError naming the one broken."""
+    es = list(index.entries.values())
+    assert index.used_bytes == sum(e.nbytes for e in es), "used_bytes"
+    assert index.slot_bytes == sum(index.slot_size(e.nbytes) for e in es), "slot_bytes"
+    per_ns = collections.Counter()
+    for e in es:
+        per_ns[e.ns] += e.nbytes
+    for ns, b in index.ns_bytes.items():
+        assert per_ns.get(ns, 0) == b, f"ns_bytes[{ns}]"
+    used = collections.Counter(e.offset // index.chunk_bytes for e in es)
+    free_by_chunk = collections.defaultdict(list)
+    for i, free in enumerate(index._free):
+        for s, offs in (free or {}).items():
+            assert offs and i in index._open.get(s, {}), f"chunk {i} free list of {s}"
+            free_by_chunk[i] += [(o, s) for o in offs]
+    for s, chunks in index._open.items():
+        for i in chunks:
+            assert index._free[i] and index._free[i].get(s), f"open list of {s} names chunk {i}"
+    for i in range(len(index._csize)):
+        assert index._used[i] == used.get(i, 0), f"chunk {i} used"
+        assert 0 <= index._top[i] <= index._csize[i], f"chunk {i} top"
+        assert index._tails.t[index._tails.p + i] == index._csize[i] - index._top[i], f"chunk {i} tail"
+        if index._used[i] == 0:
+            assert index._top[i] == 0 and not index._free[i], f"empty chunk {i} not reset"
+    spans = sorted([(e.offset, index.slot_size(e.nbytes), e.offset // index.chunk_bytes) for e in es]
+                   + [(o, s, i) for i, lst in free_by_chunk.items() for o, s in lst])
+    for a, n, i in spans:
+        base = i * index.chunk_bytes
+        assert base <= a and a + n <= base + index._top[i], "slot outside its chunk's used part"
+    for (a, n, _), (b, _, _) in zip(spans, spans[1:]):
+        assert a + n <= b, "overlapping slots"
+    in_lru = set(id(e) for e in index._lru)
+    assert len(in_lru) == index._lru.n, "lru length"
+    for e in es:
+        assert (id(e) in in_lru) == (e.state == READY and e.pins == 0), f"lru membership of {e.key.hex()[:8]}"
+    assert sum(lru.n for lru in index._lru_ns.values()) == sum(type(e) is QuotaEntry for e in index._lru), \
+        "namespace lru lengths"
+    pins = collections.Counter()
+    for mine in index._pins.values():
+        for k, n in mine.items():
+            pins[k] += n
+    assert index.pinned_blocks == sum(len(m) for m in index._pins.values()), "pinned_blocks"
+    for e in es:
+        assert e.pins == pins.get(e.key, 0), "pin counts"
+    writing = [e for e in es if e.state == WRITING]
+    assert index.writing_blocks == len(writing) == sum(len(m) for m in index._writing.values()), "writing"
+    for e in writing:
+        assert index._writing[e.writer][e.key] is e, "writing owner"
+    for w, mine in index._writing.items():
+        assert index._writing_bytes[w] == sum(index.slot_size(e.nbytes) for e in mine.values()), "writing bytes"
+    assert index.used_bytes <= index.capacity_bytes, "over capacity"
+    for ns, q in index.quotas.items():
+        assert index.ns_bytes.get(ns, 0) <= q, f"namespace {ns} over quota"

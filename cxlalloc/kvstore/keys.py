@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Iterable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 import xxhash
@@ -326,16 +326,6 @@ def redis_key(prefix: str, nskey: bytes) -> str:
     ``prefix`` + 64 hex digits, so every process, server and machine that
     computed the block names it alike."""
     return prefix + bytes(nskey).hex()
-
-
-def hex_keys(keys: Iterable[bytes]) -> List[str]:
-    return [k.hex() for k in keys]
-
-
-def check_key(key: bytes) -> bytes:
-    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
-        raise ValueError(f"cxlalloc.kvstore: a block key is {KEY_BYTES} bytes, not {key!r:.40}")
-    return bytes(key)
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:

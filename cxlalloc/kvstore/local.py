@@ -20,8 +20,10 @@ tier (the CXL node where one is chosen), indexed by chained keys
   blocks that are pinned (being read) or WRITING (being written), which
   eviction never touches.
 
-A ``lower`` tier (e.g. :class:`cxlalloc.kvstore.redis_tier.RedisTier`) receives
-evicted blocks and is asked for blocks this store misses.
+A ``lower`` tier (a :class:`cxlalloc.kvstore.tiers.Tier`, e.g. the Redis tier
+:class:`cxlalloc.kvstore.tiers.redis.RedisTier`) receives evicted blocks (write-back: the
+``evict`` mode of :mod:`cxlalloc.policy.redis_write_back`)
+and is asked for blocks this store misses.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from cxlalloc.kvstore.handles import ScopedHandle
 from cxlalloc.kvstore.index import BlockIndex, Entry
 from cxlalloc.kvstore.layout import verify_stored
 from cxlalloc.kvstore.store import AccountedStore, hit_rate
+from cxlalloc.kvstore.tiers import Tier
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 DEFAULT_LIMIT_FRACTION = 0.25  # of the host tier's limit
@@ -136,8 +139,8 @@ class LocalBlockStore(AccountedStore):
         quotas: ``{cache_salt: bytes}`` per-namespace limits (None: the store's).
         strict_placement: drop a block whose pages did not land on the node
             (default: keep it, count it, warn once).
-        lower: a tier below (``put(key, ns, data)``, ``get_many(keys) ->
-            [bytes|None]``, ``stats()``, ``close()``).
+        lower: the tier below, a :class:`~cxlalloc.kvstore.tiers.Tier`
+            (``put`` on eviction, ``get_many`` on a miss, ``stats``, ``close``), or None.
 
     Raises:
         ValueError: a bad ``kv_store_limit``.
@@ -147,7 +150,8 @@ class LocalBlockStore(AccountedStore):
     kind = "local"
 
     def __init__(self, allocator, limit=None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 quotas: Optional[Dict[str, int]] = None, strict_placement: bool = False, lower=None):
+                 quotas: Optional[Dict[str, int]] = None, strict_placement: bool = False,
+                 lower: Optional[Tier] = None):
         st = allocator.stats()
         self.allocator = allocator
         self.node = int(st["host"]["numa_node"])

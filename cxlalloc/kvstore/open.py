@@ -48,7 +48,7 @@ def open_store(spec, allocator, limit=None):
 
         return RemoteBlockStore(spec, allocator)
     if isinstance(spec, str) and spec.startswith(("redis://", "rediss://")):
-        from cxlalloc.kvstore.redis_tier import RedisTier
+        from cxlalloc.kvstore.tiers.redis import RedisTier
 
         return LocalBlockStore(allocator, limit, lower=RedisTier(spec, option="kv_store"))
     raise ValueError(f"cxlalloc option 'kv_store': {spec!r} is not allowed; use {SPEC_HELP}")

@@ -1,7 +1,7 @@
 """The block-store contract: what :mod:`cxlalloc.hf.reuse` may ask of a KV reuse store.
 
 Every store (the in-process :class:`~cxlalloc.kvstore.local.LocalBlockStore`,
-with or without a Redis tier below it, and the kv-server client
+with or without a tier below it (:mod:`cxlalloc.kvstore.tiers`), and the kv-server client
 :class:`~cxlalloc.kvstore.client.RemoteBlockStore`) implements
 :class:`BlockStore`; ``kv_store=<an object>`` accepts any object that does
 (checked with ``isinstance``).  A new store is one module implementing it
@@ -104,6 +104,13 @@ class BlockStore(Protocol):
                 the store's size: ``kv_store_limit``, or the server's ``--chunk``).
         """
 
+    def discard(self, ns: str, keys: Sequence[bytes]) -> int:
+        """Drop blocks whose checksum trailer (:mod:`cxlalloc.kvstore.layout`)
+        failed on a reader's load: the store checks each of ``keys`` again and
+        drops only the failing, unpinned ones (counted in ``corrupt_blocks``).
+        Returns how many it dropped (0 for a store that is away); never raises
+        for that.  :mod:`cxlalloc.hf.reuse` calls it after a failed load."""
+
     def check_block_bytes(self, nbytes: int) -> None:
         """Raise ValueError (naming the option) if a block of ``nbytes`` bytes can never fit."""
 
@@ -123,16 +130,10 @@ class BlockStore(Protocol):
         ``load_GBps``, ``store_GBps``)."""
 
 
-# Optional member: ``discard(ns, keys) -> int`` drops blocks whose checksum
-# trailer (cxlalloc.kvstore.layout) failed on a reader's load; the store checks
-# each again and drops only failing, unpinned ones (LocalBlockStore,
-# RemoteBlockStore).  hf/reuse.py calls it when present.
-
-
 def missing_members(obj) -> List[str]:
     """The :class:`BlockStore` members ``obj`` lacks (empty for a store)."""
-    names = ("kind", "lookup", "reserve", "check_block_bytes", "record_load", "record_store", "record_failure",
-             "stats")
+    names = ("kind", "lookup", "reserve", "discard", "check_block_bytes", "record_load", "record_store",
+             "record_failure", "stats")
     return [n for n in names if not hasattr(obj, n)]
 
 

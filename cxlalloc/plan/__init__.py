@@ -5,6 +5,6 @@ Imports no torch: a ``config.json`` is read as JSON.
 """
 
 from cxlalloc.plan.layout import Layout, cache_bytes, kv_bytes_per_token, read_layout
-from cxlalloc.plan.planner import plan
+from cxlalloc.plan.planner import PlanInputs, plan
 
-__all__ = ["Layout", "cache_bytes", "kv_bytes_per_token", "plan", "read_layout"]
+__all__ = ["Layout", "PlanInputs", "cache_bytes", "kv_bytes_per_token", "plan", "read_layout"]

@@ -19,7 +19,7 @@ from typing import List, Optional
 from cxlalloc.cli_usage import OneLineParser as _Parser, fail
 from cxlalloc.plan import hardware
 from cxlalloc.plan.layout import DTYPE_BYTES
-from cxlalloc.plan.planner import plan
+from cxlalloc.plan.planner import PlanInputs, plan
 
 PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 DEFAULT_RECORDS = os.path.join("benchmarks", "results")
@@ -156,11 +156,13 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc plan") -> int:
                     info = json.load(f)
             except (OSError, ValueError) as e:
                 raise ValueError(f"--info: cannot read {args.info!r} as a `cxlalloc info --json` record: {e}") from None
-        rec = plan(resolve_model(args.model), context=args.context, users=args.users, weight_dtype=args.weight_dtype,
-                   kv_dtype=args.kv_dtype, reuse=args.reuse, gpu=args.gpu, hbm_bytes=args.hbm_bytes,
-                   hbm_gbps=args.hbm_gbps, bf16_tflops=args.tflops, link_gbps=args.link_gbps,
-                   host_bytes=args.host_bytes, host_node=args.host_node, info=info, headroom_bytes=args.headroom,
-                   tpot_slo_ms=args.tpot_slo_ms, mfu=args.mfu, weight_bytes=args.weight_bytes, records=records)
+        inputs = PlanInputs(resolve_model(args.model), context=args.context, users=args.users,
+                            weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, reuse=args.reuse, gpu=args.gpu,
+                            hbm_bytes=args.hbm_bytes, hbm_gbps=args.hbm_gbps, bf16_tflops=args.tflops,
+                            link_gbps=args.link_gbps, host_bytes=args.host_bytes, host_node=args.host_node, info=info,
+                            headroom_bytes=args.headroom, tpot_slo_ms=args.tpot_slo_ms, mfu=args.mfu,
+                            weight_bytes=args.weight_bytes, records=records)
+        rec = plan(inputs)
     except (ValueError, FileNotFoundError) as e:
         fail(prog, str(e))
     rec["inputs"]["records_searched"] = records

@@ -48,7 +48,7 @@ KNOWN_KINDS = SHARED_KINDS + SLIDING_KINDS + NO_KV_KINDS
 
 # cxlalloc.hf.layers.sliding.window_capacity: rows a bounded sliding extent holds beyond the window
 # (keep // EXTRA_DIVISOR, at least MIN_EXTRA_TOKENS).  Mirrored here (that module imports torch);
-# tests/hf/test_plan_vs_engine.py asserts the two agree.
+# tests/plan/test_plan_vs_engine.py asserts the two agree.
 EXTRA_DIVISOR = 4
 MIN_EXTRA_TOKENS = 16
 

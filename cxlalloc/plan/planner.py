@@ -29,6 +29,7 @@ states each and the assumptions; :func:`plan` returns them in the record):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Sequence
 
 from cxlalloc.plan import hardware
@@ -123,16 +124,14 @@ def _check(name: str, value, lo=None, hi=None, integer=False):
     return v
 
 
-def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "bf16",
-         kv_dtype: Optional[str] = None, reuse: float = 0.0, gpu: str = "h200", hbm_bytes: Optional[float] = None,
-         hbm_gbps: Optional[float] = None, bf16_tflops: Optional[float] = None, link_gbps: Optional[float] = None,
-         host_bytes: Optional[float] = None, host_node: Any = "dram", info: Optional[Dict[str, Any]] = None, headroom_bytes: Optional[float] = None,
-         tpot_slo_ms: Optional[float] = 50.0, mfu: float = 0.4, weight_bytes: Optional[float] = None,
-         records: Sequence[str] = (), chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-         curve_contexts: Optional[Sequence[int]] = None, curve_users: Optional[Sequence[int]] = None) -> Dict[str, Any]:
-    """Plan serving ``users`` concurrent sequences of ``context`` tokens.
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything :func:`plan` is asked: the model, the workload and the hardware.
 
-    Args:
+    ``cxlalloc plan`` builds one from its options (``cxlalloc/plan/cli.py``);
+    units and defaults as the options say (docs/planning.md, "Inputs").
+
+    Attributes:
         model: a model directory, config.json path, config dict or transformers
             config object (:func:`cxlalloc.plan.layout.read_layout`).
         context: tokens per sequence (prompt + generated).
@@ -144,10 +143,10 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
             ``hbm_gbps`` (GB/s), ``bf16_tflops``, ``link_gbps`` override it.
         host_bytes: host/CXL bytes available per GPU for KV (default: from
             ``info``, else 512 GB).
-        info: a ``cxlalloc info --json`` record (:func:`cxlalloc.plan.hardware.from_info`):
-            the host/CXL node sizes, and the GPU's memory when ``hbm_bytes`` is not given.
         host_node: ``dram``, ``cxl-x8``, ``cxl-x16`` or a bandwidth in GB/s of
             the host/CXL memory (the GPU reads it at ``min(link, node)``).
+        info: a ``cxlalloc info --json`` record (:func:`cxlalloc.plan.hardware.from_info`):
+            the host/CXL node sizes, and the GPU's memory when ``hbm_bytes`` is not given.
         headroom_bytes: VRAM left to activations (default :func:`default_headroom`).
         tpot_slo_ms: decode step target in ms (None: capacity only).
         mfu: prefill's share of the dense BF16 peak (0..1].
@@ -156,6 +155,42 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
             replaces the datasheet HBM and link rates (said in ``hardware``).
         chunk_bytes: the engine's extent chunk (2 MiB).
         curve_contexts / curve_users: points of the plot's curves.
+    """
+
+    model: Any
+    context: int = 32768
+    users: int = 64
+    weight_dtype: str = "bf16"
+    kv_dtype: Optional[str] = None
+    reuse: float = 0.0
+    gpu: str = "h200"
+    hbm_bytes: Optional[float] = None
+    hbm_gbps: Optional[float] = None
+    bf16_tflops: Optional[float] = None
+    link_gbps: Optional[float] = None
+    host_bytes: Optional[float] = None
+    host_node: Any = "dram"
+    info: Optional[Dict[str, Any]] = None
+    headroom_bytes: Optional[float] = None
+    tpot_slo_ms: Optional[float] = 50.0
+    mfu: float = 0.4
+    weight_bytes: Optional[float] = None
+    records: Sequence[str] = ()
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    curve_contexts: Optional[Sequence[int]] = None
+    curve_users: Optional[Sequence[int]] = None
+
+
+def plan(inputs, **options) -> Dict[str, Any]:
+    """Plan serving ``users`` concurrent sequences of ``context`` tokens.
+
+    Args:
+        inputs: a :class:`PlanInputs`, or the model (anything
+            ``PlanInputs.model`` takes), then ``options`` are the other fields
+            of :class:`PlanInputs` by name: ``plan(model, context=..., users=...)``
+            is ``plan(PlanInputs(model, context=..., users=...))``.
+        options: :class:`PlanInputs` fields; with a :class:`PlanInputs`, they
+            replace its fields.
 
     Returns:
         A JSON-ready dict: ``model``, ``inputs``, ``hardware``, ``kv``,
@@ -165,54 +200,57 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
     Raises:
         ValueError: a bad input (the message names it and its allowed values),
             or weights that fit no group of up to 8 GPUs.
+        TypeError: an option that is not a :class:`PlanInputs` field.
         FileNotFoundError: no config at ``model``.
     """
-    context = _check("--context", context, 1, integer=True)
-    users = _check("--users", users, 1, integer=True)
-    reuse = _check("--reuse", reuse, 0.0, 1.0)
-    mfu = _check("--mfu", mfu, 0.01, 1.0)
-    from_info = hardware.from_info(info) if info is not None else None
-    if host_bytes is not None:
-        host_bytes, host_src = _check("--host-bytes", host_bytes, 0.0), "--host-bytes"
+    p = replace(inputs, **options) if isinstance(inputs, PlanInputs) else PlanInputs(inputs, **options)
+    context = _check("--context", p.context, 1, integer=True)
+    users = _check("--users", p.users, 1, integer=True)
+    reuse = _check("--reuse", p.reuse, 0.0, 1.0)
+    mfu = _check("--mfu", p.mfu, 0.01, 1.0)
+    from_info = hardware.from_info(p.info) if p.info is not None else None
+    if p.host_bytes is not None:
+        host_bytes, host_src = _check("--host-bytes", p.host_bytes, 0.0), "--host-bytes"
     elif from_info is not None:
         host_bytes, host_src = from_info["host_bytes_per_gpu"], from_info["source"]
     else:
         host_bytes, host_src = 512e9, "default 512 GB per GPU"
+    tpot_slo_ms = p.tpot_slo_ms
     if tpot_slo_ms is not None:
         tpot_slo_ms = _check("--tpot-slo-ms", tpot_slo_ms, 0.001)
-    layout = read_layout(model)
-    we = dtype_bytes(weight_dtype, "--weight-dtype")
-    ke = dtype_bytes(kv_dtype or weight_dtype, "--kv-dtype")
-    preset = hardware.gpu_preset(gpu)
-    measured = hardware.measured_ceilings(preset, list(records)) if records else None
-    if hbm_bytes:
-        hbm, hbm_src = float(hbm_bytes), "--hbm-bytes"
+    layout = read_layout(p.model)
+    we = dtype_bytes(p.weight_dtype, "--weight-dtype")
+    ke = dtype_bytes(p.kv_dtype or p.weight_dtype, "--kv-dtype")
+    preset = hardware.gpu_preset(p.gpu)
+    measured = hardware.measured_ceilings(preset, list(p.records)) if p.records else None
+    if p.hbm_bytes:
+        hbm, hbm_src = float(p.hbm_bytes), "--hbm-bytes"
     elif from_info is not None and from_info["hbm_bytes"]:
         hbm, hbm_src = from_info["hbm_bytes"], f"cxlalloc info: {from_info['gpu_name']}"
     else:
         hbm, hbm_src = preset.hbm_bytes, f"{preset.name} {preset.source}"
-    if hbm_gbps:
-        bw, bw_src = float(hbm_gbps), "--hbm-gbps"
+    if p.hbm_gbps:
+        bw, bw_src = float(p.hbm_gbps), "--hbm-gbps"
     elif measured:
         bw, bw_src = measured["hbm_gbps"], f"measured HBM kernel read rate, {measured['path']} ({measured['gpu']})"
     else:
         bw, bw_src = preset.hbm_gbps, f"{preset.name} datasheet"
-    if link_gbps:
-        link, link_src = float(link_gbps), "--link-gbps"
+    if p.link_gbps:
+        link, link_src = float(p.link_gbps), "--link-gbps"
     elif measured and measured.get("link_gbps"):
         link, link_src = measured["link_gbps"], (f"measured zero-copy read of the host tier "
                                                  f"({measured['link_backend']}), {measured['path']}")
     else:
         link, link_src = preset.link_gbps, f"{preset.link_name} theoretical per direction"
-    if isinstance(host_node, (int, float)) or str(host_node).replace(".", "", 1).isdigit():
-        node_gbps, node_src = _check("--host-node", host_node, 0.001), "--host-node (GB/s)"
+    if isinstance(p.host_node, (int, float)) or str(p.host_node).replace(".", "", 1).isdigit():
+        node_gbps, node_src = _check("--host-node", p.host_node, 0.001), "--host-node (GB/s)"
     else:
-        node_gbps, node_src = hardware.host_node(host_node)
+        node_gbps, node_src = hardware.host_node(p.host_node)
     read = min(link, node_gbps)
-    tflops = float(bf16_tflops) if bf16_tflops else preset.bf16_tflops
-    head = float(headroom_bytes) if headroom_bytes is not None else default_headroom(hbm)
-    W = float(weight_bytes) if weight_bytes else layout.params * we
-    m = PlanModel(layout, W, ke, hbm, bw, read, tflops, mfu, head, host_bytes, int(chunk_bytes))
+    tflops = float(p.bf16_tflops) if p.bf16_tflops else preset.bf16_tflops
+    head = float(p.headroom_bytes) if p.headroom_bytes is not None else default_headroom(hbm)
+    W = float(p.weight_bytes) if p.weight_bytes else layout.params * we
+    m = PlanModel(layout, W, ke, hbm, bw, read, tflops, mfu, head, host_bytes, int(p.chunk_bytes))
     g = next((n for n in GROUPS if m.budget(n) > 0 and m.max_users(context, n, True, None) > 0), None)
     if g is None:
         raise ValueError(f"the weights ({W / 1e9:.1f} GB) and one sequence of {context} tokens fit no group of up to "
@@ -245,9 +283,9 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
         "model": {"name": layout.name, "model_type": layout.model_type, "layers": len(layout.layers),
                   "layer_kinds": layout.kinds(), "params": layout.params, "active_params": layout.active_params,
                   "params_source": layout.params_source, "notes": layout.notes},
-        "inputs": {"context": context, "users": users, "weight_dtype": weight_dtype, "kv_dtype": kv_dtype or weight_dtype,
+        "inputs": {"context": context, "users": users, "weight_dtype": p.weight_dtype, "kv_dtype": p.kv_dtype or p.weight_dtype,
                    "reuse": reuse, "gpu": preset.key, "host_bytes_per_gpu": host_bytes, "tpot_slo_ms": tpot_slo_ms,
-                   "mfu": mfu, "chunk_bytes": int(chunk_bytes)},
+                   "mfu": mfu, "chunk_bytes": int(p.chunk_bytes)},
         "hardware": {"gpu": preset.name, "hbm_bytes": hbm, "hbm_source": hbm_src, "hbm_gbps": bw, "hbm_gbps_source": bw_src,
                      "bf16_tflops": tflops, "link_gbps": link, "link_source": link_src, "host_node_gbps": node_gbps,
                      "host_node_source": node_src, "host_read_gbps": read,
@@ -255,7 +293,7 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
         "kv": {"bytes_per_token": per_tok, "per_sequence_live_bytes": seq_live,
                "sliding_windows": sorted({la.window for la in layout.layers if la.kind in SLIDING_KINDS}),
                "state_bytes_per_sequence": st, "target_cache_bytes": kv_target,
-               "target_cache_bytes_by_store": cache_bytes(layout, users, context, ke, chunk=int(chunk_bytes))},
+               "target_cache_bytes_by_store": cache_bytes(layout, users, context, ke, chunk=int(p.chunk_bytes))},
         "vram": {"per_gpu_bytes": hbm, "weights_per_gpu": W / g, "headroom_per_gpu": head,
                  "kv_per_gpu": min(kv_op, max(0.0, m.budget(g, u_op))) / g, "kv_room_per_gpu": m.budget(g) / g,
                  "state_per_gpu": u_op * m.state / g},
@@ -280,10 +318,10 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
         "host": {"bytes_needed_per_gpu": host_op / g, "bytes_needed_total": host_op * (n_with // g if n_with else 0),
                  "reuse_pool_bytes_upper": users * load_bytes},
         "assumptions": [
-            f"weights {W / 1e9:.2f} GB ({'--weight-bytes' if weight_bytes else layout.params_source}), "
+            f"weights {W / 1e9:.2f} GB ({'--weight-bytes' if p.weight_bytes else layout.params_source}), "
             f"one copy per group of {g} GPU(s), all in VRAM",
             f"headroom {head / GiB:.1f} GiB per GPU left to activations "
-            f"({'--headroom' if headroom_bytes is not None else 'max(2 GiB, 10% of VRAM)'})",
+            f"({'--headroom' if p.headroom_bytes is not None else 'max(2 GiB, 10% of VRAM)'})",
             "one CxlCache of all sequences per group (the engine's shared store; 2 MiB chunks)",
             "decode reads every weight and every live KV byte once per step; no compute, launch or overlap terms "
             "(a lower bound of TPOT)",
@@ -296,13 +334,13 @@ def plan(model, *, context: int = 32768, users: int = 64, weight_dtype: str = "b
     if m.state:
         record["assumptions"].append(f"fixed-size state of stateful layers (SSM/conv): {m.state / 1e6:.2f} MB per "
                                      f"sequence in VRAM (transformers' memory, untiered)")
-    if records and measured is None:
-        record["assumptions"].append(f"no measured ceilings record of {preset.name} in {', '.join(records)}: "
+    if p.records and measured is None:
+        record["assumptions"].append(f"no measured ceilings record of {preset.name} in {', '.join(p.records)}: "
                                      f"datasheet rates")
     if st is None:
         record["assumptions"].append("stateful layers whose state size the config does not give: not counted")
-    cc = list(curve_contexts or [c for c in (4096, 8192, 16384, 32768, 65536, 131072)])
-    cu = list(curve_users or [2 ** i for i in range(11)])  # 1 .. 1024 sequences per model copy
+    cc = list(p.curve_contexts or [c for c in (4096, 8192, 16384, 32768, 65536, 131072)])
+    cu = list(p.curve_users or [2 ** i for i in range(11)])  # 1 .. 1024 sequences per model copy
     record["curves"] = {
         "contexts": cc,
         "sequences_per_group_vram_only": [m.max_users(c, g, False, slo) for c in cc],

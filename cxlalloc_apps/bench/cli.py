@@ -26,7 +26,7 @@ Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, 
                (:mod:`.kvserver`; CPU)
   kvscale      the kv-server at 10^4/10^5/10^6 blocks: lookup latency, the stall
                a disconnect causes to other clients, index bytes per block
-               (:mod:`.kvserver`, ``part_scale``; CPU)
+               (:mod:`.kvscale`; CPU)
   lmcache      LMCache with cxlalloc:// vs its local CPU backend and its redis://
                connector: store/get GB/s and lookups/s, 256 KiB-16 MiB chunks
                (:mod:`.lmcache`; CPU; needs scripts/install_lmcache.sh)

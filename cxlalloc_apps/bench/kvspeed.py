@@ -48,7 +48,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from cxlalloc_apps.bench.kvserver import REPO, _chosen, _env, _Server, block_key, pattern, run_parts
+from cxlalloc_apps.bench.kvprocs import REPO, _chosen, _env, _Server, block_key, pattern, run_parts
 from cxlalloc_apps.bench.meta import RecordWriter, new_record
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -213,7 +213,7 @@ def _lookups(eng: _Engine, keys, seconds: float) -> Dict[str, float]:
 
 
 def run(ctx) -> Dict[str, Any]:
-    from cxlalloc_apps.bench.kvserver import _Redis, _Server
+    from cxlalloc_apps.bench.kvprocs import _Redis, _Server
     from cxlalloc_apps.bench.meta import RecordWriter, new_record
 
     quick = ctx.quick

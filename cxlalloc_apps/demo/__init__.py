@@ -4,6 +4,7 @@
 
 Modules:
     app       the command line, the model and prompt, the runs (cxlalloc vs plain transformers), main()
+    checks    what is checked before the model loads (packages, files, limits), the default device limit
     measure   generate() timing (TTFT, tokens/s, TPOT) and the bytes transformers' DynamicCache copies
     progress  what the user sees meanwhile: loading, prefill, decode (bars on a terminal, lines in a log)
     report    the report: rich tables on stdout, the same numbers as JSON

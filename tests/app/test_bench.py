@@ -11,7 +11,9 @@ import tarfile
 import pytest
 
 from cxlalloc_apps.bench import decode, guard, meta, report, rightsizing
+from cxlalloc_apps.bench import plots as report_plots
 from cxlalloc_apps.bench.model import SHAPES, ceiling_tokens_per_s
+from tests.helpers.proc import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB = 1 << 30
@@ -20,15 +22,9 @@ STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", 
          "lmcache", "vllm", "cb", "decode", "plan", "rightsizing", "report", "pack")
 
 
-def _env():
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("CXLALLOC", None)
-    return env
-
-
 def _bench(args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "cxlalloc", "bench", *args], cwd=ROOT, env=_env(),
+    env = child_env(hide_gpus=False, keep_cxlalloc=False, unbuffered=True)
+    return subprocess.run([sys.executable, "-m", "cxlalloc", "bench", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -443,13 +439,13 @@ def test_report_plots_simulation_records_labelled_and_apart(tmp_path, monkeypatc
                          "bytes": 2 * MiB, "malloc_us": {"median": 1.5}, "simulated": True, "method": "SIMULATED"}]
     meta.write_json(str(res / "sim" / "allocation.json"), alloc)
     saved = {}
-    real_save = report._save
+    real_save = report_plots._save
 
     def save(fig, path, dpi=110):
         saved[os.path.basename(path)] = (_figure_texts(fig), _figure_values(fig))
         return real_save(fig, path, dpi)
 
-    monkeypatch.setattr(report, "_save", save)
+    monkeypatch.setattr(report_plots, "_save", save)
     readme = tmp_path / "README.md"
     readme.write_text("# P\n")
     plots = tmp_path / "plots"
@@ -687,17 +683,17 @@ def test_lmcache_bench_chunk_shapes_have_the_sizes_it_reports():
 
 
 def test_kvscale_runs_only_when_named_and_its_record_plots(tmp_path):
-    from cxlalloc_apps.bench import kvscale, kvserver
+    from cxlalloc_apps.bench import kvscale
 
     assert "kvscale" in meta.OPT_IN and "kvscale" not in meta.BENCHMARKS
-    assert kvscale.run is kvserver.run_scale
-    assert kvserver.SCALE_SIZES == (10_000, 100_000, 1_000_000)
+    assert kvscale.run is kvscale.run_scale
+    assert kvscale.SCALE_SIZES == (10_000, 100_000, 1_000_000)
     with open(os.path.join(meta.REPO_ROOT, "benchmarks/results/kvscale-cpu-2026-12-02/kvscale.json")) as f:
         rec = json.load(f)
     assert meta.validate_record(rec) == []
     assert [r["blocks"] for r in rec["results"]] == [10_000, 100_000, 1_000_000]
     out = tmp_path / "kvscale.png"
-    kvserver.plot_scale(rec, str(out))
+    kvscale.plot_scale(rec, str(out))
     assert out.stat().st_size > 10_000
 
 
@@ -754,7 +750,7 @@ def test_engines_runs_only_when_named_and_says_why_it_skips(tmp_path):
     """``bench --only engines`` (vLLM's TTFT, four arms) without the engine venv: a skipped record naming
     scripts/install_engines.sh, never a silent nothing."""
     assert "engines" in meta.OPT_IN and "engines" not in meta.BENCHMARKS
-    env = _env()
+    env = child_env(hide_gpus=False, keep_cxlalloc=False, unbuffered=True)
     env["CXLALLOC_ENGINES_VENV"] = str(tmp_path / "no-venv")
     p = subprocess.run([sys.executable, "-m", "cxlalloc", "bench", "--only", "engines", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

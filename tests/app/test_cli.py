@@ -235,7 +235,7 @@ def test_info_prints_the_serving_engine_lines_for_this_machines_node():
     eng, node = info["engines"], info["numa"]["auto_node"]["node"]
     assert eng["node"] == node and eng["status"] == "not yet run with an engine on a GPU"
     assert eng["kv_server"].startswith(f"cxlalloc kv-server --numa-node {node} ")
-    cfg = yaml.safe_load(eng["lmcache_yaml"])  # the block LMCache loads (tests/kvstore/test_lmcache_plugin.py)
+    cfg = yaml.safe_load(eng["lmcache_yaml"])  # the block LMCache loads (tests/kvstore/engines/test_lmcache_plugin.py)
     assert cfg["remote_storage_plugins"] == ["cxlalloc"] and cfg["max_local_cpu_size"] > 0
     # chunk names the same in every process (tests/engines/test_vllm_lmcache.py runs vLLM with the docs' block),
     # and the docs print the same config

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cxlalloc_apps.demo import app as demo
+from tests.helpers.proc import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PROG = "python -m cxlalloc demo"
@@ -18,8 +19,7 @@ HUGE = "1" + "0" * 300 + "PiB"  # a number beyond any float once multiplied by i
 
 
 def _demo(*args, cwd):
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "cxlalloc", "demo", "--no-progress", "--threads", "1", *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 

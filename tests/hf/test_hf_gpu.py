@@ -13,6 +13,7 @@ the host tier (read by the kernels over the link through cxlalloc's mappings).
 backend and eager only): a check of the tests' own logic, not of a GPU.
 """
 
+import functools
 import json
 import os
 import time
@@ -65,10 +66,8 @@ def dev_inputs(d):
     return {k: v.to(DEVICE) for k, v in d.items()}
 
 
-def wrap(model, **kw):
-    if DRY:
-        kw["simulate"] = True
-    return hf.wrap(model, **kw)
+# The dry run (no GPU) wraps with simulate=True.
+wrap = functools.partial(hf.wrap, simulate=True) if DRY else hf.wrap
 
 
 def sync():

@@ -5,11 +5,13 @@ by a forward pass, deep-copied and passed to generate()) and a full recompute
 by the unwrapped model."""
 
 import copy
+import functools
 import threading
 import warnings
 
 import pytest
 
+from tests.helpers import hf_util
 from tests.helpers.hf_util import MiB, assert_same_tokens, gen, padded_batch, tiny_gpt2, tiny_llama, tiny_qwen2_sliding, torch
 
 import cxlalloc.hf as hf
@@ -34,12 +36,8 @@ def tiny_qwen2(**kw):
 MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "qwen2": tiny_qwen2}
 
 
-def wrap(model, **kw):
-    kw.setdefault("device_limit", 64 * MiB)
-    kw.setdefault("host_limit", 256 * MiB)
-    kw.setdefault("kv_store", True)
-    kw.setdefault("block_tokens", BT)
-    return hf.wrap(model, **kw)
+# The tests' budget (tests.helpers.hf_util.wrap) with an in-process store of BT-token blocks; each keyword overridable.
+wrap = functools.partial(hf_util.wrap, kv_store=True, block_tokens=BT)
 
 
 def ids(n, seed):

@@ -2,11 +2,9 @@
 through cxlalloc.hf in simulation: identical tokens and scores with the KV cache
 spilling to the host tier, padded batches, sampling, beam search, continuation."""
 
-import contextlib
-import gc
 
 import pytest
-from tests.helpers.hf_util import SMOLLM2_GGUF, MiB, assert_same, gen, smollm2_dir, torch
+from tests.helpers.hf_util import SMOLLM2_GGUF, MiB, assert_same, gen, smollm2_dir, torch, wrapped
 
 import cxlalloc.hf as hf
 from cxlalloc.hf import cache_kwarg, returned_cache
@@ -30,16 +28,6 @@ def smollm2():
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=SMOLLM2_GGUF, dtype=torch.float32).eval()
     yield model, tok
     torch.set_num_threads(1)
-
-
-@contextlib.contextmanager
-def wrapped(model, **opts):
-    hf.wrap(model, **opts)
-    try:
-        yield model
-    finally:
-        hf.unwrap(model)
-        gc.collect()
 
 
 def chat(tok, questions):

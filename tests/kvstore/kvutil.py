@@ -6,14 +6,10 @@ from __future__ import annotations
 import os
 import socket
 
+from tests.helpers.net import free_port  # noqa: F401  (re-exported: the kvstore tests import it from here)
+
 MiB = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def subprocess_env():
@@ -26,19 +22,11 @@ def subprocess_env():
 
 
 def tiny_llama(layers=3, seed=0, hidden=64, heads=4, kv_heads=2, vocab=1000):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
+    """The tests' tiny Llama (:func:`tests.helpers.hf_util.tiny_llama`: seeded, eval, sdpa, one
+    torch thread) with this folder's default of 3 layers; imported here so this module needs no torch."""
+    from tests.helpers.hf_util import tiny_llama as build
 
-    hf_logging.set_verbosity_error()
-    torch.set_num_threads(1)  # tiny models gain nothing from threads; a 2-core box slows down with them
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                      max_position_embeddings=4096, head_dim=hidden // heads)
-    m = LlamaForCausalLM(cfg).eval()
-    m.config._attn_implementation = "sdpa"
-    return m
+    return build(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, vocab=vocab, seed=seed)
 
 
 def prompts(doc_tokens=70, n=2, seed=1):

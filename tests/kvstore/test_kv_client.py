@@ -11,6 +11,7 @@ import torch
 from cxlalloc.kvstore.client import RemoteBlockStore
 from cxlalloc.kvstore.local import KVStoreWarning
 from tests.kvstore.kvutil import key
+from tests.helpers.wait import wait_until
 
 MiB = 1 << 20
 BLOCK = 64 << 10
@@ -22,16 +23,6 @@ def _store(store, keys, fill=1):
         if v is not None:
             v.fill_(fill)
     return res.commit()
-
-
-def _eventually(fn, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(0.05)
-    return fn()
 
 
 def _state(pid):
@@ -50,7 +41,7 @@ def test_no_server_yet_warns_once_then_connects_when_it_comes(server_proc, alloc
         assert res.views == [None] and res.commit() == 0
     assert st.stats()["connected"] is False
     sp.start()
-    assert _eventually(lambda: _store(st, [key(1)]) == 1)
+    assert wait_until(lambda: _store(st, [key(1)]) == 1, timeout=15)
     with st.lookup("", [key(1)]) as lease:
         assert lease.blocks == 1
     assert st.counters["server_errors"] >= 1
@@ -71,7 +62,7 @@ def test_server_killed_leases_stay_readable_and_a_restarted_server_is_remapped(s
     assert st.lookup("", [key(1)]).blocks == 0
     assert st.reserve("", [key(3)], BLOCK, 16).views == [None]
     sp.start()  # a new server on the same socket: a new, empty pool
-    assert _eventually(lambda: _store(st, [key(1)], fill=3) == 1)
+    assert wait_until(lambda: _store(st, [key(1)], fill=3) == 1, timeout=15)
     s = st.stats()
     assert s["pool_id"] != first_pool and s["server_restarts"] == 1 and s["reconnects"] >= 1
     with st.lookup("", [key(1)]) as lease:
@@ -84,7 +75,7 @@ def test_a_hung_server_costs_one_timeout_then_nothing_until_backoff(server_proc,
     st = RemoteBlockStore(sp.url + "?timeout=0.5", alloc())
     assert _store(st, [key(1)]) == 1
     sp.proc.send_signal(signal.SIGSTOP)
-    assert _eventually(lambda: _state(sp.proc.pid) == "T", timeout=5)  # stopped, not just signalled
+    assert wait_until(lambda: _state(sp.proc.pid) == "T", timeout=5)  # stopped, not just signalled
     try:
         t0 = time.perf_counter()
         with pytest.warns(KVStoreWarning, match="not available") as said:
@@ -97,7 +88,7 @@ def test_a_hung_server_costs_one_timeout_then_nothing_until_backoff(server_proc,
         assert st.counters["timeouts"] == 1
     finally:
         sp.proc.send_signal(signal.SIGCONT)
-    assert _eventually(lambda: st.lookup("", [key(1)]).blocks == 1)
+    assert wait_until(lambda: st.lookup("", [key(1)]).blocks == 1, timeout=15)
     st.close()
 
 
@@ -111,7 +102,7 @@ def test_a_failed_connection_stays_open_while_its_leases_are_read(kv_server, all
     time.sleep(0.2)
     assert srv.stats()["pool"]["pinned_blocks"] == 2  # closing now would let the server reuse the slots
     lease.close()
-    _eventually(lambda: srv.stats()["pool"]["pinned_blocks"] == 0, timeout=5)
+    wait_until(lambda: srv.stats()["pool"]["pinned_blocks"] == 0, timeout=5)
     assert srv.stats()["pool"]["pinned_blocks"] == 0 and srv.stats()["pool"]["dropped_pins"] == 2
     assert st.lookup("", [key(1)]).blocks in (0, 1)  # a new connection (or the backoff): no exception
     st.close()

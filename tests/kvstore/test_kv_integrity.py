@@ -15,7 +15,8 @@ from cxlalloc.hf.reuse import KVReuseWarning
 from cxlalloc.hf.wrap import _state
 from cxlalloc.kvstore import keys as K
 from cxlalloc.kvstore.layout import CHECKSUM_BYTES, block_checksum, verify_stored
-from cxlalloc.kvstore.redis_tier import _HEADER, HEADER_BYTES, RedisTier, namespaced_key, pack_value
+from cxlalloc.kvstore.keys import namespaced_key
+from cxlalloc.kvstore.tiers.redis import _HEADER, HEADER_BYTES, RedisTier, pack_value
 from tests.kvstore.kvutil import RawClient, key, prompts, tiny_llama
 
 BT = 8
@@ -146,7 +147,7 @@ def test_key_files_are_checked_and_the_url_option_reaches_an_in_process_store(re
         RedisTier(rs.url, key_file=_key_file(tmp_path, data=b"short"))
     with pytest.raises(ValueError, match=r"'--redis-key-file'.*cannot read"):
         RedisTier(rs.url, key_file=str(tmp_path / "absent"))
-    from cxlalloc.kvstore.server_cli import make_parser, server_from_args
+    from cxlalloc.kvstore.server.cli import make_parser, server_from_args
 
     with pytest.raises(ValueError, match="'--redis-key-file': given without --redis"):
         server_from_args(make_parser().parse_args(["--size", "64MiB", "--socket", str(tmp_path / "s.sock"),

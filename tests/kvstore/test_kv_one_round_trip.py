@@ -2,7 +2,6 @@
 one-way), leases never leak, and a version-1 client is still served as before."""
 
 import os
-import time
 
 import pytest
 
@@ -10,6 +9,7 @@ import cxlalloc.kvstore.client as client_mod
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.client import RemoteBlockStore
 from tests.kvstore.kvutil import RawClient, key
+from tests.helpers.wait import wait_until
 
 BLOCK = 64 << 10
 
@@ -30,13 +30,6 @@ class _Counting:
     def recv_msg(self, sock, *a, **kw):
         self.received += 1
         return P.recv_msg(sock, *a, **kw)
-
-
-def _eventually(fn, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not fn() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return fn()
 
 
 def test_a_hit_is_one_request_and_one_reply_and_releases_its_pins(kv_server, alloc, monkeypatch):
@@ -75,7 +68,7 @@ def test_a_closed_connection_drops_the_leases_of_a_client_that_never_released(kv
     lease = st.lookup("", [key(1), key(2)])
     assert lease.blocks == 2 and srv.stats()["pool"]["pinned_blocks"] == 2
     st._conn.sock.close()  # as a client killed with its lease open
-    assert _eventually(lambda: srv.stats()["pool"]["pinned_blocks"] == 0)
+    assert wait_until(lambda: srv.stats()["pool"]["pinned_blocks"] == 0, timeout=5)
     assert srv.stats()["pool"]["dropped_pins"] == 2
 
 

@@ -81,3 +81,11 @@ def test_request_checks_name_the_field():
         P.check_ns(7)
     with pytest.raises(P.RemoteError, match="'nbytes'"):
         P.check_int({"nbytes": -1}, "nbytes", 1)
+
+
+def test_the_server_dispatches_every_op_of_the_protocol_by_its_table():
+    """The transport answers every op of ``P.OPS`` ("hello" first, the others through its table) and no other."""
+    from cxlalloc.kvstore.server.transport import Transport
+
+    assert set(Transport.OPS) | {"hello"} == set(P.OPS)
+    assert all(fn.__name__ == f"_op_{op}" for op, fn in Transport.OPS.items())

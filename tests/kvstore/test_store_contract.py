@@ -37,7 +37,7 @@ def _server(request, alloc, capacity):
 
 
 def _redis_backed(request, alloc, capacity):
-    from cxlalloc.kvstore.redis_tier import RedisTier
+    from cxlalloc.kvstore.tiers.redis import RedisTier
 
     rs = request.getfixturevalue("redis_server")()
     lower = RedisTier(rs.url)

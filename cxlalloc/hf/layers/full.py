@@ -51,6 +51,7 @@ class CxlKVLayer(DynamicLayer):
 
     # Whether CxlCache gives this kind a slot in the pool's shared full-attention store.
     shares_full_store = True
+    _store: Optional[KVStorage] = None  # also before __init__ ran (transformers' constructor assigns keys = None)
 
     def __init__(self, pool: KVPool, share_slot: Optional[int] = None):
         self._pool = pool
@@ -85,6 +86,21 @@ class CxlKVLayer(DynamicLayer):
 
     # ------------------------------------------------------------ live views
     @property
+    def storage(self) -> Optional[KVStorage]:
+        """The :class:`~cxlalloc.hf.storage.KVStorage` holding this layer's K/V (None before the first token)."""
+        return self._store
+
+    @property
+    def slot(self) -> int:
+        """This layer's slot in :attr:`storage`."""
+        return self._slot
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens whose K/V this layer holds (its length, initialized or not)."""
+        return self._len
+
+    @property
     def keys(self) -> Optional[torch.Tensor]:
         """``(B, H_kv, L, Dk)`` view of the cached keys (None before the first update)."""
         if self._store is None or not self.is_initialized:
@@ -110,7 +126,7 @@ class CxlKVLayer(DynamicLayer):
 
     def _assign(self, value) -> None:
         if value is None:  # transformers' constructors and resets assign None
-            if getattr(self, "_store", None) is not None:
+            if self._store is not None:
                 self._len = 0
             return
         raise AttributeError("cxlalloc.hf: CxlKVLayer.keys/values are views of cxlalloc storage; "

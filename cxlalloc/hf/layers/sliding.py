@@ -48,7 +48,8 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from cxlalloc.hf.pool import GRAD_ACROSS_FORWARDS, PICKLE_ERROR, KVPool, _shallow_copy
-from cxlalloc.hf.storage import Geometry, KVStorage, grown_capacity
+from cxlalloc.hf.storage import Geometry, KVStorage
+from cxlalloc.policy.kv_growth import grown_capacity
 
 # Rows a bounded extent holds beyond the window: (window - 1) // EXTRA_DIVISOR, at
 # least MIN_EXTRA_TOKENS.  Each compaction moves window - 1 rows once per extra rows
@@ -175,6 +176,8 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
 
     is_compileable = False  # engine calls inside update (the window's extent is made lazily)
     shares_full_store = False  # a bounded extent per layer (CxlCache gives it no shared slot)
+    _win: Optional["WindowStore"] = None  # also before __init__ ran (transformers' constructor assigns keys = None)
+    _wplan = None
     # Never set _layer_type: transformers would register the class globally.
 
     def __init__(self, pool: KVPool, sliding_window: int):
@@ -204,9 +207,9 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
     def _window_view(self, which: int) -> Optional[torch.Tensor]:
         """K (``which=0``) or V (1) view of the cached window, after settling a
         planned update (None before the first update)."""
-        if getattr(self, "_wplan", None) is not None:
+        if self._wplan is not None:
             self._settle()
-        w = getattr(self, "_win", None)
+        w = self._win
         if w is None or not self.is_initialized:
             return None
         return w.views(w.start, w.end)[which]
@@ -231,7 +234,7 @@ class CxlSlidingLayer(DynamicSlidingWindowLayer):
 
     def _assign(self, value) -> None:
         if value is None:  # transformers' constructors and resets assign None
-            w = getattr(self, "_win", None)
+            w = self._win
             if w is not None:
                 self._wplan, self._wplan_used = None, False
                 w.release()

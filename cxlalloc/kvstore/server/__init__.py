@@ -1,0 +1,205 @@
+"""``cxlalloc kv-server``: one pool of KV blocks for every GPU process of a machine.
+
+    python -m cxlalloc kv-server --numa-node auto --size 64GiB --socket /run/cxlalloc/kv.sock
+    python -m cxlalloc kv-server --status [--json] --socket /run/cxlalloc/kv.sock
+
+The server owns one shared-memory pool (a sparse memfd of exactly ``--size``
+bytes, bound to the chosen NUMA node before first touch: the CXL node where
+one is present, committed only as blocks are written), the index (key ->
+block, LRU, pins, per-namespace quotas: :class:`~cxlalloc.kvstore.index.BlockIndex`)
+and the statistics.  It never touches a GPU: clients
+(:class:`cxlalloc.kvstore.client.RemoteBlockStore`, i.e.
+``hf.wrap(model, kv_store="unix:///run/cxlalloc/kv.sock")``) receive the pool's
+file descriptor over the socket (SCM_RIGHTS), map it, register it for their
+GPU chunk by chunk on first use, and copy blocks in and out of it themselves;
+the socket carries only lookups, reservations and commits
+(:mod:`cxlalloc.kvstore.protocol`).  docs/kv-server.md has the protocol, the
+block states and the crash rules.
+
+:class:`KVServer` is the façade of three parts, each readable alone:
+
+* :mod:`~cxlalloc.kvstore.server.state`: the pool, the index and the owners
+  of leases and reservations, as plain methods taking a client id (no socket);
+* :mod:`~cxlalloc.kvstore.server.transport`: bind, socket permissions,
+  framing, accept, dispatch of each op to the state;
+* :mod:`~cxlalloc.kvstore.server.jobs`: placement verification, rate
+  sampling, the Redis tier's read-through and write-back.
+
+Crash rules: a connection owns its leases (pinned blocks) and reservations
+(WRITING blocks); when it closes for any reason the server drops the pins and
+aborts the reservations (``BlockIndex.drop_owner``), so a client killed
+mid-insert never publishes a half-written block.  A restarted server has a new
+pool (a new ``pool_id``): clients notice it on reconnect and map the new one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+from cxlalloc.config import format_bytes
+from cxlalloc.kvstore import protocol as P
+from cxlalloc.kvstore.server.jobs import REDIS_MODES, PlacementVerifier, RateSampler, RedisLink
+from cxlalloc.kvstore.server.state import MAX_LEASES_PER_CLIENT, ServerState, log
+from cxlalloc.kvstore.server.transport import (DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_IO_TIMEOUT_S,
+                                               DEFAULT_MAX_BUFFERED, DEFAULT_MAX_FRAME, DEFAULT_MAX_OBJECTS,
+                                               DEFAULT_SOCKET_MODE, Transport, resolve_group)
+from cxlalloc.policy import redis_write_back as write_back
+
+__all__ = ["KVServer", "DEFAULT_CHUNK", "MAX_CHUNK", "REDIS_MODES", "MAX_LEASES_PER_CLIENT", "resolve_group", "log"]
+
+DEFAULT_CHUNK = 256 << 20
+MAX_CHUNK = 64 << 30             # one GPU registration (docs/sources.md#host-pinning)
+
+
+class KVServer:
+    """The pool, the index and the socket of a kv-server (use :func:`main` for the CLI).
+
+    Args:
+        size: pool bytes (exact; the mapping is rounded up to the page size).
+        node: NUMA node of the pool.
+        socket_path: unix socket to listen on.
+        chunk_bytes: placement and client GPU-registration unit (page multiple, <= 64 GiB, <= size).
+        socket_mode: permission bits of the socket file (who may attach).
+        group: group (name or gid) of the socket file.
+        quotas: ``{namespace: bytes}``; ``default_quota``: bytes for any other namespace.
+        redis: a :class:`~cxlalloc.kvstore.tiers.redis.RedisTier` below the pool, or None.
+        redis_mode: ``"evict"`` (blocks go to Redis when evicted) or ``"through"``
+            (also when committed: other machines see them at once).
+        strict_placement: drop a committed block whose pages are not on ``node``.
+        max_clients: connections served at once (others are refused).
+        allow_uids: if given, only these uids (and the server's own) may attach.
+        node_reason: why this node (shown by --status).
+        io_timeout: seconds a reply may take to be sent.
+        max_frame, max_buffered, frame_timeout, max_objects, backlog: the
+            transport's bounds (:class:`~cxlalloc.kvstore.server.transport.Transport`).
+        max_reserve_bytes: slot bytes one client may hold unpublished (default the whole pool).
+
+    Raises:
+        ValueError: a bad size/chunk/mode/group, naming the option.
+        OSError: the socket cannot be created (its path is named).
+    """
+
+    def __init__(self, size: int, node: int, socket_path: str, *, chunk_bytes: int = DEFAULT_CHUNK,
+                 socket_mode: int = DEFAULT_SOCKET_MODE, group=None, quotas: Optional[Dict[str, int]] = None,
+                 default_quota: Optional[int] = None, redis=None, redis_mode: str = "evict",
+                 strict_placement: bool = False, max_clients: int = 256, allow_uids: Optional[Sequence[int]] = None,
+                 node_reason: str = "", io_timeout: float = DEFAULT_IO_TIMEOUT_S,
+                 max_frame: int = DEFAULT_MAX_FRAME, max_buffered: int = DEFAULT_MAX_BUFFERED,
+                 frame_timeout: float = DEFAULT_FRAME_TIMEOUT_S, max_objects: int = DEFAULT_MAX_OBJECTS,
+                 backlog: int = DEFAULT_BACKLOG, max_reserve_bytes: Optional[int] = None):
+        page = os.sysconf("SC_PAGESIZE")
+        if chunk_bytes <= 0 or chunk_bytes % page or chunk_bytes > MAX_CHUNK:
+            raise ValueError(f"cxlalloc option '--chunk': {format_bytes(chunk_bytes)} must be a multiple of the page "
+                             f"size ({page} bytes) and at most 64 GiB")
+        if size < chunk_bytes:
+            raise ValueError(f"cxlalloc option '--size': {format_bytes(size)} is below one chunk "
+                             f"({format_bytes(chunk_bytes)}, --chunk); use --size of at least "
+                             f"{format_bytes(chunk_bytes)} or a smaller --chunk")
+        write_back.check_mode(redis_mode)
+        self.size = int(size)
+        self.node = int(node)
+        self.node_reason = node_reason
+        self.chunk_bytes = int(chunk_bytes)
+        self.socket_path = P.check_socket_path(socket_path)
+        self.socket_mode = int(socket_mode)
+        self.gid = resolve_group(group) if group is not None else None
+        self.redis = redis
+        self.redis_mode = redis_mode
+        self.strict_placement = bool(strict_placement)
+        self.max_clients = int(max_clients)
+        self.allow_uids = None if allow_uids is None else {int(u) for u in allow_uids} | {os.geteuid()}
+        self.io_timeout = float(io_timeout)
+        self._threads: List[threading.Thread] = []
+        self._stop = threading.Event()
+        self.started = time.time()
+        self._t0 = time.monotonic()
+        self.ready_seconds = None
+
+        t0 = time.perf_counter()
+        self.state = ServerState(self.size, self.node, self.chunk_bytes, quotas=quotas, default_quota=default_quota,
+                                 max_clients=self.max_clients, allow_uids=self.allow_uids,
+                                 max_reserve_bytes=max_reserve_bytes)
+        self.pool_id = self.state.pool_id
+        self.arena = self.state.arena
+        self.index = self.state.index
+        self.verifier = PlacementVerifier(self.state, self.strict_placement, page)
+        self.state.placement = self.verifier
+        if redis is not None:
+            self.state.set_tier(RedisLink(self.state, redis, redis_mode, self.verifier))
+        self.sampler = RateSampler(self.state)
+        self.transport = Transport(self.state, self.socket_path, self.socket_mode, self.gid, self.io_timeout,
+                                   self.stats, self._stop, max_frame=max_frame, max_buffered=max_buffered,
+                                   frame_timeout=frame_timeout, max_objects=max_objects, backlog=backlog)
+        self.map_seconds = time.perf_counter() - t0
+
+    def start(self) -> "KVServer":
+        """Listen and serve in background threads; returns at once."""
+        t0 = time.perf_counter()
+        self.transport.start()
+        for target, args, name in ((self.sampler.run, (self._stop,), "kv-sampler"),
+                                   (self.verifier.run, (), "kv-verify")):
+            t = threading.Thread(target=target, args=args, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        self.ready_seconds = self.map_seconds + (time.perf_counter() - t0)
+        return self
+
+    def verify_pending(self) -> int:
+        """Blocks waiting for (or in) their background placement check."""
+        return self.verifier.pending()
+
+    def committed_bytes(self) -> int:
+        """Bytes of the pool the kernel has committed (allocated pages of the memfd)."""
+        return self.state.committed_bytes()
+
+    def stats(self) -> dict:
+        """Everything ``--status`` and the metrics show (bytes, counts, seconds).
+
+        ``{"server": {...}, "pool": {...}, "rates": {...}, "redis": {...} | None, "clients": [...]}``
+        """
+        pool, clients, c, counters = self.state.snapshot()
+        server = {"pid": os.getpid(), "pool_id": self.pool_id, "protocol": P.PROTOCOL_VERSION,
+                  "socket": os.path.abspath(self.socket_path), "socket_mode": f"{self.socket_mode:04o}",
+                  "socket_gid": self.gid, "node": self.node, "node_reason": self.node_reason,
+                  "numa_method": self.arena.numa_method, "started_utc": time.strftime(
+                      "%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+                  "uptime_s": round(time.monotonic() - self._t0, 1), "ready_s": self.ready_seconds,
+                  "clients": len(clients), "peak_clients": c["peak_clients"], "connections_total": c["connections"],
+                  "refused_full": c["refused_full"], "refused_denied": c["refused_denied"],
+                  "refused_too_large": c["refused_too_large"], "refused_busy": c["refused_busy"],
+                  "refused_timeout": c["refused_timeout"], "bad_frames": c["bad_frames"],
+                  "limits": {"max_frame": self.transport.max_frame, "max_buffered": self.transport.max_buffered,
+                             "frame_timeout_s": self.transport.frame_timeout,
+                             "max_objects": self.transport.max_objects, "backlog": self.transport.backlog,
+                             "max_clients": self.max_clients, "max_reserve": self.state.max_reserve_bytes},
+                  "protocol_errors": c["protocol_errors"], "bad_requests": c["bad_requests"],
+                  "corrupt_blocks": c["corrupt_blocks"], "requests": c["requests"],
+                  "redis_mode": self.redis_mode if self.redis is not None else None,
+                  "strict_placement": self.strict_placement}
+        return {"server": server, "pool": pool, "rates": self.sampler.rates(counters),
+                "redis": self.redis.stats() if self.redis is not None else None, "clients": clients}
+
+    def check(self) -> None:
+        """The index invariants (tests)."""
+        self.state.check()
+
+    # ------------------------------------------------------------ stop
+    def stop(self, redis_flush_s: float = 2.0) -> None:
+        """Stop serving: close the socket (and remove its file), drop every
+        client, send what the Redis tier has queued (for up to ``redis_flush_s``)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self.verifier.stop()
+        self.transport.stop()
+        if self.redis is not None:
+            self.redis.close(redis_flush_s)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,443 @@
+"""``cxlalloc kv-server``: the command line of the shared KV cache server.
+
+    python -m cxlalloc kv-server --numa-node auto --size 64GiB --socket PATH [--redis URL] ...
+    python -m cxlalloc kv-server --status --socket PATH [--json]
+
+Option parsing and validation (every bad value is one line naming the flag,
+exit status 2, before any memory is mapped), the server's start-up and
+signal handling, and ``--status`` (a query over the socket, printed as a table
+or JSON).  The server itself is :class:`cxlalloc.kvstore.server.KVServer`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pwd
+import signal
+import socket
+import sys
+import threading
+from typing import List, Optional
+
+from cxlalloc import topology
+from cxlalloc.config import format_bytes, parse_size, parse_size_or_fraction
+from cxlalloc.kvstore import protocol as P
+from cxlalloc.kvstore.server import DEFAULT_CHUNK, REDIS_MODES, KVServer, log, resolve_group
+from cxlalloc.kvstore.server.transport import DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_OBJECTS
+from cxlalloc.cli_usage import OneLineParser
+
+# ----------------------------------------------------------------- option parsing
+def resolve_user(user) -> int:
+    if isinstance(user, int) or (isinstance(user, str) and user.isdigit()):
+        return int(user)
+    try:
+        return pwd.getpwnam(str(user)).pw_uid
+    except KeyError:
+        raise ValueError(f"cxlalloc option '--allow-user': no user named {user!r} on this machine") from None
+
+
+def parse_mode(text: str) -> int:
+    """``0660``, ``660`` or ``0o660`` -> 0o660.  Raises ValueError naming ``--socket-mode``."""
+    t = str(text).strip().lower()
+    t = t[2:] if t.startswith("0o") else t
+    if not t or any(ch not in "01234567" for ch in t) or int(t, 8) > 0o777:
+        raise ValueError(f"cxlalloc option '--socket-mode': {text!r} is not an octal file mode such as 0660 "
+                         "(owner and group may attach) or 0600 (owner only)")
+    return int(t, 8)
+
+
+def parse_quota(text: str):
+    """``NS=SIZE`` -> (ns, bytes); ``=SIZE`` is the default namespace (no cache_salt),
+    ``*=SIZE`` every namespace without its own quota."""
+    if "=" not in text:
+        raise ValueError(f"cxlalloc option '--quota': {text!r} is not NAMESPACE=SIZE (e.g. --quota tenant-a=8GiB; "
+                         "'=SIZE' for the default namespace, '*=SIZE' for every other)")
+    ns, size = text.split("=", 1)
+    return ns, parse_size(size.strip(), "--quota")
+
+
+def choose_node(requested: str, sysfs_root: Optional[str] = None):
+    """(node, reason) for ``--numa-node`` (``auto`` or a node id with memory).
+
+    Raises:
+        ValueError: naming ``--numa-node`` and the nodes with memory.
+    """
+
+    try:
+        topo = topology.read_topology(sysfs_root)
+    except Exception as e:
+        if str(requested) in ("auto", "0"):
+            return 0, f"node 0 (NUMA topology unavailable: {e})"
+        raise ValueError(f"cxlalloc option '--numa-node': cannot read the NUMA topology ({e}); use 0 or auto") from None
+    with_mem = [n for n in topo["nodes"] if n.get("has_memory")]
+    ids = [n["id"] for n in with_mem]
+    if str(requested).strip().lower() == "auto":
+        choice = topology.choose_host_node(topo, -1, "auto")
+        return int(choice["node"]), choice["reason"]
+    try:
+        node = int(str(requested).strip())
+    except ValueError:
+        node = None
+    if node is None or node not in ids:
+        raise ValueError(f"cxlalloc option '--numa-node': {requested!r} is not allowed; use auto or a node with "
+                         f"memory: {', '.join(map(str, ids))}")
+    n = next(x for x in with_mem if x["id"] == node)
+    kind = "CXL" if n.get("cxl") else ("CPU-less" if not n.get("has_cpu") else "with CPUs")
+    return node, f"node {node} ({kind}), as asked"
+
+
+def node_total_bytes(node: int, sysfs_root: Optional[str] = None) -> int:
+
+    topo = topology.read_topology(sysfs_root)
+    return int(next(n["total_bytes"] for n in topo["nodes"] if n["id"] == node))
+
+
+def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
+    p = OneLineParser(  # a bad flag is one line, not the usage block first (cxlalloc.cli_usage)
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="A shared KV cache server: one pool of KV blocks in shared memory on one NUMA node (a CXL node "
+                    "where present) for every GPU process of this machine. Clients: "
+                    "hf.wrap(model, kv_store='unix://SOCKET').",
+        epilog="docs/kv-server.md: protocol, crash rules, deployments, metrics.")
+    p.add_argument("--socket", default=P.DEFAULT_SOCKET, help=f"unix socket path (default {P.DEFAULT_SOCKET})")
+    p.add_argument("--status", action="store_true", help="print the running server's status and exit")
+    p.add_argument("--json", action="store_true", help="with --status: machine-readable output")
+    p.add_argument("--size", default=None, help="pool bytes: a size ('64GiB', '1TiB') or a share of the node's total "
+                   "memory ('50%%'); exact, committed only as blocks are written")
+    p.add_argument("--numa-node", default="auto", help="NUMA node of the pool: auto (a CPU-less/CXL node if any) or "
+                   "a node id (default auto)")
+    p.add_argument("--chunk", default=None, help="placement and client GPU-registration unit (default 256MiB, or the "
+                   "pool when smaller; at most 64GiB; a block is at most one chunk)")
+    p.add_argument("--socket-mode", default="0660", help="permission bits of the socket file: who may attach "
+                   "(default 0660: owner and group)")
+    p.add_argument("--group", default=None, help="group of the socket file (name or gid)")
+    p.add_argument("--allow-user", action="append", default=None, metavar="USER",
+                   help="only these users (name or uid; repeatable) may attach, checked by SO_PEERCRED")
+    p.add_argument("--quota", action="append", default=[], metavar="NS=SIZE",
+                   help="bytes a namespace (cache_salt) may hold; '=SIZE' the default namespace, '*=SIZE' every "
+                        "namespace without its own (repeatable)")
+    p.add_argument("--max-clients", type=int, default=256, help="connections at once (default 256); one more is "
+                   "answered 'limit' and closed")
+    p.add_argument("--max-frame", default="8MiB", metavar="SIZE",
+                   help="bytes of one request (default 8MiB); a larger one is answered 'too_large' and closed")
+    p.add_argument("--max-buffered", default="256MiB", metavar="SIZE",
+                   help="bytes of partly received requests, all connections together (default 256MiB); past it a "
+                        "request is answered 'busy' and closed")
+    p.add_argument("--frame-timeout", type=float, default=DEFAULT_FRAME_TIMEOUT_S, metavar="S",
+                   help="seconds from a request's first byte to its last (default 5); a slower one is answered "
+                        "'timeout' and closed")
+    p.add_argument("--max-objects", type=int, default=DEFAULT_MAX_OBJECTS, metavar="N",
+                   help="maps and lists in one request (default 64); more is answered 'bad_request' and closed")
+    p.add_argument("--backlog", type=int, default=DEFAULT_BACKLOG, metavar="N",
+                   help="connects queued before they are accepted (default 4096, capped by net.core.somaxconn)")
+    p.add_argument("--max-reserve", default="100%", metavar="SIZE",
+                   help="bytes one client may hold reserved and not yet committed (blocks rounded up to pages), "
+                        "or a share of --size (default 100%%; lower it when clients do not trust each other); keys past it "
+                        "get no slot, and a reserve of which none fits is answered 'limit'")
+    p.add_argument("--strict-placement", action="store_true", help="drop blocks whose pages are not on the node")
+    p.add_argument("--redis", default=None, metavar="URL", help="a Redis/Valkey tier below the pool: "
+                   "redis://[user:password@]host:port/db or rediss://... (TLS)")
+    p.add_argument("--redis-mode", default="evict", choices=REDIS_MODES, help="evict: blocks go to Redis when "
+                   "evicted from the pool (default); through: also when committed")
+    p.add_argument("--redis-ttl", type=float, default=None, metavar="S", help="seconds a block lives in Redis")
+    p.add_argument("--redis-prefix", default="cxlalloc:kv:", help="key prefix in Redis (default cxlalloc:kv:)")
+    p.add_argument("--redis-queue", default="256MiB", help="bytes of evicted blocks waiting for Redis; past it "
+                   "blocks are dropped, never waited for (default 256MiB)")
+    p.add_argument("--redis-timeout", type=float, default=2.0, metavar="S", help="seconds per Redis operation "
+                   "(default 2)")
+    p.add_argument("--redis-password-file", default=None, metavar="PATH", help="read the AUTH password from a file "
+                   "(keeps it out of the command line)")
+    p.add_argument("--redis-key-file", default=None, metavar="PATH", help="authenticate Redis values with a keyed "
+                   "BLAKE2b MAC whose key is in PATH (mode 0600, at least 16 bytes): values written with it, values "
+                   "without a valid MAC refused (forged_values); without it anyone who can write the Redis database "
+                   "can inject K/V (docs/kv-server.md, threat model)")
+    p.add_argument("--redis-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a redis-py connection option, e.g. ssl_ca_certs=/etc/ssl/ca.pem, ssl_certfile=..., "
+                        "ssl_keyfile=..., ssl_cert_reqs=required, username=... (repeatable)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics over HTTP on this port")
+    p.add_argument("--metrics-addr", default="127.0.0.1", help="address of the metrics endpoint (default 127.0.0.1)")
+    p.add_argument("--metrics-file", default=None, metavar="PATH", help="write Prometheus text metrics to PATH "
+                   "(node_exporter textfile), atomically")
+    p.add_argument("--metrics-interval", type=float, default=5.0, metavar="S", help="seconds between metrics-file "
+                   "writes (default 5)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def _coerce(v: str):
+    low = v.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v
+
+
+def redis_options(args) -> dict:
+    out = {}
+    for pair in args.redis_option:
+        if "=" not in pair:
+            raise ValueError(f"cxlalloc option '--redis-option': {pair!r} is not KEY=VALUE (e.g. "
+                             "ssl_ca_certs=/etc/ssl/ca.pem)")
+        k, v = pair.split("=", 1)
+        out[k.strip()] = _coerce(v.strip())
+    if args.redis_password_file:
+        try:
+            with open(args.redis_password_file) as f:
+                out["password"] = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"cxlalloc option '--redis-password-file': cannot read {args.redis_password_file!r}: "
+                             f"{e.strerror}") from None
+    return out
+
+
+def transport_limits(args, size: int) -> dict:
+    """The per-request bounds of the command line as KVServer arguments.  Raises ValueError naming the option."""
+    out = {"max_frame": parse_size(args.max_frame, "--max-frame"),
+           "max_buffered": parse_size(args.max_buffered, "--max-buffered")}
+    if out["max_frame"] < 1024:
+        raise ValueError(f"cxlalloc option '--max-frame': {args.max_frame} must be at least 1KiB (a hello)")
+    if out["max_buffered"] < out["max_frame"]:
+        raise ValueError(f"cxlalloc option '--max-buffered': {args.max_buffered} must be at least --max-frame "
+                         f"({args.max_frame})")
+    if not args.frame_timeout > 0:
+        raise ValueError(f"cxlalloc option '--frame-timeout': {args.frame_timeout} must be > 0 seconds")
+    if args.max_objects < 4:
+        raise ValueError(f"cxlalloc option '--max-objects': {args.max_objects} must be at least 4")
+    if args.backlog < 1:
+        raise ValueError(f"cxlalloc option '--backlog': {args.backlog} must be at least 1")
+    reserve = parse_size_or_fraction(args.max_reserve, "--max-reserve")
+    reserve = int(reserve * size) if isinstance(reserve, float) else int(reserve)
+    if reserve < 1:
+        raise ValueError(f"cxlalloc option '--max-reserve': {args.max_reserve} must be above 0 bytes")
+    out.update(frame_timeout=args.frame_timeout, max_objects=args.max_objects, backlog=args.backlog,
+               max_reserve_bytes=reserve)
+    return out
+
+
+def server_from_args(args) -> KVServer:
+    """A KVServer (not started) from parsed CLI arguments.  Raises ValueError naming the option."""
+    if args.size is None:
+        raise ValueError("cxlalloc option '--size': required (the pool's bytes, e.g. --size 64GiB, or a share of the "
+                         "node's memory, e.g. --size 50%)")
+    node, reason = choose_node(args.numa_node)
+    size = parse_size_or_fraction(args.size, "--size")
+    if isinstance(size, float):
+        size = int(size * node_total_bytes(node))
+    if args.chunk is None:  # 256 MiB, or the whole pool when it is smaller
+        page = os.sysconf("SC_PAGESIZE")
+        chunk = max(page, min(DEFAULT_CHUNK, size) // page * page)
+    else:
+        chunk = parse_size(args.chunk, "--chunk")
+    if args.max_clients < 1:
+        raise ValueError(f"cxlalloc option '--max-clients': {args.max_clients} must be at least 1")
+    limits = transport_limits(args, size)
+    quotas, default_quota = {}, None
+    for q in args.quota:
+        ns, b = parse_quota(q)
+        if ns == "*":
+            default_quota = b
+        else:
+            quotas[ns] = b
+    mode = parse_mode(args.socket_mode)
+    if mode & 0o002:
+        log.warning("--socket-mode %s lets every local user attach and read every namespace's blocks", oct(mode))
+    allow = [resolve_user(u) for u in args.allow_user] if args.allow_user else None
+    gid = resolve_group(args.group) if args.group is not None else None
+    if size < chunk:
+        raise ValueError(f"cxlalloc option '--size': {format_bytes(size)} is below one chunk "
+                         f"({format_bytes(chunk)}, --chunk); use --size of at least {format_bytes(chunk)} or a "
+                         "smaller --chunk")
+    ropts = redis_options(args)
+    if not args.redis:
+        given = [f for f, v in (("--redis-option", args.redis_option), ("--redis-password-file",
+                                                                        args.redis_password_file),
+                                ("--redis-ttl", args.redis_ttl), ("--redis-key-file", args.redis_key_file)) if v]
+        if given:
+            raise ValueError(f"cxlalloc option '{given[0]}': given without --redis URL")
+    redis = None
+    if args.redis:
+        from cxlalloc.kvstore.tiers.redis import RedisTier
+
+        redis = RedisTier(args.redis, prefix=args.redis_prefix, ttl=args.redis_ttl,
+                          queue_bytes=parse_size(args.redis_queue, "--redis-queue"), timeout=args.redis_timeout,
+                          key_file=args.redis_key_file, **ropts)
+    try:
+        return KVServer(size, node, args.socket, chunk_bytes=chunk, socket_mode=mode, group=gid,
+                        quotas=quotas, default_quota=default_quota, redis=redis, redis_mode=args.redis_mode,
+                        strict_placement=args.strict_placement, max_clients=args.max_clients, allow_uids=allow,
+                        node_reason=reason, **limits)
+    except BaseException:
+        if redis is not None:
+            redis.close(0.1)
+        raise
+
+
+# ----------------------------------------------------------------- --status
+def query_status(socket_path: str, timeout: float = 5.0) -> dict:
+    """The stats of the server on ``socket_path`` (a status-only connection: no pool fd)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(socket_path)
+        P.send_msg(s, {"op": "hello", "v": P.PROTOCOL_VERSION, "pid": os.getpid(), "want_fd": False,
+                       "name": "status"})
+        reply, _ = P.recv_msg(s)
+        if not reply.get("ok"):
+            raise P.RemoteError(reply.get("code", "?"), reply.get("error", "refused"))
+        P.send_msg(s, {"op": "stats"})
+        reply, _ = P.recv_msg(s)
+        if not reply.get("ok"):
+            raise P.RemoteError(reply.get("code", "?"), reply.get("error", "refused"))
+        return reply["stats"]
+    finally:
+        s.close()
+
+
+def _rate(v, unit: str = "/s") -> str:
+    return "-" if v is None else f"{v:,.1f}{unit}"
+
+
+def format_status(st: dict) -> str:
+    """The readable ``--status`` text (plain; rich tables when available)."""
+    srv, pool, rates, rd = st["server"], st["pool"], st["rates"], st.get("redis")
+    rows = [
+        ("server", f"pid {srv['pid']}, pool {srv['pool_id']}, up {srv['uptime_s']:.0f} s, ready in "
+                   f"{(srv.get('ready_s') or 0) * 1e3:.0f} ms, socket {srv['socket']} ({srv['socket_mode']})"),
+        ("placement", f"{srv['node_reason']}; checked by {srv['numa_method']}: "
+                      f"{format_bytes(pool['placement_verified_bytes'])} on node, "
+                      f"{format_bytes(pool['placement_misplaced_bytes'])} elsewhere"),
+        ("clients", f"{srv['clients']} now, {srv['peak_clients']} at most, {srv['connections_total']} connections, "
+                    f"{srv['refused_full'] + srv['refused_denied']} refused"),
+    ]
+    tiers = [("pool", format_bytes(pool["capacity_bytes"]), format_bytes(pool["used_bytes"]),
+              f"{pool['blocks']:,} ({pool['pinned_blocks']} pinned, {pool['writing_blocks']} writing)",
+              f"{pool['hit_rate'] * 100:.1f}%", _rate(rates.get("loads_per_s")),
+              _rate(rates.get("load_bytes_per_s") and rates["load_bytes_per_s"] / 1e6, " MB/s"),
+              _rate(rates.get("stores_per_s")),
+              _rate(rates.get("store_bytes_per_s") and rates["store_bytes_per_s"] / 1e6, " MB/s"),
+              f"{pool['evicted_blocks']:,}")]
+    if rd is not None:
+        cap = rd.get("capacity_bytes")
+        tiers.append(("redis", "no limit" if not cap else format_bytes(cap), format_bytes(rd.get("used_bytes")),
+                      f"queue {rd['queue_blocks']}", f"{rd['hit_rate'] * 100:.1f}%",
+                      _rate(rates.get("redis_loads_per_s")),
+                      _rate(rates.get("redis_load_bytes_per_s") and rates["redis_load_bytes_per_s"] / 1e6, " MB/s"),
+                      _rate(rates.get("redis_stores_per_s")),
+                      _rate(rates.get("redis_store_bytes_per_s") and rates["redis_store_bytes_per_s"] / 1e6, " MB/s"),
+                      f"dropped {rd['dropped_blocks']:,}"))
+        rows.append(("redis", f"{rd['url']} {'up' if rd['up'] else ('DOWN' if rd['up'] is False else 'not tried')}"
+                              + (f" ({rd['last_error']})" if rd.get("last_error") and not rd["up"] else "")
+                              + f", errors put {rd['put_errors']} get {rd['get_errors']} full {rd['full_errors']}, "
+                                f"bad values {rd['bad_values']}"))
+    heads = ("tier", "capacity", "used", "blocks", "hit rate", "loads", "load bytes", "stores", "store bytes",
+             "evictions")
+    ns = pool.get("namespaces") or {}
+    try:
+        import io
+
+        from rich.console import Console
+        from rich.table import Table
+
+        buf = io.StringIO()
+        con = Console(file=buf, width=160, force_terminal=False)
+        t = Table(title=f"cxlalloc kv-server (rates over the last {rates.get('window_s', 0):.0f} s)")
+        for h in heads:
+            t.add_column(h)
+        for r in tiers:
+            t.add_row(*r)
+        con.print(t)
+        for k, v in rows:
+            con.print(f"[bold]{k}[/bold]: {v}")
+        for name, v in sorted(ns.items()):
+            q = v.get("quota_bytes")
+            con.print(f"namespace {name or '(default)'!s}: {format_bytes(v['used_bytes'])}"
+                      + (f", quota {format_bytes(q)}" if q is not None else ""))
+        return buf.getvalue().rstrip()
+    except ImportError:
+        lines = ["  ".join(heads)] + ["  ".join(r) for r in tiers] + [f"{k}: {v}" for k, v in rows]
+        lines += [f"namespace {n or '(default)'}: {format_bytes(v['used_bytes'])}" for n, v in sorted(ns.items())]
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------- main
+def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc kv-server") -> int:
+    """``cxlalloc kv-server``.  Exit codes: 0 stopped by SIGTERM/SIGINT (or --status
+    answered), 1 the server could not start or --status could not reach it, 2 bad usage."""
+    parser = make_parser(prog)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
+                        format="%(asctime)s kv-server[%(process)d] %(levelname)s %(message)s")
+    try:
+        P.check_socket_path(args.socket)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.status:
+        try:
+            st = query_status(args.socket)
+        except (OSError, P.ProtocolError, P.RemoteError) as e:
+            print(f"cxlalloc kv-server --status: no server answers on {args.socket}: "
+                  f"{getattr(e, 'strerror', None) or e}", file=sys.stderr)
+            return 1
+        print(json.dumps(st, indent=2, sort_keys=True, default=str) if args.json else format_status(st))
+        return 0
+    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
+        parser.error(f"cxlalloc option '--metrics-port': {args.metrics_port} is not a port (1-65535)")
+    if not args.metrics_interval > 0:
+        parser.error(f"cxlalloc option '--metrics-interval': {args.metrics_interval} must be > 0 seconds")
+    try:
+        server = server_from_args(args)
+    except (ValueError, ImportError) as e:
+        parser.error(str(e))
+    except Exception as e:  # mapping the pool failed (size, memfd, mbind)
+        print(f"cxlalloc kv-server: cannot create the pool: {e}", file=sys.stderr)
+        return 1
+    try:
+        server.start()
+    except (ValueError, OSError) as e:
+        server.stop(0.1)
+        print(f"cxlalloc kv-server: {e}", file=sys.stderr)
+        return 1
+    exporter = None
+    if args.metrics_port is not None or args.metrics_file:
+        from cxlalloc.kvstore.server.metrics import MetricsExporter
+
+        try:
+            exporter = MetricsExporter(server.stats, port=args.metrics_port, addr=args.metrics_addr,
+                                       path=args.metrics_file, interval=args.metrics_interval).start()
+        except (OSError, ImportError, ValueError) as e:
+            server.stop(0.1)
+            print(f"cxlalloc kv-server: metrics: {e}", file=sys.stderr)
+            return 1
+    done = threading.Event()
+
+    def on_signal(signum, frame):
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("ready: pool %s (%d bytes) on NUMA node %d (%s), chunks of %s, %s committed, socket %s (mode %s), "
+             "pool %s, ready in %.0f ms%s%s", format_bytes(server.size), server.size, server.node, server.node_reason,
+             format_bytes(server.chunk_bytes), format_bytes(server.committed_bytes()), server.socket_path,
+             f"{server.socket_mode:04o}", server.pool_id, (server.ready_seconds or 0) * 1e3,
+             f", redis {server.redis.url} ({server.redis_mode})" if server.redis is not None else "",
+             f", metrics {exporter.describe()}" if exporter is not None else "")
+    while not done.wait(1.0):
+        pass
+    log.info("stopping")
+    if exporter is not None:
+        exporter.stop()
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

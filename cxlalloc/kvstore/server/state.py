@@ -1,0 +1,402 @@
+"""The kv-server's state: the pool, the index, the owners of leases and reservations.
+
+:class:`ServerState` is everything a kv-server knows, as plain methods that
+take a client id (``lookup``, ``reserve``, ``commit``, ``abort``,
+``release``, ``drop``); it has no socket, so it is driven alone in
+``tests/kvstore/server/test_server_state.py``.  The transport
+(:mod:`cxlalloc.kvstore.server.transport`) decodes a request and calls one of
+them; the background jobs (:mod:`cxlalloc.kvstore.server.jobs`) plug in as
+``placement`` (which committed blocks to publish) and ``tier`` (Redis
+read-through and write-back).
+
+A client id owns its leases (pinned blocks) and reservations (WRITING
+blocks); :meth:`ServerState.drop` gives both back (``BlockIndex.drop_owner``),
+so a client gone mid-insert never publishes a half-written block.
+
+Thread-safety: one lock (``self.lock``) around the index and the owners; the
+bytes of a block are copied outside it while the block is pinned or WRITING,
+which eviction never touches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+from cxlalloc import _C
+from cxlalloc.kvstore import protocol as P
+from cxlalloc.kvstore.index import BlockIndex, Entry
+from cxlalloc.kvstore.keys import namespaced_key, namespaced_keys
+from cxlalloc.kvstore.layout import verify_stored
+
+log = logging.getLogger("cxlalloc.kvstore.server")
+
+MAX_LEASES_PER_CLIENT = 4096     # open leases/reservations of one connection
+
+
+class _Quotas(dict):
+    """``{namespace: bytes}`` with a default for namespaces not named (``--quota '*=SIZE'``)."""
+
+    def __init__(self, quotas: Dict[str, int], default: Optional[int] = None):
+        super().__init__(quotas)
+        self.default = default
+
+    def get(self, ns, fallback=None):  # BlockIndex asks quotas.get(ns)
+        if dict.__contains__(self, ns):
+            return dict.__getitem__(self, ns)
+        return self.default if self.default is not None else fallback
+
+
+class Owner:
+    """One client (a connection): the owner of its leases and reservations in the index."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, pid: int, uid: int, gid: int):
+        self.id = next(self._ids)
+        self.pid, self.uid, self.gid = pid, uid, gid
+        self.name = ""
+        self.hello = False
+        self.version = 0        # the protocol version of its hello
+        self.status_only = False  # a --status query (hello without the pool fd): not counted as a client
+        self.since = time.time()
+        self.leases: Dict[int, List[Entry]] = {}
+        self.reservations: Dict[int, List[Optional[Entry]]] = {}
+        self._next = itertools.count(1)
+        self.requests = 0
+
+    def new_id(self) -> int:
+        return next(self._next)
+
+    def __repr__(self) -> str:
+        return f"client#{self.id}(pid={self.pid}, uid={self.uid}{', ' + self.name if self.name else ''})"
+
+
+class ServerState:
+    """The pool (a memfd of ``size`` bytes on ``node``), its index and its owners.
+
+    Args:
+        size: pool bytes (exact; the mapping is rounded up to the page size).
+        node: NUMA node of the pool.
+        chunk_bytes: placement unit of the index (bytes; slots are pages within it).
+        quotas: ``{namespace: bytes}``; ``default_quota``: bytes for any other namespace.
+        max_clients: owners at once (:meth:`admit` refuses more).
+        allow_uids: if given, only these uids may be admitted.
+        max_reserve_bytes: slot bytes one owner may hold WRITING at once
+            (default: the whole pool); keys past it get no slot, and a
+            reservation of which none fits is refused (``limit``).  Slots are
+            page multiples, so ``nbytes=1`` counts 4 KiB.
+
+    ``placement`` (``entries -> entries to publish``) and ``tier`` (an object
+    with ``evicted(entry)``, ``write_through(entries) -> int`` and
+    ``read_through(ns, nskeys, owner) -> pinned entries``) are set by the
+    server's background jobs; without them every committed block is published
+    and nothing goes below the pool.
+    """
+
+    def __init__(self, size: int, node: int, chunk_bytes: int, *, quotas: Optional[Dict[str, int]] = None,
+                 default_quota: Optional[int] = None, max_clients: int = 256,
+                 allow_uids: Optional[Sequence[int]] = None, max_reserve_bytes: Optional[int] = None):
+        self.size, self.node, self.chunk_bytes = int(size), int(node), int(chunk_bytes)
+        self.max_reserve_bytes = int(max_reserve_bytes) if max_reserve_bytes else self.size
+        self.max_clients = int(max_clients)
+        self.allow_uids = None if allow_uids is None else set(allow_uids)
+        self.pool_id = secrets.token_hex(8)
+        self.lock = threading.Lock()
+        self.owners: Dict[int, Owner] = {}
+        self.c = {"connections": 0, "refused_full": 0, "refused_denied": 0, "protocol_errors": 0,
+                  "refused_too_large": 0, "refused_busy": 0, "refused_timeout": 0, "bad_frames": 0,
+                  "bad_requests": 0, "hit_bytes": 0, "redis_hit_blocks": 0, "redis_hit_bytes": 0, "redis_put_blocks": 0,
+                  "placement_verified_bytes": 0, "placement_misplaced_bytes": 0, "placement_unverified_bytes": 0,
+                  "placement_skipped_bytes": 0, "misplaced_dropped_blocks": 0, "peak_clients": 0, "requests": 0,
+                  "refused_reserve_budget": 0, "reserve_budget_blocks": 0, "drop_us_max": 0, "corrupt_blocks": 0,
+                  "one_way_requests": 0, "one_way_errors": 0}
+        self.placement = None
+        self.tier = None
+        # No engine: the kernel's own mbind/move_pages place and verify pages;
+        # the server never registers (its clients do, for their GPU).
+        self.arena = _C.HostArena(None, self.size, self.node, True)
+        self.mem = (ctypes.c_char * self.arena.size).from_address(self.arena.base)
+        self.view = memoryview(self.mem).cast("B")
+        # Page-granular slots: a block starts on a page (the placement check
+        # and the clients' copies work in pages) and a 1-byte request holds
+        # one page, never a per-byte structure.
+        self.index = BlockIndex(self.size, self.chunk_bytes, granule=os.sysconf("SC_PAGESIZE"))
+        # After construction: BlockIndex copies its quotas argument into a plain dict.
+        self.index.quotas = _Quotas(quotas or {}, default_quota)
+
+    def set_tier(self, tier) -> None:
+        """Put ``tier`` below the pool: evicted blocks go to ``tier.evicted``."""
+        self.tier = tier
+        self.index.on_evict = tier.evicted if tier is not None else None
+
+    def block_bytes(self, e: Entry) -> memoryview:
+        """The pool's bytes of block ``e`` (a view, no copy)."""
+        return self.view[e.offset:e.offset + e.nbytes]
+
+    # ------------------------------------------------------------ owners
+    def admit(self, pid: int, uid: int, gid: int) -> Owner:
+        """A new owner for a connection of ``pid``/``uid``/``gid``.
+
+        Raises:
+            protocol.RemoteError: ``denied`` (uid not in ``allow_uids``) or
+                ``limit`` (``max_clients`` served already); counted.
+        """
+        owner = Owner(pid, uid, gid)
+        with self.lock:
+            if self.allow_uids is not None and uid not in self.allow_uids:
+                self.c["refused_denied"] += 1
+                raise P.RemoteError("denied", f"uid {uid} may not attach to this kv-server (--allow-user)")
+            if len(self.owners) >= self.max_clients:
+                self.c["refused_full"] += 1
+                raise P.RemoteError("limit", f"the kv-server serves {self.max_clients} clients already "
+                                             "(--max-clients)")
+            self.owners[owner.id] = owner
+            self.c["connections"] += 1
+            self.c["peak_clients"] = max(self.c["peak_clients"], len(self.owners))
+        return owner
+
+    def owner(self, cid: int) -> Owner:
+        """The owner ``cid`` (KeyError once dropped)."""
+        return self.owners[cid]
+
+    def hello(self, cid: int, version, name: str) -> dict:
+        """Mark ``cid`` as greeted; returns what the pool is (for the ``hello``
+        reply, ``v`` = the client's version, which the connection speaks).
+
+        Raises:
+            protocol.RemoteError: ``bad_request`` for a version not in
+                ``protocol.SUPPORTED_VERSIONS``.
+        """
+        if isinstance(version, bool) or version not in P.SUPPORTED_VERSIONS:
+            raise P.RemoteError("bad_request", f"protocol version {version!r} is not served here (this server "
+                                               f"speaks {', '.join(map(str, P.SUPPORTED_VERSIONS))})")
+        o = self.owner(cid)
+        o.hello = True
+        o.version = int(version)
+        o.name = str(name or "")[:64]
+        return {"v": int(version), "pool_id": self.pool_id, "size": self.size, "mapped": self.arena.size,
+                "chunk_bytes": self.chunk_bytes, "node": self.node, "pid": os.getpid(),
+                "numa_method": self.arena.numa_method, "max_keys": P.MAX_KEYS}
+
+    def count_request(self, cid: int) -> None:
+        with self.lock:
+            self.c["requests"] += 1
+        self.owner(cid).requests += 1
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self.c[name] += n
+
+    def drop(self, cid: int):
+        """Forget ``cid``: drop its pins, abort its reservations.  Returns
+        (pins dropped, blocks aborted); (0, 0) for an unknown id."""
+        with self.lock:
+            t0 = time.perf_counter()
+            o = self.owners.pop(cid, None)
+            if o is None:
+                return 0, 0
+            pins = sum(len(v) for v in o.leases.values())
+            writing = sum(1 for v in o.reservations.values() for e in v if e is not None)
+            self.index.drop_owner(o)
+            o.leases.clear()
+            o.reservations.clear()
+            # How long the lock was held: what a disconnect makes other clients wait (stats: drop_ms_max).
+            self.c["drop_us_max"] = max(self.c["drop_us_max"], int((time.perf_counter() - t0) * 1e6))
+        return pins, writing
+
+    # ------------------------------------------------------------ blocks
+    def lookup(self, cid: int, ns: str, keys: Sequence[bytes]) -> dict:
+        """The longest stored prefix of ``keys`` in ``ns`` (asking the tier
+        below for the rest), pinned for ``cid`` under a new lease.
+
+        Returns ``{"lease": id (0: nothing found), "blocks": [[offset, nbytes, tokens], ...]}``.
+
+        Raises:
+            protocol.RemoteError: ``limit`` (MAX_LEASES_PER_CLIENT open leases).
+        """
+        o = self.owner(cid)
+        ik = namespaced_keys(ns, keys)
+        with self.lock:
+            if len(o.leases) >= MAX_LEASES_PER_CLIENT:
+                raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open leases; release some")
+            entries = self.index.match(ik, o)
+        if self.tier is not None and len(entries) < len(ik) and not self.tier.down():
+            entries += self.tier.read_through(ns, ik[len(entries):], o)
+        if not entries:
+            return {"lease": 0, "blocks": []}
+        with self.lock:
+            lid = o.new_id()
+            o.leases[lid] = entries
+            self.c["hit_bytes"] += sum(e.nbytes for e in entries)
+        return {"lease": lid, "blocks": [[e.offset, e.nbytes, e.tokens] for e in entries]}
+
+    def release(self, cid: int, lease_ids: Sequence[int]) -> int:
+        """Unpin the leases ``lease_ids`` of ``cid``; returns how many were open."""
+        o = self.owner(cid)
+        n = 0
+        with self.lock:
+            for lid in lease_ids:
+                entries = o.leases.pop(lid, None)
+                if entries is not None:
+                    self.index.unpin(entries, o)
+                    n += 1
+        return n
+
+    def discard(self, cid: int, ns: str, keys: Sequence[bytes]) -> int:
+        """Drop the blocks ``keys`` of ``ns`` that a reader found corrupt: each
+        is verified here (its checksum trailer over the client's chained key,
+        :func:`~cxlalloc.kvstore.layout.verify_stored`) and dropped only when it
+        fails and no lease pins it, so a client cannot drop a sound block.
+        Counts ``corrupt_blocks``; returns how many were dropped."""
+        self.owner(cid)
+        by_nskey = {namespaced_key(ns, k): k for k in keys}
+        with self.lock:
+            n = self.index.discard(list(by_nskey),
+                                   lambda e: not verify_stored(self.block_bytes(e), by_nskey[e.key]))
+            self.c["corrupt_blocks"] += n
+        return n
+
+    def reserve(self, cid: int, ns: str, keys: Sequence[bytes], nbytes: int, tokens: int) -> dict:
+        """WRITING slots of ``nbytes`` for each key of ``ns`` not stored yet.
+
+        Returns ``{"res": id (0: no slot), "slots": [offset | None, ...]}``.
+
+        Raises:
+            protocol.RemoteError: ``too_large`` (a block above one chunk),
+                ``limit`` (MAX_LEASES_PER_CLIENT open reservations, or the
+                owner's WRITING slots are at ``max_reserve_bytes`` already;
+                keys past it get no slot, counted as ``reserve_budget_blocks``).
+        """
+        o = self.owner(cid)
+        if self.index.slot_size(nbytes) > self.index.largest_block():
+            raise P.RemoteError("too_large", f"a block of {nbytes} bytes is larger than one chunk of this kv-server "
+                                             f"({self.chunk_bytes} bytes, --chunk); raise --chunk or lower "
+                                             "block_tokens")
+        ik = namespaced_keys(ns, keys)
+        with self.lock:
+            if len(o.reservations) >= MAX_LEASES_PER_CLIENT:
+                raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open reservations; commit or "
+                                             "abort some")
+            # The keys past the owner's budget get no slot (as when the pool is
+            # full); a reservation of which nothing fits is refused.
+            fit = (self.max_reserve_bytes - self.index.writing_bytes(o)) // self.index.slot_size(nbytes)
+            if fit <= 0 and ik:
+                self.c["refused_reserve_budget"] += 1
+                raise P.RemoteError("limit", f"this client holds {self.index.writing_bytes(o)} bytes of slots "
+                                             f"unpublished (blocks are rounded up to {self.index.granule}-byte pages); "
+                                             f"a client may hold {self.max_reserve_bytes} (--max-reserve); commit or "
+                                             "abort some")
+            entries = self.index.reserve(ik[:fit], nbytes, ns, o, tokens)
+            if fit < len(ik):
+                self.c["reserve_budget_blocks"] += len(ik) - fit
+                entries += [None] * (len(ik) - fit)
+            if not any(e is not None for e in entries):
+                return {"res": 0, "slots": [None] * len(entries)}
+            rid = o.new_id()
+            o.reservations[rid] = entries
+        return {"res": rid, "slots": [e.offset if e is not None else None for e in entries]}
+
+    def commit(self, cid: int, rid: int) -> int:
+        """Publish reservation ``rid`` of ``cid`` (what ``placement`` keeps;
+        written through to the tier when it asks); returns blocks published.
+
+        Raises:
+            protocol.RemoteError: ``bad_request``: no such open reservation.
+        """
+        o = self.owner(cid)
+        with self.lock:
+            entries = o.reservations.pop(rid, None)
+        if entries is None:
+            raise P.RemoteError("bad_request", f"no open reservation {rid} on this connection")
+        live = [e for e in entries if e is not None]
+        keep = self.placement(live) if self.placement is not None else live
+        sent = self.tier.write_through(keep) if self.tier is not None else 0
+        with self.lock:
+            self.c["redis_put_blocks"] += sent
+            if len(keep) != len(live):  # a set: a commit of 16,384 blocks was O(n^2) with `not in keep`
+                kept = set(map(id, keep))
+                self.index.abort([e for e in live if id(e) not in kept], o)
+            return self.index.publish(keep, o)
+
+    def abort(self, cid: int, rid: int) -> None:
+        """Free reservation ``rid`` of ``cid`` without publishing (unknown ids are ignored)."""
+        o = self.owner(cid)
+        with self.lock:
+            entries = o.reservations.pop(rid, None)
+            if entries is not None:
+                self.index.abort([e for e in entries if e is not None], o)
+
+    # ------------------------------------------------------------ stats
+    def counters(self) -> dict:
+        """Monotonic counters for rates (call under the lock)."""
+        ic = self.index.c
+        out = {"lookups": ic.lookups, "lookup_blocks": ic.lookup_blocks, "hit_blocks": ic.hit_blocks,
+               "hit_bytes": self.c["hit_bytes"], "stored_blocks": ic.stored_blocks, "stored_bytes": ic.stored_bytes,
+               "evicted_blocks": ic.evicted_blocks, "evicted_bytes": ic.evicted_bytes,
+               "redis_hit_blocks": self.c["redis_hit_blocks"], "redis_hit_bytes": self.c["redis_hit_bytes"]}
+        if self.tier is not None:
+            out.update(self.tier.counters())
+        return out
+
+    def committed_bytes(self) -> int:
+        """Bytes of the pool the kernel has committed (allocated pages of the memfd)."""
+        return os.fstat(self.arena.fd).st_blocks * 512
+
+    def snapshot(self):
+        """(pool stats, client list, server counters, rate counters): the
+        ``pool`` and ``clients`` parts of ``KVServer.stats()`` (bytes, counts)."""
+        with self.lock:
+            ic = dict(vars(self.index.c))
+            counters = self.counters()
+            c = dict(self.c)
+            used = self.index.used_bytes
+            n_entries = len(self.index.entries)
+            ns_bytes = {ns: b for ns, b in self.index.ns_bytes.items() if b}
+            writing = self.index.writing_blocks   # running counts: stats never scan the blocks
+            pinned = self.index.pinned_blocks
+            slot_bytes = self.index.slot_bytes
+            per_block = self.index.memory_per_block()
+            clients = [{"id": o.id, "pid": o.pid, "uid": o.uid, "name": o.name, "leases": len(o.leases),
+                        "reservations": len(o.reservations), "requests": o.requests,
+                        "connected_s": round(time.time() - o.since, 1)} for o in self.owners.values()
+                       if not o.status_only]
+            quotas = dict(self.index.quotas)
+            default_quota = self.index.quotas.default
+        pool = {
+            "capacity_bytes": self.size, "mapped_bytes": self.arena.size, "chunk_bytes": self.chunk_bytes,
+            "used_bytes": used, "slot_bytes": slot_bytes, "committed_bytes": self.committed_bytes(),
+            "index_bytes_per_block": round(per_block, 1), "max_reserve_bytes": self.max_reserve_bytes,
+            "refused_reserve_budget": c["refused_reserve_budget"], "reserve_budget_blocks": c["reserve_budget_blocks"],
+            "drop_ms_max": c["drop_us_max"] / 1e3,
+            "blocks": n_entries - writing, "writing_blocks": writing, "pinned_blocks": pinned,
+            "lookups": ic["lookups"], "lookup_blocks": ic["lookup_blocks"], "hit_blocks": ic["hit_blocks"],
+            "hit_tokens": ic["hit_tokens"], "hit_bytes": c["hit_bytes"], "miss_blocks": ic["miss_blocks"],
+            "hit_rate": ic["hit_blocks"] / ic["lookup_blocks"] if ic["lookup_blocks"] else 0.0,
+            "stored_blocks": ic["stored_blocks"], "stored_bytes": ic["stored_bytes"],
+            "duplicate_blocks": ic["duplicate_blocks"], "evicted_blocks": ic["evicted_blocks"],
+            "evicted_bytes": ic["evicted_bytes"], "dropped_blocks": ic["dropped_blocks"],
+            "aborted_blocks": ic["aborted_blocks"], "dropped_pins": ic["dropped_pins"],
+            "placement_verified_bytes": c["placement_verified_bytes"],
+            "placement_misplaced_bytes": c["placement_misplaced_bytes"],
+            "placement_unverified_bytes": c["placement_unverified_bytes"],
+            "placement_skipped_bytes": c["placement_skipped_bytes"],
+            "misplaced_dropped_blocks": c["misplaced_dropped_blocks"],
+            "redis_hit_blocks": c["redis_hit_blocks"], "redis_hit_bytes": c["redis_hit_bytes"],
+            "redis_put_blocks": c["redis_put_blocks"],
+            "namespaces": {ns: {"used_bytes": b, "quota_bytes": quotas.get(ns, default_quota)}
+                           for ns, b in ns_bytes.items()},
+            "quotas": {**quotas, **({"*": default_quota} if default_quota is not None else {})},
+        }
+        return pool, clients, c, counters
+
+    def check(self) -> None:
+        """The index invariants (tests)."""
+        with self.lock:
+            self.index.check()

@@ -1,0 +1,445 @@
+"""The kv-server's transport: the unix socket, its permissions, framing and dispatch.
+
+:class:`Transport` binds the socket (born 0600, then ``--socket-mode`` and
+``--group``; a stale socket of a dead server is replaced, a live one is
+refused), accepts connections (peer credentials via ``SO_PEERCRED``; the
+state admits or refuses them), reads length-prefixed msgpack frames
+(:mod:`cxlalloc.kvstore.protocol`) and hands each request to one method of the
+:class:`~cxlalloc.kvstore.server.state.ServerState`.  When a connection closes
+for any reason its owner is dropped from the state (its pins dropped, its
+reservations aborted).
+
+Bounded work per connection, whatever a client announces or sends (each
+limit a ``cxlalloc kv-server`` option, docs/kv-server.md):
+
+* the accept thread only accepts, asks the state to admit, and starts the
+  connection's thread; it never reads.  A refused connection (``--allow-user``,
+  ``--max-clients``) is answered at once (``denied`` / ``limit``) without
+  blocking, then handed to one refusal thread that drains its hello for at
+  most :data:`REFUSE_LINGER_S` and closes it (at most :data:`MAX_REFUSED`
+  pending; past that it is closed at once);
+* a frame is read incrementally, never allocated at its announced length:
+  at most ``max_frame`` bytes (``--max-frame``, else ``too_large``), charged
+  as they arrive against a server-wide ``max_buffered`` (``--max-buffered``,
+  else ``busy``), and whole within ``frame_timeout`` seconds of its first
+  byte (``--frame-timeout``, else ``timeout``);
+* a request holds at most ``max_objects`` maps and lists (``--max-objects``);
+* the listen backlog (``--backlog``) queues a burst of connects instead of
+  refusing them with EAGAIN.
+
+Each refusal is answered with its code, then the connection is closed.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import selectors
+import socket
+import stat
+import threading
+import time
+import traceback
+from typing import Callable, Dict, List, Optional
+
+from cxlalloc.kvstore import protocol as P
+from cxlalloc.kvstore.server.state import Owner, ServerState, log
+
+DEFAULT_SOCKET_MODE = 0o660
+DEFAULT_IO_TIMEOUT_S = 10.0
+DEFAULT_MAX_FRAME = 8 << 20        # bytes of one request (a lookup or reserve of 65536 keys is ~2.4 MiB)
+DEFAULT_MAX_BUFFERED = 256 << 20   # bytes of partly received requests, all connections together
+DEFAULT_FRAME_TIMEOUT_S = 5.0      # seconds from a request's first byte to its last
+DEFAULT_MAX_OBJECTS = 64           # maps and lists in one request (a request has 1-3)
+DEFAULT_BACKLOG = 4096             # connects queued before accept (the kernel caps it at net.core.somaxconn)
+REFUSE_LINGER_S = 1.0              # seconds a refused connection may take to send its hello
+MAX_REFUSED = 1024                 # refused connections lingering at once
+_READ = 64 << 10                   # bytes read per recv of a frame body
+
+
+def resolve_group(group) -> int:
+    """A group name or gid -> gid.  Raises ValueError naming ``--group``."""
+    if isinstance(group, int) or (isinstance(group, str) and group.isdigit()):
+        return int(group)
+    try:
+        return grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise ValueError(f"cxlalloc option '--group': no group named {group!r} on this machine") from None
+
+
+def bind_socket(path: str, mode: int, gid: Optional[int], backlog: int = DEFAULT_BACKLOG):
+    """A listening unix socket at ``path`` with permission bits ``mode`` (and
+    group ``gid``); returns (socket, inode of the socket file).
+
+    Raises:
+        ValueError: ``path`` is not a socket, or a kv-server listens there (naming ``--socket``).
+        OSError: the directory or the socket cannot be made (the path is named).
+    """
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        try:
+            os.makedirs(d, mode=0o755, exist_ok=True)
+        except OSError as e:
+            raise OSError(e.errno, f"cxlalloc option '--socket': cannot create the directory {d!r}: "
+                                   f"{e.strerror}") from None
+    if os.path.lexists(path):
+        st = os.lstat(path)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ValueError(f"cxlalloc option '--socket': {path!r} exists and is not a socket; remove it or "
+                             "choose another path")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+            raise ValueError(f"cxlalloc option '--socket': a kv-server is already listening on {path!r}; stop it "
+                             "first or choose another path")
+        except (ConnectionRefusedError, FileNotFoundError, socket.timeout):
+            os.unlink(path)  # a stale socket of a server that died
+        finally:
+            probe.close()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # born 0600: never more open than asked, even for an instant
+    try:
+        s.bind(path)
+    except OSError as e:
+        s.close()
+        raise OSError(e.errno, f"cxlalloc option '--socket': cannot listen on {path!r}: {e.strerror}") from None
+    finally:
+        os.umask(old)
+    if gid is not None:
+        os.chown(path, -1, gid)
+    os.chmod(path, mode)
+    ino = os.stat(path).st_ino
+    s.listen(int(backlog))
+    s.settimeout(0.5)
+    return s, ino
+
+
+class Transport:
+    """The socket side of a kv-server.
+
+    Args:
+        state: what requests act on.
+        socket_path, socket_mode, gid: where to listen, who may attach.
+        io_timeout: seconds a started message may take to arrive or be sent.
+        stats: the ``stats`` op's answer (the server's full stats).
+        stop: set when the server stops (shared with the background jobs).
+        max_frame: bytes of one request (``too_large`` past it).
+        max_buffered: bytes of partly received requests, all connections (``busy`` past it).
+        frame_timeout: seconds from a request's first byte to its last (``timeout``).
+        max_objects: maps and lists in one request (``bad_request`` past it).
+        backlog: the listen backlog (connects queued before accept).
+    """
+
+    def __init__(self, state: ServerState, socket_path: str, socket_mode: int, gid: Optional[int],
+                 io_timeout: float, stats: Callable[[], dict], stop: threading.Event, *,
+                 max_frame: int = DEFAULT_MAX_FRAME, max_buffered: int = DEFAULT_MAX_BUFFERED,
+                 frame_timeout: float = DEFAULT_FRAME_TIMEOUT_S, max_objects: int = DEFAULT_MAX_OBJECTS,
+                 backlog: int = DEFAULT_BACKLOG):
+        self.state = state
+        self.socket_path, self.socket_mode, self.gid = socket_path, socket_mode, gid
+        self.io_timeout = float(io_timeout)
+        self.max_frame, self.max_buffered = int(max_frame), int(max_buffered)
+        self.frame_timeout, self.max_objects, self.backlog = float(frame_timeout), int(max_objects), int(backlog)
+        self._buffered = 0                  # bytes of partly received frames now (all connections)
+        self._buffered_lock = threading.Lock()
+        self._refused = selectors.DefaultSelector()
+        self._refused_lock = threading.Lock()
+        self._refused_n = 0
+        self._stats = stats
+        self._stop = stop
+        self._listener: Optional[socket.socket] = None
+        self._socket_ino = None
+        self._socks: Dict[int, socket.socket] = {}
+        self._socks_lock = threading.Lock()
+        self.threads: List[threading.Thread] = []
+
+    def start(self) -> None:
+        """Bind and accept in a background thread."""
+        self._listener, self._socket_ino = bind_socket(self.socket_path, self.socket_mode, self.gid, self.backlog)
+        for target, name in ((self._accept_loop, "kv-accept"), (self._refusal_loop, "kv-refuse")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                time.sleep(0.05)
+                continue
+            try:
+                pid, uid, gid = P.peer_credentials(sock)
+            except OSError:
+                sock.close()
+                continue
+            try:
+                owner = self.state.admit(pid, uid, gid)
+            except P.RemoteError as refuse:
+                self._refuse(sock, Owner(pid, uid, gid), refuse)
+                continue
+            with self._socks_lock:
+                self._socks[owner.id] = sock
+            t = threading.Thread(target=self._serve, args=(owner, sock), name=f"kv-client-{owner.id}", daemon=True)
+            t.start()
+
+    # ------------------------------------------------------------ refusals
+    def _refuse(self, sock: socket.socket, who: Owner, refuse: P.RemoteError) -> None:
+        """Answer a refused connection without ever blocking the accept thread:
+        the reply is written non-blocking (a fresh socket's buffer holds it),
+        then the refusal thread drains the client's hello (so the client reads
+        the reply, not a reset) and closes it within REFUSE_LINGER_S."""
+        log.warning("refused %r: %s", who, refuse)
+        try:
+            sock.setblocking(False)
+            sock.send(P.encode({"ok": False, "code": refuse.code, "error": str(refuse)}))
+        except OSError:
+            pass
+        with self._refused_lock:
+            if self._refused_n < MAX_REFUSED and not self._stop.is_set():
+                try:
+                    self._refused.register(sock, selectors.EVENT_READ, time.monotonic() + REFUSE_LINGER_S)
+                    self._refused_n += 1
+                    return
+                except (OSError, ValueError):
+                    pass
+        sock.close()
+
+    def _refusal_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._refused_lock:
+                empty = self._refused_n == 0
+            if empty:
+                time.sleep(0.05)
+                continue
+            for key, _ in self._refused.select(timeout=0.1):
+                try:
+                    data = key.fileobj.recv(_READ)
+                except OSError:
+                    data = b""
+                if not data:
+                    self._close_refused(key.fileobj)
+            now = time.monotonic()
+            with self._refused_lock:
+                late = [k.fileobj for k in self._refused.get_map().values() if k.data < now]
+            for s in late:
+                self._close_refused(s)
+        with self._refused_lock:
+            for k in list(self._refused.get_map().values()):
+                self._refused.unregister(k.fileobj)
+                k.fileobj.close()
+            self._refused_n = 0
+
+    def _close_refused(self, sock: socket.socket) -> None:
+        with self._refused_lock:
+            try:
+                self._refused.unregister(sock)
+                self._refused_n -= 1
+            except (KeyError, ValueError):
+                pass
+        sock.close()
+
+    # ------------------------------------------------------------ frames
+    def _charge(self, n: int) -> None:
+        with self._buffered_lock:
+            if n > 0 and self._buffered + n > self.max_buffered:
+                raise P.RemoteError("busy", f"the kv-server holds {self._buffered} bytes of partly received requests "
+                                            f"(--max-buffered {self.max_buffered}); retry")
+            self._buffered += n
+
+    def read_request(self, sock: socket.socket) -> dict:
+        """One request from ``sock``: waits for ever for its first byte, then
+        reads it incrementally within ``frame_timeout`` seconds.
+
+        Raises:
+            protocol.ConnectionClosed: EOF (between or inside requests).
+            protocol.RemoteError: ``too_large`` / ``busy`` / ``timeout`` (the
+                connection is answered with it, then closed).
+            protocol.ProtocolError: not a msgpack map, or over ``max_objects``.
+        """
+        sock.settimeout(None)  # idle clients may wait for ever; a started request may not
+        head = sock.recv(4)
+        if not head:
+            raise P.ConnectionClosed("the peer closed the connection")
+        deadline = time.monotonic() + self.frame_timeout
+        body = bytearray(head)
+        charged = 0
+        try:
+            n = None
+            while True:
+                if n is None and len(body) >= 4:
+                    n = int.from_bytes(body[:4], "big")
+                    if n > self.max_frame:
+                        raise P.RemoteError("too_large", f"a request of {n} bytes exceeds this kv-server's "
+                                                         f"{self.max_frame} bytes (--max-frame)")
+                    del body[:4]
+                if n is not None and len(body) >= n:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise P.RemoteError("timeout", f"a request must arrive whole within {self.frame_timeout:g} s of "
+                                                   "its first byte (--frame-timeout)")
+                want = 4 - len(body) if n is None else min(_READ, n - len(body))
+                self._charge(want)
+                charged += want
+                sock.settimeout(left)
+                try:
+                    data = sock.recv(want)
+                except socket.timeout:
+                    data = None  # the deadline check above answers it
+                got = len(data) if data else 0
+                self._charge(got - want)  # only what arrived stays charged
+                charged += got - want
+                if data is None:
+                    continue
+                if not data:
+                    raise P.ConnectionClosed("the peer closed the connection")
+                body += data
+            return P.decode(bytes(body), self.max_objects)
+        finally:
+            if charged:
+                self._charge(-charged)
+
+    def _serve(self, owner: Owner, sock: socket.socket) -> None:
+        why = "closed"
+        try:
+            while not self._stop.is_set():
+                try:
+                    msg = self.read_request(sock)
+                except P.ConnectionClosed:
+                    break
+                sock.settimeout(self.io_timeout)
+                reply, fds = self.handle(owner, msg)
+                if owner.version >= 2 and P.is_one_way(msg):  # v2 release: acted on, never answered
+                    self.state.count("one_way_requests")
+                    if not reply.get("ok"):
+                        self.state.count("one_way_errors")
+                    continue
+                P.send_msg(sock, reply, fds)
+        except (P.ProtocolError, P.RemoteError) as e:
+            code = e.code if isinstance(e, P.RemoteError) else "bad_request"
+            self.state.count("protocol_errors")
+            self.state.count(f"refused_{code}" if code in ("too_large", "busy", "timeout") else "bad_frames")
+            why = f"{code}: {e}"
+            try:
+                sock.settimeout(1.0)
+                P.send_msg(sock, {"ok": False, "code": code, "error": str(e)})
+            except Exception:
+                pass
+        except (OSError, socket.timeout) as e:
+            why = f"{type(e).__name__}: {e}"
+        finally:
+            self._drop(owner, sock, why)
+
+    def _drop(self, owner: Owner, sock: socket.socket, why: str) -> None:
+        pins, writing = self.state.drop(owner.id)
+        with self._socks_lock:
+            self._socks.pop(owner.id, None)
+        try:
+            sock.close()
+        except OSError:
+            pass
+        if pins or writing:
+            log.info("%r gone (%s): dropped %d pins, aborted %d unpublished blocks", owner, why, pins, writing)
+        else:
+            log.debug("%r gone (%s)", owner, why)
+
+    # ------------------------------------------------------------ dispatch
+    def handle(self, owner: Owner, msg: dict):
+        """One request -> (reply, file descriptors to send or None).  Errors
+        are replies (``{"ok": False, "code", "error"}``); never raises."""
+        op = msg.get("op")
+        self.state.count_request(owner.id)
+        try:
+            if op == "hello":
+                return self._hello(owner, msg)
+            if not owner.hello:
+                raise P.RemoteError("bad_request", "the first message must be 'hello'")
+            fn = self.OPS.get(op) if isinstance(op, str) else None
+            if fn is None:
+                raise P.RemoteError("unknown_op", f"unknown op {op!r}; known: {', '.join(P.OPS)}")
+            out = fn(self, owner.id, msg)
+            out["ok"] = True
+            return out, None
+        except P.RemoteError as e:
+            self.state.count("bad_requests")
+            return {"ok": False, "code": e.code, "error": str(e)}, None
+        except Exception as e:  # a bug: say so, keep serving
+            log.error("internal error on %s from %r: %s", op, owner, traceback.format_exc())
+            return {"ok": False, "code": "internal", "error": f"{type(e).__name__}: {e}"}, None
+
+    def _hello(self, owner: Owner, msg: dict):
+        want_fd = bool(msg.get("want_fd", True))
+        owner.status_only = not want_fd
+        pool = self.state.hello(owner.id, msg.get("v"), msg.get("name", ""))
+        log.info("%r attached%s", owner, "" if want_fd else " (status only)")
+        return {"ok": True, **pool, "fd": want_fd}, ([self.state.arena.fd] if want_fd else None)
+
+    def _op_ping(self, cid, msg):
+        return {}
+
+    def _op_stats(self, cid, msg):
+        return {"stats": self._stats()}
+
+    def _op_lookup(self, cid: int, msg: dict):
+        return self.state.lookup(cid, P.check_ns(msg.get("ns")), P.check_keys(msg.get("keys")))
+
+    def _op_discard(self, cid: int, msg: dict):
+        return {"dropped": self.state.discard(cid, P.check_ns(msg.get("ns")), P.check_keys(msg.get("keys")))}
+
+    def _op_release(self, cid: int, msg: dict):
+        ids = msg.get("leases")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise P.RemoteError("bad_request", "'leases' must be a list of lease ids")
+        return {"released": self.state.release(cid, ids)}
+
+    def _op_reserve(self, cid: int, msg: dict):
+        ns = P.check_ns(msg.get("ns"))
+        keys = P.check_keys(msg.get("keys"))
+        nbytes = P.check_int(msg, "nbytes", 1, 1 << 40)
+        tokens = P.check_int(msg, "tokens", 0, 1 << 31)
+        return self.state.reserve(cid, ns, keys, nbytes, tokens)
+
+    def _op_commit(self, cid: int, msg: dict):
+        return {"published": self.state.commit(cid, P.check_int(msg, "res", 1))}
+
+    def _op_abort(self, cid: int, msg: dict):
+        self.state.abort(cid, P.check_int(msg, "res", 1))
+        return {}
+
+    # Every op of the protocol but "hello" (answered before any other): name -> method.
+    OPS = {"lookup": _op_lookup, "release": _op_release, "reserve": _op_reserve, "commit": _op_commit,
+           "abort": _op_abort, "stats": _op_stats, "ping": _op_ping, "discard": _op_discard}
+
+    # ------------------------------------------------------------ stop
+    def stop(self) -> None:
+        """Close the listener (and remove its file, if still ours), shut every
+        connection down and wait up to 2 s for their owners to be dropped."""
+        if self._listener is not None:
+            try:
+                self._listener.close()
+            except OSError:
+                pass
+            try:
+                if self._socket_ino is not None and os.stat(self.socket_path).st_ino == self._socket_ino:
+                    os.unlink(self.socket_path)
+            except OSError:
+                pass
+        with self._socks_lock:
+            socks = list(self._socks.values())
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            with self.state.lock:
+                if not self.state.owners:
+                    break
+            time.sleep(0.01)

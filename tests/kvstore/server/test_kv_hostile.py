@@ -1,0 +1,220 @@
+"""A real kv-server process under hostile clients: 300 connections, a refused
+trickler, trickling frames, oversized announcements, a decoding bomb, a
+server-wide byte budget and a 1-byte reserve.  Each attack runs while a normal
+client keeps doing lookups: every one of them must be answered within 1 s, and
+the server's resident memory (``/proc/<pid>/status`` VmRSS) must stay within
+the bound stated in each test."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from tests.kvstore.kvutil import RawClient, key
+
+MiB = 1 << 20
+ARGS = ["--size", "64MiB", "--chunk", "4MiB", "--frame-timeout", "2", "--max-frame", "8MiB",
+        "--max-buffered", "16MiB", "--log-level", "error"]
+
+
+def rss(pid: int) -> int:
+    """Resident bytes of ``pid`` (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+class Probe:
+    """A normal client doing lookups in a loop; records the slowest answer (s)."""
+
+    def __init__(self, path: str):
+        self.c = RawClient(path, want_fd=False, name="probe")
+        self.worst = 0.0
+        self.n = 0
+        self.errors = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                r = self.c.call("lookup", ns="", keys=[key(1)])
+                if not r.get("ok"):
+                    self.errors.append(r)
+            except Exception as e:  # a timeout is what the attacks must not cause
+                self.errors.append(repr(e))
+                return
+            self.worst = max(self.worst, time.monotonic() - t0)
+            self.n += 1
+            time.sleep(0.02)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join(5)
+        self.c.close()
+
+    def check(self):
+        assert not self.errors, self.errors
+        assert self.n > 10 and self.worst < 1.0, (self.n, self.worst)
+
+
+def raw(path: str, timeout: float = 5.0) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(path)
+    return s
+
+
+def hello(s):
+    from cxlalloc.kvstore import protocol as P
+
+    P.send_msg(s, {"op": "hello", "v": P.PROTOCOL_VERSION, "pid": 0, "want_fd": False, "name": "x"})
+    return P.recv_msg(s)[0]
+
+
+def reply_of(s):
+    from cxlalloc.kvstore import protocol as P
+
+    return P.recv_msg(s)[0]
+
+
+def test_300_connections_and_a_refused_trickler_never_stall_a_served_client(server_proc):
+    sp = server_proc(*ARGS, "--max-clients", "64")
+    pid = sp.proc.pid
+    base = rss(pid)
+    with Probe(sp.socket) as probe:
+        socks, refused = [], []
+        for _ in range(300):  # a burst: the backlog queues it (no EAGAIN), past 64 clients each reads 'limit'
+            socks.append(raw(sp.socket))
+        for s in socks:
+            s.settimeout(0.05)
+            try:
+                r = reply_of(s)  # a refused one is answered without sending anything
+                refused.append(r["code"])
+            except socket.timeout:
+                pass
+        assert len(refused) >= 300 - 64 and set(refused) == {"limit"}, (len(refused), set(refused))
+        # A refused client trickling its hello one byte at a time is answered and closed at once.
+        t = raw(sp.socket)
+        t0 = time.monotonic()
+        t.send(b"\x00")
+        r = reply_of(t)
+        assert r["code"] == "limit" and time.monotonic() - t0 < 1.0
+        for _ in range(3):
+            time.sleep(0.5)
+            try:
+                t.send(b"\x00")
+            except OSError:
+                break
+        assert t.recv(1) == b""  # closed by the server within its linger (1 s)
+        t.close()
+        for s in socks:
+            s.close()
+        time.sleep(0.3)
+    probe.check()
+    st = sp.status()["server"]
+    assert st["refused_full"] >= 300 - 64 + 1
+    assert rss(pid) - base < 32 * MiB, (rss(pid) - base)  # ~64 connection threads, their stacks touched little
+
+
+def test_trickling_frames_oversized_announcements_and_a_decoding_bomb(server_proc):
+    from cxlalloc.kvstore import protocol as P
+
+    sp = server_proc(*ARGS)
+    pid = sp.proc.pid
+    base = rss(pid)
+    with Probe(sp.socket) as probe:
+        # 8 frames announced at 8 MiB (the --max-frame) and trickled a byte at a time: nothing is
+        # allocated up front, and each is answered 'timeout' at the 2 s frame deadline.
+        tr = [raw(sp.socket) for _ in range(8)]
+        for s in tr:
+            assert hello(s)["ok"]
+            s.send(struct.pack("!I", 8 * MiB) + b"\x82")
+        big = [raw(sp.socket) for _ in range(8)]
+        for s in big:  # 64 MiB announced: refused on the header
+            assert hello(s)["ok"]
+            s.send(struct.pack("!I", 64 * MiB))
+            assert reply_of(s)["code"] == "too_large"
+        t0 = time.monotonic()
+        codes = []
+        while time.monotonic() - t0 < 4 and len(codes) < 8:
+            for s in list(tr):
+                s.settimeout(0.01)
+                try:
+                    s.send(b"\x90")
+                except OSError:
+                    pass  # closed after its answer: read it below
+                try:
+                    codes.append(reply_of(s)["code"])
+                    tr.remove(s)
+                    s.close()
+                except (socket.timeout, BlockingIOError):
+                    pass
+            time.sleep(0.2)
+        assert codes == ["timeout"] * 8, codes
+        assert rss(pid) - base < 24 * MiB, rss(pid) - base
+        # A decoding bomb within --max-frame: 7.8 MB of nested empty lists.
+        bomb = P._msgpack().packb({"op": "lookup", "ns": "", "keys": [[[]] * 65000] * 120}, use_bin_type=True)
+        b = raw(sp.socket)
+        assert hello(b)["ok"]
+        b.sendall(struct.pack("!I", len(bomb)) + bomb)
+        r = reply_of(b)
+        assert r["code"] == "bad_request" and "--max-objects" in r["error"]
+        # The server-wide budget: two clients each holding 7 MiB of a frame leave no room for a third.
+        hold = []
+        for i in range(3):
+            s = raw(sp.socket)
+            assert hello(s)["ok"]
+            try:
+                s.sendall(struct.pack("!I", 8 * MiB - 16) + b"\x00" * (7 * MiB))
+            except OSError:
+                assert i == 2  # the third is answered 'busy' and closed mid-frame: its answer is read below
+            hold.append(s)
+        r = reply_of(hold[2])
+        assert r["code"] == "busy" and "--max-buffered" in r["error"], r
+        for s in tr + big + hold + [b]:
+            s.close()
+        assert rss(pid) - base < 48 * MiB, rss(pid) - base  # the 16 MiB budget (held twice at most: bytes + copy)
+    probe.check()
+    st = sp.status()["server"]
+    assert st["refused_timeout"] == 8 and st["refused_too_large"] == 8 and st["refused_busy"] >= 1
+    assert st["bad_frames"] >= 1
+
+
+def test_a_one_byte_reserve_is_answered_at_once_with_one_page(server_proc):
+    sp = server_proc("--size", "1GiB", "--chunk", "256MiB", "--log-level", "error")  # the default chunk
+    pid = sp.proc.pid
+    base = rss(pid)
+    c = RawClient(sp.socket, want_fd=False)
+    t0 = time.monotonic()
+    r = c.call("reserve", ns="", keys=[key(1)], nbytes=1, tokens=1)
+    assert r["ok"] and r["res"] and r["slots"] == [0] and time.monotonic() - t0 < 1.0
+    r = c.call("reserve", ns="", keys=[key(i) for i in range(2, 65536)], nbytes=1, tokens=1)
+    assert r["ok"] and sum(s is not None for s in r["slots"]) == 65534  # 65535 pages of 4 KiB < the 1 GiB pool
+    pool = sp.status()["pool"]
+    assert pool["writing_blocks"] == 65535 and pool["slot_bytes"] == 65535 * 4096
+    assert rss(pid) - base < 64 * MiB, rss(pid) - base  # 65535 entries, not 65535 x 256 Mi slots
+    c.close()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-frame", "10"], "--max-frame"), (["--max-buffered", "1MiB"], "--max-buffered"),
+    (["--frame-timeout", "0"], "--frame-timeout"), (["--max-objects", "1"], "--max-objects"),
+    (["--backlog", "0"], "--backlog"), (["--max-reserve", "0"], "--max-reserve")])
+def test_each_limit_is_an_option_and_a_bad_value_names_it(argv, message, capsys):
+    from cxlalloc.kvstore.server.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--size", "64MiB", "--chunk", "4MiB", "--socket", "/tmp/kvt-never.sock", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err

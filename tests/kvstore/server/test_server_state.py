@@ -1,0 +1,159 @@
+"""The kv-server's state driven without a socket: owners, leases, reservations,
+quotas and admission as plain method calls with a client id."""
+
+import os
+
+import pytest
+
+from cxlalloc.kvstore import protocol as P
+from cxlalloc.kvstore.server.jobs import PlacementVerifier
+from cxlalloc.kvstore.server.state import ServerState
+from tests.kvstore.kvutil import key
+
+MiB = 1 << 20
+BLOCK = 64 << 10
+
+
+def _state(size=1 * MiB, **kw):
+    st = ServerState(size, 0, size, **kw)
+    return st, [st.admit(os.getpid(), os.getuid(), os.getgid()).id for _ in range(2)]
+
+
+def _put(st, cid, keys, fill, ns=""):
+    res = st.reserve(cid, ns, keys, BLOCK, 16)
+    for off in res["slots"]:
+        if off is not None:
+            st.view[off:off + BLOCK] = bytes([fill]) * BLOCK
+    return st.commit(cid, res["res"]) if res["res"] else 0
+
+
+def test_reserved_blocks_are_invisible_until_committed_then_shared_by_every_client():
+    st, (a, b) = _state()
+    res = st.reserve(a, "", [key(1), key(2)], BLOCK, 16)
+    assert res["res"] and len(res["slots"]) == 2
+    assert st.lookup(b, "", [key(1)]) == {"lease": 0, "blocks": []}  # WRITING: nobody sees it
+    for off in res["slots"]:
+        st.view[off:off + BLOCK] = b"\x05" * BLOCK
+    assert st.commit(a, res["res"]) == 2
+    got = st.lookup(b, "", [key(1), key(2), key(3)])
+    assert got["lease"] and [n for _, n, _ in got["blocks"]] == [BLOCK, BLOCK]
+    assert all(bytes(st.view[o:o + n]) == b"\x05" * BLOCK for o, n, _ in got["blocks"])
+    assert st.release(b, [got["lease"], 999]) == 1
+    pool, clients, c, _ = st.snapshot()
+    assert pool["blocks"] == 2 and pool["pinned_blocks"] == 0 and pool["hit_bytes"] == 2 * BLOCK
+    assert len(clients) == 2
+    st.check()
+
+
+def test_dropping_a_client_aborts_its_writes_and_drops_its_pins():
+    st, (a, b) = _state()
+    assert _put(st, a, [key(1)], 1) == 1
+    lease = st.lookup(b, "", [key(1)])
+    res = st.reserve(b, "", [key(2)], BLOCK, 16)
+    assert st.drop(b) == (1, 1)
+    assert st.drop(b) == (0, 0)  # once
+    pool, clients, _, _ = st.snapshot()
+    assert pool["pinned_blocks"] == 0 and pool["writing_blocks"] == 0 and pool["aborted_blocks"] == 1
+    assert [cl["id"] for cl in clients] == [a]
+    assert st.lookup(a, "", [key(2)])["blocks"] == []  # the aborted block never became visible
+    with pytest.raises(KeyError):
+        st.commit(b, res["res"])
+    assert lease["lease"]
+    st.check()
+
+
+def test_namespaces_and_quotas():
+    st, (a, _) = _state(size=2 * MiB, quotas={"t": 4 * BLOCK})
+    assert _put(st, a, [key(i) for i in range(4)], 1, ns="t") == 4
+    assert _put(st, a, [key(i) for i in range(4, 8)], 1, ns="t") == 4  # evicts t's own first four
+    assert st.lookup(a, "t", [key(0)])["blocks"] == []
+    assert _put(st, a, [key(1)], 2, ns="u") == 1
+    assert st.lookup(a, "u", [key(2)])["blocks"] == []  # another namespace's key 2
+    pool, _, _, _ = st.snapshot()
+    assert pool["namespaces"]["t"]["used_bytes"] == 4 * BLOCK and pool["namespaces"]["u"]["used_bytes"] == BLOCK
+
+
+def test_errors_name_the_request_and_the_limit():
+    st, (a, _) = _state()
+    with pytest.raises(P.RemoteError, match="no open reservation 7"):
+        st.commit(a, 7)
+    with pytest.raises(P.RemoteError) as e:
+        st.reserve(a, "", [key(1)], 2 * MiB, 16)
+    assert e.value.code == "too_large" and "--chunk" in str(e.value)
+    with pytest.raises(P.RemoteError, match="protocol version"):
+        st.hello(a, 999, "x")
+    assert st.hello(a, P.PROTOCOL_VERSION, "me")["pool_id"] == st.pool_id
+
+
+def test_admission_refuses_past_max_clients_and_unlisted_uids():
+    st = ServerState(1 * MiB, 0, 1 * MiB, max_clients=1, allow_uids=[os.getuid()])
+    st.admit(1, os.getuid(), 0)
+    with pytest.raises(P.RemoteError) as e:
+        st.admit(2, os.getuid(), 0)
+    assert e.value.code == "limit"
+    with pytest.raises(P.RemoteError) as e:
+        st.admit(3, os.getuid() + 12345, 0)
+    assert e.value.code == "denied"
+    _, _, c, _ = st.snapshot()
+    assert c["refused_full"] == 1 and c["refused_denied"] == 1 and c["connections"] == 1
+
+
+def test_strict_placement_verifies_before_publishing():
+    st, (a, _) = _state()
+    st.placement = PlacementVerifier(st, strict=True, page=os.sysconf("SC_PAGESIZE"))
+    assert _put(st, a, [key(1), key(2)], 3) == 2
+    pool, _, _, _ = st.snapshot()
+    assert pool["placement_verified_bytes"] + pool["placement_unverified_bytes"] == 2 * BLOCK
+    assert pool["placement_misplaced_bytes"] == 0
+
+
+# ----------------------------------------------------------------- bounded work
+def test_a_one_byte_reserve_holds_one_page_and_allocates_no_per_byte_structure():
+    import tracemalloc
+
+    st = ServerState(256 * MiB, 0, 256 * MiB)  # the default chunk: one 256 MiB chunk
+    a = st.admit(os.getpid(), os.getuid(), os.getgid()).id
+    tracemalloc.start()
+    try:
+        res = st.reserve(a, "", [key(1)], 1, 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert res["res"] and res["slots"] == [0]
+    assert peak < 64 << 10, peak  # bytes (was a free list of 16 M entries: +643 MiB at a 16 MiB chunk)
+    pool = st.snapshot()[0]
+    assert pool["writing_blocks"] == 1 and pool["slot_bytes"] == os.sysconf("SC_PAGESIZE") and pool["used_bytes"] == 1
+    st.check()
+
+
+def test_64_tiny_reservations_in_64_chunks_leave_an_honest_writer_20_of_20_blocks():
+    chunk = 256 << 10
+    st = ServerState(64 * chunk, 0, chunk, max_reserve_bytes=64 * chunk)  # 64 chunks of 4 blocks
+    honest = st.admit(os.getpid(), os.getuid(), os.getgid()).id
+    assert _put(st, honest, [key(i) for i in range(256)], 1) == 256  # every chunk full of READY blocks
+    attackers = [st.admit(os.getpid(), os.getuid(), os.getgid()).id for _ in range(64)]
+    for n, cid in enumerate(attackers, 1):  # 1 + 2 + ... + 64 = 2,080 bytes, each held unpublished
+        assert st.reserve(cid, "", [key(n, b"tiny")], n, 0)["res"]
+    pool = st.snapshot()[0]
+    assert pool["writing_blocks"] == 64
+    assert pool["evicted_blocks"] <= 4  # the tiny slots share one chunk's tail: one block's room evicted
+    assert _put(st, honest, [key(i, b"new") for i in range(20)], 2) == 20
+    got = st.lookup(honest, "", [key(i, b"new") for i in range(20)])
+    assert len(got["blocks"]) == 20
+    assert all(bytes(st.view[o:o + n]) == b"\x02" * BLOCK for o, n, _ in got["blocks"])
+    st.check()
+
+
+def test_a_client_past_its_reserve_budget_gets_no_slot_then_limit():
+    st, (a, b) = _state(size=1 * MiB, max_reserve_bytes=4 * BLOCK)
+    res = st.reserve(a, "", [key(i) for i in range(6)], BLOCK, 0)
+    assert res["res"] and [s is not None for s in res["slots"]] == [True] * 4 + [False] * 2
+    with pytest.raises(P.RemoteError, match="--max-reserve") as e:
+        st.reserve(a, "", [key(9)], 1, 0)  # 1 byte counts one page: over its budget
+    assert e.value.code == "limit"
+    assert st.reserve(b, "", [key(10)], BLOCK, 0)["res"]  # another client has its own budget
+    pool = st.snapshot()[0]
+    assert pool["refused_reserve_budget"] == 1 and pool["reserve_budget_blocks"] == 2
+    assert st.commit(a, res["res"]) == 4
+    assert st.reserve(a, "", [key(9)], 1, 0)["res"]  # committed blocks no longer count
+    st.check()
