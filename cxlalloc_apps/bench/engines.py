@@ -100,7 +100,7 @@ def run(ctx) -> Dict[str, Any]:
                                        "clone (the CPU stand-in connector lives in tests/engines)")
     from tests.engines.engine_util import child_env, smollm2_safetensors
 
-    from cxlalloc.kvstore.engines import lmcache_yaml
+    from cxlalloc.kvstore import lmcache_yaml
     from transformers import AutoTokenizer
 
     model = smollm2_safetensors(os.path.join(os.path.realpath(venv), "cxlalloc-models", "SmolLM2-135M-Instruct-bf16"))
