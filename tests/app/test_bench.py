@@ -759,3 +759,11 @@ def test_engines_runs_only_when_named_and_says_why_it_skips(tmp_path):
         rec = json.load(f)
     assert meta.validate_record(rec) == [] and rec["status"] == "skipped"
     assert "scripts/install_engines.sh" in rec["skipped"][0]["reason"]
+    # the shipped run (docs/engines.md's table): every cached arm got the whole prefix on every round
+    with open(os.path.join(meta.REPO_ROOT, "benchmarks/results/engines-cpu-2026-12-03/engines.json")) as f:
+        shipped = json.load(f)
+    assert meta.validate_record(shipped) == [] and shipped["status"] == "ok"
+    reqs = [r for r in shipped["results"] if r["kind"] == "request"]
+    assert {r["arm"] for r in reqs} == {"no_cache", "vllm_prefix_cache", "lmcache_local_cpu", "cxlalloc"}
+    assert all(r["cached_tokens"] == (0 if r["arm"] == "no_cache" else 1280) for r in reqs)
+    assert len({r["round"] for r in reqs}) >= 5
