@@ -206,7 +206,8 @@ setup(
         "bench": ["matplotlib", "rich", "tqdm"],
         # cxlalloc serve: transformers' OpenAI-compatible server (transformers[serving] without accelerate's pin)
         "serve": ["transformers>=5.24", "fastapi>=0.115", "uvicorn>=0.30", "openai>=1.98"],
-        "test": ["pytest", "pytest-timeout", "msgpack>=1.0", "redis>=5.0", "prometheus_client>=0.17"],
+        # peft: the adapter-state tests (tests/hf/test_hf_reuse_state.py) run against the real package
+        "test": ["pytest", "pytest-timeout", "msgpack>=1.0", "redis>=5.0", "prometheus_client>=0.17", "peft==0.21.2"],
         # building the torch adapter at run time (global mode)
         "torch": ["ninja"],
     },

@@ -200,8 +200,13 @@ class Allocator:
         overlapping ``[ptr, ptr+length)``) to ``tier``, address unchanged and
         bytes intact.  Returns bytes moved.
 
+        A segment holds several blocks on the same pages: if one of them is a live block another thread
+        allocated, the move is refused (it would remap that thread's memory under it), unless the allocator
+        was made with ``implicit_moves="any-thread"``.
+
         Raises:
-            cxlalloc.UnsupportedError: the backend cannot remap (``pinned``).
+            cxlalloc.UnsupportedError: the backend cannot remap (``pinned``), or the segment also holds
+                another thread's live block.
             cxlalloc.OutOfMemoryError: the target tier has no room.
             ValueError: in an extent, ``length`` runs past its end (the
                 message names ``length`` and the allowed range).

@@ -82,8 +82,9 @@ if [ ! -f "$DEPS_STAMP" ] || [ "$(cat "$DEPS_STAMP")" != "$deps_key" ]; then
     "${PIP[@]}" "transformers>=5.0" accelerate gguf pybind11 numpy pytest pytest-timeout matplotlib rich tqdm
   # the kv-server: its protocol (msgpack), the Redis/Valkey tier (redis-py), its metrics (prometheus_client);
   # the tests also need the redis-server binary (Debian package redis-server; .ci/run installs it)
-  stage "4/6 installing the kv-server's and KV store's dependencies (msgpack, redis, prometheus_client, xxhash)" "about 20 s" \
-    "${PIP[@]}" "msgpack>=1.0" "redis>=5.0" "prometheus_client>=0.17" "xxhash==4.1.0"
+  # peft: the KV reuse tests check adapter switches against the real package
+  stage "4/6 installing the kv-server's and KV store's dependencies (msgpack, redis, prometheus_client, xxhash) and peft" "about 20 s" \
+    "${PIP[@]}" "msgpack>=1.0" "redis>=5.0" "prometheus_client>=0.17" "xxhash==4.1.0" "peft==0.21.2"
   # cxlalloc serve: transformers' OpenAI-compatible server (its serving extra; the openai client for the tests)
   stage "4b/6 installing cxlalloc serve's dependencies (fastapi, uvicorn, openai)" "not yet measured" \
     "${PIP[@]}" "fastapi==0.165.0" "uvicorn==0.54.0" "openai==3.57.0"

@@ -1,6 +1,7 @@
 // DeviceAllocator: demotion (VRAM -> host tier) and promotion (back), with
 // addresses unchanged and bytes intact (VMM remap or managed prefetch).
 #include <algorithm>
+#include <thread>
 
 #include "alloc/device_allocator.h"
 #include "common/error.h"
@@ -134,6 +135,19 @@ size_t DeviceAllocator::migrate(const void* ptr, size_t len, Tier target) {
     throw Error(ErrorKind::Unsupported, std::string("migrate: a ") + backing_name(seg->backing) +
                                             " segment cannot move between tiers at a fixed address (backend " +
                                             host_backend_name() + "; use host-vmm or managed)");
+  // A segment's blocks share its physical pages, so moving one block moves all of them.  A segment that also
+  // holds live blocks another thread allocated is refused: that thread may be reading them, and during the
+  // remap their address is unmapped (a fault on the host, a dead context on a GPU).  An extent is one
+  // caller's range: the chunks asked for are the caller's.  implicit_moves=any-thread lifts the rule, as for
+  // the policy's own moves (the user promised that no other thread reads meanwhile).
+  if (!seg->extent && !cfg_.implicit_moves_any_thread && seg->tier() != target) {
+    auto who = owner_of(KvUnit{seg, nullptr});
+    if (!who || *who != std::this_thread::get_id())
+      throw Error(ErrorKind::Unsupported,
+                  "migrate: the segment holding this address also holds live blocks another thread allocated; "
+                  "moving it would remap their memory under them (free them first, allocate in an extent, or "
+                  "set implicit_moves=any-thread if no other thread reads meanwhile)");
+  }
   std::vector<Chunk*> chunks;
   size_t bytes = 0;
   if (seg->extent) {

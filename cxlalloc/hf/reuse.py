@@ -61,6 +61,7 @@ a model reuse is off and :func:`cxlalloc.hf.wrap` says so once.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 import warnings
@@ -71,6 +72,7 @@ import torch
 from cxlalloc.hf import store_io
 from cxlalloc.hf.cache import CxlCache
 from cxlalloc.hf.conversation import ConversationMixin, _Conversation
+from cxlalloc.hf.forward_state import foreign_hooks, forward_state
 from cxlalloc.hf.layers import STOCK_KIND, CxlKVLayer
 from cxlalloc.hf.reuse_options import (DEFAULT_BLOCK_TOKENS, DEFAULT_CONVERSATION_LIMIT,  # noqa: F401
                                       REUSE_OPTIONS, ReuseOptions, parse_reuse_options)
@@ -195,7 +197,8 @@ class PrefixReuse(ConversationMixin):
                          "skipped_calls": 0, "load_failures": 0, "skipped_inputs": 0, "corrupt_blocks": 0,
                          "fingerprint_changes": 0, "fingerprint_ms": 0.0, "conversation_hits": 0,
                          "conversation_hit_tokens": 0, "conversation_kept": 0, "conversation_too_large": 0,
-                         "conversation_dropped": 0}
+                         "conversation_dropped": 0, "skipped_state": 0}
+        self._warned_state = set()
         self._conv: Optional[_Conversation] = None   # the "last conversation" cache (sub-block reuse)
         self.last: Optional[CallRecord] = None
         self._probe()
@@ -246,7 +249,11 @@ class PrefixReuse(ConversationMixin):
         by default a digest of every byte of every parameter and buffer, so no in-place update
         escapes it); counts ``fingerprint_changes`` and ``fingerprint_ms``."""
         t0 = time.perf_counter()
-        fp = self._weights.fingerprint()
+        # K/V depend on the modules' own state too (PEFT's active adapter, a norm's eps, training mode):
+        # its digest joins the weights'.  Under a hook of unknown effect begin() turns the call's reuse off;
+        # a random state here keeps any other path from ever matching a block computed under it.
+        state, why = forward_state(self.model)
+        fp = kvkeys.with_state(self._weights.fingerprint(), os.urandom(16) if why else state)
         dt = (time.perf_counter() - t0) * 1e3
         with self._lock:
             self.counters["fingerprint_ms"] += dt
@@ -301,6 +308,19 @@ class PrefixReuse(ConversationMixin):
                 warnings.warn(f"cxlalloc.hf: kv_store: generate({', '.join(new)}=...) can change K/V without "
                               "changing the token ids, which is all a block key covers; such calls do no lookup "
                               "and no store (said once per argument)", KVReuseWarning, stacklevel=4)
+        hooks = foreign_hooks(self.model) if call.enabled and enabled else []
+        if hooks:
+            call.enabled = False
+            call.record.skipped = f"forward hooks of unknown effect on K/V: {', '.join(hooks[:3])}"
+            with self._lock:
+                self.counters["skipped_state"] += 1
+                new = [h for h in hooks if h not in self._warned_state]
+                self._warned_state.update(new)
+            if new:
+                warnings.warn(f"cxlalloc.hf: kv_store: forward hooks whose effect on K/V cannot be known are "
+                              f"installed ({', '.join(new[:3])}{' ...' if len(new) > 3 else ''}); calls do no "
+                              "lookup and no store while they are (counted in 'skipped_state'; said once per "
+                              "hook)", KVReuseWarning, stacklevel=4)
         if not enabled:
             call.record.skipped = "kv_reuse=False"
         elif self.layout is None:

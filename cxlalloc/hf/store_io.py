@@ -7,7 +7,9 @@ They differ only in where the rows live, which they say with a copy function; th
 the same:
 
 * **load**: look up the keys, check each block's size and (``kv_store_verify``) checksum from the
-  first block the caller lacks, stop at the first corrupt one; copy the good blocks in (timed,
+  first block the caller lacks — on a private copy of the block, the bytes then copied into the KV rows, so
+  a writer changing the pool between the check and the copy cannot slip bytes past it — stop at the first
+  corrupt one; copy the good blocks in (timed,
   synchronised with the device); close the lease; drop the corrupt blocks (so this caller's
   store step writes them again, recomputed); record the load in the store's counters.
 * **store**: reserve the keys; copy each reserved block out of the KV rows; synchronise; seal
@@ -94,12 +96,18 @@ class BlockReader:
                 if not strict:
                     return lease, None
                 raise ValueError(f"a stored block of {v.numel()} bytes, expected {self.layout.stored_bytes}")
-            if self.verify and not self.layout.verify(v, keys[j]):
-                # A bit flipped in the pool (another client's bug, a bad DIMM) or bytes under the wrong key:
-                # use the blocks before it, drop it, recompute from there.
-                self.corrupt.append(keys[j])
-                good = j
-                break
+            if self.verify:
+                # Verify the bytes that will be copied, not the pool: another client mapping the pool could change
+                # them between a check in place and the copy (issue 29 item 6).  One copy into private memory,
+                # checked there; the KV rows are filled from that copy.
+                v = v.clone()
+                if not self.layout.verify(v, keys[j]):
+                    # A bit flipped in the pool (another client's bug, a bad DIMM) or bytes under the wrong key:
+                    # use the blocks before it, drop it, recompute from there.
+                    self.corrupt.append(keys[j])
+                    good = j
+                    break
+                lease.views[j] = v
         return lease, good
 
     def copy(self, copy_in: Callable[[], Tuple[int, object]]) -> int:

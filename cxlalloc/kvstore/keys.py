@@ -250,6 +250,12 @@ class WeightsWatch:
         return self._fingerprint
 
 
+def with_state(fingerprint: bytes, state: bytes) -> bytes:
+    """The fingerprint of weights ``fingerprint`` under module state ``state`` (the digest of everything
+    besides the weights that enters the forward: ``cxlalloc.hf.forward_state``), 32 bytes."""
+    return _h(b"state", bytes(fingerprint), bytes(state))
+
+
 def root_key(fingerprint: bytes, layout_signature: bytes, block_tokens: int, cache_salt: Optional[str]) -> bytes:
     """The key every chain of a (model, layout, block size, namespace) starts from."""
     salt = b"" if cache_salt is None else b"salt:" + str(cache_salt).encode()

@@ -130,3 +130,81 @@ def test_implicit_moves_option_is_validated():
 
     with pytest.raises(ValueError, match="implicit_moves.*allowed: owner, any-thread"):
         cxlalloc.Allocator(simulate=True, device_limit=64 * MiB, implicit_moves="sometimes")
+
+
+# ------------------------------------------------------------------ explicit migrate() and other threads' blocks
+def test_migrate_refuses_a_segment_that_holds_another_threads_live_block(make_alloc):
+    """Issue 29, item 11: migrate() of a thread's own block used to move the whole segment under another
+    thread's live block.  Two small KV blocks share one segment (the block cache splits it); the thread that
+    did not allocate the other one may not move it, and may once that block is freed."""
+    import cxlalloc
+
+    a = make_alloc(device_limit=64 * MiB, host_limit=256 * MiB)
+    mine = a.malloc(64 * 1024, tag="kv")
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("other", a.malloc(64 * 1024, tag="kv")))
+    t.start()
+    t.join()
+    other = box["other"]
+    ctypes.memset(other, 7, 64 * 1024)
+    assert abs(other - mine) < 2 * MiB, "the two small blocks are expected to share one 2 MiB segment"
+    with pytest.raises(cxlalloc.UnsupportedError, match="another thread allocated"):
+        a.demote(mine)
+    assert a.tier_of(mine) == "device" and ctypes.string_at(other, 64 * 1024) == bytes([7]) * (64 * 1024)
+    a.free(other)
+    assert a.demote(mine) > 0 and a.tier_of(mine) == "host"  # alone in its segment now: it moves
+    a.free(mine)
+
+
+def stamp_workload(threads: int, seconds: float) -> dict:
+    """Each thread allocates small KV blocks (so threads share segments), stamps its byte into them, calls
+    migrate() on its own blocks back and forth, and checks every stamp; returns the stamps lost and the
+    migrations done and refused."""
+    import cxlalloc
+
+    a = cxlalloc.Allocator(simulate=True, device_limit=64 * MiB, host_limit=512 * MiB)
+    lost, moved, refused = [0], [0], [0]
+    stop = time.monotonic() + seconds
+
+    def worker(i):
+        import random
+
+        rng = random.Random(i)
+        me, n = bytes([i + 1]), 32 * 1024
+        blocks = []
+        try:
+            while time.monotonic() < stop:
+                if len(blocks) < 8:
+                    p = a.malloc(n, tag="kv")
+                    ctypes.memset(p, i + 1, n)
+                    blocks.append(p)
+                p = rng.choice(blocks)
+                try:
+                    moved[0] += a.migrate(p, rng.choice(["host", "device"])) > 0
+                except cxlalloc.UnsupportedError:
+                    refused[0] += 1
+                for q in blocks:
+                    if ctypes.string_at(q, n) != me * n:
+                        lost[0] += 1
+                if rng.random() < 0.3:
+                    a.free(blocks.pop(rng.randrange(len(blocks))))
+        finally:
+            for q in blocks:
+                a.free(q)
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return {"lost": lost[0], "moved": moved[0], "refused": refused[0]}
+
+
+def test_four_threads_migrating_their_own_blocks_lose_no_stamp():
+    code = ("import json, sys; sys.path.insert(0, %r); from tests.engine.test_threads import stamp_workload; "
+            "print(json.dumps(stamp_workload(4, 3.0)))" % ROOT)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, f"the child died (signal {-r.returncode if r.returncode < 0 else None}): {r.stderr[-2000:]}"
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["lost"] == 0, out
+    assert out["moved"] > 0 and out["refused"] > 0, out  # both paths ran: own segments moved, shared refused

@@ -26,6 +26,6 @@ def test_block_walk_reaches_the_pool_and_back_through_store_io():
     assert r["switches"] == len(path) - 1 and r["files"] == len(set(path)) and r["functions"] >= r["files"]
     assert path[0] == "hf/generate_hooks.py"  # the generate() wrapper
     # the store I/O of both directions, the client, and the server's threads (traced too)
-    for f in ("hf/reuse.py", "hf/store_io.py", "kvstore/client.py", "kvstore/server_state.py", "kvstore/index.py"):
+    for f in ("hf/reuse.py", "hf/store_io.py", "kvstore/client.py", "kvstore/server/state.py", "kvstore/index.py"):
         assert f in path, (f, path)
     assert all(a != b for a, b in zip(path, path[1:]))

@@ -74,10 +74,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import xxhash
 
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.client import DEFAULT_TIMEOUT_S, RemoteBlockStore
 from cxlalloc.kvstore.counters import StoreCounters
+from cxlalloc.kvstore.layout import CHECKSUM_BYTES, block_checksum
 
 try:  # the extra: pip install '.[lmcache]' (from a clone)
     from lmcache.utils import CacheEngineKey
@@ -97,7 +99,7 @@ PLUGIN_TYPE = "cxlalloc"
 DEFAULT_URL = SCHEME + P.DEFAULT_SOCKET
 DEFAULT_NAMESPACE = "lmcache"
 URL_OPTIONS = ("timeout", "namespace")
-MAGIC = b"CXLLMC01"
+MAGIC = b"CXLLMC02"               # 02: chunks end in the block checksum trailer (01 chunks read as misses)
 _HEAD = struct.Struct("<8s32sI")   # magic, key, RemoteMetadata bytes
 _ALIGN = 64                        # payload offset in a slot: cache-line aligned copies
 _IO_THREADS = 4                    # large copies run off LMCache's event loop
@@ -217,7 +219,8 @@ class CxlallocConnector(RemoteConnector):
             self.full_chunk_size_bytes = self.single_token_size = None
         self.store = RemoteBlockStore("unix://" + path, None, timeout=timeout, name="lmcache")
         self.counters = StoreCounters(("puts", "put_blocks", "stored_blocks", "put_skipped", "gets", "get_blocks",
-                                       "hit_blocks", "bad_blocks", "alloc_failures", "lookups", "errors"))
+                                       "hit_blocks", "bad_blocks", "corrupt_blocks", "alloc_failures", "lookups",
+                                       "errors"))
         self._io = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="cxlalloc-lmcache")
         self._put_keys: Dict[str, Tuple[str, bytes]] = {}  # for list(): key string -> (ns, server key)
         self._keys_lock = threading.Lock()
@@ -307,7 +310,9 @@ class CxlallocConnector(RemoteConnector):
         for i, (k, mo) in enumerate(zip(keys, objs)):
             src = _bytes_of(mo)
             payloads.append(src)
-            groups.setdefault((_names(self.tenant, k)[0], hdr + src.numel()), []).append(i)
+            # header | payload | 16-byte trailer: the block store's checksum format (XXH3-128 of the server key
+            # and everything before it), so readers and the kv-server's discard verify chunks like any block
+            groups.setdefault((_names(self.tenant, k)[0], hdr + src.numel() + CHECKSUM_BYTES), []).append(i)
         published = 0
         for (ns, nbytes), idx in groups.items():
             skeys = [_names(self.tenant, keys[i])[1] for i in idx]
@@ -333,7 +338,10 @@ class CxlallocConnector(RemoteConnector):
                     _HEAD.pack_into(head, 0, MAGIC, sk, len(meta))
                     head[_HEAD.size:_HEAD.size + len(meta)] = meta
                     view[:hdr].copy_(torch.frombuffer(head, dtype=torch.uint8))
-                    view[hdr:].copy_(payloads[i])
+                    view[hdr:-CHECKSUM_BYTES].copy_(payloads[i])
+                    # sealed over the bytes that landed in the pool, after the copy (as the block store seals)
+                    view[-CHECKSUM_BYTES:].copy_(torch.frombuffer(
+                        bytearray(block_checksum(sk, view[:-CHECKSUM_BYTES].numpy())), dtype=torch.uint8))
                 n = res.commit()
             published += n
             self.counters.add("put_skipped", len(idx) - n)
@@ -356,18 +364,20 @@ class CxlallocConnector(RemoteConnector):
         await self._run(sum(m.get_size() for m in memory_objs), self._put_many, list(keys), list(memory_objs))
 
     # ------------------------------------------------------------ gets
-    def _read(self, key: CacheEngineKey, view: torch.Tensor) -> Optional[MemoryObj]:
-        """A memory object holding the block in ``view`` (a pinned slot), or None."""
+    def _read(self, key: CacheEngineKey, view: torch.Tensor, corrupt: List[bytes]) -> Optional[MemoryObj]:
+        """A memory object holding the block in ``view`` (a pinned slot), or None.  A block whose checksum
+        fails on the copy is a miss, its server key appended to ``corrupt`` (the caller has it dropped)."""
         meta_len = self._meta_bytes()
         hdr = self._header_bytes(meta_len)
         if view.numel() < hdr:
             return self._bad("a block shorter than its header")
-        magic, sk, mlen = _HEAD.unpack(view[:_HEAD.size].numpy().tobytes())
+        head = view[:hdr].numpy().tobytes()  # one read of the header: parsed and checksummed from this copy
+        magic, sk, mlen = _HEAD.unpack(head[:_HEAD.size])
         if magic != MAGIC or sk != _names(self.tenant, key)[1] or mlen != meta_len:
             return self._bad("a block of another layout or key")
-        meta = RemoteMetadata.deserialize(view[_HEAD.size:_HEAD.size + meta_len].numpy().tobytes())
-        if hdr + meta.length > view.numel():
-            return self._bad("a block shorter than its metadata says")
+        meta = RemoteMetadata.deserialize(head[_HEAD.size:_HEAD.size + meta_len])
+        if hdr + meta.length + CHECKSUM_BYTES != view.numel():
+            return self._bad("a block whose size does not match its metadata")
         mo = self.local_cpu_backend.allocate(meta.shapes, meta.dtypes, meta.fmt)
         if mo is None:
             self.counters.add("alloc_failures")
@@ -377,7 +387,26 @@ class CxlallocConnector(RemoteConnector):
         if dst.numel() < meta.length:
             mo.ref_count_down()
             return self._bad("LMCache allocated fewer bytes than the block holds")
-        dst[:meta.length].copy_(view[hdr:hdr + meta.length])
+        # Copy, then verify the copy (not the pool, which another client could change between a check and the
+        # copy): a CPU destination is checked in place; a device one through a private host copy.
+        want = view[-CHECKSUM_BYTES:].numpy().tobytes()
+        src = view[hdr:hdr + meta.length]
+        if dst.device.type == "cpu":
+            dst[:meta.length].copy_(src)
+            body = dst[:meta.length].numpy()
+        else:
+            body = src.clone()
+            dst[:meta.length].copy_(body)
+            body = body.numpy()
+        h = xxhash.xxh3_128()  # block_checksum(sk, header + payload), over the two private copies
+        h.update(bytes(sk))
+        h.update(head)
+        h.update(body)
+        if h.digest() != want:
+            mo.ref_count_down()
+            corrupt.append(sk)
+            self.counters.add("corrupt_blocks")
+            return self._bad("a chunk whose checksum does not match its bytes (changed in the pool)")
         return mo
 
     def _bad(self, why: str):
@@ -401,14 +430,20 @@ class CxlallocConnector(RemoteConnector):
             except Exception as e:
                 self._error("lookup", e)
                 return out
+            corrupt: List[bytes] = []
             with lease:
                 views = list(lease.views)
                 for m, view in enumerate(views):
-                    mo = self._read(keys[i + m], view)
+                    mo = self._read(keys[i + m], view, corrupt)
                     if mo is None:
                         views = views[:m]
                         break
                     out[i + m] = mo
+            if corrupt:  # dropped (the server checks again first), so the engine's recompute stores it anew
+                try:
+                    self.store.discard(ns, corrupt)
+                except Exception as e:
+                    self._error("discard", e)
             self.counters.add("hit_blocks", len(views))
             if len(views) < j - i:
                 if prefix_only:

@@ -367,3 +367,39 @@ def test_a_full_pool_or_an_oversized_chunk_is_a_miss(engine, kv_server):
     _put(eng2, [new], [mo])                                                # room again (LRU eviction)
     assert eng2.remote.contains(new)
     mo.ref_count_down()
+
+
+# ----------------------------------------------------------------- integrity (issue 29, item 5)
+def test_a_chunk_changed_in_the_pool_is_a_miss_dropped_and_a_sound_one_cannot_be_dropped(engine, kv_server):
+    """Each chunk ends in the block store's checksum trailer (XXH3-128 of its server key, header and payload),
+    sealed after the copy into the pool and verified on the reader's own copy: a bit another client flips in a
+    stored chunk is a miss (never returned to LMCache), dropped by the server after its own check; a client
+    cannot drop a sound chunk."""
+    from tests.kvstore.kvutil import RawClient
+    from cxlalloc.kvstore.engines.lmcache_plugin import _names
+
+    srv = kv_server()
+    eng = engine(_url(srv))
+    keys = [eng.key(i) for i in range(2)]
+    objs = [eng.chunk(i) for i in range(2)]
+    _put(eng, keys, objs)
+    conn = eng.connector
+    names = [_names(conn.tenant, k) for k in keys]
+    other = RawClient(srv.socket_path, name="buggy")  # another client, its own read-write mapping of the pool
+    reply = other.call("lookup", ns=names[0][0], keys=[sk for _, sk in names])
+    (off0, n0, _), (off1, _, _) = reply["blocks"][:2]
+    other.call("release", leases=[reply["lease"]])
+    assert other.call("discard", ns=names[1][0], keys=[names[1][1]])["dropped"] == 0  # sound: not dropped
+    mm = other.mapping()
+    mm[off0 + n0 // 2] ^= 0x01  # one bit in the middle of chunk 0's payload
+    got = eng.remote.get_blocking(keys[0])
+    assert got is None  # a miss, not the changed bytes
+    s = conn.stats()
+    assert s["corrupt_blocks"] == 1 and s["bad_blocks"] == 1
+    assert not conn.exists_sync(keys[0])  # the server verified it and dropped it: the engine recomputes it
+    good = eng.remote.get_blocking(keys[1])
+    assert same_bytes(good, objs[1])  # the sound chunk beside it is served byte-identical
+    for mo in [good, *objs]:
+        mo.ref_count_down()
+    mm.close()
+    other.close()
