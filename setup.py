@@ -209,9 +209,10 @@ setup(
         # cxlalloc kv-server (msgpack: the protocol, also for its clients; redis: the Redis/Valkey tier;
         # prometheus_client: --metrics-port/--metrics-file; rich: --status tables)
         "kvserver": ["msgpack>=1.0", "redis>=5.0", "prometheus_client>=0.17", "rich"],
-        # the LMCache remote-storage plugin (cxlalloc://, cxlalloc/kvstore/engines/lmcache_plugin.py): for an engine's
-        # environment (vLLM, SGLang, Dynamo); the project's own venv uses scripts/install_lmcache.sh instead
-        "lmcache": ["lmcache==0.5.6", "msgpack>=1.0"],
+        # the LMCache remote-storage plugin (cxlalloc://, cxlalloc/kvstore/engines/lmcache_plugin.py) and the kv-server
+        # docs/engines.md then starts, for an engine's environment (vLLM, SGLang, Dynamo): `pip install '.[lmcache]'`
+        # from a clone; the project's own venv uses scripts/install_lmcache.sh instead
+        "lmcache": ["lmcache==0.5.6", "msgpack>=1.0", "redis>=5.0", "prometheus_client>=0.17", "rich"],
         "bench": ["matplotlib", "rich", "tqdm"],
         # cxlalloc serve: transformers' OpenAI-compatible server (transformers[serving] without accelerate's pin)
         "serve": ["transformers>=5.24", "fastapi>=0.115", "uvicorn>=0.30", "openai>=1.98", "prometheus_client>=0.17"],

@@ -15,7 +15,10 @@
 #   GB/s vs the measured H2D rate), lmcache (LMCache with the cxlalloc://
 #   plugin: KV from VRAM through LMCache into the kv-server's pool and back,
 #   byte-identical; runs only where lmcache is installed: its ~660 MB cannot be
-#   carried, and the machine has no network for pip, nor for vLLM), cb (continuous batching: a
+#   carried, and the machine has no network for pip, nor for vLLM), vllm (the
+#   two-process vLLM + LMCache + cxlalloc:// test of CI, tests/engines, with
+#   LMCache's own GPU connector: scripts/gpu_vllm_step.sh installs vLLM where a
+#   package index is reachable, else says it cannot and skips), cb (continuous batching: a
 #   request stream under a device budget, plain vs wrapped vs wrapped + store;
 #   quick grid), decode, plan (the planner's decode and
 #   prefix-load bounds against this run's decode/reuse records, from its
@@ -110,7 +113,8 @@ STEPS=(
   "pytest-gpu|170|$PY -m pytest -m gpu -q -ra --timeout=60 -p no:cacheprovider --junitxml=$RES/pytest.xml --ignore=tests/kvstore tests; rc=\$?; if [ \$rc -eq 5 ]; then echo 'no GPU-marked tests collected'; exit 0; fi; exit \$rc"
   "kvserver|60|$PY -c 'import msgpack' || { echo 'msgpack is missing on this machine: carry its wheel in .whl/ (see the header)'; exit 1; }; $PY -m pytest -m gpu -q -ra --timeout=50 -p no:cacheprovider --junitxml=$RES/pytest-kvserver.xml tests/kvstore/test_kv_gpu.py"
   "reuse|90|$BENCH --only reuse --time-budget \$STEP_BUDGET"
-  "lmcache|45|$PY -c 'import lmcache, msgpack' 2>/dev/null || { echo 'lmcache (or msgpack) is not installed on this machine: the plugin step did not run (pip install \"cxlalloc[lmcache]\" where a network is reachable; vLLM too)'; exit 0; }; $PY -m pytest -m gpu -q -ra -s --timeout=40 -p no:cacheprovider --junitxml=$RES/pytest-lmcache.xml tests/kvstore/engines/test_lmcache_gpu.py"
+  "lmcache|45|$PY -c 'import lmcache, msgpack' 2>/dev/null || { echo 'lmcache (or msgpack) is not installed on this machine: the plugin step did not run (pip install .[lmcache] from the clone where a network is reachable; the vllm step installs vLLM)'; exit 0; }; $PY -m pytest -m gpu -q -ra -s --timeout=40 -p no:cacheprovider --junitxml=$RES/pytest-lmcache.xml tests/kvstore/engines/test_lmcache_gpu.py"
+  "vllm|150|bash scripts/gpu_vllm_step.sh $WORK/engines"
   "cb|60|$BENCH --only cb --time-budget \$STEP_BUDGET"
   "decode|130|$BENCH --only decode --time-budget \$STEP_BUDGET"
   "plan|20|$PY -m cxlalloc.plan.check $RES --out $RES/plan_check.json"

@@ -7,7 +7,7 @@
 # newer ones; it runs with those (its connector, memory-management and storage-backend modules on the CPU).
 # So it goes into DIR with --no-deps, the venv keeping torch, transformers and numpy, and the tests append DIR
 # to sys.path (tests/kvstore/engines/lmc.py; CXLALLOC_LMCACHE_SITE names another folder).  In an engine's own
-# environment (vLLM, SGLang, Dynamo) use `pip install 'cxlalloc[lmcache]'` instead.
+# environment (vLLM, SGLang, Dynamo) use `pip install '.[lmcache]'` from a clone instead.
 # About 660 MB (cupy and the CUDA Python bindings included); measured 151 s on a shared 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -24,7 +24,7 @@ Rooms:
                state, transport, jobs, cli, metrics)
     tiers/     the tier below a pool: the ``Tier`` contract and the Redis/Valkey tier
                (kv_store="redis://...", --redis)
-    engines/   serving-engine plugins (LMCache's ``cxlalloc://``; needs ``cxlalloc[lmcache]``;
+    engines/   serving-engine plugins (LMCache's ``cxlalloc://``; needs the ``lmcache`` extra;
                not imported here) and the config lines ``cxlalloc info`` prints (docs/engines.md)
 
 ``lmcache_plugin`` here is only an alias of ``engines.lmcache_plugin`` for LMCache YAML written

@@ -16,7 +16,8 @@ Benchmarks (``--only ceilings,allocation,decode,rightsizing``; default all):
                grid a CPU cannot run is refused, exit status 2)
   rightsizing  GPU: largest batch and tokens/s at a fixed budget (:mod:`.rightsizing`)
 
-Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, ``--only kvscale``, ``--only cb``, ``--only kvspeed``, ``--only cluster``):
+Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, ``--only kvscale``, ``--only cb``, ``--only kvspeed``,
+``--only cluster``, ``--only engines``):
 
   reuse        TTFT of a KV prefix hit vs a full prefill as the prefix grows, load
                GB/s vs the measured link rate, a block-size sweep (:mod:`.reuse`;
@@ -39,6 +40,10 @@ Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, 
   cluster      the Redis tier on a local 3+3 Redis/Valkey Cluster vs one server vs
                redis-py's mget_nonatomic, 1-512 keys, 1-16 clients, and reads
                during a primary's failover (:mod:`.cluster`; CPU)
+  engines      vLLM's time to first token with a shared 1,280-token prefix: no cache,
+               vLLM's prefix cache, LMCache's local CPU tier, cxlalloc:// from another
+               process; arms interleaved (:mod:`.engines`; CPU, vLLM's CPU build from
+               scripts/install_engines.sh, a clone's tests/engines stand-in connector)
 
 Each writes ``DIR/<name>.json`` (:mod:`.meta` describes the record; decode's
 ``parameters`` hold the grid that ran: ``points``, ``models``, ``contexts``,

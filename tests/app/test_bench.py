@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 GiB = 1 << 30
 MiB = 1 << 20
 STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "kvserver", "reuse",
-         "lmcache", "cb", "decode", "plan", "rightsizing", "report", "pack")
+         "lmcache", "vllm", "cb", "decode", "plan", "rightsizing", "report", "pack")
 
 
 def _bench(args, timeout=120):
@@ -744,3 +744,26 @@ def test_kvspeed_is_opt_in_and_plots_its_ratios(tmp_path):
     out = ks.plot(rec, str(tmp_path / "kvspeed.png"))
     assert out and os.path.getsize(out) > 10_000
     assert ks.plot({"results": []}, str(tmp_path / "none.png")) is None
+
+
+def test_engines_runs_only_when_named_and_says_why_it_skips(tmp_path):
+    """``bench --only engines`` (vLLM's TTFT, four arms) without the engine venv: a skipped record naming
+    scripts/install_engines.sh, never a silent nothing."""
+    assert "engines" in meta.OPT_IN and "engines" not in meta.BENCHMARKS
+    env = child_env(hide_gpus=False, keep_cxlalloc=False, unbuffered=True)
+    env["CXLALLOC_ENGINES_VENV"] = str(tmp_path / "no-venv")
+    p = subprocess.run([sys.executable, "-m", "cxlalloc", "bench", "--only", "engines", "--out", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    with open(tmp_path / "engines.json") as f:
+        rec = json.load(f)
+    assert meta.validate_record(rec) == [] and rec["status"] == "skipped"
+    assert "scripts/install_engines.sh" in rec["skipped"][0]["reason"]
+    # the shipped run (docs/engines.md's table): every cached arm got the whole prefix on every round
+    with open(os.path.join(meta.REPO_ROOT, "benchmarks/results/engines-cpu-2026-12-03/engines.json")) as f:
+        shipped = json.load(f)
+    assert meta.validate_record(shipped) == [] and shipped["status"] == "ok"
+    reqs = [r for r in shipped["results"] if r["kind"] == "request"]
+    assert {r["arm"] for r in reqs} == {"no_cache", "vllm_prefix_cache", "lmcache_local_cpu", "cxlalloc"}
+    assert all(r["cached_tokens"] == (0 if r["arm"] == "no_cache" else 1280) for r in reqs)
+    assert len({r["round"] for r in reqs}) >= 5

@@ -237,6 +237,12 @@ def test_info_prints_the_serving_engine_lines_for_this_machines_node():
     assert eng["kv_server"].startswith(f"cxlalloc kv-server --numa-node {node} ")
     cfg = yaml.safe_load(eng["lmcache_yaml"])  # the block LMCache loads (tests/kvstore/engines/test_lmcache_plugin.py)
     assert cfg["remote_storage_plugins"] == ["cxlalloc"] and cfg["max_local_cpu_size"] > 0
+    # chunk names the same in every process (tests/engines/test_vllm_lmcache.py runs vLLM with the docs' block),
+    # and the docs print the same config
+    assert cfg["pre_caching_hash_algorithm"] == "sha256_cbor"
+    from tests.engines.engine_util import docs_lmcache_yaml
+
+    assert yaml.safe_load(docs_lmcache_yaml()) == cfg
     extra = cfg["extra_config"]
     assert extra["remote_storage_plugin.cxlalloc.class_name"] == "CxlallocConnectorAdapter"
     assert extra["remote_storage_plugin.cxlalloc.url"] == "cxlalloc:///run/cxlalloc/kv.sock"

@@ -5,8 +5,10 @@ The room where an engine plugin goes (CONTRIBUTING.md, "Where new code goes"):
     config          the config lines ``cxlalloc info`` prints and docs/engines.md shows
                     (:func:`lmcache_yaml`, :func:`engine_lines`); light: no torch, no lmcache
     lmcache_plugin  the kv-server as LMCache's ``cxlalloc://`` remote-storage plugin (needs
-                    ``cxlalloc[lmcache]``; imported only by LMCache, through the module path
+                    the ``lmcache`` extra; imported only by LMCache, through the module path
                     :data:`~cxlalloc.kvstore.engines.config.PLUGIN_MODULE` in its YAML)
+    lmcache_l2      the kv-server as an L2 adapter of LMCache's multiprocess mode
+                    (``{"type": "plugin", ...}``; needs the ``lmcache`` extra; imported only by LMCache)
 
 A new engine's plugin is one module here, its config lines a function in
 ``config``, its tests under ``tests/kvstore/engines/``.

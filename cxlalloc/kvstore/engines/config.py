@@ -52,6 +52,9 @@ def lmcache_yaml(socket_path: str = DEFAULT_SOCKET, *, chunk_size: int = 256, lo
     return (f"chunk_size: {int(chunk_size)}\n"
             "local_cpu: true\n"
             f"max_local_cpu_size: {local_cpu_gb:g}\n"
+            # LMCache's default chunk hash ("builtin") is Python's hash(), seeded per process: two processes (even
+            # vLLM's scheduler and worker) would name one chunk differently and share nothing
+            "pre_caching_hash_algorithm: sha256_cbor\n"
             + extra +
             "remote_serde: naive\n"
             "remote_storage_plugins: [\"cxlalloc\"]\n"

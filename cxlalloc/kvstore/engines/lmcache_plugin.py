@@ -49,7 +49,15 @@ so evicted chunks come back from Redis unchanged.
 makes lookups return nothing and puts store nothing; LMCache recomputes.
 The client warns once, counts it, and reconnects by itself with backoff
 (:mod:`cxlalloc.kvstore.client`).  No exception reaches LMCache from a
-request; only a bad URL or option raises, when the connector is created.
+request.  The connector reports no health to LMCache (``support_ping`` is
+False): LMCache 0.5.6 turns a failed ping into "unhealthy", and an unhealthy
+engine skips every tier, its local CPU one included, until a later check
+passes (every 30 s); a pool that is down is a miss, never that.  At start, a
+malformed URL or option stops LMCache with :class:`PluginConfigError` (one
+line naming the option; LMCache re-raises it, so the engine does not start
+silently without the pool), and a well-formed URL with no kv-server behind it
+logs one error line naming the socket (the engine runs; lookups miss until a
+server listens there).
 
 Not yet run with an engine on a GPU.
 """
@@ -73,14 +81,15 @@ from cxlalloc.kvstore.client import DEFAULT_TIMEOUT_S, RemoteBlockStore
 from cxlalloc.kvstore.counters import StoreCounters
 from cxlalloc.kvstore.layout import CHECKSUM_BYTES, block_checksum
 
-try:  # the extra: pip install 'cxlalloc[lmcache]'
+try:  # the extra: pip install '.[lmcache]' (from a clone)
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.memory_management import MemoryObj
     from lmcache.v1.protocol import RemoteMetadata, get_remote_metadata_bytes
     from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext, extract_plugin_type
+    from lmcache.v1.exceptions import IrrecoverableException
     from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 except ImportError as _e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("cxlalloc's LMCache plugin needs LMCache: pip install 'cxlalloc[lmcache]' "
+    raise ImportError("cxlalloc's LMCache plugin needs LMCache: pip install '.[lmcache]' from a clone of cxlalloc "
                       f"(import failed: {_e})") from _e
 
 log = logging.getLogger("cxlalloc.kvstore.lmcache")
@@ -99,6 +108,12 @@ _IO_THREADS = 4                    # large copies run off LMCache's event loop
 # 1,300 vs 3,150 exists/s through LMCache on the 2-core CI machine).
 _INLINE_BYTES = 1 << 20
 _KEY_CACHE = 65536                 # chunk keys whose kv-server name is remembered
+
+
+class PluginConfigError(IrrecoverableException, ValueError):
+    """A malformed ``cxlalloc://`` URL or option in LMCache's config.  LMCache re-raises an
+    ``IrrecoverableException`` from a connector's creation (any other exception it logs and then runs with no
+    connection, reporting "Connected to remote storage"), so the engine stops at start with this one line."""
 
 
 def parse_url(url: str) -> Tuple[str, float, str]:
@@ -192,7 +207,10 @@ class CxlallocConnector(RemoteConnector):
     """
 
     def __init__(self, url: str, loop: asyncio.AbstractEventLoop, local_cpu_backend, config=None, metadata=None):
-        path, timeout, tenant = parse_url(url)
+        try:
+            path, timeout, tenant = parse_url(url)
+        except ValueError as e:
+            raise PluginConfigError(str(e)) from None
         self.url, self.loop, self.local_cpu_backend, self.tenant = url, loop, local_cpu_backend, tenant
         self.have_metadata = metadata is not None
         if metadata is not None:
@@ -207,6 +225,11 @@ class CxlallocConnector(RemoteConnector):
         self._put_keys: Dict[str, Tuple[str, bytes]] = {}  # for list(): key string -> (ns, server key)
         self._keys_lock = threading.Lock()
         self._warned = set()
+        if not self.store.connected():
+            log.error("cxlalloc LMCache plugin: no kv-server answers at %s (%s: %s); every lookup is a miss until "
+                      "one listens there (start `cxlalloc kv-server --socket %s`, or correct "
+                      "remote_storage_plugin.cxlalloc.url)", path, url, self.store.last_error or "not reachable",
+                      path)
 
     # ------------------------------------------------------------ helpers
     def _warn_once(self, what: str, msg: str) -> None:
@@ -473,10 +496,13 @@ class CxlallocConnector(RemoteConnector):
         return await self._run(_INLINE_BYTES, self._list_sync)
 
     def support_ping(self) -> bool:
-        return True
+        """False: LMCache's health check must not see the pool.  LMCache 0.5.6 marks the whole engine unhealthy
+        on a failed ping and then skips every tier (its local CPU one too) until a later check passes; a pool
+        that is down is a miss (lookups 0, puts skipped, reconnect with backoff), and the other tiers go on."""
+        return False
 
     async def ping(self) -> int:
-        """0 when the kv-server answers, 1 when it is away."""
+        """0 when the kv-server answers, 1 when it is away (not used by LMCache: see :meth:`support_ping`)."""
         stats = await self._run(0, self.store.server_stats)
         return 0 if stats is not None else 1
 
@@ -526,4 +552,4 @@ class CxlallocConnectorAdapter(ConnectorAdapter):
         return CxlallocConnector(url, context.loop, context.local_cpu_backend, context.config, context.metadata)
 
 
-__all__ = ["CxlallocConnectorAdapter", "CxlallocConnector", "parse_url", "server_key", "namespace_of", "SCHEME"]
+__all__ = ["CxlallocConnectorAdapter", "CxlallocConnector", "PluginConfigError", "parse_url", "server_key", "namespace_of", "SCHEME"]

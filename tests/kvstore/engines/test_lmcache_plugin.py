@@ -71,20 +71,20 @@ def test_lmcache_discovers_the_plugin_from_its_config(engine, kv_server, lmcache
 
 def test_a_config_naming_the_old_module_path_still_loads_the_plugin(kv_server, lmcache, sockdir):
     """LMCache YAML written before the plugin moved to cxlalloc/kvstore/engines/ names
-    ``cxlalloc.kvstore.lmcache_plugin``: the alias module gives LMCache the same plugin."""
+    ``cxlalloc.kvstore.engines.lmcache_plugin``: the alias module gives LMCache the same plugin."""
     import importlib
 
     from cxlalloc.kvstore.engines import PLUGIN_MODULE
     from cxlalloc.kvstore.engines import lmcache_plugin as moved
 
     assert PLUGIN_MODULE == "cxlalloc.kvstore.engines.lmcache_plugin"
-    assert importlib.import_module("cxlalloc.kvstore.lmcache_plugin") is moved
+    assert importlib.import_module("cxlalloc.kvstore.engines.lmcache_plugin") is moved
     srv = kv_server()
     path = config_yaml(os.path.join(sockdir, "old.yaml"), _url(srv))
     text = open(path).read()
     assert f"module_path: {PLUGIN_MODULE}" in text
     with open(path, "w") as f:
-        f.write(text.replace(PLUGIN_MODULE, "cxlalloc.kvstore.lmcache_plugin"))
+        f.write(text.replace(PLUGIN_MODULE, "cxlalloc.kvstore.engines.lmcache_plugin"))
     eng = Engine(path)
     try:
         assert isinstance(eng.connector, moved.CxlallocConnector)
@@ -195,8 +195,52 @@ def test_the_connector_keeps_lmcaches_connector_contract(lmcache):
         if inspect.iscoroutinefunction(getattr(RemoteConnector, name)):
             assert inspect.iscoroutinefunction(getattr(CxlallocConnector, name)), name
     for form in ("batched_get", "batched_put", "batched_contains", "batched_async_contains",
-                 "batched_get_non_blocking", "ping"):
+                 "batched_get_non_blocking"):
         assert getattr(CxlallocConnector, "support_" + form)(None) is True
+    assert CxlallocConnector.support_ping(None) is False  # LMCache's health check must not see the pool
+
+
+def test_a_pool_that_is_down_never_makes_lmcache_unhealthy(engine, server_proc):
+    """LMCache's own RemoteBackendHealthCheck (what its health monitor runs every 30 s; a failure switches off
+    every tier, the local CPU one too) passes while the kv-server is killed: a down pool is a miss."""
+    from lmcache.v1.health_monitor.checks.remote_backend_check import RemoteBackendHealthCheck
+
+    sp = server_proc("--size", "64MiB", "--chunk", "4MiB")
+    eng = engine(_url(sp, "timeout=1"))
+    check = RemoteBackendHealthCheck(eng.remote)
+    assert check.check() is True
+    sp.kill()
+    key, mo = eng.key(1), eng.chunk(1)
+    _put(eng, [key], [mo])                                    # a miss, not an error
+    assert not eng.remote.contains(key)
+    assert check.check() is True
+    mo.ref_count_down()
+
+
+def test_a_wrong_url_is_one_clear_error_at_start(lmcache, sockdir, caplog):
+    """A malformed URL stops the plugin's creation with one line naming the option (LMCache re-raises
+    PluginConfigError: no remote backend is created, so no misleading "Connected to remote storage"); a
+    well-formed URL with no kv-server behind it logs one error naming the socket, and the connector runs (misses)."""
+    from lmcache.v1.exceptions import IrrecoverableException
+
+    from cxlalloc.kvstore.engines.lmcache_plugin import PluginConfigError
+
+    eng = Engine(config_yaml(os.path.join(sockdir, "bad.yaml"), "cxlalloc:///tmp/kv.sock?fallback=1GiB"))
+    try:
+        assert not any(n.startswith("RemoteBackend") for n in eng.backends)   # LMCache logged our error, went on
+        assert "LocalCPUBackend" in eng.backends
+    finally:
+        eng.close()
+    assert issubclass(PluginConfigError, IrrecoverableException) and issubclass(PluginConfigError, ValueError)
+    missing = os.path.join(sockdir, "no-such.sock")
+    with caplog.at_level("ERROR", logger="cxlalloc.kvstore.lmcache"):
+        eng = Engine(config_yaml(os.path.join(sockdir, "down.yaml"), "cxlalloc://" + missing))
+    try:
+        lines = [r.getMessage() for r in caplog.records if r.name == "cxlalloc.kvstore.lmcache"]
+        assert len(lines) == 1 and missing in lines[0] and "cxlalloc kv-server --socket" in lines[0], lines
+        assert "RemoteBackend-cxlalloc" in eng.backends and not eng.remote.contains(eng.key(3))
+    finally:
+        eng.close()
 
 
 # ----------------------------------------------------------------- across processes, Redis, crashes

