@@ -1,5 +1,6 @@
 #include "kvstore/arena_mapping.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -23,6 +24,12 @@ size_t page_round(size_t n) {
 
 std::string errno_text() { return std::strerror(errno); }
 
+// The seals every shared pool carries.  Any process holding the fd (every client of a kv-server, an LMCache
+// engine) could otherwise ftruncate it: every mapping beyond the new end then raises SIGBUS at its next touch,
+// killing the server and every worker on the pool (issue 29, item 2).  SHRINK/GROW fix the size for the fd's
+// life; SEAL makes the set final, so no client can lift them.  Writes stay allowed (clients write blocks).
+constexpr int kPoolSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+
 void* map_or_throw(size_t size, int flags, int fd) {
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, flags | MAP_NORESERVE, fd, 0);
   if (p == MAP_FAILED)
@@ -42,7 +49,7 @@ ArenaMapping ArenaMapping::create_private(size_t size) {
 
 ArenaMapping ArenaMapping::create_shared(size_t size, const char* name) {
   if (size == 0) throw_error(ErrorKind::InvalidArgument, "kv store: the arena size must be > 0 bytes");
-  int fd = memfd_create(name, MFD_CLOEXEC);
+  int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) throw_error(ErrorKind::Unavailable, "kv store: memfd_create failed: " + errno_text());
   ArenaMapping m;
   m.fd_ = fd;  // closed by ~ArenaMapping if anything below throws
@@ -52,6 +59,8 @@ ArenaMapping ArenaMapping::create_shared(size_t size, const char* name) {
   if (ftruncate(fd, static_cast<off_t>(m.size_)) != 0)
     throw OutOfMemoryError(m.size_, "kv store: ftruncate of the shared pool to " + format_bytes(m.size_) +
                                         " failed: " + errno_text());
+  if (fcntl(fd, F_ADD_SEALS, kPoolSeals) != 0)
+    throw_error(ErrorKind::Unavailable, "kv store: sealing the shared pool's size failed: " + errno_text());
   m.p_ = map_or_throw(m.size_, MAP_SHARED, fd);
   return m;
 }
@@ -63,6 +72,13 @@ ArenaMapping ArenaMapping::attach(int fd) {
   if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0)
     throw_error(ErrorKind::InvalidArgument,
                 "kv store: fd " + std::to_string(fd) + " is not a shared-memory pool (a non-empty regular file)");
+  // Map only a pool whose size nobody can change: an unsealed fd could be truncated under this mapping by any
+  // other holder, and the next touch of a page past the new end would be a SIGBUS in this process.
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
+    throw_error(ErrorKind::InvalidArgument, "kv store: fd " + std::to_string(fd) +
+                                                " is not a sealed pool (its size could be changed under the mapping; "
+                                                "a kv-server seals F_SEAL_SHRINK|F_SEAL_GROW)");
   m.size_ = static_cast<size_t>(st.st_size);
   m.p_ = map_or_throw(m.size_, MAP_SHARED, fd);
   return m;

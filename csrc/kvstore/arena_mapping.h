@@ -17,14 +17,18 @@ class ArenaMapping {
   // Private anonymous memory of `size` bytes (rounded up to the page size).
   // Throws cxl::Error(OutOfMemory) with the errno text when mmap fails.
   static ArenaMapping create_private(size_t size);
-  // A new memfd of `size` bytes (sparse: ftruncate, no fallocate), mapped
-  // MAP_SHARED.  `name` shows in /proc/<pid>/fd.  Throws Error(OutOfMemory)
-  // or Error(Unavailable) (memfd_create refused) with the errno text.
+  // A new memfd of `size` bytes (sparse: ftruncate, no fallocate), sealed
+  // against shrinking and growing (F_SEAL_SHRINK|GROW|SEAL: no holder of the
+  // fd can truncate it under another's mapping), mapped MAP_SHARED.  `name`
+  // shows in /proc/<pid>/fd.  Throws Error(OutOfMemory) or Error(Unavailable)
+  // (memfd_create or sealing refused) with the errno text.
   static ArenaMapping create_shared(size_t size, const char* name);
   // Map an existing shared-memory fd (received from a kv-server) whole; the
   // size is the file's.  Takes ownership of `fd` (closes it on failure too).
   // Throws Error(InvalidArgument) for an fd that is not a mappable regular
-  // file, Error(OutOfMemory) when mmap fails.
+  // file or whose size is not sealed (F_SEAL_SHRINK|F_SEAL_GROW), since a
+  // truncation by another holder would SIGBUS this process; Error(OutOfMemory)
+  // when mmap fails.
   static ArenaMapping attach(int fd);
 
   ~ArenaMapping();
