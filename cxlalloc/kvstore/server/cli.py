@@ -26,6 +26,7 @@ from cxlalloc import topology
 from cxlalloc.config import format_bytes, parse_size, parse_size_or_fraction
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.server import DEFAULT_CHUNK, REDIS_MODES, KVServer, log, resolve_group
+from cxlalloc.kvstore.server.tenants import parse_tenant
 from cxlalloc.kvstore.server.transport import DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_OBJECTS
 from cxlalloc.cli_usage import OneLineParser
 
@@ -116,6 +117,10 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
     p.add_argument("--group", default=None, help="group of the socket file (name or gid)")
     p.add_argument("--allow-user", action="append", default=None, metavar="USER",
                    help="only these users (name or uid; repeatable) may attach, checked by SO_PEERCRED")
+    p.add_argument("--tenant", action="append", default=[], metavar="NAME:USERS[:SIZE]",
+                   help="a tenant with a pool of its own (SIZE, or an equal share of what --size leaves), bound to "
+                        "the peer credentials of its USERS (comma list of users/uids and @groups/@gids); a process "
+                        "of no tenant may not attach (repeatable; none: one pool for everyone)")
     p.add_argument("--quota", action="append", default=[], metavar="NS=SIZE",
                    help="bytes a namespace (cache_salt) may hold; '=SIZE' the default namespace, '*=SIZE' every "
                         "namespace without its own (repeatable)")
@@ -256,6 +261,7 @@ def server_from_args(args) -> KVServer:
         raise ValueError(f"cxlalloc option '--size': {format_bytes(size)} is below one chunk "
                          f"({format_bytes(chunk)}, --chunk); use --size of at least {format_bytes(chunk)} or a "
                          "smaller --chunk")
+    tenants = [parse_tenant(t) for t in args.tenant]
     ropts = redis_options(args)
     if not args.redis:
         given = [f for f, v in (("--redis-option", args.redis_option), ("--redis-password-file",
@@ -271,7 +277,7 @@ def server_from_args(args) -> KVServer:
                           queue_bytes=parse_size(args.redis_queue, "--redis-queue"), timeout=args.redis_timeout,
                           key_file=args.redis_key_file, **ropts)
     try:
-        return KVServer(size, node, args.socket, chunk_bytes=chunk, socket_mode=mode, group=gid,
+        return KVServer(size, node, args.socket, chunk_bytes=chunk, socket_mode=mode, group=gid, tenants=tenants,
                         quotas=quotas, default_quota=default_quota, redis=redis, redis_mode=args.redis_mode,
                         strict_placement=args.strict_placement, max_clients=args.max_clients, allow_uids=allow,
                         node_reason=reason, **limits)

@@ -62,6 +62,9 @@ class Owner:
         self.id = next(self._ids)
         self.pid, self.uid, self.gid = pid, uid, gid
         self.name = ""
+        self.tenant = ""          # set by the transport from the peer's credentials (never from the client)
+        self.operator = False     # root or the server's uid: may see every tenant's stats
+        self.unbound = False      # the operator bound to no tenant: stats and ping only, no pool
         self.hello = False
         self.version = 0        # the protocol version of its hello
         self.status_only = False  # a --status query (hello without the pool fd): not counted as a client
@@ -88,6 +91,8 @@ class ServerState:
         quotas: ``{namespace: bytes}``; ``default_quota``: bytes for any other namespace.
         max_clients: owners at once (:meth:`admit` refuses more).
         allow_uids: if given, only these uids may be admitted.
+        tenant: the tenant this pool belongs to (``""``: the single tenant);
+            part of every block's name (and so of its Redis key and MAC).
         max_reserve_bytes: slot bytes one owner may hold WRITING at once
             (default: the whole pool); keys past it get no slot, and a
             reservation of which none fits is refused (``limit``).  Slots are
@@ -102,7 +107,9 @@ class ServerState:
 
     def __init__(self, size: int, node: int, chunk_bytes: int, *, quotas: Optional[Dict[str, int]] = None,
                  default_quota: Optional[int] = None, max_clients: int = 256,
-                 allow_uids: Optional[Sequence[int]] = None, max_reserve_bytes: Optional[int] = None):
+                 allow_uids: Optional[Sequence[int]] = None, max_reserve_bytes: Optional[int] = None,
+                 tenant: str = ""):
+        self.tenant = str(tenant)
         self.size, self.node, self.chunk_bytes = int(size), int(node), int(chunk_bytes)
         self.max_reserve_bytes = int(max_reserve_bytes) if max_reserve_bytes else self.size
         self.max_clients = int(max_clients)
@@ -222,7 +229,7 @@ class ServerState:
             protocol.RemoteError: ``limit`` (MAX_LEASES_PER_CLIENT open leases).
         """
         o = self.owner(cid)
-        ik = namespaced_keys(ns, keys)
+        ik = namespaced_keys(ns, keys, self.tenant)
         with self.lock:
             if len(o.leases) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open leases; release some")
@@ -256,7 +263,7 @@ class ServerState:
         fails and no lease pins it, so a client cannot drop a sound block.
         Counts ``corrupt_blocks``; returns how many were dropped."""
         self.owner(cid)
-        by_nskey = {namespaced_key(ns, k): k for k in keys}
+        by_nskey = {namespaced_key(ns, k, self.tenant): k for k in keys}
         with self.lock:
             n = self.index.discard(list(by_nskey),
                                    lambda e: not verify_stored(self.block_bytes(e), by_nskey[e.key]))
@@ -279,7 +286,7 @@ class ServerState:
             raise P.RemoteError("too_large", f"a block of {nbytes} bytes is larger than one chunk of this kv-server "
                                              f"({self.chunk_bytes} bytes, --chunk); raise --chunk or lower "
                                              "block_tokens")
-        ik = namespaced_keys(ns, keys)
+        ik = namespaced_keys(ns, keys, self.tenant)
         with self.lock:
             if len(o.reservations) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open reservations; commit or "
