@@ -31,6 +31,7 @@ torch's version counter, so nothing cheaper can tell that weights changed.
 from __future__ import annotations
 
 import hashlib
+import re
 import json
 from typing import List, Optional, Sequence
 
@@ -289,6 +290,17 @@ def chain_keys(root: bytes, tokens, block_tokens: int, start_key: Optional[bytes
         prev = _h(prev, raw[j * step:(j + 1) * step])
         out.append(prev)
     return out
+
+
+TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # a tenant's name (``--tenant``, ``?tenant=``)
+
+
+def check_tenant(name: str, option: str) -> str:
+    """``name`` if it is a tenant name (1-64 of ``A-Z a-z 0-9 _ . -``), else ValueError naming ``option``."""
+    if not isinstance(name, str) or not TENANT_NAME.match(name):
+        raise ValueError(f"cxlalloc option '{option}': {name!r} is not a tenant name (1-64 characters of "
+                         "A-Z a-z 0-9 _ . -)")
+    return name
 
 
 def _ns_parts(ns: str, tenant: str) -> tuple:

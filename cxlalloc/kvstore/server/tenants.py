@@ -21,14 +21,13 @@ from __future__ import annotations
 import grp
 import os
 import pwd
-import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from cxlalloc.config import format_bytes, parse_size
+from cxlalloc.kvstore.keys import TENANT_NAME
 
 DEFAULT_TENANT = ""           # the single tenant of a server without --tenant
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 @dataclass
@@ -70,7 +69,7 @@ def parse_tenant(text: str) -> TenantSpec:
         ValueError: naming ``--tenant`` and the form expected.
     """
     parts = str(text).split(":")
-    if len(parts) not in (2, 3) or not _NAME.match(parts[0]) or not parts[1]:
+    if len(parts) not in (2, 3) or not TENANT_NAME.match(parts[0]) or not parts[1]:
         raise ValueError(f"cxlalloc option '--tenant': {text!r} is not NAME:USERS[:SIZE] (NAME: 1-64 of A-Z a-z 0-9 "
                          "_ . -; USERS: comma list of users/uids and @groups/@gids; e.g. --tenant "
                          "team-a:alice,@inference:64GiB)")

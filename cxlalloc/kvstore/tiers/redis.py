@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
-from cxlalloc.kvstore.keys import REDIS_PREFIX, redis_key
+from cxlalloc.kvstore.keys import REDIS_PREFIX, check_tenant, redis_key
 from cxlalloc.kvstore.tiers import Tier
 from cxlalloc.kvstore.tiers.redis_format import (_HEADER, HEADER_BYTES, _length, cache_config_warnings,  # noqa: F401
                                                   check_url, pack_value, read_key_file, redact_url, split_url_options, unpack_value,
@@ -74,6 +74,10 @@ class RedisTier(Tier):
         queue_bytes: bytes of blocks waiting to be written; past it puts are dropped.
         timeout: seconds for each connect, read and write.
         batch_keys: keys per ``MGET`` (a prefix lookup stops at the first miss).
+        tenant: the tenant whose blocks :meth:`put`/:meth:`get_many` name
+            (``?tenant=NAME``; default ``""``, the single tenant): an in-process
+            store with ``?tenant=a`` reads and writes the values a kv-server's
+            tenant ``a`` does (the kv-server itself passes names of its tenants).
         key_file: a file holding the MAC key (``?redis_key_file=PATH`` in the
             URL too): values are written with a MAC and read only with a valid one.
         **redis_kwargs: passed to ``redis.Redis.from_url`` (AUTH, TLS, ...).
@@ -87,10 +91,14 @@ class RedisTier(Tier):
 
     def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX, ttl: Optional[float] = None,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, timeout: float = DEFAULT_TIMEOUT_S, batch_keys: int = 8,
-                 option: str = "--redis", key_file: Optional[str] = None, **redis_kwargs):
+                 option: str = "--redis", key_file: Optional[str] = None, tenant: str = "", **redis_kwargs):
         check_url(url, option)
         url, ours = split_url_options(url)
         prefix = ours.get("prefix", prefix)
+        tenant = ours.get("tenant", tenant)
+        if tenant:
+            check_tenant(tenant, f"{option} ?tenant")
+        self.tenant = tenant
         if "redis_key_file" in ours:
             key_file, key_option = ours["redis_key_file"], f"{option} ?redis_key_file"
         else:

@@ -210,3 +210,41 @@ def test_tenant_options_are_checked():
     t = Tenancy([parse_tenant("a:7,@100"), parse_tenant("b:8")], operator_uid=0)
     assert (t.resolve(7, 5), t.resolve(9, 100), t.resolve(8, 100), t.resolve(9, 9)) == ("a", "a", "b", None)
     assert Tenancy().resolve(1234, 1234) == ""  # no --tenant: one tenant for everyone (single-tenant default)
+
+
+def test_the_tenant_names_redis_values_and_an_in_process_store_carries_it_the_same_way(kv_server, redis_server):
+    """A kv-server tenant's blocks reach Redis under names (and MACs) of that tenant: an
+    in-process tier with ``?tenant=`` of the same name reads them, another tenant's or none does not."""
+    from cxlalloc.kvstore.server.tenants import parse_tenant
+    from cxlalloc.kvstore.tiers.redis import RedisTier
+
+    rs = redis_server()
+    keyfile = os.path.join(rs.workdir, "mac.key")
+    with open(os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        f.write(os.urandom(32))
+    me = os.geteuid()  # the test's own uid is bound to tenant "a": no second user needed here
+    srv = kv_server(tenants=[parse_tenant(f"a:{me}")], redis=RedisTier(rs.url, key_file=keyfile),
+                    redis_mode="through")
+    c = RawClient(srv.socket_path)
+    assert c.hello["tenant"] == "a"
+    assert _write(c, "doc", KEYS, A_BYTES) == 4
+    c.close()
+    assert srv.redis.flush(5)
+    names = sorted(k.decode() for k in rs.client().keys("cxlalloc:kv:*"))
+    assert names == sorted(redis_key("cxlalloc:kv:", k) for k in namespaced_keys("doc", KEYS, "a"))
+
+    mine = RedisTier(rs.url + "?tenant=a", key_file=keyfile)
+    assert mine.tenant == "a" and mine.get_many(KEYS, ns="doc") == A_BYTES
+    for other in (RedisTier(rs.url, key_file=keyfile), RedisTier(rs.url + "?tenant=b", key_file=keyfile)):
+        assert other.get_many(KEYS, ns="doc") == [None] * 4
+        other.close()
+    # a tenant's value copied under another tenant's name is refused (its header and MAC cover the name)
+    r = rs.client()
+    r.set(redis_key("cxlalloc:kv:", namespaced_key("doc", KEYS[0], "b")), r.get(names[0]))
+    b = RedisTier(rs.url + "?tenant=b", key_file=keyfile)
+    assert b.get_many(KEYS[:1], ns="doc") == [None]
+    assert b.stats()["bad_values"] + b.stats()["forged_values"] == 1
+    b.close()
+    mine.close()
+    with pytest.raises(ValueError, match=r"\?tenant"):
+        RedisTier(rs.url + "?tenant=bad/name")
