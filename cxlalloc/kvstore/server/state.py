@@ -63,8 +63,8 @@ class Owner:
         self.pid, self.uid, self.gid = pid, uid, gid
         self.name = ""
         self.tenant = ""          # set by the transport from the peer's credentials (never from the client)
-        self.operator = False     # root or the server's uid: may see every tenant's stats
-        self.unbound = False      # the operator bound to no tenant: stats and ping only, no pool
+        self.unbound = False      # the operator (root, the server's uid) bound to no tenant: stats of
+                                  # every tenant and ping only, no pool
         self.hello = False
         self.version = 0        # the protocol version of its hello
         self.status_only = False  # a --status query (hello without the pool fd): not counted as a client

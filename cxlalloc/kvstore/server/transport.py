@@ -202,7 +202,7 @@ class Transport:
     def _admit(self, pid: int, uid: int, gid: int) -> Owner:
         """An owner in the state of the peer's tenant (by its credentials only).
         A peer bound to no tenant is refused (``denied``), except the operator,
-        who is admitted for ``stats``/``ping`` only (it maps no pool)."""
+        who is admitted for ``stats`` (of every tenant) and ``ping`` only (it maps no pool)."""
         tenant = self.tenancy.resolve(uid, gid)
         operator = self.tenancy.is_operator(uid)
         if tenant is None and not operator:
@@ -211,7 +211,6 @@ class Transport:
         st = self.states[tenant if tenant is not None else next(iter(self.states))]
         owner = st.admit(pid, uid, gid)
         owner.tenant = st.tenant
-        owner.operator = operator
         owner.unbound = tenant is None
         return owner
 
@@ -423,7 +422,7 @@ class Transport:
         return {}
 
     def _op_stats(self, st, owner, msg):
-        return {"stats": self._stats(None if owner.operator else owner.tenant)}
+        return {"stats": self._stats(None if owner.unbound else owner.tenant)}
 
     def _op_lookup(self, st, owner, msg: dict):
         return st.lookup(owner.id, P.check_ns(msg.get("ns")), P.check_keys(msg.get("keys")))

@@ -248,3 +248,19 @@ def test_the_tenant_names_redis_values_and_an_in_process_store_carries_it_the_sa
     mine.close()
     with pytest.raises(ValueError, match=r"\?tenant"):
         RedisTier(rs.url + "?tenant=bad/name")
+
+
+def test_the_client_store_reports_the_tenant_the_server_bound_it_to(kv_server, alloc):
+    from cxlalloc.kvstore.client import RemoteBlockStore
+    from cxlalloc.kvstore.server.tenants import parse_tenant
+
+    srv = kv_server(tenants=[parse_tenant(f"a:{os.geteuid()}:16MiB"), parse_tenant("b:65533")])
+    st = RemoteBlockStore(srv.url + "?timeout=2", alloc())
+    res = st.reserve("doc", KEYS[:2], BLOCK, 16)
+    for v in res.views:
+        v.fill_(5)
+    assert res.commit() == 2
+    s = st.stats()
+    assert s["tenant"] == "a" and s["capacity_bytes"] == 16 << 20 and s["blocks"] == 2
+    st.close()
+    assert srv.stats("b")["pool"]["blocks"] == 0 and srv.stats("a")["pool"]["blocks"] == 2
