@@ -331,6 +331,10 @@ def format_status(st: dict) -> str:
               _rate(rates.get("stores_per_s")),
               _rate(rates.get("store_bytes_per_s") and rates["store_bytes_per_s"] / 1e6, " MB/s"),
               f"{pool['evicted_blocks']:,}")]
+    for name, tp in sorted((st.get("tenants") or {}).items()):  # --tenant: each tenant's own pool
+        tiers.append((f"  tenant {name}", format_bytes(tp["capacity_bytes"]), format_bytes(tp["used_bytes"]),
+                      f"{tp['blocks']:,} ({tp['pinned_blocks']} pinned, {tp['writing_blocks']} writing)",
+                      f"{tp['hit_rate'] * 100:.1f}%", "", "", "", "", f"{tp['evicted_blocks']:,}"))
     if rd is not None:
         cap = rd.get("capacity_bytes")
         tiers.append(("redis", "no limit" if not cap else format_bytes(cap), format_bytes(rd.get("used_bytes")),

@@ -264,3 +264,21 @@ def test_the_client_store_reports_the_tenant_the_server_bound_it_to(kv_server, a
     assert s["tenant"] == "a" and s["capacity_bytes"] == 16 << 20 and s["blocks"] == 2
     st.close()
     assert srv.stats("b")["pool"]["blocks"] == 0 and srv.stats("a")["pool"]["blocks"] == 2
+
+
+def test_status_and_metrics_of_the_operator_show_every_tenant(kv_server):
+    from cxlalloc.kvstore.server import metrics
+    from cxlalloc.kvstore.server.cli import format_status
+    from cxlalloc.kvstore.server.tenants import parse_tenant
+
+    srv = kv_server(size=32 << 20, tenants=[parse_tenant(f"a:{os.geteuid()}:8MiB"), parse_tenant("b:65533")])
+    c = RawClient(srv.socket_path)
+    assert _write(c, "doc", KEYS, A_BYTES) == 4
+    c.close()
+    st = srv.stats()  # the operator's view
+    assert st["pool"]["capacity_bytes"] == 32 << 20 and st["pool"]["blocks"] == 4
+    assert st["pool"]["namespaces"] == {"a/doc": {"used_bytes": 4 * BLOCK, "quota_bytes": None}}
+    text = format_status(st)
+    assert "tenant a" in text and "tenant b" in text
+    prom = metrics.render(st)
+    assert 'cxlalloc_kv_namespace_used_bytes{namespace="a/doc"} 262144.0' in prom
