@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Sequence
 from cxlalloc.config import format_bytes
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.server.jobs import REDIS_MODES, PlacementVerifier, RateSampler, RedisLink
+from cxlalloc.kvstore.server.persist import PoolFile, restore
 from cxlalloc.kvstore.server.state import MAX_LEASES_PER_CLIENT, ServerState, log
 from cxlalloc.kvstore.server.tenants import TenantSpec, Tenancy, split_sizes
 from cxlalloc.kvstore.server.transport import (DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_IO_TIMEOUT_S,
@@ -80,6 +81,11 @@ class KVServer:
         tenants: :class:`~cxlalloc.kvstore.server.tenants.TenantSpec` s (``--tenant``):
             each gets a pool of its own (its SIZE, or an equal share of what
             ``size`` leaves), bound to its uids/gids; none: one pool for everyone.
+        pool_file: a file recording every committed block (``--pool-file``;
+            each tenant's ``PATH.NAME``): blocks it holds are restored at
+            start, so hits survive a restart (:mod:`~cxlalloc.kvstore.server.persist`).
+        pool_file_bytes: the most bytes each such file grows to between starts
+            (default twice its pool).
 
     Raises:
         ValueError: a bad size/chunk/mode/group, naming the option.
@@ -94,7 +100,8 @@ class KVServer:
                  max_frame: int = DEFAULT_MAX_FRAME, max_buffered: int = DEFAULT_MAX_BUFFERED,
                  frame_timeout: float = DEFAULT_FRAME_TIMEOUT_S, max_objects: int = DEFAULT_MAX_OBJECTS,
                  backlog: int = DEFAULT_BACKLOG, max_reserve_bytes: Optional[int] = None,
-                 tenants: Sequence[TenantSpec] = ()):
+                 tenants: Sequence[TenantSpec] = (), pool_file: Optional[str] = None,
+                 pool_file_bytes: Optional[int] = None):
         page = os.sysconf("SC_PAGESIZE")
         if chunk_bytes <= 0 or chunk_bytes % page or chunk_bytes > MAX_CHUNK:
             raise ValueError(f"cxlalloc option '--chunk': {format_bytes(chunk_bytes)} must be a multiple of the page "
@@ -140,6 +147,13 @@ class KVServer:
             st.placement = verifier
             if redis is not None:
                 st.set_tier(RedisLink(st, redis, redis_mode, verifier))
+            if pool_file:
+                st.persist = PoolFile(f"{pool_file}.{name}" if name else pool_file,
+                                      pool_file_bytes or 2 * tsize)
+                n = restore(st, st.persist)
+                log.info("restored %d blocks of %s from %s (%d torn records dropped)", n,
+                         f"tenant {name!r}" if name else "the pool", st.persist.path,
+                         st.persist.c["restore_torn_records"])
             self.parts[name] = (st, verifier, RateSampler(st))
         self.state, self.verifier, self.sampler = next(iter(self.parts.values()))
         self.pool_id = self.state.pool_id
@@ -231,8 +245,10 @@ class KVServer:
         if self._stop.is_set():
             return
         self._stop.set()
-        for _, verifier, _ in self.parts.values():
+        for st, verifier, _ in self.parts.values():
             verifier.stop()
+            if st.persist is not None:
+                st.persist.close()
         self.transport.stop()
         if self.redis is not None:
             self.redis.close(redis_flush_s)

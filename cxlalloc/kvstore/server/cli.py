@@ -121,6 +121,12 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
                    help="a tenant with a pool of its own (SIZE, or an equal share of what --size leaves), bound to "
                         "the peer credentials of its USERS (comma list of users/uids and @groups/@gids); a process "
                         "of no tenant may not attach (repeatable; none: one pool for everyone)")
+    p.add_argument("--pool-file", default=None, metavar="PATH",
+                   help="record every committed block in PATH (tmpfs, a DAX file system, a file on a CXL-backed "
+                        "mount; with --tenant, PATH.NAME each): a restarted server restores them (checksums "
+                        "verified, torn records dropped), so hits survive a restart")
+    p.add_argument("--pool-file-size", default=None, metavar="SIZE",
+                   help="with --pool-file: the most bytes the file grows to between starts (default twice the pool)")
     p.add_argument("--quota", action="append", default=[], metavar="NS=SIZE",
                    help="bytes a namespace (cache_salt) may hold; '=SIZE' the default namespace, '*=SIZE' every "
                         "namespace without its own (repeatable)")
@@ -262,6 +268,9 @@ def server_from_args(args) -> KVServer:
                          f"({format_bytes(chunk)}, --chunk); use --size of at least {format_bytes(chunk)} or a "
                          "smaller --chunk")
     tenants = [parse_tenant(t) for t in args.tenant]
+    if args.pool_file_size is not None and not args.pool_file:
+        raise ValueError("cxlalloc option '--pool-file-size': given without --pool-file PATH")
+    pool_file_bytes = parse_size(args.pool_file_size, "--pool-file-size") if args.pool_file_size else None
     ropts = redis_options(args)
     if not args.redis:
         given = [f for f, v in (("--redis-option", args.redis_option), ("--redis-password-file",
@@ -278,6 +287,7 @@ def server_from_args(args) -> KVServer:
                           key_file=args.redis_key_file, **ropts)
     try:
         return KVServer(size, node, args.socket, chunk_bytes=chunk, socket_mode=mode, group=gid, tenants=tenants,
+                        pool_file=args.pool_file, pool_file_bytes=pool_file_bytes,
                         quotas=quotas, default_quota=default_quota, redis=redis, redis_mode=args.redis_mode,
                         strict_placement=args.strict_placement, max_clients=args.max_clients, allow_uids=allow,
                         node_reason=reason, **limits)

@@ -126,6 +126,7 @@ class ServerState:
                   "one_way_requests": 0, "one_way_errors": 0}
         self.placement = None
         self.tier = None
+        self.persist = None   # a PoolFile (--pool-file): committed blocks recorded for the next start
         # No engine: the kernel's own mbind/move_pages place and verify pages;
         # the server never registers (its clients do, for their GPU).
         self.arena = _C.HostArena(None, self.size, self.node, True)
@@ -330,7 +331,13 @@ class ServerState:
             if len(keep) != len(live):  # a set: a commit of 16,384 blocks was O(n^2) with `not in keep`
                 kept = set(map(id, keep))
                 self.index.abort([e for e in live if id(e) not in kept], o)
-            return self.index.publish(keep, o)
+            n = self.index.publish(keep, o)
+            # Copied under the lock: once published and unpinned a block may be evicted and its slot reused.
+            copies = [(e.key, e.ns, e.tokens, self.block_bytes(e).tobytes()) for e in keep
+                      if self.index.entries.get(e.key) is e and e.writer is None] if self.persist is not None else ()
+        for rec in copies:  # after publishing: a record is only ever of a committed block
+            self.persist.append(*rec)
+        return n
 
     def abort(self, cid: int, rid: int) -> None:
         """Free reservation ``rid`` of ``cid`` without publishing (unknown ids are ignored)."""
@@ -400,6 +407,7 @@ class ServerState:
             "namespaces": {ns: {"used_bytes": b, "quota_bytes": quotas.get(ns, default_quota)}
                            for ns, b in ns_bytes.items()},
             "quotas": {**quotas, **({"*": default_quota} if default_quota is not None else {})},
+            "pool_file": dict(self.persist.c, path=self.persist.path) if self.persist is not None else None,
         }
         return pool, clients, c, counters
 
