@@ -36,7 +36,10 @@ store the deployment already runs (docs/sources.md#kv-reuse).
   ``rediss://...`` for TLS, and any redis-py keyword (``ssl_ca_certs``,
   ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``, ``password``, ...) passed through,
   also as URL query options (``rediss://host:6380/0?ssl_ca_certs=/etc/ssl/ca.pem``).
-  cxlalloc's own: ``?prefix=...&ttl=SECONDS&queue=SIZE``.
+  cxlalloc's own: ``?prefix=...&ttl=SECONDS&queue=SIZE&tenant=NAME``.
+* **Tenants.**  ``tenant=NAME`` (``?tenant=NAME``; default ``""``, the single
+  tenant) names the blocks of :meth:`put`/:meth:`get_many` as a kv-server's
+  tenant of that name does (:func:`cxlalloc.kvstore.keys.namespaced_key`).
 """
 
 from __future__ import annotations
@@ -74,10 +77,6 @@ class RedisTier(Tier):
         queue_bytes: bytes of blocks waiting to be written; past it puts are dropped.
         timeout: seconds for each connect, read and write.
         batch_keys: keys per ``MGET`` (a prefix lookup stops at the first miss).
-        tenant: the tenant whose blocks :meth:`put`/:meth:`get_many` name
-            (``?tenant=NAME``; default ``""``, the single tenant): an in-process
-            store with ``?tenant=a`` reads and writes the values a kv-server's
-            tenant ``a`` does (the kv-server itself passes names of its tenants).
         key_file: a file holding the MAC key (``?redis_key_file=PATH`` in the
             URL too): values are written with a MAC and read only with a valid one.
         **redis_kwargs: passed to ``redis.Redis.from_url`` (AUTH, TLS, ...).
@@ -95,10 +94,7 @@ class RedisTier(Tier):
         check_url(url, option)
         url, ours = split_url_options(url)
         prefix = ours.get("prefix", prefix)
-        tenant = ours.get("tenant", tenant)
-        if tenant:
-            check_tenant(tenant, f"{option} ?tenant")
-        self.tenant = tenant
+        self.tenant = check_tenant(t, f"{option} ?tenant") if (t := ours.get("tenant", tenant)) else ""
         if "redis_key_file" in ours:
             key_file, key_option = ours["redis_key_file"], f"{option} ?redis_key_file"
         else:

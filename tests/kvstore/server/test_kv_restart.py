@@ -5,6 +5,7 @@ only committed blocks, each byte-identical; a torn record is dropped."""
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import random
 import subprocess
@@ -35,11 +36,9 @@ def _payload(i):
     return hashlib.shake_256(i.to_bytes(8, "little")).digest(BLOCK)
 
 
-def _served(sp, n):
-    """{i: bytes} of every block key(i), i < n, the server serves."""
-    import mmap
-
-    c = RawClient(sp.socket)
+def _served(path, n):
+    """{i: bytes} of every block key(i), i < n, the server on ``path`` serves."""
+    c = RawClient(path)
     m = mmap.mmap(c.fd, c.hello["mapped"], mmap.MAP_SHARED, mmap.PROT_READ)
     out = {}
     for i in range(n):
@@ -68,7 +67,7 @@ def test_a_server_killed_mid_commit_restarts_serving_only_committed_blocks_byte_
     sp.kill()  # SIGKILL while the writer is committing
     w.wait(timeout=10)
     sp.start()
-    got = _served(sp, N)
+    got = _served(sp.socket, N)
     # every acknowledged commit survives; at most the one in flight besides; nothing torn or foreign
     assert set(range(acked + 1)) <= set(got) <= set(range(acked + 2)), (acked, sorted(got)[-3:])
     assert all(data == _payload(i) for i, data in got.items())
@@ -81,7 +80,7 @@ def test_a_server_killed_mid_commit_restarts_serving_only_committed_blocks_byte_
     with open(pool_file, "r+b") as f:
         f.truncate(size - 100)  # the last record loses its end
     sp.start()
-    again = _served(sp, N)
+    again = _served(sp.socket, N)
     assert len(again) == len(got) - 1 and all(data == _payload(i) for i, data in again.items())
     st = sp.status()["pool"]["pool_file"]
     assert st["restore_torn_records"] == 1 and st["restored_blocks"] == len(got) - 1
@@ -93,5 +92,25 @@ def test_a_server_killed_mid_commit_restarts_serving_only_committed_blocks_byte_
         f.seek(200)
         f.write(bytes([b[0] ^ 0xFF]))
     sp.start()
-    third = _served(sp, N)
+    third = _served(sp.socket, N)
     assert len(third) == len(again) - 1 and all(data == _payload(i) for i, data in third.items())
+
+
+def test_each_tenant_restores_its_own_file_into_its_own_pool(kv_server, sockdir):
+    from cxlalloc.kvstore.server.tenants import parse_tenant
+
+    pool_file = os.path.join(sockdir, "pool.kvp")
+    tenants = [parse_tenant(f"a:{os.geteuid()}:8MiB"), parse_tenant("b:65533")]
+    srv = kv_server(size=16 << 20, chunk=1 << 20, tenants=tenants, pool_file=pool_file, name="t1.sock")
+    c = RawClient(srv.socket_path)
+    r = c.call("reserve", ns="doc", keys=[key(1)], nbytes=BLOCK, tokens=16)
+    m = mmap.mmap(c.fd, c.hello["mapped"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    m[r["slots"][0]:r["slots"][0] + BLOCK] = _payload(1)
+    m.close()
+    assert c.call("commit", res=r["res"])["published"] == 1
+    c.close()
+    srv.stop(0.1)
+    assert sorted(os.listdir(sockdir)) == ["pool.kvp.a", "pool.kvp.b"]
+    again = kv_server(size=16 << 20, chunk=1 << 20, tenants=tenants, pool_file=pool_file, name="t2.sock")
+    assert again.stats("a")["pool"]["blocks"] == 1 and again.stats("b")["pool"]["blocks"] == 0
+    assert _served(again.socket_path, 2) == {1: _payload(1)}
