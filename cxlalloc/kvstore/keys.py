@@ -303,6 +303,11 @@ def check_tenant(name: str, option: str) -> str:
     return name
 
 
+#: The tenant part of the names of blocks in a namespace the operator shares
+#: between tenants (``--shared-namespace``): not a valid tenant name, so no tenant's own names collide.
+SHARED_TENANT = "*shared*"
+
+
 def _ns_parts(ns: str, tenant: str) -> tuple:
     # The default tenant keeps the names of before (a single-tenant deployment's
     # Redis values stay readable); a named tenant has a domain of its own.

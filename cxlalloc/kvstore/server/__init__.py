@@ -86,6 +86,9 @@ class KVServer:
             start, so hits survive a restart (:mod:`~cxlalloc.kvstore.server.persist`).
         pool_file_bytes: the most bytes each such file grows to between starts
             (default twice its pool).
+        shared: ``{namespace: tenants that may write it}`` (``--shared-namespace``):
+            every tenant may read those namespaces (a hit is copied from a
+            writer's pool into the reader's own); the others' namespaces stay private.
 
     Raises:
         ValueError: a bad size/chunk/mode/group, naming the option.
@@ -101,7 +104,7 @@ class KVServer:
                  frame_timeout: float = DEFAULT_FRAME_TIMEOUT_S, max_objects: int = DEFAULT_MAX_OBJECTS,
                  backlog: int = DEFAULT_BACKLOG, max_reserve_bytes: Optional[int] = None,
                  tenants: Sequence[TenantSpec] = (), pool_file: Optional[str] = None,
-                 pool_file_bytes: Optional[int] = None):
+                 pool_file_bytes: Optional[int] = None, shared: Optional[Dict[str, Sequence[str]]] = None):
         page = os.sysconf("SC_PAGESIZE")
         if chunk_bytes <= 0 or chunk_bytes % page or chunk_bytes > MAX_CHUNK:
             raise ValueError(f"cxlalloc option '--chunk': {format_bytes(chunk_bytes)} must be a multiple of the page "
@@ -155,6 +158,16 @@ class KVServer:
                          f"tenant {name!r}" if name else "the pool", st.persist.path,
                          st.persist.c["restore_torn_records"])
             self.parts[name] = (st, verifier, RateSampler(st))
+        shared = {ns: frozenset(w) for ns, w in (shared or {}).items()}
+        for ns, writers in shared.items():
+            unknown = sorted(writers - set(self.parts)) if tenants else sorted(writers)
+            if unknown:
+                raise ValueError(f"cxlalloc option '--shared-namespace': {ns}={','.join(sorted(writers))} names "
+                                 f"{', '.join(unknown)}, not a --tenant of this server"
+                                 + ("" if tenants else " (it has none: a namespace is shared by everyone already)"))
+        for st, _, _ in self.parts.values():
+            st.shared = shared
+            st.siblings = {n: p[0] for n, p in self.parts.items()}
         self.state, self.verifier, self.sampler = next(iter(self.parts.values()))
         self.pool_id = self.state.pool_id
         self.arena = self.state.arena

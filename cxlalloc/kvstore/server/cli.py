@@ -121,6 +121,9 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
                    help="a tenant with a pool of its own (SIZE, or an equal share of what --size leaves), bound to "
                         "the peer credentials of its USERS (comma list of users/uids and @groups/@gids); a process "
                         "of no tenant may not attach (repeatable; none: one pool for everyone)")
+    p.add_argument("--shared-namespace", action="append", default=[], metavar="NS=TENANT[,TENANT]",
+                   help="with --tenant: every tenant may read namespace NS, only these tenants write it (e.g. "
+                        "public system prompts); other namespaces stay private to their tenant (repeatable)")
     p.add_argument("--pool-file", default=None, metavar="PATH",
                    help="record every committed block in PATH (tmpfs, a DAX file system, a file on a CXL-backed "
                         "mount; with --tenant, PATH.NAME each): a restarted server restores them (checksums "
@@ -268,6 +271,13 @@ def server_from_args(args) -> KVServer:
                          f"({format_bytes(chunk)}, --chunk); use --size of at least {format_bytes(chunk)} or a "
                          "smaller --chunk")
     tenants = [parse_tenant(t) for t in args.tenant]
+    shared = {}
+    for text in args.shared_namespace:
+        ns, eq, writers = text.partition("=")
+        if not eq or not writers:
+            raise ValueError(f"cxlalloc option '--shared-namespace': {text!r} is not NS=TENANT[,TENANT] (the tenants "
+                             "that may write NS; every tenant reads it)")
+        shared[ns] = [w.strip() for w in writers.split(",")]
     if args.pool_file_size is not None and not args.pool_file:
         raise ValueError("cxlalloc option '--pool-file-size': given without --pool-file PATH")
     pool_file_bytes = parse_size(args.pool_file_size, "--pool-file-size") if args.pool_file_size else None
@@ -287,7 +297,7 @@ def server_from_args(args) -> KVServer:
                           key_file=args.redis_key_file, **ropts)
     try:
         return KVServer(size, node, args.socket, chunk_bytes=chunk, socket_mode=mode, group=gid, tenants=tenants,
-                        pool_file=args.pool_file, pool_file_bytes=pool_file_bytes,
+                        pool_file=args.pool_file, pool_file_bytes=pool_file_bytes, shared=shared,
                         quotas=quotas, default_quota=default_quota, redis=redis, redis_mode=args.redis_mode,
                         strict_placement=args.strict_placement, max_clients=args.max_clients, allow_uids=allow,
                         node_reason=reason, **limits)

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence
 from cxlalloc import _C
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.index import BlockIndex, Entry
-from cxlalloc.kvstore.keys import namespaced_key, namespaced_keys
+from cxlalloc.kvstore.keys import SHARED_TENANT, namespaced_keys
 from cxlalloc.kvstore.layout import verify_stored
 
 log = logging.getLogger("cxlalloc.kvstore.server")
@@ -127,6 +127,8 @@ class ServerState:
         self.placement = None
         self.tier = None
         self.persist = None   # a PoolFile (--pool-file): committed blocks recorded for the next start
+        self.shared: Dict[str, frozenset] = {}        # --shared-namespace: ns -> the tenants that may write it
+        self.siblings: Dict[str, "ServerState"] = {}  # every tenant's state (the writers of a shared ns)
         # No engine: the kernel's own mbind/move_pages place and verify pages;
         # the server never registers (its clients do, for their GPU).
         self.arena = _C.HostArena(None, self.size, self.node, True)
@@ -138,6 +140,40 @@ class ServerState:
         self.index = BlockIndex(self.size, self.chunk_bytes, granule=os.sysconf("SC_PAGESIZE"))
         # After construction: BlockIndex copies its quotas argument into a plain dict.
         self.index.quotas = _Quotas(quotas or {}, default_quota)
+
+    def names(self, ns: str, keys: Sequence[bytes]) -> List[bytes]:
+        """The block names of ``keys`` in ``ns`` here: within this tenant, or
+        within no tenant for a namespace the operator shares (``--shared-namespace``)."""
+        return namespaced_keys(ns, keys, SHARED_TENANT if ns in self.shared else self.tenant)
+
+    def _from_writers(self, ns: str, iks: List[bytes], o: Owner) -> List[Entry]:
+        """Blocks of shared namespace ``ns`` that a writer tenant holds (up to
+        its first miss), copied into this tenant's pool and pinned for ``o``:
+        the reader maps only its own pool.  Never holds two tenants' locks."""
+        for w in sorted(self.shared[ns]):
+            src = self.siblings.get(w)
+            if src is None or src is self:
+                continue
+            got, tokens = [], 0
+            with src.lock:  # copied under the writer's lock: its blocks cannot be evicted meanwhile
+                for k in iks:
+                    e = src.index.entries.get(k)
+                    if e is None or e.writer is not None or (got and e.nbytes != len(got[0])):
+                        break
+                    got.append(src.block_bytes(e).tobytes())
+                    tokens = e.tokens
+            if not got:
+                continue
+            with self.lock:
+                slots = self.index.reserve(iks[:len(got)], len(got[0]), ns, o, tokens)
+            live = list(itertools.takewhile(lambda e: e is not None, slots))
+            for e, data in zip(live, got):
+                self.view[e.offset:e.offset + e.nbytes] = data
+            with self.lock:
+                self.index.abort([e for e in slots[len(live):] if e is not None], o)
+                self.index.publish(live, o)
+                return self.index.match([e.key for e in live], o)
+        return []
 
     def set_tier(self, tier) -> None:
         """Put ``tier`` below the pool: evicted blocks go to ``tier.evicted``."""
@@ -230,11 +266,13 @@ class ServerState:
             protocol.RemoteError: ``limit`` (MAX_LEASES_PER_CLIENT open leases).
         """
         o = self.owner(cid)
-        ik = namespaced_keys(ns, keys, self.tenant)
+        ik = self.names(ns, keys)
         with self.lock:
             if len(o.leases) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open leases; release some")
             entries = self.index.match(ik, o)
+        if ns in self.shared and len(entries) < len(ik):
+            entries += self._from_writers(ns, ik[len(entries):], o)
         if self.tier is not None and len(entries) < len(ik) and not self.tier.down():
             entries += self.tier.read_through(ns, ik[len(entries):], o)
         if not entries:
@@ -264,7 +302,7 @@ class ServerState:
         fails and no lease pins it, so a client cannot drop a sound block.
         Counts ``corrupt_blocks``; returns how many were dropped."""
         self.owner(cid)
-        by_nskey = {namespaced_key(ns, k, self.tenant): k for k in keys}
+        by_nskey = dict(zip(self.names(ns, keys), keys))
         with self.lock:
             n = self.index.discard(list(by_nskey),
                                    lambda e: not verify_stored(self.block_bytes(e), by_nskey[e.key]))
@@ -287,7 +325,10 @@ class ServerState:
             raise P.RemoteError("too_large", f"a block of {nbytes} bytes is larger than one chunk of this kv-server "
                                              f"({self.chunk_bytes} bytes, --chunk); raise --chunk or lower "
                                              "block_tokens")
-        ik = namespaced_keys(ns, keys, self.tenant)
+        if ns in self.shared and self.tenant not in self.shared[ns]:
+            raise P.RemoteError("denied", f"namespace {ns!r} is shared by the operator; tenant {self.tenant!r} may "
+                                          "read it, not write it (--shared-namespace)")
+        ik = self.names(ns, keys)
         with self.lock:
             if len(o.reservations) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open reservations; commit or "

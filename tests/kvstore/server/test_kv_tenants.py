@@ -81,7 +81,7 @@ def _read(c, ns, keys):
 def tenant_server(server_proc, sockdir):
     sub = os.path.join(sockdir, "run")  # the server makes the directory: 0750, group GID
     return server_proc("--size", "32MiB", "--chunk", "1MiB", "--group", str(GID), "--socket-mode", "0660",
-                       "--tenant", f"a:{UID_A}:8MiB", "--tenant", f"b:{UID_B}",
+                       "--tenant", f"a:{UID_A}:8MiB", "--tenant", f"b:{UID_B}", "--shared-namespace", "public=a",
                        socket_name="run/kv.sock"), sub
 
 
@@ -282,3 +282,39 @@ def test_status_and_metrics_of_the_operator_show_every_tenant(kv_server):
     assert "tenant a" in text and "tenant b" in text
     prom = metrics.render(st)
     assert 'cxlalloc_kv_namespace_used_bytes{namespace="a/doc"} 262144.0' in prom
+
+
+def test_a_namespace_the_operator_shares_is_read_by_every_tenant_and_written_by_its_writers_only(tenant_server):
+    sp, _ = tenant_server
+    pub = [key(i, b"system-prompt") for i in range(3)]
+    data = [bytes([0x50 + i]) * BLOCK for i in range(3)]
+
+    def a_publishes():
+        c = RawClient(sp.socket, name="a")
+        n = _write(c, "public", pub, data)
+        c.close()
+        return {"published": n}
+
+    assert _as(UID_A, a_publishes) == {"published": 3}
+
+    def b_reads():
+        c = RawClient(sp.socket, name="b")
+        got = _read(c, "public", pub)   # copied from a's pool into b's own
+        again = _read(c, "public", pub)  # now a hit in b's own pool
+        r = c.call("reserve", ns="public", keys=[key(9, b"poison")], nbytes=BLOCK, tokens=16)
+        c.close()
+        return {"same": [g == d for g, d in zip(got, data)], "again": [g == d for g, d in zip(again, data)],
+                "reserve": r.get("code")}
+
+    assert _as(UID_B, b_reads) == {"same": [True] * 3, "again": [True] * 3, "reserve": "denied"}
+    s = sp.status()
+    assert s["tenants"]["a"]["blocks"] == 3 and s["tenants"]["b"]["blocks"] == 3
+
+
+def test_a_shared_namespace_must_name_writers_that_are_tenants(kv_server):
+    from cxlalloc.kvstore.server.tenants import parse_tenant
+
+    with pytest.raises(ValueError, match="--shared-namespace.*zz, not a --tenant"):
+        kv_server(tenants=[parse_tenant("a:65534")], shared={"public": ["zz"]})
+    with pytest.raises(ValueError, match="--shared-namespace.*shared by everyone already"):
+        kv_server(shared={"public": ["a"]})
