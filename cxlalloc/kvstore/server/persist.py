@@ -21,6 +21,7 @@ truncate it); the file is written by the server only.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import threading
@@ -77,13 +78,13 @@ class PoolFile:
             self.c["persisted_blocks"] += 1
         return True
 
-    def read(self) -> Dict[bytes, Tuple[str, int, bytes]]:
-        """``{namespaced key: (ns, tokens, bytes)}`` of the sound records, the
-        last of each key winning, in file order.  A record that fails its CRC
-        is dropped; a record cut short or a broken header ends the scan."""
-        with open(self.path, "rb") as f:
-            buf = f.read()
-        out: Dict[bytes, Tuple[str, int, bytes]] = {}
+    def read(self, buf) -> Dict[bytes, Tuple[str, int, memoryview]]:
+        """``{namespaced key: (ns, tokens, its bytes in buf)}`` of the sound
+        records of ``buf`` (the file's contents, a mapping: nothing is copied),
+        the last of each key winning, in file order.  A record that fails its
+        CRC is dropped; a record cut short or a broken header ends the scan."""
+        buf = memoryview(buf)
+        out: Dict[bytes, Tuple[str, int, memoryview]] = {}
         pos = 0
         while pos < len(buf):
             if pos + _HEAD.size > len(buf):
@@ -94,7 +95,7 @@ class PoolFile:
             if magic != MAGIC or len(nskey) != KEY_BYTES or end > len(buf):
                 self.c["restore_torn_records"] += 1
                 break
-            head = buf[pos:pos + _HEAD.size + nslen]
+            head = bytes(buf[pos:pos + _HEAD.size + nslen])
             (crc,) = _CRC.unpack_from(buf, pos + len(head))
             data = buf[end - nbytes:end]
             try:
@@ -109,7 +110,7 @@ class PoolFile:
             pos = end
         return out
 
-    def rewrite(self, blocks: List[Tuple[bytes, str, int, bytes]]) -> None:
+    def rewrite(self, blocks: List[Tuple[bytes, str, int, memoryview]]) -> None:
         """Replace the file by the records of ``blocks`` (``(nskey, ns, tokens, bytes)``), atomically."""
         tmp = self.path + ".new"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -146,8 +147,19 @@ def restore(state, pf: PoolFile) -> int:
     """Put the sound blocks of ``pf`` into ``state``'s pool and index
     (published, READY) and rewrite the file with them; returns how many.
     Blocks that find no room (a smaller pool than before) are counted
-    ``restore_unplaced_blocks``."""
-    blocks = pf.read()
+    ``restore_unplaced_blocks``.  The file is mapped, never read whole into memory."""
+    if os.path.getsize(pf.path) == 0:
+        return 0
+    with open(pf.path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        return _restore(state, pf, buf)
+    finally:
+        buf.close()
+
+
+def _restore(state, pf: PoolFile, buf) -> int:
+    blocks = pf.read(buf)
     owner = _Restorer()
     kept = []
     with state.lock:
@@ -162,4 +174,5 @@ def restore(state, pf: PoolFile) -> int:
             kept.append((nskey, ns, tokens, data))
     pf.rewrite(kept)
     pf.c["restored_blocks"] = len(kept)
-    return len(kept)
+    del blocks, kept  # the views into buf, before it is unmapped
+    return pf.c["restored_blocks"]
