@@ -63,6 +63,7 @@ class _Pool:
     def __init__(self, arena, hello: dict):
         self.arena = arena
         self.pool_id = hello["pool_id"]
+        self.tenant = hello.get("tenant")  # the server's binding of this process's credentials (None: single-tenant)
         self.size = int(hello["size"])
         self.chunk_bytes = int(hello["chunk_bytes"])
         self.node = int(hello["node"])
@@ -545,7 +546,8 @@ class RemoteBlockStore(AccountedStore):
         """This client's counters, its mapping of the pool, and the server's pool stats.
 
         Keys: ``kind`` ("server"), ``url``, ``connected``, ``last_error``,
-        ``pool_id``, ``node``, ``capacity_bytes``/``used_bytes``/``blocks``/
+        ``pool_id``, ``tenant`` (the tenant the server bound this process's
+        uid/gid to; None on a single-tenant server), ``node``, ``capacity_bytes``/``used_bytes``/``blocks``/
         ``hit_rate`` (the server's pool, all clients), ``registered_bytes``
         (of the pool, by this process), the client counters (``lookups``,
         ``hit_blocks``, ``server_errors``, ``timeouts``, ``reconnects``,
@@ -557,6 +559,7 @@ class RemoteBlockStore(AccountedStore):
         pool = self._pool
         c.update(kind=self.kind, url=self.url, connected=self.connected(), last_error=self.last_error,
                  simulated=self.simulated, pool_id=pool.pool_id if pool else None, node=pool.node if pool else None,
+                 tenant=pool.tenant if pool else None,
                  chunk_bytes=pool.chunk_bytes if pool else None)
         if pool is not None:
             a = pool.arena.stats()

@@ -31,6 +31,7 @@ torch's version counter, so nothing cheaper can tell that weights changed.
 from __future__ import annotations
 
 import hashlib
+import re
 import json
 from typing import List, Optional, Sequence
 
@@ -297,21 +298,48 @@ def chain_keys(root: bytes, tokens, block_tokens: int, start_key: Optional[bytes
     return out
 
 
-def namespaced_key(ns: str, key: bytes) -> bytes:
-    """The 32-byte name of block ``key`` in namespace ``ns``:
-    ``H("cxlalloc-kv-ns/1" | ns | key)`` (BLAKE2b-256, length-prefixed parts).
+TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # a tenant's name (``--tenant``, ``?tenant=``)
+
+
+def check_tenant(name: str, option: str) -> str:
+    """``name`` if it is a tenant name (1-64 of ``A-Z a-z 0-9 _ . -``), else ValueError naming ``option``."""
+    if not isinstance(name, str) or not TENANT_NAME.match(name):
+        raise ValueError(f"cxlalloc option '{option}': {name!r} is not a tenant name (1-64 characters of "
+                         "A-Z a-z 0-9 _ . -)")
+    return name
+
+
+#: The tenant part of the names of blocks in a namespace the operator shares
+#: between tenants (``--shared-namespace``): not a valid tenant name, so no tenant's own names collide.
+SHARED_TENANT = "*shared*"
+
+
+def _ns_parts(ns: str, tenant: str) -> tuple:
+    # The default tenant keeps the names of before (a single-tenant deployment's
+    # Redis values stay readable); a named tenant has a domain of its own.
+    if not tenant:
+        return (b"cxlalloc-kv-ns/1", (ns or "").encode())
+    return (b"cxlalloc-kv-tenant/1", tenant.encode(), (ns or "").encode())
+
+
+def namespaced_key(ns: str, key: bytes, tenant: str = "") -> bytes:
+    """The 32-byte name of block ``key`` in namespace ``ns`` of ``tenant``:
+    ``H("cxlalloc-kv-ns/1" | ns | key)`` for the default tenant ``""``,
+    ``H("cxlalloc-kv-tenant/1" | tenant | ns | key)`` for a named one
+    (BLAKE2b-256, length-prefixed parts).
 
     The kv-server indexes blocks by it and the Redis tier names values by it
-    (:func:`redis_key`), so a namespace can only ever reach its own blocks."""
-    return _h(b"cxlalloc-kv-ns/1", (ns or "").encode(), bytes(key))
+    (:func:`redis_key`) and MACs them over it, so a namespace of a tenant can
+    only ever reach its own blocks."""
+    return _h(*_ns_parts(ns, tenant), bytes(key))
 
 
-def namespaced_keys(ns: str, keys) -> list:
-    """``[namespaced_key(ns, k) for k in keys]`` with the namespace's part
+def namespaced_keys(ns: str, keys, tenant: str = "") -> list:
+    """``[namespaced_key(ns, k, tenant) for k in keys]`` with the namespace's part
     hashed once (a copy of that hash state per key): the same names, a
     request of many keys without re-hashing the prefix for each."""
     h0 = hashlib.blake2b(digest_size=KEY_BYTES)
-    for p in (b"cxlalloc-kv-ns/1", (ns or "").encode()):
+    for p in _ns_parts(ns, tenant):
         h0.update(len(p).to_bytes(8, "little"))
         h0.update(p)
     out = []

@@ -22,7 +22,15 @@ plugin as above.)
 
 URL options (``?timeout=5&namespace=tenant-a``):
     timeout     seconds for each kv-server request (default 5)
-    namespace   tenant prefix of every namespace this connector uses (default ``lmcache``)
+    namespace   prefix of every namespace this connector uses (default ``lmcache``)
+
+**Tenants.**  ``namespace`` is a name the engine chooses, not a boundary.  On
+a kv-server with ``--tenant``, the engine process's tenant is the one the
+server binds its uid/gid to (``SO_PEERCRED``), the same as for any client:
+its chunks live in that tenant's own pool and are named (down to Redis and
+its MAC) within that tenant, so engines of other tenants cannot address
+them; ``store.stats()["tenant"]`` says which tenant the server chose
+(docs/kv-server.md#tenants).
 
 **Keys.**  LMCache's ``CacheEngineKey`` names a chunk by ``model@world_size@
 worker_id@chunk_hash@dtype[@tags]``.  The kv-server namespace is

@@ -42,7 +42,9 @@ from typing import Dict, List, Optional, Sequence
 from cxlalloc.config import format_bytes
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.server.jobs import REDIS_MODES, PlacementVerifier, RateSampler, RedisLink
+from cxlalloc.kvstore.server.persist import PoolFile, restore
 from cxlalloc.kvstore.server.state import MAX_LEASES_PER_CLIENT, ServerState, log
+from cxlalloc.kvstore.server.tenants import TenantSpec, Tenancy, split_sizes
 from cxlalloc.kvstore.server.transport import (DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_IO_TIMEOUT_S,
                                                DEFAULT_MAX_BUFFERED, DEFAULT_MAX_FRAME, DEFAULT_MAX_OBJECTS,
                                                DEFAULT_SOCKET_MODE, Transport, resolve_group)
@@ -76,6 +78,17 @@ class KVServer:
         max_frame, max_buffered, frame_timeout, max_objects, backlog: the
             transport's bounds (:class:`~cxlalloc.kvstore.server.transport.Transport`).
         max_reserve_bytes: slot bytes one client may hold unpublished (default the whole pool).
+        tenants: :class:`~cxlalloc.kvstore.server.tenants.TenantSpec` s (``--tenant``):
+            each gets a pool of its own (its SIZE, or an equal share of what
+            ``size`` leaves), bound to its uids/gids; none: one pool for everyone.
+        pool_file: a file recording every committed block (``--pool-file``;
+            each tenant's ``PATH.NAME``): blocks it holds are restored at
+            start, so hits survive a restart (:mod:`~cxlalloc.kvstore.server.persist`).
+        pool_file_bytes: the most bytes each such file grows to between starts
+            (default twice its pool).
+        shared: ``{namespace: tenants that may write it}`` (``--shared-namespace``):
+            every tenant may read those namespaces (a hit is copied from a
+            writer's pool into the reader's own); the others' namespaces stay private.
 
     Raises:
         ValueError: a bad size/chunk/mode/group, naming the option.
@@ -89,7 +102,9 @@ class KVServer:
                  node_reason: str = "", io_timeout: float = DEFAULT_IO_TIMEOUT_S,
                  max_frame: int = DEFAULT_MAX_FRAME, max_buffered: int = DEFAULT_MAX_BUFFERED,
                  frame_timeout: float = DEFAULT_FRAME_TIMEOUT_S, max_objects: int = DEFAULT_MAX_OBJECTS,
-                 backlog: int = DEFAULT_BACKLOG, max_reserve_bytes: Optional[int] = None):
+                 backlog: int = DEFAULT_BACKLOG, max_reserve_bytes: Optional[int] = None,
+                 tenants: Sequence[TenantSpec] = (), pool_file: Optional[str] = None,
+                 pool_file_bytes: Optional[int] = None, shared: Optional[Dict[str, Sequence[str]]] = None):
         page = os.sysconf("SC_PAGESIZE")
         if chunk_bytes <= 0 or chunk_bytes % page or chunk_bytes > MAX_CHUNK:
             raise ValueError(f"cxlalloc option '--chunk': {format_bytes(chunk_bytes)} must be a multiple of the page "
@@ -118,50 +133,92 @@ class KVServer:
         self._t0 = time.monotonic()
         self.ready_seconds = None
 
+        self.tenancy = Tenancy(tenants)
+        sizes = split_sizes(tenants, self.size, page) if tenants else {"": self.size}
+
         t0 = time.perf_counter()
-        self.state = ServerState(self.size, self.node, self.chunk_bytes, quotas=quotas, default_quota=default_quota,
-                                 max_clients=self.max_clients, allow_uids=self.allow_uids,
-                                 max_reserve_bytes=max_reserve_bytes)
+        # One pool (its own sealed memfd), index, placement check and rate
+        # sampler per tenant: a tenant's clients receive only its memfd.
+        self.parts: Dict[str, tuple] = {}
+        for name, tsize in sizes.items():
+            tchunk = min(self.chunk_bytes, tsize // page * page)
+            reserve = min(max_reserve_bytes, tsize) if max_reserve_bytes else None
+            st = ServerState(tsize, self.node, tchunk, quotas=quotas, default_quota=default_quota,
+                             max_clients=self.max_clients, allow_uids=self.allow_uids,
+                             max_reserve_bytes=reserve, tenant=name)
+            verifier = PlacementVerifier(st, self.strict_placement, page)
+            st.placement = verifier
+            if redis is not None:
+                st.set_tier(RedisLink(st, redis, redis_mode, verifier))
+            if pool_file:
+                st.persist = PoolFile(f"{pool_file}.{name}" if name else pool_file,
+                                      pool_file_bytes or 2 * tsize)
+                n = restore(st, st.persist)
+                log.info("restored %d blocks of %s from %s (%d torn records dropped)", n,
+                         f"tenant {name!r}" if name else "the pool", st.persist.path,
+                         st.persist.c["restore_torn_records"])
+            self.parts[name] = (st, verifier, RateSampler(st))
+        shared = {ns: frozenset(w) for ns, w in (shared or {}).items()}
+        for ns, writers in shared.items():
+            unknown = sorted(writers - set(self.parts)) if tenants else sorted(writers)
+            if unknown:
+                raise ValueError(f"cxlalloc option '--shared-namespace': {ns}={','.join(sorted(writers))} names "
+                                 f"{', '.join(unknown)}, not a --tenant of this server"
+                                 + ("" if tenants else " (it has none: a namespace is shared by everyone already)"))
+        for st, _, _ in self.parts.values():
+            st.shared = shared
+            st.siblings = {n: p[0] for n, p in self.parts.items()}
+        self.state, self.verifier, self.sampler = next(iter(self.parts.values()))
         self.pool_id = self.state.pool_id
         self.arena = self.state.arena
         self.index = self.state.index
-        self.verifier = PlacementVerifier(self.state, self.strict_placement, page)
-        self.state.placement = self.verifier
-        if redis is not None:
-            self.state.set_tier(RedisLink(self.state, redis, redis_mode, self.verifier))
-        self.sampler = RateSampler(self.state)
-        self.transport = Transport(self.state, self.socket_path, self.socket_mode, self.gid, self.io_timeout,
-                                   self.stats, self._stop, max_frame=max_frame, max_buffered=max_buffered,
-                                   frame_timeout=frame_timeout, max_objects=max_objects, backlog=backlog)
+        self.transport = Transport({n: p[0] for n, p in self.parts.items()}, self.socket_path, self.socket_mode,
+                                   self.gid, self.io_timeout, self.stats, self._stop, max_frame=max_frame,
+                                   max_buffered=max_buffered, frame_timeout=frame_timeout, max_objects=max_objects,
+                                   backlog=backlog, tenancy=self.tenancy)
         self.map_seconds = time.perf_counter() - t0
 
     def start(self) -> "KVServer":
         """Listen and serve in background threads; returns at once."""
         t0 = time.perf_counter()
         self.transport.start()
-        for target, args, name in ((self.sampler.run, (self._stop,), "kv-sampler"),
-                                   (self.verifier.run, (), "kv-verify")):
-            t = threading.Thread(target=target, args=args, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+        for tenant, (_, verifier, sampler) in self.parts.items():
+            for target, args, name in ((sampler.run, (self._stop,), "kv-sampler"), (verifier.run, (), "kv-verify")):
+                t = threading.Thread(target=target, args=args, name=f"{name}{'-' + tenant if tenant else ''}",
+                                     daemon=True)
+                t.start()
+                self._threads.append(t)
         self.ready_seconds = self.map_seconds + (time.perf_counter() - t0)
         return self
 
     def verify_pending(self) -> int:
         """Blocks waiting for (or in) their background placement check."""
-        return self.verifier.pending()
+        return sum(v.pending() for _, v, _ in self.parts.values())
 
     def committed_bytes(self) -> int:
         """Bytes of the pool the kernel has committed (allocated pages of the memfd)."""
-        return self.state.committed_bytes()
+        return sum(st.committed_bytes() for st, _, _ in self.parts.values())
 
-    def stats(self) -> dict:
+    def stats(self, tenant: Optional[str] = None) -> dict:
         """Everything ``--status`` and the metrics show (bytes, counts, seconds).
 
-        ``{"server": {...}, "pool": {...}, "rates": {...}, "redis": {...} | None, "clients": [...]}``
+        ``{"server": {...}, "pool": {...}, "rates": {...}, "redis": {...} | None, "clients": [...]}``,
+        and with tenants ``"tenants": {name: its pool}``.  ``tenant``: show
+        only that tenant (what a client of it may see; ``server.tenant`` names
+        it); None (the operator): every tenant, ``pool`` their sum.
         """
-        pool, clients, c, counters = self.state.snapshot()
-        server = {"pid": os.getpid(), "pool_id": self.pool_id, "protocol": P.PROTOCOL_VERSION,
+        names = list(self.parts) if tenant is None else [tenant]
+        snaps = {n: self.parts[n][0].snapshot() for n in names}
+        if len(snaps) == 1:
+            pool, clients, c, counters = next(iter(snaps.values()))
+            rates = self.parts[names[0]][2].rates(counters)
+        else:
+            pool = _merge_pools({n: sn[0] for n, sn in snaps.items()})
+            clients = [cl for sn in snaps.values() for cl in sn[1]]
+            c = {k: sum(sn[2][k] for sn in snaps.values()) for k in snaps[names[0]][2]}
+            c["peak_clients"] = max(sn[2]["peak_clients"] for sn in snaps.values())
+            rates = _merge_pools({n: self.parts[n][2].rates(sn[3]) for n, sn in snaps.items()})
+        server = {"pid": os.getpid(), "pool_id": self.parts[names[0]][0].pool_id if tenant else self.pool_id, "protocol": P.PROTOCOL_VERSION,
                   "socket": os.path.abspath(self.socket_path), "socket_mode": f"{self.socket_mode:04o}",
                   "socket_gid": self.gid, "node": self.node, "node_reason": self.node_reason,
                   "numa_method": self.arena.numa_method, "started_utc": time.strftime(
@@ -179,12 +236,20 @@ class KVServer:
                   "corrupt_blocks": c["corrupt_blocks"], "requests": c["requests"],
                   "redis_mode": self.redis_mode if self.redis is not None else None,
                   "strict_placement": self.strict_placement}
-        return {"server": server, "pool": pool, "rates": self.sampler.rates(counters),
-                "redis": self.redis.stats() if self.redis is not None else None, "clients": clients}
+        out = {"server": server, "pool": pool, "rates": rates,
+               "redis": self.redis.stats() if self.redis is not None else None, "clients": clients}
+        if self.tenancy.multi:
+            server["tenant"] = tenant
+            out["tenants"] = {n: sn[0] for n, sn in snaps.items()}
+            for n, sn in snaps.items():
+                for cl in sn[1]:
+                    cl["tenant"] = n
+        return out
 
     def check(self) -> None:
         """The index invariants (tests)."""
-        self.state.check()
+        for st, _, _ in self.parts.values():
+            st.check()
 
     # ------------------------------------------------------------ stop
     def stop(self, redis_flush_s: float = 2.0) -> None:
@@ -193,7 +258,10 @@ class KVServer:
         if self._stop.is_set():
             return
         self._stop.set()
-        self.verifier.stop()
+        for st, verifier, _ in self.parts.values():
+            verifier.stop()
+            if st.persist is not None:
+                st.persist.close()
         self.transport.stop()
         if self.redis is not None:
             self.redis.close(redis_flush_s)
@@ -203,3 +271,25 @@ class KVServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _merge_pools(pools: Dict[str, dict]) -> dict:
+    """The sum of several tenants' ``pool`` (or ``rates``) dicts: numbers added,
+    ``namespaces``/``quotas`` keyed ``tenant/ns``, ratios recomputed or dropped."""
+    out: dict = {}
+    for name, p in pools.items():
+        for k, v in p.items():
+            if isinstance(v, dict):
+                out.setdefault(k, {}).update({f"{name}/{ns}": x for ns, x in v.items()})
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = out.get(k, 0) + v
+            else:
+                out.setdefault(k, v)
+    if "lookup_blocks" in out:
+        out["hit_rate"] = out["hit_blocks"] / out["lookup_blocks"] if out["lookup_blocks"] else 0.0
+    for k in ("index_bytes_per_block", "window_s"):
+        if k in out:
+            out[k] = max(p.get(k) or 0 for p in pools.values())
+    if "window_s" in out:
+        out["hit_rate"] = None
+    return out

@@ -26,6 +26,7 @@ from cxlalloc import topology
 from cxlalloc.config import format_bytes, parse_size, parse_size_or_fraction
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.server import DEFAULT_CHUNK, REDIS_MODES, KVServer, log, resolve_group
+from cxlalloc.kvstore.server.tenants import parse_tenant
 from cxlalloc.kvstore.server.transport import DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_OBJECTS
 from cxlalloc.cli_usage import OneLineParser
 
@@ -116,6 +117,19 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
     p.add_argument("--group", default=None, help="group of the socket file (name or gid)")
     p.add_argument("--allow-user", action="append", default=None, metavar="USER",
                    help="only these users (name or uid; repeatable) may attach, checked by SO_PEERCRED")
+    p.add_argument("--tenant", action="append", default=[], metavar="NAME:USERS[:SIZE]",
+                   help="a tenant with a pool of its own (SIZE, or an equal share of what --size leaves), bound to "
+                        "the peer credentials of its USERS (comma list of users/uids and @groups/@gids); a process "
+                        "of no tenant may not attach (repeatable; none: one pool for everyone)")
+    p.add_argument("--shared-namespace", action="append", default=[], metavar="NS=TENANT[,TENANT]",
+                   help="with --tenant: every tenant may read namespace NS, only these tenants write it (e.g. "
+                        "public system prompts); other namespaces stay private to their tenant (repeatable)")
+    p.add_argument("--pool-file", default=None, metavar="PATH",
+                   help="record every committed block in PATH (tmpfs, a DAX file system, a file on a CXL-backed "
+                        "mount; with --tenant, PATH.NAME each): a restarted server restores them (checksums "
+                        "verified, torn records dropped), so hits survive a restart")
+    p.add_argument("--pool-file-size", default=None, metavar="SIZE",
+                   help="with --pool-file: the most bytes the file grows to between starts (default twice the pool)")
     p.add_argument("--quota", action="append", default=[], metavar="NS=SIZE",
                    help="bytes a namespace (cache_salt) may hold; '=SIZE' the default namespace, '*=SIZE' every "
                         "namespace without its own (repeatable)")
@@ -269,6 +283,17 @@ def server_from_args(args) -> KVServer:
         raise ValueError(f"cxlalloc option '--size': {format_bytes(size)} is below one chunk "
                          f"({format_bytes(chunk)}, --chunk); use --size of at least {format_bytes(chunk)} or a "
                          "smaller --chunk")
+    tenants = [parse_tenant(t) for t in args.tenant]
+    shared = {}
+    for text in args.shared_namespace:
+        ns, eq, writers = text.partition("=")
+        if not eq or not writers:
+            raise ValueError(f"cxlalloc option '--shared-namespace': {text!r} is not NS=TENANT[,TENANT] (the tenants "
+                             "that may write NS; every tenant reads it)")
+        shared[ns] = [w.strip() for w in writers.split(",")]
+    if args.pool_file_size is not None and not args.pool_file:
+        raise ValueError("cxlalloc option '--pool-file-size': given without --pool-file PATH")
+    pool_file_bytes = parse_size(args.pool_file_size, "--pool-file-size") if args.pool_file_size else None
     ropts = redis_options(args)
     if not args.redis:
         given = [f for f, v in (("--redis-option", args.redis_option), ("--redis-password-file",
@@ -284,7 +309,8 @@ def server_from_args(args) -> KVServer:
                           queue_bytes=parse_size(args.redis_queue, "--redis-queue"), timeout=args.redis_timeout,
                           key_file=args.redis_key_file, **ropts)
     try:
-        return KVServer(size, node, args.socket, chunk_bytes=chunk, socket_mode=mode, group=gid,
+        return KVServer(size, node, args.socket, chunk_bytes=chunk, socket_mode=mode, group=gid, tenants=tenants,
+                        pool_file=args.pool_file, pool_file_bytes=pool_file_bytes, shared=shared,
                         quotas=quotas, default_quota=default_quota, redis=redis, redis_mode=args.redis_mode,
                         strict_placement=args.strict_placement, max_clients=args.max_clients, allow_uids=allow,
                         node_reason=reason, **limits)
@@ -338,6 +364,10 @@ def format_status(st: dict) -> str:
               _rate(rates.get("stores_per_s")),
               _rate(rates.get("store_bytes_per_s") and rates["store_bytes_per_s"] / 1e6, " MB/s"),
               f"{pool['evicted_blocks']:,}")]
+    for name, tp in sorted((st.get("tenants") or {}).items()):  # --tenant: each tenant's own pool
+        tiers.append((f"  tenant {name}", format_bytes(tp["capacity_bytes"]), format_bytes(tp["used_bytes"]),
+                      f"{tp['blocks']:,} ({tp['pinned_blocks']} pinned, {tp['writing_blocks']} writing)",
+                      f"{tp['hit_rate'] * 100:.1f}%", "", "", "", "", f"{tp['evicted_blocks']:,}"))
     if rd is not None:
         cap = rd.get("capacity_bytes")
         tiers.append(("redis", "no limit" if not cap else format_bytes(cap), format_bytes(rd.get("used_bytes")),

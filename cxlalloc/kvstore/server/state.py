@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence
 from cxlalloc import _C
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.index import BlockIndex, Entry
-from cxlalloc.kvstore.keys import namespaced_key, namespaced_keys
+from cxlalloc.kvstore.keys import SHARED_TENANT, namespaced_keys
 from cxlalloc.kvstore.layout import verify_stored
 
 log = logging.getLogger("cxlalloc.kvstore.server")
@@ -62,6 +62,9 @@ class Owner:
         self.id = next(self._ids)
         self.pid, self.uid, self.gid = pid, uid, gid
         self.name = ""
+        self.tenant = ""          # set by the transport from the peer's credentials (never from the client)
+        self.unbound = False      # the operator (root, the server's uid) bound to no tenant: stats of
+                                  # every tenant and ping only, no pool
         self.hello = False
         self.version = 0        # the protocol version of its hello
         self.status_only = False  # a --status query (hello without the pool fd): not counted as a client
@@ -88,6 +91,8 @@ class ServerState:
         quotas: ``{namespace: bytes}``; ``default_quota``: bytes for any other namespace.
         max_clients: owners at once (:meth:`admit` refuses more).
         allow_uids: if given, only these uids may be admitted.
+        tenant: the tenant this pool belongs to (``""``: the single tenant);
+            part of every block's name (and so of its Redis key and MAC).
         max_reserve_bytes: slot bytes one owner may hold WRITING at once
             (default: the whole pool); keys past it get no slot, and a
             reservation of which none fits is refused (``limit``).  Slots are
@@ -102,7 +107,9 @@ class ServerState:
 
     def __init__(self, size: int, node: int, chunk_bytes: int, *, quotas: Optional[Dict[str, int]] = None,
                  default_quota: Optional[int] = None, max_clients: int = 256,
-                 allow_uids: Optional[Sequence[int]] = None, max_reserve_bytes: Optional[int] = None):
+                 allow_uids: Optional[Sequence[int]] = None, max_reserve_bytes: Optional[int] = None,
+                 tenant: str = ""):
+        self.tenant = str(tenant)
         self.size, self.node, self.chunk_bytes = int(size), int(node), int(chunk_bytes)
         self.max_reserve_bytes = int(max_reserve_bytes) if max_reserve_bytes else self.size
         self.max_clients = int(max_clients)
@@ -120,6 +127,9 @@ class ServerState:
                   "one_way_requests": 0, "one_way_errors": 0}
         self.placement = None
         self.tier = None
+        self.persist = None   # a PoolFile (--pool-file): committed blocks recorded for the next start
+        self.shared: Dict[str, frozenset] = {}        # --shared-namespace: ns -> the tenants that may write it
+        self.siblings: Dict[str, "ServerState"] = {}  # every tenant's state (the writers of a shared ns)
         # No engine: the kernel's own mbind/move_pages place and verify pages;
         # the server never registers (its clients do, for their GPU).
         self.arena = _C.HostArena(None, self.size, self.node, True)
@@ -131,6 +141,40 @@ class ServerState:
         self.index = BlockIndex(self.size, self.chunk_bytes, granule=os.sysconf("SC_PAGESIZE"))
         # After construction: BlockIndex copies its quotas argument into a plain dict.
         self.index.quotas = _Quotas(quotas or {}, default_quota)
+
+    def names(self, ns: str, keys: Sequence[bytes]) -> List[bytes]:
+        """The block names of ``keys`` in ``ns`` here: within this tenant, or
+        within no tenant for a namespace the operator shares (``--shared-namespace``)."""
+        return namespaced_keys(ns, keys, SHARED_TENANT if ns in self.shared else self.tenant)
+
+    def _from_writers(self, ns: str, iks: List[bytes], o: Owner) -> List[Entry]:
+        """Blocks of shared namespace ``ns`` that a writer tenant holds (up to
+        its first miss), copied into this tenant's pool and pinned for ``o``:
+        the reader maps only its own pool.  Never holds two tenants' locks."""
+        for w in sorted(self.shared[ns]):
+            src = self.siblings.get(w)
+            if src is None or src is self:
+                continue
+            got, tokens = [], 0
+            with src.lock:  # copied under the writer's lock: its blocks cannot be evicted meanwhile
+                for k in iks:
+                    e = src.index.entries.get(k)
+                    if e is None or e.writer is not None or (got and e.nbytes != len(got[0])):
+                        break
+                    got.append(src.block_bytes(e).tobytes())
+                    tokens = e.tokens
+            if not got:
+                continue
+            with self.lock:
+                slots = self.index.reserve(iks[:len(got)], len(got[0]), ns, o, tokens)
+            live = list(itertools.takewhile(lambda e: e is not None, slots))
+            for e, data in zip(live, got):
+                self.view[e.offset:e.offset + e.nbytes] = data
+            with self.lock:
+                self.index.abort([e for e in slots[len(live):] if e is not None], o)
+                self.index.publish(live, o)
+                return self.index.match([e.key for e in live], o)
+        return []
 
     def set_tier(self, tier) -> None:
         """Put ``tier`` below the pool: evicted blocks go to ``tier.evicted``."""
@@ -224,11 +268,13 @@ class ServerState:
             protocol.RemoteError: ``limit`` (MAX_LEASES_PER_CLIENT open leases).
         """
         o = self.owner(cid)
-        ik = namespaced_keys(ns, keys)
+        ik = self.names(ns, keys)
         with self.lock:
             if len(o.leases) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open leases; release some")
             entries = self.index.match(ik, o)
+        if ns in self.shared and len(entries) < len(ik):
+            entries += self._from_writers(ns, ik[len(entries):], o)
         below = []
         if self.tier is not None and len(entries) < len(ik) and not self.tier.down():
             below = self.tier.read_through(ns, ik[len(entries):], o)
@@ -260,7 +306,7 @@ class ServerState:
         fails and no lease pins it, so a client cannot drop a sound block.
         Counts ``corrupt_blocks``; returns how many were dropped."""
         self.owner(cid)
-        by_nskey = {namespaced_key(ns, k): k for k in keys}
+        by_nskey = dict(zip(self.names(ns, keys), keys))
         with self.lock:
             n = self.index.discard(list(by_nskey),
                                    lambda e: not verify_stored(self.block_bytes(e), by_nskey[e.key]))
@@ -283,7 +329,10 @@ class ServerState:
             raise P.RemoteError("too_large", f"a block of {nbytes} bytes is larger than one chunk of this kv-server "
                                              f"({self.chunk_bytes} bytes, --chunk); raise --chunk or lower "
                                              "block_tokens")
-        ik = namespaced_keys(ns, keys)
+        if ns in self.shared and self.tenant not in self.shared[ns]:
+            raise P.RemoteError("denied", f"namespace {ns!r} is shared by the operator; tenant {self.tenant!r} may "
+                                          "read it, not write it (--shared-namespace)")
+        ik = self.names(ns, keys)
         with self.lock:
             if len(o.reservations) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open reservations; commit or "
@@ -327,7 +376,13 @@ class ServerState:
             if len(keep) != len(live):  # a set: a commit of 16,384 blocks was O(n^2) with `not in keep`
                 kept = set(map(id, keep))
                 self.index.abort([e for e in live if id(e) not in kept], o)
-            return self.index.publish(keep, o)
+            n = self.index.publish(keep, o)
+            # Copied under the lock: once published and unpinned a block may be evicted and its slot reused.
+            copies = [(e.key, e.ns, e.tokens, self.block_bytes(e).tobytes()) for e in keep
+                      if self.index.entries.get(e.key) is e and e.writer is None] if self.persist is not None else ()
+        for rec in copies:  # after publishing: a record is only ever of a committed block
+            self.persist.append(*rec)
+        return n
 
     def abort(self, cid: int, rid: int) -> None:
         """Free reservation ``rid`` of ``cid`` without publishing (unknown ids are ignored)."""
@@ -403,6 +458,7 @@ class ServerState:
             "namespaces": {ns: {"used_bytes": b, "quota_bytes": quotas.get(ns, default_quota)}
                            for ns, b in ns_bytes.items()},
             "quotas": {**quotas, **({"*": default_quota} if default_quota is not None else {})},
+            "pool_file": dict(self.persist.c, path=self.persist.path) if self.persist is not None else None,
         }
         return pool, clients, c, counters
 

@@ -44,6 +44,7 @@ from typing import Callable, Dict, List, Optional
 
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.server.state import Owner, ServerState, log
+from cxlalloc.kvstore.server.tenants import Tenancy
 
 DEFAULT_SOCKET_MODE = 0o660
 DEFAULT_IO_TIMEOUT_S = 10.0
@@ -78,7 +79,12 @@ def bind_socket(path: str, mode: int, gid: Optional[int], backlog: int = DEFAULT
     d = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(d):
         try:
-            os.makedirs(d, mode=0o755, exist_ok=True)
+            os.makedirs(d, mode=0o750, exist_ok=True)
+            # 0750 whatever the umask; its group is the socket's (--group), so
+            # only the owner and that group may reach the socket at all.
+            os.chmod(d, 0o750)
+            if gid is not None:
+                os.chown(d, -1, gid)
         except OSError as e:
             raise OSError(e.errno, f"cxlalloc option '--socket': cannot create the directory {d!r}: "
                                    f"{e.strerror}") from None
@@ -119,7 +125,10 @@ class Transport:
     """The socket side of a kv-server.
 
     Args:
-        state: what requests act on.
+        state: what requests act on: one :class:`ServerState`, or
+            ``{tenant: ServerState}`` with ``tenancy`` (each connection acts
+            on its tenant's state only, chosen by its peer credentials).
+        tenancy: who is which tenant (default: one tenant ``""``).
         socket_path, socket_mode, gid: where to listen, who may attach.
         io_timeout: seconds a started message may take to arrive or be sent.
         stats: the ``stats`` op's answer (the server's full stats).
@@ -131,12 +140,14 @@ class Transport:
         backlog: the listen backlog (connects queued before accept).
     """
 
-    def __init__(self, state: ServerState, socket_path: str, socket_mode: int, gid: Optional[int],
-                 io_timeout: float, stats: Callable[[], dict], stop: threading.Event, *,
+    def __init__(self, state, socket_path: str, socket_mode: int, gid: Optional[int],
+                 io_timeout: float, stats: Callable[..., dict], stop: threading.Event, *,
                  max_frame: int = DEFAULT_MAX_FRAME, max_buffered: int = DEFAULT_MAX_BUFFERED,
                  frame_timeout: float = DEFAULT_FRAME_TIMEOUT_S, max_objects: int = DEFAULT_MAX_OBJECTS,
-                 backlog: int = DEFAULT_BACKLOG):
-        self.state = state
+                 backlog: int = DEFAULT_BACKLOG, tenancy: Optional[Tenancy] = None):
+        self.states: Dict[str, ServerState] = dict(state) if isinstance(state, dict) else {"": state}
+        self.tenancy = tenancy if tenancy is not None else Tenancy()
+        self.state = next(iter(self.states.values()))  # the first tenant's: refusals of unbound peers count here
         self.socket_path, self.socket_mode, self.gid = socket_path, socket_mode, gid
         self.io_timeout = float(io_timeout)
         self.max_frame, self.max_buffered = int(max_frame), int(max_buffered)
@@ -179,7 +190,7 @@ class Transport:
                 sock.close()
                 continue
             try:
-                owner = self.state.admit(pid, uid, gid)
+                owner = self._admit(pid, uid, gid)
             except P.RemoteError as refuse:
                 self._refuse(sock, Owner(pid, uid, gid), refuse)
                 continue
@@ -187,6 +198,21 @@ class Transport:
                 self._socks[owner.id] = sock
             t = threading.Thread(target=self._serve, args=(owner, sock), name=f"kv-client-{owner.id}", daemon=True)
             t.start()
+
+    def _admit(self, pid: int, uid: int, gid: int) -> Owner:
+        """An owner in the state of the peer's tenant (by its credentials only).
+        A peer bound to no tenant is refused (``denied``), except the operator,
+        who is admitted for ``stats`` (of every tenant) and ``ping`` only (it maps no pool)."""
+        tenant = self.tenancy.resolve(uid, gid)
+        operator = self.tenancy.is_operator(uid)
+        if tenant is None and not operator:
+            self.state.count("refused_denied")
+            raise P.RemoteError("denied", f"uid {uid} (gid {gid}) belongs to no tenant of this kv-server (--tenant)")
+        st = self.states[tenant if tenant is not None else next(iter(self.states))]
+        owner = st.admit(pid, uid, gid)
+        owner.tenant = st.tenant
+        owner.unbound = tenant is None
+        return owner
 
     # ------------------------------------------------------------ refusals
     def _refuse(self, sock: socket.socket, who: Owner, refuse: P.RemoteError) -> None:
@@ -307,6 +333,7 @@ class Transport:
 
     def _serve(self, owner: Owner, sock: socket.socket) -> None:
         why = "closed"
+        st = self.states[owner.tenant]
         try:
             while not self._stop.is_set():
                 try:
@@ -316,15 +343,15 @@ class Transport:
                 sock.settimeout(self.io_timeout)
                 reply, fds = self.handle(owner, msg)
                 if owner.version >= 2 and P.is_one_way(msg):  # v2 release: acted on, never answered
-                    self.state.count("one_way_requests")
+                    st.count("one_way_requests")
                     if not reply.get("ok"):
-                        self.state.count("one_way_errors")
+                        st.count("one_way_errors")
                     continue
                 P.send_msg(sock, reply, fds)
         except (P.ProtocolError, P.RemoteError) as e:
             code = e.code if isinstance(e, P.RemoteError) else "bad_request"
-            self.state.count("protocol_errors")
-            self.state.count(f"refused_{code}" if code in ("too_large", "busy", "timeout") else "bad_frames")
+            st.count("protocol_errors")
+            st.count(f"refused_{code}" if code in ("too_large", "busy", "timeout") else "bad_frames")
             why = f"{code}: {e}"
             try:
                 sock.settimeout(1.0)
@@ -337,7 +364,7 @@ class Transport:
             self._drop(owner, sock, why)
 
     def _drop(self, owner: Owner, sock: socket.socket, why: str) -> None:
-        pins, writing = self.state.drop(owner.id)
+        pins, writing = self.states[owner.tenant].drop(owner.id)
         with self._socks_lock:
             self._socks.pop(owner.id, None)
         try:
@@ -354,62 +381,73 @@ class Transport:
         """One request -> (reply, file descriptors to send or None).  Errors
         are replies (``{"ok": False, "code", "error"}``); never raises."""
         op = msg.get("op")
-        self.state.count_request(owner.id)
+        st = self.states[owner.tenant]
+        st.count_request(owner.id)
         try:
             if op == "hello":
-                return self._hello(owner, msg)
+                return self._hello(st, owner, msg)
             if not owner.hello:
                 raise P.RemoteError("bad_request", "the first message must be 'hello'")
             fn = self.OPS.get(op) if isinstance(op, str) else None
             if fn is None:
                 raise P.RemoteError("unknown_op", f"unknown op {op!r}; known: {', '.join(P.OPS)}")
-            out = fn(self, owner.id, msg)
+            if owner.unbound and op not in ("stats", "ping"):
+                raise P.RemoteError("denied", f"uid {owner.uid} belongs to no tenant of this kv-server: it may ask "
+                                              "for stats only (bind it with --tenant)")
+            out = fn(self, st, owner, msg)
             out["ok"] = True
             return out, None
         except P.RemoteError as e:
-            self.state.count("bad_requests")
+            st.count("bad_requests")
             return {"ok": False, "code": e.code, "error": str(e)}, None
         except Exception as e:  # a bug: say so, keep serving
             log.error("internal error on %s from %r: %s", op, owner, traceback.format_exc())
             return {"ok": False, "code": "internal", "error": f"{type(e).__name__}: {e}"}, None
 
-    def _hello(self, owner: Owner, msg: dict):
+    def _hello(self, st: ServerState, owner: Owner, msg: dict):
         want_fd = bool(msg.get("want_fd", True))
+        if want_fd and owner.unbound:
+            raise P.RemoteError("denied", f"uid {owner.uid} belongs to no tenant of this kv-server: it may not map "
+                                          "a pool (bind it with --tenant), only ask for stats (want_fd false)")
         owner.status_only = not want_fd
-        pool = self.state.hello(owner.id, msg.get("v"), msg.get("name", ""))
-        log.info("%r attached%s", owner, "" if want_fd else " (status only)")
-        return {"ok": True, **pool, "fd": want_fd}, ([self.state.arena.fd] if want_fd else None)
+        pool = st.hello(owner.id, msg.get("v"), msg.get("name", ""))
+        if self.tenancy.multi:
+            pool["tenant"] = st.tenant
+        log.info("%r attached%s%s", owner, f" as tenant {st.tenant!r}" if self.tenancy.multi else "",
+                 "" if want_fd else " (status only)")
+        return {"ok": True, **pool, "fd": want_fd}, ([st.arena.fd] if want_fd else None)
 
-    def _op_ping(self, cid, msg):
+    # Each op acts on the state of the connection's own tenant (``st``), never on another's.
+    def _op_ping(self, st, owner, msg):
         return {}
 
-    def _op_stats(self, cid, msg):
-        return {"stats": self._stats()}
+    def _op_stats(self, st, owner, msg):
+        return {"stats": self._stats(None if owner.unbound else owner.tenant)}
 
-    def _op_lookup(self, cid: int, msg: dict):
-        return self.state.lookup(cid, P.check_ns(msg.get("ns")), P.check_keys(msg.get("keys")))
+    def _op_lookup(self, st, owner, msg: dict):
+        return st.lookup(owner.id, P.check_ns(msg.get("ns")), P.check_keys(msg.get("keys")))
 
-    def _op_discard(self, cid: int, msg: dict):
-        return {"dropped": self.state.discard(cid, P.check_ns(msg.get("ns")), P.check_keys(msg.get("keys")))}
+    def _op_discard(self, st, owner, msg: dict):
+        return {"dropped": st.discard(owner.id, P.check_ns(msg.get("ns")), P.check_keys(msg.get("keys")))}
 
-    def _op_release(self, cid: int, msg: dict):
+    def _op_release(self, st, owner, msg: dict):
         ids = msg.get("leases")
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise P.RemoteError("bad_request", "'leases' must be a list of lease ids")
-        return {"released": self.state.release(cid, ids)}
+        return {"released": st.release(owner.id, ids)}
 
-    def _op_reserve(self, cid: int, msg: dict):
+    def _op_reserve(self, st, owner, msg: dict):
         ns = P.check_ns(msg.get("ns"))
         keys = P.check_keys(msg.get("keys"))
         nbytes = P.check_int(msg, "nbytes", 1, 1 << 40)
         tokens = P.check_int(msg, "tokens", 0, 1 << 31)
-        return self.state.reserve(cid, ns, keys, nbytes, tokens)
+        return st.reserve(owner.id, ns, keys, nbytes, tokens)
 
-    def _op_commit(self, cid: int, msg: dict):
-        return {"published": self.state.commit(cid, P.check_int(msg, "res", 1))}
+    def _op_commit(self, st, owner, msg: dict):
+        return {"published": st.commit(owner.id, P.check_int(msg, "res", 1))}
 
-    def _op_abort(self, cid: int, msg: dict):
-        self.state.abort(cid, P.check_int(msg, "res", 1))
+    def _op_abort(self, st, owner, msg: dict):
+        st.abort(owner.id, P.check_int(msg, "res", 1))
         return {}
 
     # Every op of the protocol but "hello" (answered before any other): name -> method.
@@ -439,7 +477,6 @@ class Transport:
                 pass
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
-            with self.state.lock:
-                if not self.state.owners:
-                    break
+            if all(not s.owners for s in self.states.values()):
+                break
             time.sleep(0.01)

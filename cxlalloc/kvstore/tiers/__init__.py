@@ -41,7 +41,8 @@ class Tier(abc.ABC):
     :func:`cxlalloc.kvstore.keys.namespaced_key` of the namespace (``ns``,
     ``""`` for none) and the block's chained key, so two namespaces never
     share a value and one block has one name in every process and machine.
-    :meth:`put` / :meth:`get_many` take ``(key, ns)`` and namespace it;
+    :meth:`put` / :meth:`get_many` take ``(key, ns)`` and namespace it
+    (within :attr:`tenant`);
     :meth:`put_ns` / :meth:`get_many_ns` take namespaced keys (the kv-server's
     index holds those).
 
@@ -81,6 +82,9 @@ class Tier(abc.ABC):
 
     #: The tier's name in stats (``"redis"``).
     kind: str = "?"
+    #: The tenant whose blocks :meth:`put`/:meth:`get_many` name (``""``: the
+    #: single tenant); the names a kv-server's tenant of that name gives its blocks.
+    tenant: str = ""
 
     # ------------------------------------------------------------ writes
     @abc.abstractmethod
@@ -94,7 +98,7 @@ class Tier(abc.ABC):
 
     def put(self, key: bytes, ns: str, data, tokens: int = 0) -> bool:
         """:meth:`put_ns` of block ``key`` (32-byte chained key) in namespace ``ns``."""
-        return self.put_ns(namespaced_key(ns, key), data, tokens)
+        return self.put_ns(namespaced_key(ns, key, self.tenant), data, tokens)
 
     @abc.abstractmethod
     def flush(self, timeout: float = 5.0) -> bool:
@@ -110,7 +114,7 @@ class Tier(abc.ABC):
     def get_many(self, keys: Sequence[bytes], ns: str = "") -> List[Optional[bytes]]:
         """:meth:`get_many_ns` of block ``keys`` (one sequence's chained keys,
         in order) in namespace ``ns``."""
-        return self.get_many_ns([namespaced_key(ns, k) for k in keys])
+        return self.get_many_ns([namespaced_key(ns, k, self.tenant) for k in keys])
 
     def get_many_ns_tokens(self, nskeys: Sequence[bytes]) -> List[Optional[tuple]]:
         """:meth:`get_many_ns` with each block's tokens as given to :meth:`put_ns`:
@@ -120,7 +124,7 @@ class Tier(abc.ABC):
 
     def get_many_tokens(self, keys: Sequence[bytes], ns: str = "") -> List[Optional[tuple]]:
         """:meth:`get_many_ns_tokens` of block ``keys`` in namespace ``ns``."""
-        return self.get_many_ns_tokens([namespaced_key(ns, k) for k in keys])
+        return self.get_many_ns_tokens([namespaced_key(ns, k, self.tenant) for k in keys])
 
     # ------------------------------------------------------------ state
     @abc.abstractmethod

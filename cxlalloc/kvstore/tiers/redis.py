@@ -36,7 +36,7 @@ store the deployment already runs (docs/sources.md#kv-reuse).
   ``rediss://...`` for TLS, and any redis-py keyword (``ssl_ca_certs``,
   ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``, ``password``, ...) passed through,
   also as URL query options (``rediss://host:6380/0?ssl_ca_certs=/etc/ssl/ca.pem``).
-  cxlalloc's own: ``?prefix=...&ttl=SECONDS&queue=SIZE``.
+  cxlalloc's own: ``?prefix=...&ttl=SECONDS&queue=SIZE&tenant=NAME``.
 * **A Cluster** (Redis Cluster / Valkey Cluster): ``redis+cluster://host:port``
   (``rediss+cluster://`` for TLS), any node as the seed.  Keys are grouped by
   hash slot and read with one pipeline per primary, all written before any
@@ -44,6 +44,9 @@ store the deployment already runs (docs/sources.md#kv-reuse).
   after a failover or resharding, and a node down is misses for its slots
   only (:mod:`cxlalloc.kvstore.tiers.redis_cluster`).  Values, MACs, the queue
   and the counters are the same as on one server.
+* **Tenants.**  ``tenant=NAME`` (``?tenant=NAME``; default ``""``, the single
+  tenant) names the blocks of :meth:`put`/:meth:`get_many` as a kv-server's
+  tenant of that name does (:func:`cxlalloc.kvstore.keys.namespaced_key`).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
-from cxlalloc.kvstore.keys import REDIS_PREFIX, redis_key
+from cxlalloc.kvstore.keys import REDIS_PREFIX, check_tenant, redis_key
 from cxlalloc.kvstore.tiers import Tier
 from cxlalloc.kvstore.tiers.redis_format import (_HEADER, HEADER_BYTES, _length, cache_config_warnings,  # noqa: F401
                                                   check_url, pack_value, read_key_file, redact_url, split_url_options, unpack_value,
@@ -96,10 +99,11 @@ class RedisTier(Tier):
 
     def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX, ttl: Optional[float] = None,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, timeout: float = DEFAULT_TIMEOUT_S, batch_keys: int = 8,
-                 option: str = "--redis", key_file: Optional[str] = None, **redis_kwargs):
+                 option: str = "--redis", key_file: Optional[str] = None, tenant: str = "", **redis_kwargs):
         check_url(url, option)
         url, ours = split_url_options(url)
         prefix = ours.get("prefix", prefix)
+        self.tenant = check_tenant(t, f"{option} ?tenant") if (t := ours.get("tenant", tenant)) else ""
         if "redis_key_file" in ours:
             key_file, key_option = ours["redis_key_file"], f"{option} ?redis_key_file"
         else:

@@ -163,7 +163,7 @@ def check_url(url, option: str = "--redis") -> str:
     return url
 
 
-OWN_URL_OPTIONS = ("prefix", "ttl", "queue", "redis_key_file")
+OWN_URL_OPTIONS = ("prefix", "ttl", "queue", "redis_key_file", "tenant")
 
 
 def split_url_options(url: str):
