@@ -326,6 +326,11 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
         return base_config(app, http=protocol, **kwargs)
 
     cb = {k: v for k, v in (cb_options or {}).items() if v is not None}
+    # transformers makes its continuous-batching manager lazily, at the first request, by this module name:
+    # the guarded one stays in place for the server's life (the swaps above matter only while it is built).
+    from transformers.cli.serving import utils as serving_utils
+
+    serving_utils.CBGenerateManager = guarded_cb_manager(serving_utils.CBGenerateManager, hf.stats)
     with _swapped(uvicorn, "Config", config), _swapped(model_manager, "ModelManager", TieredModelManager), _swapped(server, "build_server", build_server), \
             _swapped(chat_mod, "ChatCompletionHandler", CheckedChat), \
             _swapped(completion_mod, "CompletionHandler", CheckedCompletion):
@@ -340,6 +345,71 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
         if state is not None:
             state.shutdown()
     return running
+
+
+def paged_capacity_tokens(stats: dict) -> Optional[int]:
+    """Tokens the model's paged KV cache holds (``num_blocks x page_size`` of its live or last paged cache, from
+    :func:`cxlalloc.hf.stats`), or None before one exists."""
+    cache = ((stats.get("hf") or {}).get("continuous_batching") or {}).get("cache") or {}
+    n, page = cache.get("num_blocks"), cache.get("page_size")
+    return int(n) * int(page) if n and page else None
+
+
+def guarded_cb_manager(base, stats):
+    """transformers' ``CBGenerateManager`` with two guards (issue 29, item 3: one request used to kill the
+    continuous-batching worker for good, every later request a 503 "CB worker is dead"):
+
+    * a request whose prompt plus ``max_tokens`` cannot fit the paged KV cache is refused with a 400 naming
+      the limit (:class:`InvalidRequest`), before it reaches the worker;
+    * a worker that died anyway is replaced by a new one at the next request (logged, counted in
+      ``restarts``); requests in flight when it died get transformers' own error.
+    """
+
+    class GuardedCBManager(base):
+        restarts = 0
+
+        def init_cb(self, model, gen_config) -> None:
+            self._model, self._gen_config = model, gen_config
+            super().init_cb(model, gen_config)
+
+        def _check_alive(self, request_id: str) -> None:
+            cb = self._cb
+            if cb is not None and cb.background_thread_status.fatal_error is not None:
+                import logging
+
+                logging.getLogger("cxlalloc.serve").warning(
+                    "cxlalloc serve: the continuous-batching worker died (%s); starting a new one",
+                    cb.background_thread_status.fatal_error)
+                try:
+                    cb.stop(block=False)
+                except Exception:  # the dead worker's own clean-up: nothing more to save
+                    pass
+                self._cb = None
+                type(self).restarts += 1
+                super().init_cb(self._model, self._gen_config)
+            super()._check_alive(request_id)
+
+        def _check_fits(self, model, inputs, gen_config) -> None:
+            cap = paged_capacity_tokens(stats(model))
+            prompt = len(inputs["input_ids"])
+            new = int(gen_config.max_new_tokens or 0)
+            if cap is not None and prompt + new > cap:
+                param = "messages" if prompt >= cap else "max_tokens"
+                raise InvalidRequest(param, f"{param}: the prompt ({prompt} tokens) plus max_tokens ({new}) "
+                                            f"needs {prompt + new} tokens of KV, more than the paged KV cache "
+                                            f"holds ({cap} tokens: --cb-num-blocks x --cb-block-size); shorten "
+                                            "the prompt or lower max_tokens")
+
+        def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
+            self._check_fits(model, inputs, gen_config)
+            return super().generate_streaming(model, processor, inputs, gen_config, request_id,
+                                              response_parser=response_parser)
+
+        async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+            self._check_fits(model, inputs, gen_config)
+            return await super().generate_non_streaming(model, processor, inputs, gen_config, request_id)
+
+    return GuardedCBManager
 
 
 def header_timeout_protocol(seconds: float):

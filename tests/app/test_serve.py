@@ -474,3 +474,23 @@ def test_serve_on_a_gpu_answers_the_openai_client(tmp_path):
         assert st["hf"]["continuous_batching"]["counters"]["peak_kv_device_bytes"] > 0
     finally:
         _stop(proc, log)
+
+
+def test_a_request_that_cannot_fit_the_paged_cache_is_400_and_the_server_goes_on(served):
+    """Issue 29, item 3: a prompt (or max_tokens) larger than the paged KV cache used to kill the continuous-
+    batching worker for good (every later request a 503).  Now it is refused with a 400 naming the limit, and
+    the next request is answered.  The server here holds 64 blocks x 16 tokens = 1,024 tokens."""
+    import openai
+
+    port, d, model, tok, proc = served
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+    ok = dict(model=d, max_tokens=4, temperature=0)
+    client.chat.completions.create(messages=[{"role": "user", "content": "hello there"}], **ok)  # builds the cache
+    huge = " ".join(["harbour tide station report"] * 600)  # well over 1,024 tokens
+    for messages, max_tokens, param in (([{"role": "user", "content": huge}], 4, "messages"),
+                                        ([{"role": "user", "content": "hello"}], 4000, "max_tokens")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(messages=messages, **dict(ok, max_tokens=max_tokens))
+        assert e.value.body["param"] == param and "paged KV cache" in e.value.body["message"]
+    r = client.chat.completions.create(messages=[{"role": "user", "content": "rain sun moon"}], **ok)
+    assert r.choices[0].message.content is not None and proc.poll() is None
