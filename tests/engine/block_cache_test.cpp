@@ -10,18 +10,11 @@
 #include "alloc/block_cache.h"
 #include "alloc/sizes.h"
 
+#include "unit_check.h"
+
 using namespace cxl;
 using namespace cxl::alloc;
 
-static int checks = 0, failures = 0;
-#define CHECK(cond)                                                 \
-  do {                                                              \
-    ++checks;                                                       \
-    if (!(cond)) {                                                  \
-      ++failures;                                                   \
-      std::printf("FAILED %s:%d: %s\n", __FILE__, __LINE__, #cond); \
-    }                                                               \
-  } while (0)
 
 namespace {
 

@@ -13,18 +13,11 @@
 #include "alloc/pending_frees.h"
 #include "common/error.h"
 
+#include "unit_check.h"
+
 using namespace cxl;
 using namespace cxl::alloc;
 
-static int checks = 0, failures = 0;
-#define CHECK(cond)                                                 \
-  do {                                                              \
-    ++checks;                                                       \
-    if (!(cond)) {                                                  \
-      ++failures;                                                   \
-      std::printf("FAILED %s:%d: %s\n", __FILE__, __LINE__, #cond); \
-    }                                                               \
-  } while (0)
 
 namespace {
 
