@@ -12,11 +12,17 @@ its size rounded up to the ``granule`` (the kv-server uses the page size, so
 ``reserve(nbytes=1)`` holds one 4 KiB slot).  A chunk is filled from its
 bottom by a bump pointer (``top``): any block size may take the free tail of
 any chunk, so one tiny block held in a chunk never closes the rest of it to
-other sizes.  A slot freed below ``top`` goes on the chunk's free list for its
-size (taken first by the next block of that size); the top slot lowers
-``top``; a chunk with no block left is reset (``top = 0``).  Nothing is built
-per slot or per byte: opening a chunk is O(1), finding the lowest chunk whose
-tail fits a block is O(log chunks) (a max segment tree over the tails).
+other sizes.  A slot freed below ``top`` is merged with the free extents
+beside it (boundary maps: offset -> size and end -> offset) and kept on the
+chunk's free list for its size; a free span that reaches ``top`` lowers
+``top``; a chunk with no block left is reset (``top = 0``).  A block takes a
+free extent of its exact size first, else the lowest chunk with a free span
+that holds it (its smallest free extent that does, split, or its tail).  So
+small blocks left pinned on top of every chunk (the pinned-top attack) leave
+the bytes below them one free span each, open to any size, never slots of one
+size only.  Nothing is built per slot or per byte: opening a chunk is O(1),
+finding the lowest chunk with room for a block is O(log chunks) (a max segment
+tree over each chunk's largest free span).
 
 Every operation costs O(blocks it touches) or O(log chunks), never O(blocks
 stored): the LRU lists are intrusive (links in the entries), each owner's
@@ -182,8 +188,10 @@ class BlockIndex:
         self._csize = [min(self.chunk_bytes, self.capacity_bytes - i * self.chunk_bytes) for i in range(n)]
         self._top = [0] * n                       # bytes of the chunk below its bump pointer
         self._used = [0] * n                      # entries in the chunk
-        self._free: List[Optional[Dict[int, List[int]]]] = [None] * n   # slot size -> free offsets below top
-        self._open: Dict[int, Dict[int, None]] = {}                    # slot size -> chunks with a free slot
+        self._free: List[Optional[Dict[int, Dict[int, None]]]] = [None] * n  # extent size -> free offsets below top
+        self._fstart: List[Dict[int, int]] = [{} for _ in range(n)]    # free extent: offset -> size
+        self._fend: List[Dict[int, int]] = [{} for _ in range(n)]      # free extent: end -> offset
+        self._open: Dict[int, Dict[int, None]] = {}                    # extent size -> chunks with one
         self._tails = _TailTree(self._csize)
         self._largest = max(self._csize)
         self.entries: Dict[bytes, Entry] = {}
@@ -301,30 +309,71 @@ class BlockIndex:
             self._pins.pop(owner, None)
 
     # ------------------------------------------------------------ space
+    def _chunk_room(self, i: int) -> int:
+        """The largest free span of chunk ``i`` (bytes): its tail or its largest free extent."""
+        free = self._free[i]
+        tail = self._csize[i] - self._top[i]
+        return max(tail, max(free)) if free else tail
+
+    def _extent_add(self, i: int, off: int, size: int) -> None:
+        free = self._free[i]
+        if free is None:
+            free = self._free[i] = {}
+        offs = free.get(size)
+        if offs is None:
+            offs = free[size] = {}
+            self._open.setdefault(size, {})[i] = None
+        offs[off] = None
+        self._fstart[i][off] = size
+        self._fend[i][off + size] = off
+
+    def _extent_remove(self, i: int, off: int, size: int) -> None:
+        free = self._free[i]
+        offs = free[size]
+        del offs[off]
+        if not offs:
+            del free[size]
+            chunks = self._open[size]
+            del chunks[i]
+            if not chunks:
+                del self._open[size]
+            if not free:
+                self._free[i] = None
+        del self._fstart[i][off]
+        del self._fend[i][off + size]
+
     def _take_slot(self, size: int):
-        """(chunk, offset) of a free slot of ``size`` bytes, or None."""
+        """(chunk, offset) of a free slot of ``size`` bytes, or None.
+
+        A free extent of exactly ``size`` first (any chunk); else the lowest
+        chunk with a free span of ``size`` (its smallest free extent that
+        holds it, split, or its tail)."""
         chunks = self._open.get(size)
         if chunks:
             i = next(iter(chunks))
-            offs = self._free[i][size]
-            off = offs.pop()
-            if not offs:
-                del self._free[i][size]
-                del chunks[i]
-                if not chunks:
-                    del self._open[size]
-            self._used[i] += 1
-            return i, off
-        i = self._tails.first_fit(size)
-        if i < 0:
-            return None
-        off = i * self.chunk_bytes + self._top[i]
-        self._top[i] += size
-        self._tails.set(i, self._csize[i] - self._top[i])
+            off = next(reversed(self._free[i][size]))
+            self._extent_remove(i, off, size)
+        else:
+            i = self._tails.first_fit(size)
+            if i < 0:
+                return None
+            free = self._free[i]
+            fit = min((s for s in free if s >= size), default=0) if free else 0
+            if fit:
+                off = next(reversed(self._free[i][fit]))
+                self._extent_remove(i, off, fit)
+                self._extent_add(i, off + size, fit - size)
+            else:
+                off = i * self.chunk_bytes + self._top[i]
+                self._top[i] += size
+        self._tails.set(i, self._chunk_room(i))
         self._used[i] += 1
         return i, off
 
     def _release_slot(self, e: Entry) -> None:
+        """Free ``e``'s slot, merged with the free extents beside it (so pinned
+        blocks left on top of a chunk never strand the free bytes below them
+        in slots of one size), or given back to the tail."""
         i, size = e.offset // self.chunk_bytes, self.slot_size(e.nbytes)
         self._used[i] -= 1
         base = i * self.chunk_bytes
@@ -335,20 +384,26 @@ class BlockIndex:
                 if not chunks:
                     del self._open[s]
             self._free[i] = None
+            self._fstart[i].clear()
+            self._fend[i].clear()
             self._top[i] = 0
             self._tails.set(i, self._csize[i])
-        elif e.offset + size == base + self._top[i]:  # the top slot: the tail grows back
-            self._top[i] -= size
-            self._tails.set(i, self._csize[i] - self._top[i])
+            return
+        off = e.offset
+        below = self._fend[i].get(off)
+        if below is not None:
+            self._extent_remove(i, below, off - below)
+            size += off - below
+            off = below
+        above = self._fstart[i].get(off + size)
+        if above is not None:
+            self._extent_remove(i, off + size, above)
+            size += above
+        if off + size == base + self._top[i]:  # the top: the tail grows back
+            self._top[i] = off - base
         else:
-            free = self._free[i]
-            if free is None:
-                free = self._free[i] = {}
-            lst = free.get(size)
-            if lst is None:
-                lst = free[size] = []
-                self._open.setdefault(size, {})[i] = None
-            lst.append(e.offset)
+            self._extent_add(i, off, size)
+        self._tails.set(i, self._chunk_room(i))
 
     def _forget(self, e: Entry) -> None:
         del self.entries[e.key]
@@ -539,7 +594,13 @@ def check_invariants(index: "BlockIndex") -> None:
     for i in range(len(index._csize)):
         assert index._used[i] == used.get(i, 0), f"chunk {i} used"
         assert 0 <= index._top[i] <= index._csize[i], f"chunk {i} top"
-        assert index._tails.t[index._tails.p + i] == index._csize[i] - index._top[i], f"chunk {i} tail"
+        assert index._tails.t[index._tails.p + i] == index._chunk_room(i), f"chunk {i} room"
+        ext = sorted(index._fstart[i].items())
+        assert ext == sorted((o, s) for o, s in free_by_chunk.get(i, [])), f"chunk {i} extents"
+        assert index._fend[i] == {o + s: o for o, s in ext}, f"chunk {i} extent ends"
+        for (a, n), (b, _) in zip(ext, ext[1:]):
+            assert a + n < b, f"chunk {i}: free extents at {a} and {b} not merged"
+        assert all(o + s < i * index.chunk_bytes + index._top[i] for o, s in ext), f"chunk {i}: free extent at top"
         if index._used[i] == 0:
             assert index._top[i] == 0 and not index._free[i], f"empty chunk {i} not reset"
     spans = sorted([(e.offset, index.slot_size(e.nbytes), e.offset // index.chunk_bytes) for e in es]
