@@ -107,32 +107,78 @@ class _TooManyObjects(Exception):
     pass
 
 
-def decode(body: bytes, max_containers: Optional[int] = None) -> Dict[str, Any]:
-    """The message in a frame body; ProtocolError when it is not a msgpack map.
+class _TooManyItems(Exception):
+    pass
+
+
+# What one decoded request may hold on the kv-server (``decode(..., max_items=...)``): a request's
+# strings are an op, a namespace (MAX_NS_CHARS) and a client name; its bins are 32-byte keys.
+SERVER_MAX_STR = 4096          # characters of one string
+SERVER_MAX_BIN = 4096          # bytes of one bin
+SERVER_MAX_MAP = 64            # pairs of one map
+DEFAULT_MAX_ITEMS = MAX_KEYS + 1024   # elements of all lists and maps of one request (--max-items)
+
+
+def decoded_bound(nbytes: int, max_items: int) -> int:
+    """An upper estimate of the Python memory (bytes) a frame body of
+    ``nbytes`` decodes to under :func:`decode`'s server limits: the bytes of
+    its strings and bins, one 8-byte reference per element, and one object
+    header (<= 72 bytes) per element that is not a shared constant (such an
+    element takes at least 2 bytes of the frame)."""
+    m = min(int(max_items), int(nbytes))
+    return int(nbytes) + 8 * m + 72 * min(m, int(nbytes) // 2)
+
+
+def decode(body, max_containers: Optional[int] = None, max_items: Optional[int] = None) -> Dict[str, Any]:
+    """The message in a frame body (bytes-like; not copied); ProtocolError when it is not a msgpack map.
 
     Args:
         max_containers: if given, at most this many maps and lists in the
             message (the kv-server's ``--max-objects``): a frame of nested
             empty lists is refused after that many, instead of building one
             Python list per byte (ProtocolError naming the limit).
+        max_items: if given (the kv-server, ``--max-items``), the decoded
+            message is bounded in objects and bytes, not only in containers:
+            at most this many elements in all its lists and maps together
+            (counted as each container is built, so a frame of 2.8 M short
+            strings stops after two lists of at most MAX_KEYS + 16), strings
+            of at most SERVER_MAX_STR characters, bins of at most
+            SERVER_MAX_BIN bytes, maps of at most SERVER_MAX_MAP pairs.
     """
     hooks = {}
-    if max_containers is not None:
-        seen = [0]
+    if max_containers is not None or max_items is not None:
+        seen = [0, 0]
+        cap = max_containers if max_containers is not None else 1 << 62
+        items = max_items if max_items is not None else 1 << 62
 
         def count(obj):
             seen[0] += 1
-            if seen[0] > max_containers:
+            seen[1] += len(obj)
+            if seen[0] > cap:
                 raise _TooManyObjects()
+            if seen[1] > items:
+                raise _TooManyItems()
             return obj
 
         hooks = {"list_hook": count, "object_hook": count}
+    if max_items is not None:
+        sizes = dict(max_bin_len=SERVER_MAX_BIN, max_str_len=SERVER_MAX_STR, max_map_len=SERVER_MAX_MAP)
+    else:
+        sizes = dict(max_bin_len=MAX_FRAME, max_str_len=1 << 20, max_map_len=4096)
     try:
-        msg = _msgpack().unpackb(body, raw=False, use_list=True, strict_map_key=True, max_bin_len=MAX_FRAME,
-                                 max_str_len=1 << 20, max_array_len=MAX_KEYS + 16, max_map_len=4096,
-                                 max_ext_len=0, **hooks)
+        msg = _msgpack().unpackb(body, raw=False, use_list=True, strict_map_key=True,
+                                 max_array_len=MAX_KEYS + 16, max_ext_len=0, **sizes, **hooks)
     except _TooManyObjects:
         raise ProtocolError(f"a message holds more than {max_containers} maps and lists (--max-objects)") from None
+    except _TooManyItems:
+        raise ProtocolError(f"a message holds more than {max_items} elements in its lists and maps together "
+                            "(--max-items)") from None
+    except ValueError as e:
+        if max_items is not None and "exceeds max_" in str(e):
+            raise ProtocolError(f"not a kv-server request: {e} (strings hold at most {SERVER_MAX_STR} characters, "
+                                f"bins {SERVER_MAX_BIN} bytes, maps {SERVER_MAX_MAP} pairs, lists "
+                                f"{MAX_KEYS + 16} elements)") from None
+        raise ProtocolError(f"not a msgpack message: {type(e).__name__}: {e}") from None
     except Exception as e:
         raise ProtocolError(f"not a msgpack message: {type(e).__name__}: {e}") from None
     if not isinstance(msg, dict):

@@ -73,7 +73,7 @@ class KVServer:
         allow_uids: if given, only these uids (and the server's own) may attach.
         node_reason: why this node (shown by --status).
         io_timeout: seconds a reply may take to be sent.
-        max_frame, max_buffered, frame_timeout, max_objects, backlog: the
+        max_frame, max_buffered, frame_timeout, max_objects, backlog, max_items: the
             transport's bounds (:class:`~cxlalloc.kvstore.server.transport.Transport`).
         max_reserve_bytes: slot bytes one client may hold unpublished (default the whole pool).
 
@@ -89,7 +89,8 @@ class KVServer:
                  node_reason: str = "", io_timeout: float = DEFAULT_IO_TIMEOUT_S,
                  max_frame: int = DEFAULT_MAX_FRAME, max_buffered: int = DEFAULT_MAX_BUFFERED,
                  frame_timeout: float = DEFAULT_FRAME_TIMEOUT_S, max_objects: int = DEFAULT_MAX_OBJECTS,
-                 backlog: int = DEFAULT_BACKLOG, max_reserve_bytes: Optional[int] = None):
+                 backlog: int = DEFAULT_BACKLOG, max_reserve_bytes: Optional[int] = None,
+                 max_items: int = P.DEFAULT_MAX_ITEMS):
         page = os.sysconf("SC_PAGESIZE")
         if chunk_bytes <= 0 or chunk_bytes % page or chunk_bytes > MAX_CHUNK:
             raise ValueError(f"cxlalloc option '--chunk': {format_bytes(chunk_bytes)} must be a multiple of the page "
@@ -132,7 +133,8 @@ class KVServer:
         self.sampler = RateSampler(self.state)
         self.transport = Transport(self.state, self.socket_path, self.socket_mode, self.gid, self.io_timeout,
                                    self.stats, self._stop, max_frame=max_frame, max_buffered=max_buffered,
-                                   frame_timeout=frame_timeout, max_objects=max_objects, backlog=backlog)
+                                   frame_timeout=frame_timeout, max_objects=max_objects, backlog=backlog,
+                                   max_items=max_items)
         self.map_seconds = time.perf_counter() - t0
 
     def start(self) -> "KVServer":
@@ -174,9 +176,11 @@ class KVServer:
                   "limits": {"max_frame": self.transport.max_frame, "max_buffered": self.transport.max_buffered,
                              "frame_timeout_s": self.transport.frame_timeout,
                              "max_objects": self.transport.max_objects, "backlog": self.transport.backlog,
+                             "max_items": self.transport.max_items,
                              "max_clients": self.max_clients, "max_reserve": self.state.max_reserve_bytes},
                   "protocol_errors": c["protocol_errors"], "bad_requests": c["bad_requests"],
                   "corrupt_blocks": c["corrupt_blocks"], "requests": c["requests"],
+                  "buffered_peak_bytes": self.transport.buffered_peak,
                   "redis_mode": self.redis_mode if self.redis is not None else None,
                   "strict_placement": self.strict_placement}
         return {"server": server, "pool": pool, "rates": self.sampler.rates(counters),

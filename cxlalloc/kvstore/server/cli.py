@@ -131,6 +131,9 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
                         "'timeout' and closed")
     p.add_argument("--max-objects", type=int, default=DEFAULT_MAX_OBJECTS, metavar="N",
                    help="maps and lists in one request (default 64); more is answered 'bad_request' and closed")
+    p.add_argument("--max-items", type=int, default=P.DEFAULT_MAX_ITEMS, metavar="N",
+                   help=f"elements of all lists and maps of one request together (default {P.DEFAULT_MAX_ITEMS}: "
+                        f"a lookup of {P.MAX_KEYS} keys and room to spare); more is answered 'bad_request' and closed")
     p.add_argument("--backlog", type=int, default=DEFAULT_BACKLOG, metavar="N",
                    help="connects queued before they are accepted (default 4096, capped by net.core.somaxconn)")
     p.add_argument("--max-reserve", default="100%", metavar="SIZE",
@@ -205,9 +208,14 @@ def transport_limits(args, size: int) -> dict:
            "max_buffered": parse_size(args.max_buffered, "--max-buffered")}
     if out["max_frame"] < 1024:
         raise ValueError(f"cxlalloc option '--max-frame': {args.max_frame} must be at least 1KiB (a hello)")
-    if out["max_buffered"] < out["max_frame"]:
-        raise ValueError(f"cxlalloc option '--max-buffered': {args.max_buffered} must be at least --max-frame "
-                         f"({args.max_frame})")
+    if not P.MAX_KEYS <= args.max_items <= 1 << 24:
+        raise ValueError(f"cxlalloc option '--max-items': {args.max_items} must be in [{P.MAX_KEYS}, {1 << 24}] "
+                         f"(a request carries up to {P.MAX_KEYS} keys)")
+    need = out["max_frame"] + P.decoded_bound(out["max_frame"], args.max_items)
+    if out["max_buffered"] < need:
+        raise ValueError(f"cxlalloc option '--max-buffered': {args.max_buffered} must be at least {need} bytes "
+                         f"(one --max-frame {args.max_frame} request and what it decodes to at --max-items "
+                         f"{args.max_items})")
     if not args.frame_timeout > 0:
         raise ValueError(f"cxlalloc option '--frame-timeout': {args.frame_timeout} must be > 0 seconds")
     if args.max_objects < 4:
@@ -219,8 +227,26 @@ def transport_limits(args, size: int) -> dict:
     if reserve < 1:
         raise ValueError(f"cxlalloc option '--max-reserve': {args.max_reserve} must be above 0 bytes")
     out.update(frame_timeout=args.frame_timeout, max_objects=args.max_objects, backlog=args.backlog,
+               max_items=args.max_items,
                max_reserve_bytes=reserve)
     return out
+
+
+def _return_large_buffers_to_the_kernel() -> None:
+    """Make glibc serve every allocation of 1 MiB or more by mmap, and unmap it
+    when freed (``mallopt(M_MMAP_THRESHOLD)``, which also stops glibc's
+    dynamic threshold from rising after the first big free): a request's
+    buffers then leave the server's resident memory when it is answered,
+    instead of staying in a thread's heap arena, so RSS follows what
+    ``--max-buffered`` charges.  Nothing happens off glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        log.debug("mallopt unavailable: large request buffers follow the C library's own policy")
 
 
 def server_from_args(args) -> KVServer:
@@ -395,6 +421,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc kv-server") -> 
         parser.error(f"cxlalloc option '--metrics-interval': {args.metrics_interval} must be > 0 seconds")
     try:
         server = server_from_args(args)
+        _return_large_buffers_to_the_kernel()
     except (ValueError, ImportError) as e:
         parser.error(str(e))
     except Exception as e:  # mapping the pool failed (size, memfd, mbind)

@@ -23,7 +23,17 @@ limit a ``cxlalloc kv-server`` option, docs/kv-server.md):
   as they arrive against a server-wide ``max_buffered`` (``--max-buffered``,
   else ``busy``), and whole within ``frame_timeout`` seconds of its first
   byte (``--frame-timeout``, else ``timeout``);
-* a request holds at most ``max_objects`` maps and lists (``--max-objects``);
+* a request holds at most ``max_objects`` maps and lists (``--max-objects``)
+  and at most ``max_items`` elements in them together (``--max-items``;
+  strings, bins and maps of a request have fixed small bounds,
+  :func:`~cxlalloc.kvstore.protocol.decode`), so a frame decodes to a bounded
+  number of objects, whatever it holds;
+* a whole request stays charged against ``max_buffered`` from its last byte
+  until its reply is sent, at its frame bytes plus the bound of what it
+  decodes to (:func:`~cxlalloc.kvstore.protocol.decoded_bound`); a request
+  that does not fit waits for room up to its frame deadline (then ``busy``),
+  so the bytes held by requests of all connections together stay under
+  ``--max-buffered`` (the body is decoded in place, never copied);
 * the listen backlog (``--backlog``) queues a burst of connects instead of
   refusing them with EAGAIN.
 
@@ -51,6 +61,7 @@ DEFAULT_MAX_FRAME = 8 << 20        # bytes of one request (a lookup or reserve o
 DEFAULT_MAX_BUFFERED = 256 << 20   # bytes of partly received requests, all connections together
 DEFAULT_FRAME_TIMEOUT_S = 5.0      # seconds from a request's first byte to its last
 DEFAULT_MAX_OBJECTS = 64           # maps and lists in one request (a request has 1-3)
+DEFAULT_MAX_ITEMS = P.DEFAULT_MAX_ITEMS  # elements of all lists and maps of one request
 DEFAULT_BACKLOG = 4096             # connects queued before accept (the kernel caps it at net.core.somaxconn)
 REFUSE_LINGER_S = 1.0              # seconds a refused connection may take to send its hello
 MAX_REFUSED = 1024                 # refused connections lingering at once
@@ -128,6 +139,7 @@ class Transport:
         max_buffered: bytes of partly received requests, all connections (``busy`` past it).
         frame_timeout: seconds from a request's first byte to its last (``timeout``).
         max_objects: maps and lists in one request (``bad_request`` past it).
+        max_items: elements of all lists and maps of one request (``bad_request`` past it).
         backlog: the listen backlog (connects queued before accept).
     """
 
@@ -135,14 +147,16 @@ class Transport:
                  io_timeout: float, stats: Callable[[], dict], stop: threading.Event, *,
                  max_frame: int = DEFAULT_MAX_FRAME, max_buffered: int = DEFAULT_MAX_BUFFERED,
                  frame_timeout: float = DEFAULT_FRAME_TIMEOUT_S, max_objects: int = DEFAULT_MAX_OBJECTS,
-                 backlog: int = DEFAULT_BACKLOG):
+                 backlog: int = DEFAULT_BACKLOG, max_items: int = DEFAULT_MAX_ITEMS):
         self.state = state
+        self.max_items = int(max_items)
         self.socket_path, self.socket_mode, self.gid = socket_path, socket_mode, gid
         self.io_timeout = float(io_timeout)
         self.max_frame, self.max_buffered = int(max_frame), int(max_buffered)
         self.frame_timeout, self.max_objects, self.backlog = float(frame_timeout), int(max_objects), int(backlog)
         self._buffered = 0                  # bytes of partly received frames now (all connections)
-        self._buffered_lock = threading.Lock()
+        self._buffered_lock = threading.Condition()
+        self.buffered_peak = 0              # the most bytes charged at once (stats: buffered_peak_bytes)
         self._refused = selectors.DefaultSelector()
         self._refused_lock = threading.Lock()
         self._refused_n = 0
@@ -248,19 +262,37 @@ class Transport:
     def _charge(self, n: int) -> None:
         with self._buffered_lock:
             if n > 0 and self._buffered + n > self.max_buffered:
-                raise P.RemoteError("busy", f"the kv-server holds {self._buffered} bytes of partly received requests "
+                raise P.RemoteError("busy", f"the kv-server holds {self._buffered} bytes of requests "
                                             f"(--max-buffered {self.max_buffered}); retry")
             self._buffered += n
+            self.buffered_peak = max(self.buffered_peak, self._buffered)
+            if n < 0:
+                self._buffered_lock.notify_all()
 
-    def read_request(self, sock: socket.socket) -> dict:
+    def _charge_wait(self, n: int, deadline: float) -> None:
+        """Charge ``n`` bytes, waiting for room until ``deadline`` (then ``busy``)."""
+        with self._buffered_lock:
+            while self._buffered + n > self.max_buffered:
+                left = deadline - time.monotonic()
+                if left <= 0 or n > self.max_buffered:
+                    raise P.RemoteError("busy", f"the kv-server holds {self._buffered} bytes of requests "
+                                                f"(--max-buffered {self.max_buffered}); retry")
+                self._buffered_lock.wait(left)
+            self._buffered += n
+            self.buffered_peak = max(self.buffered_peak, self._buffered)
+
+    def read_request(self, sock: socket.socket):
         """One request from ``sock``: waits for ever for its first byte, then
-        reads it incrementally within ``frame_timeout`` seconds.
+        reads it incrementally within ``frame_timeout`` seconds.  Returns
+        ``(message, held)``: ``held`` bytes stay charged against
+        ``max_buffered`` for the decoded message; the caller gives them back
+        (``_charge(-held)``) once the request is answered.
 
         Raises:
             protocol.ConnectionClosed: EOF (between or inside requests).
             protocol.RemoteError: ``too_large`` / ``busy`` / ``timeout`` (the
                 connection is answered with it, then closed).
-            protocol.ProtocolError: not a msgpack map, or over ``max_objects``.
+            protocol.ProtocolError: not a msgpack map, or over ``max_objects`` / ``max_items``.
         """
         sock.settimeout(None)  # idle clients may wait for ever; a started request may not
         head = sock.recv(4)
@@ -300,8 +332,17 @@ class Transport:
                 if not data:
                     raise P.ConnectionClosed("the peer closed the connection")
                 body += data
-            return P.decode(bytes(body), self.max_objects)
+            # What it decodes to, charged before it is built (waiting for room up to the deadline).
+            held = P.decoded_bound(n, self.max_items)
+            self._charge_wait(held, deadline)
+            try:
+                msg = P.decode(body, self.max_objects, self.max_items)
+            except BaseException:
+                self._charge(-held)
+                raise
+            return msg, held
         finally:
+            del body
             if charged:
                 self._charge(-charged)
 
@@ -310,17 +351,22 @@ class Transport:
         try:
             while not self._stop.is_set():
                 try:
-                    msg = self.read_request(sock)
+                    msg, held = self.read_request(sock)
                 except P.ConnectionClosed:
                     break
-                sock.settimeout(self.io_timeout)
-                reply, fds = self.handle(owner, msg)
-                if owner.version >= 2 and P.is_one_way(msg):  # v2 release: acted on, never answered
-                    self.state.count("one_way_requests")
-                    if not reply.get("ok"):
-                        self.state.count("one_way_errors")
-                    continue
-                P.send_msg(sock, reply, fds)
+                try:
+                    sock.settimeout(self.io_timeout)
+                    one_way = owner.version >= 2 and P.is_one_way(msg)
+                    reply, fds = self.handle(owner, msg)
+                    del msg
+                    if one_way:  # v2 release: acted on, never answered
+                        self.state.count("one_way_requests")
+                        if not reply.get("ok"):
+                            self.state.count("one_way_errors")
+                        continue
+                    P.send_msg(sock, reply, fds)
+                finally:
+                    self._charge(-held)
         except (P.ProtocolError, P.RemoteError) as e:
             code = e.code if isinstance(e, P.RemoteError) else "bad_request"
             self.state.count("protocol_errors")

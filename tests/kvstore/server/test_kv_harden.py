@@ -41,3 +41,109 @@ def test_pinned_tiny_blocks_on_top_of_every_chunk_keep_90_percent_of_the_honest_
     assert got["ok"] and len(got["blocks"]) == 512
     atk.close()
     honest.close()
+
+
+def rss(pid: int) -> int:
+    """Resident bytes of ``pid`` (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+class PeakRss:
+    """Samples a process's VmRSS every 5 ms in a thread; ``peak`` is the most seen (bytes)."""
+
+    def __init__(self, pid: int):
+        import threading
+
+        self.pid, self.peak = pid, rss(pid)
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss(self.pid))
+            self._stop.wait(0.005)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join(2)
+        self.peak = max(self.peak, rss(self.pid))
+
+
+def _raw_hello(path: str):
+    import os
+    import socket
+
+    from cxlalloc.kvstore import protocol as P
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(20)
+    s.connect(path)
+    P.send_msg(s, {"op": "hello", "v": P.PROTOCOL_VERSION, "pid": os.getpid(), "want_fd": False, "name": "x"})
+    assert P.recv_msg(s)[0]["ok"]
+    return s
+
+
+def test_a_frame_of_short_strings_and_64_frames_of_8_mib_stay_within_the_stated_rss_bound(server_proc):
+    import struct
+    import threading
+
+    from cxlalloc.kvstore import protocol as P
+
+    sp = server_proc("--size", "64MiB", "--chunk", "4MiB", "--max-buffered", "64MiB", "--log-level", "error")
+    pid = sp.proc.pid
+    base = rss(pid)
+    # 2.75 M two-character strings in 42 lists of 65,552 (8.26 MB, under --max-frame 8 MiB and --max-objects):
+    # refused after the second list by --max-items (before: +193 MiB of resident memory).
+    body = P._msgpack().packb({"op": "lookup", "ns": "", "keys": [["ab"] * (P.MAX_KEYS + 16)] * 42})
+    assert len(body) < 8 << 20
+    with PeakRss(pid) as peak:
+        s = _raw_hello(sp.socket)
+        s.sendall(struct.pack("!I", len(body)) + body)
+        r = P.recv_msg(s)[0]
+        s.close()
+    assert r["code"] == "bad_request" and "--max-items" in r["error"], r
+    grew = peak.peak - base
+    print(f"2.75 M short strings: peak RSS +{grew / MiB:.1f} MiB")
+    assert grew < 32 * MiB, grew
+    # 64 connections each sending a valid 8 MiB request at once (a ping with 2,040 bins of 4 KiB): the
+    # requests of all connections stay within --max-buffered 64 MiB (those past it wait for room, then
+    # are answered 'busy'); the peak stays under the budget plus 48 MiB (before: +1.28 GiB).
+    frame = P.encode({"op": "ping", "pad": [b"x" * 4096] * 2040})
+    assert (7 << 20) < len(frame) <= (8 << 20) + 4
+    codes = []
+    lock = threading.Lock()
+
+    def one():
+        try:
+            c = _raw_hello(sp.socket)
+            c.sendall(frame)
+            got = P.recv_msg(c)[0]
+            code = "ok" if got.get("ok") else got["code"]
+        except (OSError, P.ProtocolError, P.ConnectionClosed) as e:
+            code = type(e).__name__
+        with lock:
+            codes.append(code)
+
+    base = rss(pid)
+    with PeakRss(pid) as peak:
+        ts = [threading.Thread(target=one) for _ in range(64)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+    grew = peak.peak - base
+    st = sp.status()["server"]
+    print(f"64 x 8 MiB requests: peak RSS +{grew / MiB:.1f} MiB, {codes.count('ok')} answered, "
+          f"{len(codes) - codes.count('ok')} refused, buffered peak {st['buffered_peak_bytes'] / MiB:.1f} MiB")
+    assert len(codes) == 64 and codes.count("ok") >= 1
+    assert set(codes) <= {"ok", "busy", "BrokenPipeError", "ConnectionResetError"}, codes
+    assert st["buffered_peak_bytes"] <= 64 * MiB
+    assert grew < 64 * MiB + 48 * MiB, grew
