@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import sys
 from typing import Callable, Dict, Hashable, List, Optional, Sequence
 
@@ -246,10 +247,12 @@ class BlockIndex:
                 del self._lru_ns[e.ns]
 
     # ------------------------------------------------------------ reads
-    def match(self, keys: Sequence[bytes], owner: Hashable) -> List[Entry]:
+    def match(self, keys: Sequence[bytes], owner: Hashable, new_lookup: bool = True) -> List[Entry]:
         """The longest prefix of ``keys`` whose blocks are READY, each pinned for
-        ``owner`` (unpin with :meth:`unpin`) and marked as used."""
-        self.c.lookups += 1
+        ``owner`` (unpin with :meth:`unpin`) and marked as used.  ``new_lookup``
+        False: ``keys`` continue a lookup already counted (the kv-server
+        matches a long lookup in slices, releasing its lock between them)."""
+        self.c.lookups += bool(new_lookup)
         self.c.lookup_blocks += len(keys)
         out = []
         get = self.entries.get
@@ -522,15 +525,33 @@ class BlockIndex:
                 self._forget(e)
                 self.c.aborted_blocks += 1
 
-    def drop_owner(self, owner: Hashable) -> None:
+    def drop_owner(self, owner: Hashable, budget: Optional[int] = None) -> bool:
         """A reader/writer is gone (its connection closed, its process died):
-        abort what it was writing and drop its pins.  O(its blocks), not O(blocks stored)."""
+        abort what it was writing and drop its pins.  O(its blocks), not O(blocks stored).
+
+        Args:
+            budget: at most this many of its blocks now (None: all); call
+                again until it returns True, so a caller can release its lock
+                between calls (a client of 65,536 blocks is dropped in slices).
+
+        Returns:
+            True when nothing of ``owner`` is left.
+        """
+        left = budget if budget is not None else 1 << 62
         writing = self._writing.get(owner)
         if writing:
-            self.abort(list(writing.values()), owner)
-        mine = self._pins.pop(owner, {})
-        self.pinned_blocks -= len(mine)
-        for key, n in mine.items():
+            part = list(itertools.islice(writing.values(), left))
+            self.abort(part, owner)
+            left -= len(part)
+            if owner in self._writing:
+                return False
+        mine = self._pins.get(owner)
+        if mine is None:
+            return True
+        while mine and left > 0:
+            key, n = mine.popitem()
+            left -= 1
+            self.pinned_blocks -= 1
             e = self.entries.get(key)
             if e is None:
                 continue
@@ -538,6 +559,10 @@ class BlockIndex:
             self.c.dropped_pins += n
             if e.pins == 0 and e.state == READY:
                 self._lru_add(e)
+        if mine:
+            return False
+        del self._pins[owner]
+        return True
 
     def clear(self, ns: Optional[str] = None) -> int:
         """Drop every READY, unpinned block (of namespace ``ns``).  Returns blocks dropped."""

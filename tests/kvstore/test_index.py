@@ -235,3 +235,16 @@ def test_random_sizes_with_pins_merge_every_free_neighbour():
         if step % 100 == 0:
             ix.check()
     ix.check()
+
+
+def test_drop_owner_in_slices_leaves_a_consistent_index_between_them():
+    ix = BlockIndex(8192 * KiB, 1024 * KiB, granule=4 * KiB)
+    put(ix, range(1000))
+    ix.match([key(k) for k in range(1000)], "gone")
+    ix.reserve([key(5000 + k) for k in range(700)], 4 * KiB, "", "gone")
+    calls = 0
+    while not ix.drop_owner("gone", 256):
+        calls += 1
+        ix.check()  # between slices: every invariant holds
+    assert calls == 6 and ix.pinned_blocks == 0 and ix.writing_blocks == 0 and ix.blocks() == 1000
+    ix.check()

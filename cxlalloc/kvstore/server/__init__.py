@@ -42,9 +42,10 @@ from typing import Dict, List, Optional, Sequence
 from cxlalloc.config import format_bytes
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.server.jobs import REDIS_MODES, PlacementVerifier, RateSampler, RedisLink
-from cxlalloc.kvstore.server.state import MAX_LEASES_PER_CLIENT, ServerState, log
+from cxlalloc.kvstore.server.state import DEFAULT_SLICE_KEYS, MAX_LEASES_PER_CLIENT, ServerState, log
 from cxlalloc.kvstore.server.transport import (DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_IO_TIMEOUT_S,
                                                DEFAULT_MAX_BUFFERED, DEFAULT_MAX_FRAME, DEFAULT_MAX_OBJECTS,
+                                               DEFAULT_HELLO_TIMEOUT_S, DEFAULT_IDLE_TIMEOUT_S,
                                                DEFAULT_SOCKET_MODE, Transport, resolve_group)
 from cxlalloc.policy import redis_write_back as write_back
 
@@ -76,6 +77,10 @@ class KVServer:
         max_frame, max_buffered, frame_timeout, max_objects, backlog, max_items: the
             transport's bounds (:class:`~cxlalloc.kvstore.server.transport.Transport`).
         max_reserve_bytes: slot bytes one client may hold unpublished (default the whole pool).
+        slice_keys: blocks a request handles under one hold of the server's lock (fair service).
+        hello_timeout, idle_timeout: seconds to a connection's hello, and between a greeted
+            connection's requests (0: for ever), then ``timeout`` and closed.
+        max_clients_per_uid: connections of one uid at once (default ``max_clients``).
 
     Raises:
         ValueError: a bad size/chunk/mode/group, naming the option.
@@ -90,7 +95,9 @@ class KVServer:
                  max_frame: int = DEFAULT_MAX_FRAME, max_buffered: int = DEFAULT_MAX_BUFFERED,
                  frame_timeout: float = DEFAULT_FRAME_TIMEOUT_S, max_objects: int = DEFAULT_MAX_OBJECTS,
                  backlog: int = DEFAULT_BACKLOG, max_reserve_bytes: Optional[int] = None,
-                 max_items: int = P.DEFAULT_MAX_ITEMS):
+                 max_items: int = P.DEFAULT_MAX_ITEMS, slice_keys: int = DEFAULT_SLICE_KEYS,
+                 hello_timeout: float = DEFAULT_HELLO_TIMEOUT_S, idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+                 max_clients_per_uid: Optional[int] = None):
         page = os.sysconf("SC_PAGESIZE")
         if chunk_bytes <= 0 or chunk_bytes % page or chunk_bytes > MAX_CHUNK:
             raise ValueError(f"cxlalloc option '--chunk': {format_bytes(chunk_bytes)} must be a multiple of the page "
@@ -122,7 +129,8 @@ class KVServer:
         t0 = time.perf_counter()
         self.state = ServerState(self.size, self.node, self.chunk_bytes, quotas=quotas, default_quota=default_quota,
                                  max_clients=self.max_clients, allow_uids=self.allow_uids,
-                                 max_reserve_bytes=max_reserve_bytes)
+                                 max_reserve_bytes=max_reserve_bytes, slice_keys=slice_keys,
+                                 max_clients_per_uid=max_clients_per_uid)
         self.pool_id = self.state.pool_id
         self.arena = self.state.arena
         self.index = self.state.index
@@ -134,7 +142,7 @@ class KVServer:
         self.transport = Transport(self.state, self.socket_path, self.socket_mode, self.gid, self.io_timeout,
                                    self.stats, self._stop, max_frame=max_frame, max_buffered=max_buffered,
                                    frame_timeout=frame_timeout, max_objects=max_objects, backlog=backlog,
-                                   max_items=max_items)
+                                   max_items=max_items, hello_timeout=hello_timeout, idle_timeout=idle_timeout)
         self.map_seconds = time.perf_counter() - t0
 
     def start(self) -> "KVServer":
@@ -176,11 +184,16 @@ class KVServer:
                   "limits": {"max_frame": self.transport.max_frame, "max_buffered": self.transport.max_buffered,
                              "frame_timeout_s": self.transport.frame_timeout,
                              "max_objects": self.transport.max_objects, "backlog": self.transport.backlog,
-                             "max_items": self.transport.max_items,
+                             "max_items": self.transport.max_items, "slice_keys": self.state.slice_keys,
+                             "hello_timeout_s": self.transport.hello_timeout,
+                             "idle_timeout_s": self.transport.idle_timeout,
+                             "max_clients_per_uid": self.state.max_clients_per_uid,
                              "max_clients": self.max_clients, "max_reserve": self.state.max_reserve_bytes},
                   "protocol_errors": c["protocol_errors"], "bad_requests": c["bad_requests"],
                   "corrupt_blocks": c["corrupt_blocks"], "requests": c["requests"],
                   "buffered_peak_bytes": self.transport.buffered_peak,
+                  "refused_per_uid": c["refused_per_uid"], "closed_no_hello": c["closed_no_hello"],
+                  "closed_idle": c["closed_idle"],
                   "redis_mode": self.redis_mode if self.redis is not None else None,
                   "strict_placement": self.strict_placement}
         return {"server": server, "pool": pool, "rates": self.sampler.rates(counters),

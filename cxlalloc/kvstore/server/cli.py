@@ -26,7 +26,9 @@ from cxlalloc import topology
 from cxlalloc.config import format_bytes, parse_size, parse_size_or_fraction
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.server import DEFAULT_CHUNK, REDIS_MODES, KVServer, log, resolve_group
-from cxlalloc.kvstore.server.transport import DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_OBJECTS
+from cxlalloc.kvstore.server.state import DEFAULT_SLICE_KEYS
+from cxlalloc.kvstore.server.transport import (DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_HELLO_TIMEOUT_S,
+                                               DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_OBJECTS)
 from cxlalloc.cli_usage import OneLineParser
 
 # ----------------------------------------------------------------- option parsing
@@ -121,6 +123,15 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
                         "namespace without its own (repeatable)")
     p.add_argument("--max-clients", type=int, default=256, help="connections at once (default 256); one more is "
                    "answered 'limit' and closed")
+    p.add_argument("--max-clients-per-uid", type=int, default=None, metavar="N",
+                   help="connections of one user at once (default: --max-clients; the server's own user is not "
+                        "capped); one more is answered 'limit' and closed")
+    p.add_argument("--hello-timeout", type=float, default=DEFAULT_HELLO_TIMEOUT_S, metavar="S",
+                   help=f"seconds from connecting to the hello (default {DEFAULT_HELLO_TIMEOUT_S:g}); a silent "
+                        "connection is answered 'timeout' and closed")
+    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S, metavar="S",
+                   help="seconds a connection may wait between requests (default 0: for ever); an idle one is "
+                        "answered 'timeout' and closed (its pins dropped)")
     p.add_argument("--max-frame", default="8MiB", metavar="SIZE",
                    help="bytes of one request (default 8MiB); a larger one is answered 'too_large' and closed")
     p.add_argument("--max-buffered", default="256MiB", metavar="SIZE",
@@ -134,6 +145,10 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
     p.add_argument("--max-items", type=int, default=P.DEFAULT_MAX_ITEMS, metavar="N",
                    help=f"elements of all lists and maps of one request together (default {P.DEFAULT_MAX_ITEMS}: "
                         f"a lookup of {P.MAX_KEYS} keys and room to spare); more is answered 'bad_request' and closed")
+    p.add_argument("--slice-keys", type=int, default=DEFAULT_SLICE_KEYS, metavar="N",
+                   help=f"blocks one request handles under one hold of the server's lock before the other clients "
+                        f"run (default {DEFAULT_SLICE_KEYS}; 1 to {P.MAX_KEYS}): one client's 65,536-key requests "
+                        "never stall the others")
     p.add_argument("--backlog", type=int, default=DEFAULT_BACKLOG, metavar="N",
                    help="connects queued before they are accepted (default 4096, capped by net.core.somaxconn)")
     p.add_argument("--max-reserve", default="100%", metavar="SIZE",
@@ -211,6 +226,15 @@ def transport_limits(args, size: int) -> dict:
     if not P.MAX_KEYS <= args.max_items <= 1 << 24:
         raise ValueError(f"cxlalloc option '--max-items': {args.max_items} must be in [{P.MAX_KEYS}, {1 << 24}] "
                          f"(a request carries up to {P.MAX_KEYS} keys)")
+    if not args.hello_timeout > 0:
+        raise ValueError(f"cxlalloc option '--hello-timeout': {args.hello_timeout} must be > 0 seconds")
+    if not args.idle_timeout >= 0:
+        raise ValueError(f"cxlalloc option '--idle-timeout': {args.idle_timeout} must be >= 0 seconds (0: none)")
+    if args.max_clients_per_uid is not None and not 1 <= args.max_clients_per_uid <= args.max_clients:
+        raise ValueError(f"cxlalloc option '--max-clients-per-uid': {args.max_clients_per_uid} must be in "
+                         f"[1, --max-clients {args.max_clients}]")
+    if not 1 <= args.slice_keys <= P.MAX_KEYS:
+        raise ValueError(f"cxlalloc option '--slice-keys': {args.slice_keys} must be in [1, {P.MAX_KEYS}]")
     need = out["max_frame"] + P.decoded_bound(out["max_frame"], args.max_items)
     if out["max_buffered"] < need:
         raise ValueError(f"cxlalloc option '--max-buffered': {args.max_buffered} must be at least {need} bytes "
@@ -227,9 +251,27 @@ def transport_limits(args, size: int) -> dict:
     if reserve < 1:
         raise ValueError(f"cxlalloc option '--max-reserve': {args.max_reserve} must be above 0 bytes")
     out.update(frame_timeout=args.frame_timeout, max_objects=args.max_objects, backlog=args.backlog,
-               max_items=args.max_items,
+               max_items=args.max_items, slice_keys=args.slice_keys, hello_timeout=args.hello_timeout,
+               idle_timeout=args.idle_timeout, max_clients_per_uid=args.max_clients_per_uid,
                max_reserve_bytes=reserve)
     return out
+
+
+SWITCH_INTERVAL_S = 0.0002   # the server process's GIL switch interval (Python's default: 0.005)
+
+
+def _no_full_collections() -> None:
+    """Keep Python's cyclic collector to its young generations in the server
+    process: a full collection walks every index entry (108 ms at 131,072
+    blocks, measured; 300 ms on a loaded machine) while the thread that
+    triggered it holds the server's lock.  The index's entries and the
+    requests' objects are freed by reference counting (no cycles); cycles
+    die young and are still collected with generations 0 and 1."""
+    import gc
+
+    gc.freeze()  # what start-up made (modules, the pool's structures): never scanned again
+    t0, t1, _ = gc.get_threshold()
+    gc.set_threshold(t0, t1, 1 << 30)
 
 
 def _return_large_buffers_to_the_kernel() -> None:
@@ -422,6 +464,10 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc kv-server") -> 
     try:
         server = server_from_args(args)
         _return_large_buffers_to_the_kernel()
+        # Fair service between connections' threads: a thread waiting for the GIL gets it within
+        # 0.2 ms instead of 5 ms, so a short lookup is not queued behind another client's long one.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        _no_full_collections()
     except (ValueError, ImportError) as e:
         parser.error(str(e))
     except Exception as e:  # mapping the pool failed (size, memfd, mbind)

@@ -15,7 +15,12 @@ so a client gone mid-insert never publishes a half-written block.
 
 Thread-safety: one lock (``self.lock``) around the index and the owners; the
 bytes of a block are copied outside it while the block is pinned or WRITING,
-which eviction never touches.
+which eviction never touches.  Fair service: a request over many blocks
+(lookup, reserve, commit, release, discard, a disconnect) holds the lock for
+at most ``slice_keys`` blocks at a time and lets the other connections'
+threads run between slices, so one client's 65,536-key requests in a loop
+cannot stall another's lookups behind them (``lock_hold_us_max`` in the
+stats: the longest single hold).
 """
 
 from __future__ import annotations
@@ -38,6 +43,12 @@ from cxlalloc.kvstore.layout import verify_stored
 log = logging.getLogger("cxlalloc.kvstore.server")
 
 MAX_LEASES_PER_CLIENT = 4096     # open leases/reservations of one connection
+DEFAULT_SLICE_KEYS = 256         # blocks handled under one hold of the lock (--slice-keys)
+
+
+def _yield() -> None:
+    """Let the other connections' threads run (releases the GIL) between two slices of one request."""
+    time.sleep(0)
 
 
 class _Quotas(dict):
@@ -92,6 +103,9 @@ class ServerState:
             (default: the whole pool); keys past it get no slot, and a
             reservation of which none fits is refused (``limit``).  Slots are
             page multiples, so ``nbytes=1`` counts 4 KiB.
+        slice_keys: blocks handled under one hold of the lock (fair service, above).
+        max_clients_per_uid: owners of one uid at once (default ``max_clients``;
+            the server's own uid, an operator's ``--status``, is not capped).
 
     ``placement`` (``entries -> entries to publish``) and ``tier`` (an object
     with ``evicted(entry)``, ``write_through(entries) -> int`` and
@@ -102,8 +116,12 @@ class ServerState:
 
     def __init__(self, size: int, node: int, chunk_bytes: int, *, quotas: Optional[Dict[str, int]] = None,
                  default_quota: Optional[int] = None, max_clients: int = 256,
-                 allow_uids: Optional[Sequence[int]] = None, max_reserve_bytes: Optional[int] = None):
+                 allow_uids: Optional[Sequence[int]] = None, max_reserve_bytes: Optional[int] = None,
+                 slice_keys: int = DEFAULT_SLICE_KEYS, max_clients_per_uid: Optional[int] = None):
         self.size, self.node, self.chunk_bytes = int(size), int(node), int(chunk_bytes)
+        self.max_clients_per_uid = int(max_clients_per_uid) if max_clients_per_uid else int(max_clients)
+        self._per_uid: Dict[int, int] = {}
+        self.slice_keys = int(slice_keys)
         self.max_reserve_bytes = int(max_reserve_bytes) if max_reserve_bytes else self.size
         self.max_clients = int(max_clients)
         self.allow_uids = None if allow_uids is None else set(allow_uids)
@@ -116,7 +134,8 @@ class ServerState:
                   "placement_verified_bytes": 0, "placement_misplaced_bytes": 0, "placement_unverified_bytes": 0,
                   "placement_skipped_bytes": 0, "misplaced_dropped_blocks": 0, "peak_clients": 0, "requests": 0,
                   "refused_reserve_budget": 0, "reserve_budget_blocks": 0, "drop_us_max": 0, "corrupt_blocks": 0,
-                  "one_way_requests": 0, "one_way_errors": 0}
+                  "one_way_requests": 0, "one_way_errors": 0, "lock_hold_us_max": 0, "refused_per_uid": 0,
+                  "closed_no_hello": 0, "closed_idle": 0}
         self.placement = None
         self.tier = None
         # No engine: the kernel's own mbind/move_pages place and verify pages;
@@ -157,6 +176,13 @@ class ServerState:
                 self.c["refused_full"] += 1
                 raise P.RemoteError("limit", f"the kv-server serves {self.max_clients} clients already "
                                              "(--max-clients)")
+            mine = self._per_uid.get(uid, 0)
+            if mine >= self.max_clients_per_uid and uid != os.geteuid():
+                self.c["refused_full"] += 1
+                self.c["refused_per_uid"] += 1
+                raise P.RemoteError("limit", f"uid {uid} has {mine} connections to this kv-server already "
+                                             f"(--max-clients-per-uid {self.max_clients_per_uid})")
+            self._per_uid[uid] = mine + 1
             self.owners[owner.id] = owner
             self.c["connections"] += 1
             self.c["peak_clients"] = max(self.c["peak_clients"], len(self.owners))
@@ -194,22 +220,52 @@ class ServerState:
         with self.lock:
             self.c[name] += n
 
+    def _held(self, t0: float) -> None:
+        """Record one hold of the lock that began at ``t0`` (call under the lock)."""
+        us = int((time.perf_counter() - t0) * 1e6)
+        if us > self.c["lock_hold_us_max"]:
+            self.c["lock_hold_us_max"] = us
+
     def drop(self, cid: int):
-        """Forget ``cid``: drop its pins, abort its reservations.  Returns
-        (pins dropped, blocks aborted); (0, 0) for an unknown id."""
+        """Forget ``cid``: drop its pins, abort its reservations, ``slice_keys``
+        blocks per hold of the lock.  Returns (pins dropped, blocks aborted);
+        (0, 0) for an unknown id."""
         with self.lock:
-            t0 = time.perf_counter()
             o = self.owners.pop(cid, None)
             if o is None:
                 return 0, 0
+            left = self._per_uid.get(o.uid, 1) - 1
+            if left > 0:
+                self._per_uid[o.uid] = left
+            else:
+                self._per_uid.pop(o.uid, None)
             pins = sum(len(v) for v in o.leases.values())
             writing = sum(1 for v in o.reservations.values() for e in v if e is not None)
-            self.index.drop_owner(o)
             o.leases.clear()
             o.reservations.clear()
-            # How long the lock was held: what a disconnect makes other clients wait (stats: drop_ms_max).
-            self.c["drop_us_max"] = max(self.c["drop_us_max"], int((time.perf_counter() - t0) * 1e6))
+        done = False
+        while not done:
+            with self.lock:
+                t0 = time.perf_counter()
+                done = self.index.drop_owner(o, max(1, self.slice_keys // 4))  # a pin costs more than a lookup
+                # The longest hold of the lock a disconnect makes other clients wait (stats: drop_ms_max).
+                us = int((time.perf_counter() - t0) * 1e6)
+                self.c["drop_us_max"] = max(self.c["drop_us_max"], us)
+                self._held(t0)
+            if not done:
+                _yield()
         return pins, writing
+
+    def _sliced(self, items: Sequence, fn) -> None:
+        """``fn(part)`` for each slice of ``slice_keys`` items, each under one hold of the lock."""
+        n = self.slice_keys
+        for i in range(0, len(items), n):
+            if i:
+                _yield()
+            with self.lock:
+                t0 = time.perf_counter()
+                fn(items[i:i + n])
+                self._held(t0)
 
     # ------------------------------------------------------------ blocks
     def lookup(self, cid: int, ns: str, keys: Sequence[bytes]) -> dict:
@@ -226,7 +282,23 @@ class ServerState:
         with self.lock:
             if len(o.leases) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open leases; release some")
-            entries = self.index.match(ik, o)
+        entries: List[Entry] = []
+        n = self.slice_keys
+        for i in range(0, max(len(ik), 1), n):
+            if i:
+                _yield()
+            part = ik[i:i + n]
+            with self.lock:
+                t0 = time.perf_counter()
+                got = self.index.match(part, o, new_lookup=not i)
+                if len(got) < len(part):  # the prefix ends here: the keys after it are misses too
+                    rest = len(ik) - i - len(part)
+                    self.index.c.lookup_blocks += rest
+                    self.index.c.miss_blocks += rest
+                self._held(t0)
+            entries += got
+            if len(got) < len(part):
+                break
         if self.tier is not None and len(entries) < len(ik) and not self.tier.down():
             entries += self.tier.read_through(ns, ik[len(entries):], o)
         if not entries:
@@ -241,12 +313,12 @@ class ServerState:
         """Unpin the leases ``lease_ids`` of ``cid``; returns how many were open."""
         o = self.owner(cid)
         n = 0
-        with self.lock:
-            for lid in lease_ids:
+        for lid in lease_ids:
+            with self.lock:
                 entries = o.leases.pop(lid, None)
-                if entries is not None:
-                    self.index.unpin(entries, o)
-                    n += 1
+            if entries is not None:
+                self._sliced(entries, lambda part: self.index.unpin(part, o))
+                n += 1
         return n
 
     def discard(self, cid: int, ns: str, keys: Sequence[bytes]) -> int:
@@ -257,11 +329,15 @@ class ServerState:
         Counts ``corrupt_blocks``; returns how many were dropped."""
         self.owner(cid)
         by_nskey = {namespaced_key(ns, k): k for k in keys}
-        with self.lock:
-            n = self.index.discard(list(by_nskey),
-                                   lambda e: not verify_stored(self.block_bytes(e), by_nskey[e.key]))
+        dropped = [0]
+
+        def part(ks):
+            n = self.index.discard(ks, lambda e: not verify_stored(self.block_bytes(e), by_nskey[e.key]))
+            dropped[0] += n
             self.c["corrupt_blocks"] += n
-        return n
+
+        self._sliced(list(by_nskey), part)
+        return dropped[0]
 
     def reserve(self, cid: int, ns: str, keys: Sequence[bytes], nbytes: int, tokens: int) -> dict:
         """WRITING slots of ``nbytes`` for each key of ``ns`` not stored yet.
@@ -293,7 +369,9 @@ class ServerState:
                                              f"unpublished (blocks are rounded up to {self.index.granule}-byte pages); "
                                              f"a client may hold {self.max_reserve_bytes} (--max-reserve); commit or "
                                              "abort some")
-            entries = self.index.reserve(ik[:fit], nbytes, ns, o, tokens)
+        entries: List[Optional[Entry]] = []
+        self._sliced(ik[:fit], lambda part: entries.extend(self.index.reserve(part, nbytes, ns, o, tokens)))
+        with self.lock:
             if fit < len(ik):
                 self.c["reserve_budget_blocks"] += len(ik) - fit
                 entries += [None] * (len(ik) - fit)
@@ -320,10 +398,16 @@ class ServerState:
         sent = self.tier.write_through(keep) if self.tier is not None else 0
         with self.lock:
             self.c["redis_put_blocks"] += sent
-            if len(keep) != len(live):  # a set: a commit of 16,384 blocks was O(n^2) with `not in keep`
-                kept = set(map(id, keep))
-                self.index.abort([e for e in live if id(e) not in kept], o)
-            return self.index.publish(keep, o)
+        if len(keep) != len(live):  # a set: a commit of 16,384 blocks was O(n^2) with `not in keep`
+            kept = set(map(id, keep))
+            self._sliced([e for e in live if id(e) not in kept], lambda part: self.index.abort(part, o))
+        published = [0]
+
+        def part(es):
+            published[0] += self.index.publish(es, o)
+
+        self._sliced(keep, part)
+        return published[0]
 
     def abort(self, cid: int, rid: int) -> None:
         """Free reservation ``rid`` of ``cid`` without publishing (unknown ids are ignored)."""
@@ -374,7 +458,7 @@ class ServerState:
             "used_bytes": used, "slot_bytes": slot_bytes, "committed_bytes": self.committed_bytes(),
             "index_bytes_per_block": round(per_block, 1), "max_reserve_bytes": self.max_reserve_bytes,
             "refused_reserve_budget": c["refused_reserve_budget"], "reserve_budget_blocks": c["reserve_budget_blocks"],
-            "drop_ms_max": c["drop_us_max"] / 1e3,
+            "drop_ms_max": c["drop_us_max"] / 1e3, "lock_hold_ms_max": c["lock_hold_us_max"] / 1e3,
             "blocks": n_entries - writing, "writing_blocks": writing, "pinned_blocks": pinned,
             "lookups": ic["lookups"], "lookup_blocks": ic["lookup_blocks"], "hit_blocks": ic["hit_blocks"],
             "hit_tokens": ic["hit_tokens"], "hit_bytes": c["hit_bytes"], "miss_blocks": ic["miss_blocks"],

@@ -62,10 +62,16 @@ DEFAULT_MAX_BUFFERED = 256 << 20   # bytes of partly received requests, all conn
 DEFAULT_FRAME_TIMEOUT_S = 5.0      # seconds from a request's first byte to its last
 DEFAULT_MAX_OBJECTS = 64           # maps and lists in one request (a request has 1-3)
 DEFAULT_MAX_ITEMS = P.DEFAULT_MAX_ITEMS  # elements of all lists and maps of one request
+DEFAULT_HELLO_TIMEOUT_S = 5.0      # seconds from accept to a connection's hello
+DEFAULT_IDLE_TIMEOUT_S = 0.0       # seconds a greeted connection may wait between requests (0: for ever)
 DEFAULT_BACKLOG = 4096             # connects queued before accept (the kernel caps it at net.core.somaxconn)
 REFUSE_LINGER_S = 1.0              # seconds a refused connection may take to send its hello
 MAX_REFUSED = 1024                 # refused connections lingering at once
 _READ = 64 << 10                   # bytes read per recv of a frame body
+
+
+class _Idle(Exception):
+    """No request began within the connection's hello or idle deadline."""
 
 
 def resolve_group(group) -> int:
@@ -140,6 +146,8 @@ class Transport:
         frame_timeout: seconds from a request's first byte to its last (``timeout``).
         max_objects: maps and lists in one request (``bad_request`` past it).
         max_items: elements of all lists and maps of one request (``bad_request`` past it).
+        hello_timeout: seconds from accept to the connection's first request (``timeout``, closed).
+        idle_timeout: seconds a greeted connection may wait between requests (0: for ever).
         backlog: the listen backlog (connects queued before accept).
     """
 
@@ -147,8 +155,10 @@ class Transport:
                  io_timeout: float, stats: Callable[[], dict], stop: threading.Event, *,
                  max_frame: int = DEFAULT_MAX_FRAME, max_buffered: int = DEFAULT_MAX_BUFFERED,
                  frame_timeout: float = DEFAULT_FRAME_TIMEOUT_S, max_objects: int = DEFAULT_MAX_OBJECTS,
-                 backlog: int = DEFAULT_BACKLOG, max_items: int = DEFAULT_MAX_ITEMS):
+                 backlog: int = DEFAULT_BACKLOG, max_items: int = DEFAULT_MAX_ITEMS,
+                 hello_timeout: float = DEFAULT_HELLO_TIMEOUT_S, idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S):
         self.state = state
+        self.hello_timeout, self.idle_timeout = float(hello_timeout), float(idle_timeout)
         self.max_items = int(max_items)
         self.socket_path, self.socket_mode, self.gid = socket_path, socket_mode, gid
         self.io_timeout = float(io_timeout)
@@ -281,12 +291,13 @@ class Transport:
             self._buffered += n
             self.buffered_peak = max(self.buffered_peak, self._buffered)
 
-    def read_request(self, sock: socket.socket):
+    def read_request(self, sock: socket.socket, wait: Optional[float] = None):
         """One request from ``sock``: waits for ever for its first byte, then
         reads it incrementally within ``frame_timeout`` seconds.  Returns
         ``(message, held)``: ``held`` bytes stay charged against
         ``max_buffered`` for the decoded message; the caller gives them back
-        (``_charge(-held)``) once the request is answered.
+        (``_charge(-held)``) once the request is answered.  ``wait``: seconds
+        to wait for the first byte (None: for ever), else ``timeout``.
 
         Raises:
             protocol.ConnectionClosed: EOF (between or inside requests).
@@ -294,8 +305,11 @@ class Transport:
                 connection is answered with it, then closed).
             protocol.ProtocolError: not a msgpack map, or over ``max_objects`` / ``max_items``.
         """
-        sock.settimeout(None)  # idle clients may wait for ever; a started request may not
-        head = sock.recv(4)
+        sock.settimeout(wait)  # idle clients may wait (for ever, by default); a started request may not
+        try:
+            head = sock.recv(4)
+        except socket.timeout:
+            raise _Idle() from None
         if not head:
             raise P.ConnectionClosed("the peer closed the connection")
         deadline = time.monotonic() + self.frame_timeout
@@ -336,7 +350,7 @@ class Transport:
             held = P.decoded_bound(n, self.max_items)
             self._charge_wait(held, deadline)
             try:
-                msg = P.decode(body, self.max_objects, self.max_items)
+                msg = P.decode(body, self.max_objects, self.max_items, self.state.slice_keys)
             except BaseException:
                 self._charge(-held)
                 raise
@@ -350,10 +364,20 @@ class Transport:
         why = "closed"
         try:
             while not self._stop.is_set():
+                if not owner.hello:
+                    wait = self.hello_timeout
+                else:
+                    wait = self.idle_timeout or None
                 try:
-                    msg, held = self.read_request(sock)
+                    msg, held = self.read_request(sock, wait)
                 except P.ConnectionClosed:
                     break
+                except _Idle:
+                    what = "hello" if not owner.hello else "idle"
+                    self.state.count("closed_no_hello" if what == "hello" else "closed_idle")
+                    raise P.RemoteError("timeout", f"no hello within {self.hello_timeout:g} s of connecting "
+                                                   "(--hello-timeout)" if what == "hello" else
+                                        f"no request for {self.idle_timeout:g} s (--idle-timeout)") from None
                 try:
                     sock.settimeout(self.io_timeout)
                     one_way = owner.version >= 2 and P.is_one_way(msg)
@@ -364,7 +388,7 @@ class Transport:
                         if not reply.get("ok"):
                             self.state.count("one_way_errors")
                         continue
-                    P.send_msg(sock, reply, fds)
+                    P.send_msg(sock, reply, fds, self.state.slice_keys)
                 finally:
                     self._charge(-held)
         except (P.ProtocolError, P.RemoteError) as e:
