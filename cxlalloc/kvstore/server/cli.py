@@ -166,6 +166,9 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
                    "blocks are dropped, never waited for (default 256MiB)")
     p.add_argument("--redis-timeout", type=float, default=2.0, metavar="S", help="seconds per Redis operation "
                    "(default 2)")
+    p.add_argument("--redis-max-value", default="64MiB", metavar="SIZE",
+                   help="bytes of one block read back from Redis (default 64MiB); a larger value is never read "
+                        "whole (refused, counted in too_large_values)")
     p.add_argument("--redis-password-file", default=None, metavar="PATH", help="read the AUTH password from a file "
                    "(keeps it out of the command line)")
     p.add_argument("--redis-key-file", default=None, metavar="PATH", help="authenticate Redis values with a keyed "
@@ -328,7 +331,8 @@ def server_from_args(args) -> KVServer:
     if not args.redis:
         given = [f for f, v in (("--redis-option", args.redis_option), ("--redis-password-file",
                                                                         args.redis_password_file),
-                                ("--redis-ttl", args.redis_ttl), ("--redis-key-file", args.redis_key_file)) if v]
+                                ("--redis-ttl", args.redis_ttl), ("--redis-key-file", args.redis_key_file),
+                                ("--redis-max-value", args.redis_max_value != "64MiB")) if v]
         if given:
             raise ValueError(f"cxlalloc option '{given[0]}': given without --redis URL")
     redis = None
@@ -337,7 +341,8 @@ def server_from_args(args) -> KVServer:
 
         redis = RedisTier(args.redis, prefix=args.redis_prefix, ttl=args.redis_ttl,
                           queue_bytes=parse_size(args.redis_queue, "--redis-queue"), timeout=args.redis_timeout,
-                          key_file=args.redis_key_file, **ropts)
+                          key_file=args.redis_key_file,
+                          max_value_bytes=parse_size(args.redis_max_value, "--redis-max-value"), **ropts)
     try:
         return KVServer(size, node, args.socket, chunk_bytes=chunk, socket_mode=mode, group=gid,
                         quotas=quotas, default_quota=default_quota, redis=redis, redis_mode=args.redis_mode,

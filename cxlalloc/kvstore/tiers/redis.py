@@ -49,7 +49,7 @@ from typing import Dict, List, Optional, Sequence
 
 from cxlalloc.kvstore.keys import REDIS_PREFIX, redis_key
 from cxlalloc.kvstore.tiers import Tier
-from cxlalloc.kvstore.tiers.redis_format import (_HEADER, HEADER_BYTES, _length, cache_config_warnings,  # noqa: F401
+from cxlalloc.kvstore.tiers.redis_format import (_HEADER, HEADER_BYTES, MAC_BYTES, _length, cache_config_warnings,  # noqa: F401
                                                   check_url, pack_value, read_key_file, redact_url, split_url_options, unpack_value,
                                                   value_problem)
 
@@ -58,6 +58,8 @@ log = logging.getLogger("cxlalloc.kvstore.redis")
 DEFAULT_PREFIX = REDIS_PREFIX
 DEFAULT_QUEUE_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 2.0
+DEFAULT_MAX_VALUE_BYTES = 64 << 20   # bytes of one block read from Redis (--redis-max-value)
+_warned_unauthenticated = False      # the missing key file is said once per process
 _BACKOFF_MIN_S = 0.25
 _BACKOFF_MAX_S = 10.0
 _INFO_EVERY_S = 5.0
@@ -72,8 +74,16 @@ class RedisTier(Tier):
         prefix: key prefix (default ``cxlalloc:kv:``).
         ttl: seconds a value lives (``SET ... EX``); None: until Redis evicts it.
         queue_bytes: bytes of blocks waiting to be written; past it puts are dropped.
-        timeout: seconds for each connect, read and write.
-        batch_keys: keys per ``MGET`` (a prefix lookup stops at the first miss).
+        timeout: seconds for each connect, and the deadline of a whole read
+            (a lookup): a server trickling its reply is cut off at it (the
+            connections are closed, the tier is marked down), not after a
+            per-recv timeout per byte.
+        batch_keys: keys per pipelined ``GETRANGE`` (a prefix lookup stops at the first miss).
+        max_value_bytes: bytes of one block read back (``--redis-max-value``):
+            each value is read with ``GETRANGE`` up to that many bytes and its
+            header, so a planted huge value is never read whole (refused,
+            counted in ``bad_values``); a read holds at most ``batch_keys``
+            such values.
         key_file: a file holding the MAC key (``?redis_key_file=PATH`` in the
             URL too): values are written with a MAC and read only with a valid one.
         **redis_kwargs: passed to ``redis.Redis.from_url`` (AUTH, TLS, ...).
@@ -87,8 +97,15 @@ class RedisTier(Tier):
 
     def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX, ttl: Optional[float] = None,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, timeout: float = DEFAULT_TIMEOUT_S, batch_keys: int = 8,
-                 option: str = "--redis", key_file: Optional[str] = None, **redis_kwargs):
+                 option: str = "--redis", key_file: Optional[str] = None,
+                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES, **redis_kwargs):
         check_url(url, option)
+        if isinstance(max_value_bytes, bool) or not isinstance(max_value_bytes, int) or \
+                not 1 <= max_value_bytes <= 1 << 36:
+            raise ValueError(f"cxlalloc option '--redis-max-value': {max_value_bytes!r} must be a size from 1 byte "
+                             "to 64 GiB")
+        self.max_value_bytes = int(max_value_bytes)
+        self.timeout = float(timeout) if isinstance(timeout, (int, float)) else timeout
         url, ours = split_url_options(url)
         prefix = ours.get("prefix", prefix)
         if "redis_key_file" in ours:
@@ -151,6 +168,12 @@ class RedisTier(Tier):
         self._config_lock = threading.Lock()
         self._writer = threading.Thread(target=self._drain, name="cxlalloc-redis-writer", daemon=True)
         self._writer.start()
+        global _warned_unauthenticated
+        if self._mac_key is None and not _warned_unauthenticated:
+            _warned_unauthenticated = True
+            log.warning("cxlalloc kv: Redis values at %s are not authenticated (no %s): anyone who can write that "
+                        "database can inject K/V that is loaded as a hit; give a key file (docs/kv-server.md, "
+                        "threat model)", self.url, key_option)
 
     # ------------------------------------------------------------ state
     def _rkey(self, nskey: bytes) -> str:
@@ -379,17 +402,34 @@ class RedisTier(Tier):
             return out
         t0 = time.perf_counter()
         got = nbytes = 0
+        limit = HEADER_BYTES + self.max_value_bytes + MAC_BYTES  # the longest sound value
+        expired = threading.Event()
+        # The operation's deadline: past it every connection of the pool is closed, so a read blocked
+        # on a trickling server fails now instead of after a per-recv timeout per byte.
+        watchdog = threading.Timer(self.timeout, self._expire, args=(expired,))
+        watchdog.daemon = True
+        watchdog.start()
         try:
             for i in range(0, len(nskeys), self.batch_keys):
+                if expired.is_set():
+                    raise TimeoutError(f"the Redis read passed its {self.timeout:g} s deadline (--redis-timeout)")
                 part = nskeys[i:i + self.batch_keys]
-                values = self._r.mget([self._rkey(k) for k in part])
+                pipe = self._r.pipeline(transaction=False)
+                for k in part:
+                    pipe.getrange(self._rkey(k), 0, limit)  # at most limit + 1 bytes, whatever is stored
+                values = pipe.execute()
                 stop = False
                 for j, (k, v) in enumerate(zip(part, values)):
-                    problem = value_problem(k, v, self._mac_key)
+                    if v is not None and len(v) > limit:
+                        problem = "too_large"
+                    else:
+                        problem = value_problem(k, v or None, self._mac_key)
                     if problem is not None:
                         if problem != "missing":
                             with self._lock:
                                 self.c["forged_values" if problem == "forged" else "bad_values"] += 1
+                                if problem == "too_large":
+                                    self.c["too_large_values"] += 1
                             if problem == "forged" and not self._warned_forged:
                                 self._warned_forged = True
                                 log.warning("cxlalloc kv: a Redis value without a valid MAC was refused (key "
@@ -403,16 +443,31 @@ class RedisTier(Tier):
                 if stop:
                     break
             self._ok()
-        except Exception as e:
-            if not self._is_conn_error(e):
-                log.warning("cxlalloc kv: Redis read failed: %s: %s", type(e).__name__, e)
-            self._failed(e, "get")
+        except Exception as exc:
+            why = exc
+            if expired.is_set():
+                why = TimeoutError(f"the Redis read passed its {self.timeout:g} s deadline (--redis-timeout)")
+            elif not self._is_conn_error(exc):
+                log.warning("cxlalloc kv: Redis read failed: %s: %s", type(exc).__name__, exc)
+            self._failed(why, "get")
+        finally:
+            watchdog.cancel()
         dt = time.perf_counter() - t0
         with self._lock:
             self.c["hit_blocks"] += got
             self.c["hit_bytes"] += nbytes
             self.c["get_seconds_us"] += int(dt * 1e6)
         return out
+
+    def _expire(self, expired: threading.Event) -> None:
+        """The read's deadline passed: close every connection (in use too) so the blocked read fails."""
+        expired.set()
+        with self._lock:
+            self.c["deadline_expired"] += 1
+        try:
+            self._r.connection_pool.disconnect(inuse_connections=True)
+        except Exception:  # closing is best effort: the read fails on its own timeout then
+            pass
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict:
@@ -424,7 +479,9 @@ class RedisTier(Tier):
         (queue full, closed, or refused), ``full_errors`` (Redis OOM),
         ``put_errors``, ``get_errors``, ``lookups``, ``lookup_blocks``,
         ``hit_blocks``, ``hit_bytes``, ``hit_rate``, ``bad_values``,
-        ``forged_values`` (no valid MAC while a key is set), ``authenticated``,
+        ``forged_values`` (no valid MAC while a key is set), ``too_large_values``
+        (over ``max_value_bytes``, never read whole), ``deadline_expired`` (reads
+        cut off at the ``timeout`` deadline), ``authenticated``,
         ``skipped_down``, ``get_seconds``, ``load_seconds_per_block``,
         ``used_bytes``/``capacity_bytes`` (Redis ``used_memory``/``maxmemory``,
         refreshed every 5 s; capacity 0 = no limit), ``reconnects``.
@@ -437,7 +494,9 @@ class RedisTier(Tier):
         out = {k: int(c.get(k, 0)) for k in (
             "queued_blocks", "put_blocks", "put_bytes", "dropped_blocks", "dropped_bytes", "full_errors",
             "put_errors", "get_errors", "info_errors", "lookups", "lookup_blocks", "hit_blocks", "hit_bytes",
-            "bad_values", "forged_values", "skipped_down", "reconnects", "state_changes_not_logged")}
+            "bad_values", "forged_values", "too_large_values", "deadline_expired", "skipped_down", "reconnects",
+            "state_changes_not_logged")}
+        out["max_value_bytes"] = self.max_value_bytes
         out.update(kind=self.kind, url=self.url, prefix=self.prefix, ttl=self.ttl, up=up, last_error=err,
                    authenticated=self._mac_key is not None,
                    queue_blocks=qn, queue_bytes=qb, queue_limit_bytes=self.queue_bytes,
