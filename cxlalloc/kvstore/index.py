@@ -58,6 +58,7 @@ import itertools
 import sys
 from typing import Callable, Dict, Hashable, List, Optional, Sequence
 
+from cxlalloc.kvstore.slots import ChunkSlots
 from cxlalloc.policy.store_eviction import Lru, over_quota, victim
 
 WRITING = "writing"
@@ -103,45 +104,6 @@ class QuotaEntry(Entry):
         self.nprev = self.nnext = None
 
 
-class _TailTree:
-    """A max segment tree over the chunks' free tails: the lowest chunk whose
-    tail holds ``n`` bytes in O(log chunks)."""
-
-    __slots__ = ("p", "t")
-
-    def __init__(self, tails: Sequence[int]):
-        p = 1
-        while p < len(tails):
-            p *= 2
-        self.p = p
-        self.t = [0] * (2 * p)
-        self.t[p:p + len(tails)] = list(tails)
-        for i in range(p - 1, 0, -1):
-            self.t[i] = max(self.t[2 * i], self.t[2 * i + 1])
-
-    def set(self, i: int, v: int) -> None:
-        i += self.p
-        t = self.t
-        t[i] = v
-        i //= 2
-        while i:
-            m = max(t[2 * i], t[2 * i + 1])
-            if t[i] == m:
-                break
-            t[i] = m
-            i //= 2
-
-    def first_fit(self, n: int) -> int:
-        """The lowest chunk index whose tail is >= ``n`` bytes, or -1."""
-        t = self.t
-        if t[1] < n:
-            return -1
-        i = 1
-        while i < self.p:
-            i = 2 * i if t[2 * i] >= n else 2 * i + 1
-        return i - self.p
-
-
 @dataclasses.dataclass
 class IndexCounters:
     """Counts kept by :class:`BlockIndex` (blocks; bytes where named)."""
@@ -161,7 +123,7 @@ class IndexCounters:
     dropped_pins: int = 0
 
 
-class BlockIndex:
+class BlockIndex(ChunkSlots):
     """Key -> block map with LRU eviction over a fixed arena.
 
     Args:
@@ -185,16 +147,7 @@ class BlockIndex:
         self.granule = int(granule)
         self.quotas = dict(quotas or {})
         self.on_evict = on_evict
-        n = -(-self.capacity_bytes // self.chunk_bytes)
-        self._csize = [min(self.chunk_bytes, self.capacity_bytes - i * self.chunk_bytes) for i in range(n)]
-        self._top = [0] * n                       # bytes of the chunk below its bump pointer
-        self._used = [0] * n                      # entries in the chunk
-        self._free: List[Optional[Dict[int, Dict[int, None]]]] = [None] * n  # extent size -> free offsets below top
-        self._fstart: List[Dict[int, int]] = [{} for _ in range(n)]    # free extent: offset -> size
-        self._fend: List[Dict[int, int]] = [{} for _ in range(n)]      # free extent: end -> offset
-        self._open: Dict[int, Dict[int, None]] = {}                    # extent size -> chunks with one
-        self._tails = _TailTree(self._csize)
-        self._largest = max(self._csize)
+        self._init_slots(self.capacity_bytes, self.chunk_bytes)
         self.entries: Dict[bytes, Entry] = {}
         self._lru = Lru()
         self._lru_ns: Dict[str, Lru] = {}
@@ -311,103 +264,6 @@ class BlockIndex:
         if not mine:
             self._pins.pop(owner, None)
 
-    # ------------------------------------------------------------ space
-    def _chunk_room(self, i: int) -> int:
-        """The largest free span of chunk ``i`` (bytes): its tail or its largest free extent."""
-        free = self._free[i]
-        tail = self._csize[i] - self._top[i]
-        return max(tail, max(free)) if free else tail
-
-    def _extent_add(self, i: int, off: int, size: int) -> None:
-        free = self._free[i]
-        if free is None:
-            free = self._free[i] = {}
-        offs = free.get(size)
-        if offs is None:
-            offs = free[size] = {}
-            self._open.setdefault(size, {})[i] = None
-        offs[off] = None
-        self._fstart[i][off] = size
-        self._fend[i][off + size] = off
-
-    def _extent_remove(self, i: int, off: int, size: int) -> None:
-        free = self._free[i]
-        offs = free[size]
-        del offs[off]
-        if not offs:
-            del free[size]
-            chunks = self._open[size]
-            del chunks[i]
-            if not chunks:
-                del self._open[size]
-            if not free:
-                self._free[i] = None
-        del self._fstart[i][off]
-        del self._fend[i][off + size]
-
-    def _take_slot(self, size: int):
-        """(chunk, offset) of a free slot of ``size`` bytes, or None.
-
-        A free extent of exactly ``size`` first (any chunk); else the lowest
-        chunk with a free span of ``size`` (its smallest free extent that
-        holds it, split, or its tail)."""
-        chunks = self._open.get(size)
-        if chunks:
-            i = next(iter(chunks))
-            off = next(reversed(self._free[i][size]))
-            self._extent_remove(i, off, size)
-        else:
-            i = self._tails.first_fit(size)
-            if i < 0:
-                return None
-            free = self._free[i]
-            fit = min((s for s in free if s >= size), default=0) if free else 0
-            if fit:
-                off = next(reversed(self._free[i][fit]))
-                self._extent_remove(i, off, fit)
-                self._extent_add(i, off + size, fit - size)
-            else:
-                off = i * self.chunk_bytes + self._top[i]
-                self._top[i] += size
-        self._tails.set(i, self._chunk_room(i))
-        self._used[i] += 1
-        return i, off
-
-    def _release_slot(self, e: Entry) -> None:
-        """Free ``e``'s slot, merged with the free extents beside it (so pinned
-        blocks left on top of a chunk never strand the free bytes below them
-        in slots of one size), or given back to the tail."""
-        i, size = e.offset // self.chunk_bytes, self.slot_size(e.nbytes)
-        self._used[i] -= 1
-        base = i * self.chunk_bytes
-        if self._used[i] == 0:  # empty: the whole chunk is one tail again
-            for s in self._free[i] or ():
-                chunks = self._open[s]
-                del chunks[i]
-                if not chunks:
-                    del self._open[s]
-            self._free[i] = None
-            self._fstart[i].clear()
-            self._fend[i].clear()
-            self._top[i] = 0
-            self._tails.set(i, self._csize[i])
-            return
-        off = e.offset
-        below = self._fend[i].get(off)
-        if below is not None:
-            self._extent_remove(i, below, off - below)
-            size += off - below
-            off = below
-        above = self._fstart[i].get(off + size)
-        if above is not None:
-            self._extent_remove(i, off + size, above)
-            size += above
-        if off + size == base + self._top[i]:  # the top: the tail grows back
-            self._top[i] = off - base
-        else:
-            self._extent_add(i, off, size)
-        self._tails.set(i, self._chunk_room(i))
-
     def _forget(self, e: Entry) -> None:
         del self.entries[e.key]
         if e.state == READY:
@@ -420,7 +276,7 @@ class BlockIndex:
         self.ns_bytes[e.ns] -= e.nbytes
         if not self.ns_bytes[e.ns]:
             del self.ns_bytes[e.ns]
-        self._release_slot(e)
+        self._release_slot(e.offset, self.slot_size(e.nbytes))
 
     def _writing_done(self, e: Entry) -> None:
         w = e.writer

@@ -74,16 +74,11 @@ class RedisTier(Tier):
         prefix: key prefix (default ``cxlalloc:kv:``).
         ttl: seconds a value lives (``SET ... EX``); None: until Redis evicts it.
         queue_bytes: bytes of blocks waiting to be written; past it puts are dropped.
-        timeout: seconds for each connect, and the deadline of a whole read
-            (a lookup): a server trickling its reply is cut off at it (the
-            connections are closed, the tier is marked down), not after a
-            per-recv timeout per byte.
+        timeout: seconds for each connect and write, and the deadline of a
+            whole read (past it the connections are closed: :func:`_expire`).
         batch_keys: keys per pipelined ``GETRANGE`` (a prefix lookup stops at the first miss).
-        max_value_bytes: bytes of one block read back (``--redis-max-value``):
-            each value is read with ``GETRANGE`` up to that many bytes and its
-            header, so a planted huge value is never read whole (refused,
-            counted in ``bad_values``); a read holds at most ``batch_keys``
-            such values.
+        max_value_bytes: bytes of one block read back (``--redis-max-value``;
+            a larger value is never read whole: :func:`_read_prefix`).
         key_file: a file holding the MAC key (``?redis_key_file=PATH`` in the
             URL too): values are written with a MAC and read only with a valid one.
         **redis_kwargs: passed to ``redis.Redis.from_url`` (AUTH, TLS, ...).
@@ -100,11 +95,7 @@ class RedisTier(Tier):
                  option: str = "--redis", key_file: Optional[str] = None,
                  max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES, **redis_kwargs):
         check_url(url, option)
-        if isinstance(max_value_bytes, bool) or not isinstance(max_value_bytes, int) or \
-                not 1 <= max_value_bytes <= 1 << 36:
-            raise ValueError(f"cxlalloc option '--redis-max-value': {max_value_bytes!r} must be a size from 1 byte "
-                             "to 64 GiB")
-        self.max_value_bytes = int(max_value_bytes)
+        self.max_value_bytes = _check_max_value(max_value_bytes)
         self.timeout = float(timeout) if isinstance(timeout, (int, float)) else timeout
         url, ours = split_url_options(url)
         prefix = ours.get("prefix", prefix)
@@ -168,12 +159,8 @@ class RedisTier(Tier):
         self._config_lock = threading.Lock()
         self._writer = threading.Thread(target=self._drain, name="cxlalloc-redis-writer", daemon=True)
         self._writer.start()
-        global _warned_unauthenticated
-        if self._mac_key is None and not _warned_unauthenticated:
-            _warned_unauthenticated = True
-            log.warning("cxlalloc kv: Redis values at %s are not authenticated (no %s): anyone who can write that "
-                        "database can inject K/V that is loaded as a hit; give a key file (docs/kv-server.md, "
-                        "threat model)", self.url, key_option)
+        if self._mac_key is None:
+            _say_unauthenticated(self.url, key_option)
 
     # ------------------------------------------------------------ state
     def _rkey(self, nskey: bytes) -> str:
@@ -402,54 +389,18 @@ class RedisTier(Tier):
             return out
         t0 = time.perf_counter()
         got = nbytes = 0
-        limit = HEADER_BYTES + self.max_value_bytes + MAC_BYTES  # the longest sound value
-        expired = threading.Event()
-        # The operation's deadline: past it every connection of the pool is closed, so a read blocked
-        # on a trickling server fails now instead of after a per-recv timeout per byte.
-        watchdog = threading.Timer(self.timeout, self._expire, args=(expired,))
+        expired = threading.Event()  # the read's deadline, not a per-recv timeout
+        watchdog = threading.Timer(self.timeout, _expire, args=(self, expired))
         watchdog.daemon = True
         watchdog.start()
         try:
-            for i in range(0, len(nskeys), self.batch_keys):
-                if expired.is_set():
-                    raise TimeoutError(f"the Redis read passed its {self.timeout:g} s deadline (--redis-timeout)")
-                part = nskeys[i:i + self.batch_keys]
-                pipe = self._r.pipeline(transaction=False)
-                for k in part:
-                    pipe.getrange(self._rkey(k), 0, limit)  # at most limit + 1 bytes, whatever is stored
-                values = pipe.execute()
-                stop = False
-                for j, (k, v) in enumerate(zip(part, values)):
-                    if v is not None and len(v) > limit:
-                        problem = "too_large"
-                    else:
-                        problem = value_problem(k, v or None, self._mac_key)
-                    if problem is not None:
-                        if problem != "missing":
-                            with self._lock:
-                                self.c["forged_values" if problem == "forged" else "bad_values"] += 1
-                                if problem == "too_large":
-                                    self.c["too_large_values"] += 1
-                            if problem == "forged" and not self._warned_forged:
-                                self._warned_forged = True
-                                log.warning("cxlalloc kv: a Redis value without a valid MAC was refused (key "
-                                            "%s...; counted in forged_values; said once)", self._rkey(k)[:40])
-                        stop = True
-                        break
-                    data = v[HEADER_BYTES:HEADER_BYTES + _length(v)]
-                    out[i + j] = data
-                    got += 1
-                    nbytes += len(data)
-                if stop:
-                    break
+            got, nbytes = _read_prefix(self, nskeys, out, HEADER_BYTES + self.max_value_bytes + MAC_BYTES, expired)
             self._ok()
         except Exception as exc:
-            why = exc
-            if expired.is_set():
-                why = TimeoutError(f"the Redis read passed its {self.timeout:g} s deadline (--redis-timeout)")
-            elif not self._is_conn_error(exc):
+            if not expired.is_set() and not self._is_conn_error(exc):
                 log.warning("cxlalloc kv: Redis read failed: %s: %s", type(exc).__name__, exc)
-            self._failed(why, "get")
+            self._failed(TimeoutError(f"the Redis read passed its {self.timeout:g} s deadline (--redis-timeout)")
+                         if expired.is_set() else exc, "get")
         finally:
             watchdog.cancel()
         dt = time.perf_counter() - t0
@@ -458,16 +409,6 @@ class RedisTier(Tier):
             self.c["hit_bytes"] += nbytes
             self.c["get_seconds_us"] += int(dt * 1e6)
         return out
-
-    def _expire(self, expired: threading.Event) -> None:
-        """The read's deadline passed: close every connection (in use too) so the blocked read fails."""
-        expired.set()
-        with self._lock:
-            self.c["deadline_expired"] += 1
-        try:
-            self._r.connection_pool.disconnect(inuse_connections=True)
-        except Exception:  # closing is best effort: the read fails on its own timeout then
-            pass
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict:
@@ -522,3 +463,69 @@ class RedisTier(Tier):
 
     def __repr__(self) -> str:
         return f"<cxlalloc RedisTier {self.url} prefix={self.prefix!r}>"
+
+
+# ----------------------------------------------------------------- bounded reads (module level: RedisTier stays small)
+def _check_max_value(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1 << 36:
+        raise ValueError(f"cxlalloc option '--redis-max-value': {n!r} must be a size from 1 byte to 64 GiB")
+    return int(n)
+
+
+def _say_unauthenticated(url: str, key_option: str) -> None:
+    """Log once per process that values at ``url`` carry no MAC (no key file)."""
+    global _warned_unauthenticated
+    if not _warned_unauthenticated:
+        _warned_unauthenticated = True
+        log.warning("cxlalloc kv: Redis values at %s are not authenticated (no %s): anyone who can write that "
+                    "database can inject K/V that is loaded as a hit; give a key file (docs/kv-server.md, "
+                    "threat model)", url, key_option)
+
+
+def _expire(tier: "RedisTier", expired: threading.Event) -> None:
+    """A read's deadline passed: close every connection of ``tier`` (in use too) so the blocked read fails."""
+    expired.set()
+    with tier._lock:
+        tier.c["deadline_expired"] += 1
+    try:
+        tier._r.connection_pool.disconnect(inuse_connections=True)
+    except Exception:  # closing is best effort: the read fails on its own timeout then
+        pass
+
+
+def _read_prefix(tier: "RedisTier", nskeys: Sequence[bytes], out: List[Optional[bytes]], limit: int,
+                 expired: threading.Event):
+    """Fill ``out`` with the values of the longest sound prefix of ``nskeys``,
+    read ``tier.batch_keys`` at a time with pipelined ``GETRANGE`` of at most
+    ``limit + 1`` bytes each (a longer value is refused, never read whole).
+    Returns (blocks, bytes) found; counts refused values on ``tier``.
+
+    Raises:
+        TimeoutError: ``expired`` was set (the read's deadline) between batches.
+        redis.RedisError / OSError: from the connection (closed at the deadline).
+    """
+    got = nbytes = 0
+    for i in range(0, len(nskeys), tier.batch_keys):
+        if expired.is_set():
+            raise TimeoutError(f"the Redis read passed its {tier.timeout:g} s deadline (--redis-timeout)")
+        part = nskeys[i:i + tier.batch_keys]
+        pipe = tier._r.pipeline(transaction=False)
+        for k in part:
+            pipe.getrange(tier._rkey(k), 0, limit)  # at most limit + 1 bytes, whatever is stored
+        for j, (k, v) in enumerate(zip(part, pipe.execute())):
+            problem = "too_large" if v is not None and len(v) > limit else value_problem(k, v or None, tier._mac_key)
+            if problem is not None:
+                if problem != "missing":
+                    with tier._lock:
+                        tier.c["forged_values" if problem == "forged" else "bad_values"] += 1
+                        tier.c["too_large_values"] += problem == "too_large"
+                    if problem == "forged" and not tier._warned_forged:
+                        tier._warned_forged = True
+                        log.warning("cxlalloc kv: a Redis value without a valid MAC was refused (key "
+                                    "%s...; counted in forged_values; said once)", tier._rkey(k)[:40])
+                return got, nbytes
+            data = v[HEADER_BYTES:HEADER_BYTES + _length(v)]
+            out[i + j] = data
+            got += 1
+            nbytes += len(data)
+    return got, nbytes
