@@ -19,7 +19,13 @@ store the deployment already runs (docs/sources.md#kv-reuse).
   magic, a version, the namespaced key, the length and a CRC-32, so a
   truncated, foreign or mismatched value is refused (counted), never loaded.
   CRC-32 catches accidents, not forgery: anyone who can write the database
-  can write a valid header and CRC over other K/V.
+  can write a valid header and CRC over other K/V.  Without a key file this
+  is said once per process, at start.
+* **Reads are bounded.**  Each value is read with ``GETRANGE`` up to its
+  header, ``max_value_bytes`` and a MAC (a planted huge value is never read
+  whole: ``too_large_values``), and a whole read has a deadline of
+  ``timeout`` seconds (past it the tier's connections are closed, so a
+  server trickling its reply cannot stretch a miss: ``deadline_expired``).
 * **Values authenticated with a key.**  With ``key_file`` (the kv-server's
   ``--redis-key-file PATH``, the URL's ``?redis_key_file=PATH`` for an
   in-process store) every value carries a keyed BLAKE2b-256 MAC (RFC 7693's
