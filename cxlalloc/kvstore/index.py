@@ -12,11 +12,17 @@ its size rounded up to the ``granule`` (the kv-server uses the page size, so
 ``reserve(nbytes=1)`` holds one 4 KiB slot).  A chunk is filled from its
 bottom by a bump pointer (``top``): any block size may take the free tail of
 any chunk, so one tiny block held in a chunk never closes the rest of it to
-other sizes.  A slot freed below ``top`` goes on the chunk's free list for its
-size (taken first by the next block of that size); the top slot lowers
-``top``; a chunk with no block left is reset (``top = 0``).  Nothing is built
-per slot or per byte: opening a chunk is O(1), finding the lowest chunk whose
-tail fits a block is O(log chunks) (a max segment tree over the tails).
+other sizes.  A slot freed below ``top`` is merged with the free extents
+beside it (boundary maps: offset -> size and end -> offset) and kept on the
+chunk's free list for its size; a free span that reaches ``top`` lowers
+``top``; a chunk with no block left is reset (``top = 0``).  A block takes a
+free extent of its exact size first, else the lowest chunk with a free span
+that holds it (its smallest free extent that does, split, or its tail).  So
+small blocks left pinned on top of every chunk (the pinned-top attack) leave
+the bytes below them one free span each, open to any size, never slots of one
+size only.  Nothing is built per slot or per byte: opening a chunk is O(1),
+finding the lowest chunk with room for a block is O(log chunks) (a max segment
+tree over each chunk's largest free span).
 
 Every operation costs O(blocks it touches) or O(log chunks), never O(blocks
 stored): the LRU lists are intrusive (links in the entries), each owner's
@@ -48,9 +54,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import sys
 from typing import Callable, Dict, Hashable, List, Optional, Sequence
 
+from cxlalloc.kvstore.slots import ChunkSlots
 from cxlalloc.policy.store_eviction import Lru, over_quota, victim
 
 WRITING = "writing"
@@ -96,45 +104,6 @@ class QuotaEntry(Entry):
         self.nprev = self.nnext = None
 
 
-class _TailTree:
-    """A max segment tree over the chunks' free tails: the lowest chunk whose
-    tail holds ``n`` bytes in O(log chunks)."""
-
-    __slots__ = ("p", "t")
-
-    def __init__(self, tails: Sequence[int]):
-        p = 1
-        while p < len(tails):
-            p *= 2
-        self.p = p
-        self.t = [0] * (2 * p)
-        self.t[p:p + len(tails)] = list(tails)
-        for i in range(p - 1, 0, -1):
-            self.t[i] = max(self.t[2 * i], self.t[2 * i + 1])
-
-    def set(self, i: int, v: int) -> None:
-        i += self.p
-        t = self.t
-        t[i] = v
-        i //= 2
-        while i:
-            m = max(t[2 * i], t[2 * i + 1])
-            if t[i] == m:
-                break
-            t[i] = m
-            i //= 2
-
-    def first_fit(self, n: int) -> int:
-        """The lowest chunk index whose tail is >= ``n`` bytes, or -1."""
-        t = self.t
-        if t[1] < n:
-            return -1
-        i = 1
-        while i < self.p:
-            i = 2 * i if t[2 * i] >= n else 2 * i + 1
-        return i - self.p
-
-
 @dataclasses.dataclass
 class IndexCounters:
     """Counts kept by :class:`BlockIndex` (blocks; bytes where named)."""
@@ -154,7 +123,7 @@ class IndexCounters:
     dropped_pins: int = 0
 
 
-class BlockIndex:
+class BlockIndex(ChunkSlots):
     """Key -> block map with LRU eviction over a fixed arena.
 
     Args:
@@ -178,14 +147,7 @@ class BlockIndex:
         self.granule = int(granule)
         self.quotas = dict(quotas or {})
         self.on_evict = on_evict
-        n = -(-self.capacity_bytes // self.chunk_bytes)
-        self._csize = [min(self.chunk_bytes, self.capacity_bytes - i * self.chunk_bytes) for i in range(n)]
-        self._top = [0] * n                       # bytes of the chunk below its bump pointer
-        self._used = [0] * n                      # entries in the chunk
-        self._free: List[Optional[Dict[int, List[int]]]] = [None] * n   # slot size -> free offsets below top
-        self._open: Dict[int, Dict[int, None]] = {}                    # slot size -> chunks with a free slot
-        self._tails = _TailTree(self._csize)
-        self._largest = max(self._csize)
+        self._init_slots(self.capacity_bytes, self.chunk_bytes)
         self.entries: Dict[bytes, Entry] = {}
         self._lru = Lru()
         self._lru_ns: Dict[str, Lru] = {}
@@ -238,10 +200,12 @@ class BlockIndex:
                 del self._lru_ns[e.ns]
 
     # ------------------------------------------------------------ reads
-    def match(self, keys: Sequence[bytes], owner: Hashable) -> List[Entry]:
+    def match(self, keys: Sequence[bytes], owner: Hashable, new_lookup: bool = True) -> List[Entry]:
         """The longest prefix of ``keys`` whose blocks are READY, each pinned for
-        ``owner`` (unpin with :meth:`unpin`) and marked as used."""
-        self.c.lookups += 1
+        ``owner`` (unpin with :meth:`unpin`) and marked as used.  ``new_lookup``
+        False: ``keys`` continue a lookup already counted (the kv-server
+        matches a long lookup in slices, releasing its lock between them)."""
+        self.c.lookups += bool(new_lookup)
         self.c.lookup_blocks += len(keys)
         out = []
         get = self.entries.get
@@ -300,56 +264,6 @@ class BlockIndex:
         if not mine:
             self._pins.pop(owner, None)
 
-    # ------------------------------------------------------------ space
-    def _take_slot(self, size: int):
-        """(chunk, offset) of a free slot of ``size`` bytes, or None."""
-        chunks = self._open.get(size)
-        if chunks:
-            i = next(iter(chunks))
-            offs = self._free[i][size]
-            off = offs.pop()
-            if not offs:
-                del self._free[i][size]
-                del chunks[i]
-                if not chunks:
-                    del self._open[size]
-            self._used[i] += 1
-            return i, off
-        i = self._tails.first_fit(size)
-        if i < 0:
-            return None
-        off = i * self.chunk_bytes + self._top[i]
-        self._top[i] += size
-        self._tails.set(i, self._csize[i] - self._top[i])
-        self._used[i] += 1
-        return i, off
-
-    def _release_slot(self, e: Entry) -> None:
-        i, size = e.offset // self.chunk_bytes, self.slot_size(e.nbytes)
-        self._used[i] -= 1
-        base = i * self.chunk_bytes
-        if self._used[i] == 0:  # empty: the whole chunk is one tail again
-            for s in self._free[i] or ():
-                chunks = self._open[s]
-                del chunks[i]
-                if not chunks:
-                    del self._open[s]
-            self._free[i] = None
-            self._top[i] = 0
-            self._tails.set(i, self._csize[i])
-        elif e.offset + size == base + self._top[i]:  # the top slot: the tail grows back
-            self._top[i] -= size
-            self._tails.set(i, self._csize[i] - self._top[i])
-        else:
-            free = self._free[i]
-            if free is None:
-                free = self._free[i] = {}
-            lst = free.get(size)
-            if lst is None:
-                lst = free[size] = []
-                self._open.setdefault(size, {})[i] = None
-            lst.append(e.offset)
-
     def _forget(self, e: Entry) -> None:
         del self.entries[e.key]
         if e.state == READY:
@@ -362,7 +276,7 @@ class BlockIndex:
         self.ns_bytes[e.ns] -= e.nbytes
         if not self.ns_bytes[e.ns]:
             del self.ns_bytes[e.ns]
-        self._release_slot(e)
+        self._release_slot(e.offset, self.slot_size(e.nbytes))
 
     def _writing_done(self, e: Entry) -> None:
         w = e.writer
@@ -467,15 +381,33 @@ class BlockIndex:
                 self._forget(e)
                 self.c.aborted_blocks += 1
 
-    def drop_owner(self, owner: Hashable) -> None:
+    def drop_owner(self, owner: Hashable, budget: Optional[int] = None) -> bool:
         """A reader/writer is gone (its connection closed, its process died):
-        abort what it was writing and drop its pins.  O(its blocks), not O(blocks stored)."""
+        abort what it was writing and drop its pins.  O(its blocks), not O(blocks stored).
+
+        Args:
+            budget: at most this many of its blocks now (None: all); call
+                again until it returns True, so a caller can release its lock
+                between calls (a client of 65,536 blocks is dropped in slices).
+
+        Returns:
+            True when nothing of ``owner`` is left.
+        """
+        left = budget if budget is not None else 1 << 62
         writing = self._writing.get(owner)
         if writing:
-            self.abort(list(writing.values()), owner)
-        mine = self._pins.pop(owner, {})
-        self.pinned_blocks -= len(mine)
-        for key, n in mine.items():
+            part = list(itertools.islice(writing.values(), left))
+            self.abort(part, owner)
+            left -= len(part)
+            if owner in self._writing:
+                return False
+        mine = self._pins.get(owner)
+        if mine is None:
+            return True
+        while mine and left > 0:
+            key, n = mine.popitem()
+            left -= 1
+            self.pinned_blocks -= 1
             e = self.entries.get(key)
             if e is None:
                 continue
@@ -483,6 +415,10 @@ class BlockIndex:
             self.c.dropped_pins += n
             if e.pins == 0 and e.state == READY:
                 self._lru_add(e)
+        if mine:
+            return False
+        del self._pins[owner]
+        return True
 
     def clear(self, ns: Optional[str] = None) -> int:
         """Drop every READY, unpinned block (of namespace ``ns``).  Returns blocks dropped."""
@@ -539,7 +475,13 @@ def check_invariants(index: "BlockIndex") -> None:
     for i in range(len(index._csize)):
         assert index._used[i] == used.get(i, 0), f"chunk {i} used"
         assert 0 <= index._top[i] <= index._csize[i], f"chunk {i} top"
-        assert index._tails.t[index._tails.p + i] == index._csize[i] - index._top[i], f"chunk {i} tail"
+        assert index._tails.t[index._tails.p + i] == index._chunk_room(i), f"chunk {i} room"
+        ext = sorted(index._fstart[i].items())
+        assert ext == sorted((o, s) for o, s in free_by_chunk.get(i, [])), f"chunk {i} extents"
+        assert index._fend[i] == {o + s: o for o, s in ext}, f"chunk {i} extent ends"
+        for (a, n), (b, _) in zip(ext, ext[1:]):
+            assert a + n < b, f"chunk {i}: free extents at {a} and {b} not merged"
+        assert all(o + s < i * index.chunk_bytes + index._top[i] for o, s in ext), f"chunk {i}: free extent at top"
         if index._used[i] == 0:
             assert index._top[i] == 0 and not index._free[i], f"empty chunk {i} not reset"
     spans = sorted([(e.offset, index.slot_size(e.nbytes), e.offset // index.chunk_bytes) for e in es]

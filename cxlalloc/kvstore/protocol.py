@@ -95,9 +95,30 @@ def _msgpack():
     return msgpack
 
 
-def encode(msg: Dict[str, Any]) -> bytes:
-    """One frame: the length prefix and the msgpack body of ``msg``."""
-    body = _msgpack().packb(msg, use_bin_type=True)
+def encode(msg: Dict[str, Any], yield_every: int = 0) -> bytes:
+    """One frame: the length prefix and the msgpack body of ``msg``.
+
+    ``yield_every``: pack the map's top-level lists this many elements at a
+    time, letting other threads run between slices (the kv-server's replies
+    of 65,536 blocks; the bytes are the same as one ``packb``)."""
+    if yield_every and any(isinstance(v, list) and len(v) > yield_every for v in msg.values()):
+        import time
+
+        pk = _msgpack().Packer(use_bin_type=True)
+        parts = [pk.pack_map_header(len(msg))]
+        for k, v in msg.items():
+            parts.append(pk.pack(k))
+            if isinstance(v, list) and len(v) > yield_every:
+                parts.append(pk.pack_array_header(len(v)))
+                for i in range(0, len(v), yield_every):
+                    if i:
+                        time.sleep(0)
+                    parts.append(b"".join(map(pk.pack, v[i:i + yield_every])))
+            else:
+                parts.append(pk.pack(v))
+        body = b"".join(parts)
+    else:
+        body = _msgpack().packb(msg, use_bin_type=True)
     if len(body) > MAX_FRAME:
         raise ProtocolError(f"a message of {len(body)} bytes exceeds the protocol's {MAX_FRAME} bytes")
     return _LEN.pack(len(body)) + body
@@ -107,32 +128,137 @@ class _TooManyObjects(Exception):
     pass
 
 
-def decode(body: bytes, max_containers: Optional[int] = None) -> Dict[str, Any]:
-    """The message in a frame body; ProtocolError when it is not a msgpack map.
+class _TooManyItems(Exception):
+    pass
+
+
+# What one decoded request may hold on the kv-server (``decode(..., max_items=...)``): a request's
+# strings are an op, a namespace (MAX_NS_CHARS) and a client name; its bins are 32-byte keys.
+SERVER_MAX_STR = 4096          # characters of one string
+SERVER_MAX_BIN = 4096          # bytes of one bin
+SERVER_MAX_MAP = 64            # pairs of one map
+DEFAULT_MAX_ITEMS = MAX_KEYS + 1024   # elements of all lists and maps of one request (--max-items)
+
+
+def decoded_bound(nbytes: int, max_items: int) -> int:
+    """An upper estimate of the Python memory (bytes) a frame body of
+    ``nbytes`` decodes to under :func:`decode`'s server limits: the bytes of
+    its strings and bins, one 8-byte reference per element, and one object
+    header (<= 72 bytes) per element that is not a shared constant (such an
+    element takes at least 2 bytes of the frame)."""
+    m = min(int(max_items), int(nbytes))
+    return int(nbytes) + 8 * m + 72 * min(m, int(nbytes) // 2)
+
+
+def _decode_in_slices(body, sizes, hooks, seen, cap, items, every: int):
+    """A request map whose top-level lists are decoded ``every`` elements at a
+    time, releasing the GIL between slices (``time.sleep(0)``), so one
+    65,536-key request never holds the interpreter for its whole decode.
+    Same limits as one ``unpackb``; the map and lists read here count too."""
+    import time
+
+    msgpack = _msgpack()
+    up = msgpack.Unpacker(None, raw=False, use_list=True, strict_map_key=True, max_buffer_size=len(body) or 1,
+                          max_array_len=MAX_KEYS + 16, max_ext_len=0, **sizes, **hooks)
+    up.feed(body)
+
+    def container(n):
+        seen[0] += 1
+        seen[1] += n
+        if seen[0] > cap:
+            raise _TooManyObjects()
+        if seen[1] > items:
+            raise _TooManyItems()
+
+    def header(read):
+        try:
+            return read()
+        except ValueError as e:  # msgpack: "Unexpected type header on stream" (nothing consumed)
+            if "Unexpected type" in str(e):
+                return None
+            raise
+
+    npairs = header(up.read_map_header)
+    if npairs is None:
+        return up.unpack()  # not a map: the caller says so
+    container(npairs)
+    msg = {}
+    for _ in range(npairs):
+        k = up.unpack()
+        if not isinstance(k, (str, bytes)):
+            raise ValueError("a map key must be a string")
+        n = header(up.read_array_header)
+        if n is None:
+            msg[k] = up.unpack()
+            continue
+        container(n)
+        v = []
+        for i in range(n):
+            if i and not i % every:
+                time.sleep(0)
+            v.append(up.unpack())
+        msg[k] = v
+    if up.tell() != len(body):
+        raise ValueError("extra data after the message")
+    return msg
+
+
+def decode(body, max_containers: Optional[int] = None, max_items: Optional[int] = None,
+           yield_every: int = 0) -> Dict[str, Any]:
+    """The message in a frame body (bytes-like; not copied); ProtocolError when it is not a msgpack map.
 
     Args:
         max_containers: if given, at most this many maps and lists in the
             message (the kv-server's ``--max-objects``): a frame of nested
             empty lists is refused after that many, instead of building one
             Python list per byte (ProtocolError naming the limit).
+        max_items: if given (the kv-server, ``--max-items``), the decoded
+            message is bounded in objects and bytes, not only in containers:
+            at most this many elements in all its lists and maps together
+            (counted as each container is built, so a frame of 2.8 M short
+            strings stops after two lists of at most MAX_KEYS + 16), strings
+            of at most SERVER_MAX_STR characters, bins of at most
+            SERVER_MAX_BIN bytes, maps of at most SERVER_MAX_MAP pairs.
+        yield_every: with ``max_items``, decode the request's top-level lists
+            this many elements at a time, letting other threads run between
+            slices (the kv-server's fair service, ``--slice-keys``).
     """
     hooks = {}
-    if max_containers is not None:
-        seen = [0]
-
+    seen = [0, 0]
+    cap = max_containers if max_containers is not None else 1 << 62
+    items = max_items if max_items is not None else 1 << 62
+    if max_containers is not None or max_items is not None:
         def count(obj):
             seen[0] += 1
-            if seen[0] > max_containers:
+            seen[1] += len(obj)
+            if seen[0] > cap:
                 raise _TooManyObjects()
+            if seen[1] > items:
+                raise _TooManyItems()
             return obj
 
         hooks = {"list_hook": count, "object_hook": count}
+    if max_items is not None:
+        sizes = dict(max_bin_len=SERVER_MAX_BIN, max_str_len=SERVER_MAX_STR, max_map_len=SERVER_MAX_MAP)
+    else:
+        sizes = dict(max_bin_len=MAX_FRAME, max_str_len=1 << 20, max_map_len=4096)
     try:
-        msg = _msgpack().unpackb(body, raw=False, use_list=True, strict_map_key=True, max_bin_len=MAX_FRAME,
-                                 max_str_len=1 << 20, max_array_len=MAX_KEYS + 16, max_map_len=4096,
-                                 max_ext_len=0, **hooks)
+        if max_items is not None and yield_every:
+            msg = _decode_in_slices(body, sizes, hooks, seen, cap, items, yield_every)
+        else:
+            msg = _msgpack().unpackb(body, raw=False, use_list=True, strict_map_key=True,
+                                     max_array_len=MAX_KEYS + 16, max_ext_len=0, **sizes, **hooks)
     except _TooManyObjects:
         raise ProtocolError(f"a message holds more than {max_containers} maps and lists (--max-objects)") from None
+    except _TooManyItems:
+        raise ProtocolError(f"a message holds more than {max_items} elements in its lists and maps together "
+                            "(--max-items)") from None
+    except ValueError as e:
+        if max_items is not None and "exceeds max_" in str(e):
+            raise ProtocolError(f"not a kv-server request: {e} (strings hold at most {SERVER_MAX_STR} characters, "
+                                f"bins {SERVER_MAX_BIN} bytes, maps {SERVER_MAX_MAP} pairs, lists "
+                                f"{MAX_KEYS + 16} elements)") from None
+        raise ProtocolError(f"not a msgpack message: {type(e).__name__}: {e}") from None
     except Exception as e:
         raise ProtocolError(f"not a msgpack message: {type(e).__name__}: {e}") from None
     if not isinstance(msg, dict):
@@ -140,9 +266,10 @@ def decode(body: bytes, max_containers: Optional[int] = None) -> Dict[str, Any]:
     return msg
 
 
-def send_msg(sock: socket.socket, msg: Dict[str, Any], fds: Optional[List[int]] = None) -> None:
-    """Send one message (and ``fds`` with its first byte, by SCM_RIGHTS)."""
-    frame = encode(msg)
+def send_msg(sock: socket.socket, msg: Dict[str, Any], fds: Optional[List[int]] = None,
+             yield_every: int = 0) -> None:
+    """Send one message (and ``fds`` with its first byte, by SCM_RIGHTS); ``yield_every``: see :func:`encode`."""
+    frame = encode(msg, yield_every)
     if fds:
         sent = socket.send_fds(sock, [frame], list(fds))
         if sent < len(frame):

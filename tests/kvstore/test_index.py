@@ -195,3 +195,56 @@ def test_running_counts_equal_what_a_scan_finds_and_memory_per_block_is_reported
     assert ix.slot_bytes == 305 * 4 * KiB and ix.used_bytes == 305 * 3 * KiB
     assert 150 < ix.memory_per_block() < 400  # entry + key + offset + its hash-table share (bytes)
     ix.check()
+
+
+def test_pinned_tiny_blocks_on_top_of_every_chunk_leave_the_space_below_them_to_any_size():
+    # The pinned-top attack (issue 29 item 4): fill the store with 4 KiB blocks, pin the top one of
+    # every chunk, then write 64 KiB blocks.  The freed 4 KiB slots below each pinned block merge into
+    # one free span, so 63 of the 64 honest blocks a chunk holds still fit (before: 0).
+    ix = BlockIndex(1024 * KiB, 256 * KiB, granule=4 * KiB)  # 4 chunks of 256 KiB
+    put(ix, range(256), nbytes=1)
+    tops = [e for e in ix.entries.values() if (e.offset + 4 * KiB) % (256 * KiB) == 0]
+    assert len(tops) == 4
+    for e in tops:
+        assert ix.match([e.key], "attacker") == [e]
+    honest = put(ix, range(1000, 1064), nbytes=64 * KiB)
+    stored = [e for e in honest if e is not None and ix.contains(e.key)]
+    assert len(stored) == 4 * 3  # (256 - 4) KiB per chunk hold three 64 KiB blocks
+    put(ix, range(2000, 2200), nbytes=16 * KiB)  # another size takes what is left
+    assert ix.slot_bytes >= 1024 * KiB - 4 * 4 * KiB - 4 * 12 * KiB  # at most one 16 KiB granule lost per chunk
+    ix.check()
+    ix.drop_owner("attacker")
+    put(ix, range(3000, 3016), nbytes=64 * KiB)
+    assert sum(ix.contains(key(k)) for k in range(3000, 3016)) == 16  # the whole store again
+    ix.check()
+
+
+def test_random_sizes_with_pins_merge_every_free_neighbour():
+    rng = random.Random(7)
+    ix = BlockIndex(2048 * KiB, 512 * KiB, granule=4 * KiB)
+    live = []
+    for step in range(3000):
+        k = step
+        size = rng.choice([1, 4 * KiB, 12 * KiB, 64 * KiB, 100 * KiB])
+        es = put(ix, [k], nbytes=size)
+        if es[0] is not None and rng.random() < 0.05:
+            ix.match([key(k)], "r")
+            live.append(es[0])
+        if live and rng.random() < 0.04:
+            ix.unpin([live.pop(rng.randrange(len(live)))], "r")
+        if step % 100 == 0:
+            ix.check()
+    ix.check()
+
+
+def test_drop_owner_in_slices_leaves_a_consistent_index_between_them():
+    ix = BlockIndex(8192 * KiB, 1024 * KiB, granule=4 * KiB)
+    put(ix, range(1000))
+    ix.match([key(k) for k in range(1000)], "gone")
+    ix.reserve([key(5000 + k) for k in range(700)], 4 * KiB, "", "gone")
+    calls = 0
+    while not ix.drop_owner("gone", 256):
+        calls += 1
+        ix.check()  # between slices: every invariant holds
+    assert calls == 6 and ix.pinned_blocks == 0 and ix.writing_blocks == 0 and ix.blocks() == 1000
+    ix.check()

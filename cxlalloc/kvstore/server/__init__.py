@@ -43,10 +43,11 @@ from cxlalloc.config import format_bytes
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.server.jobs import REDIS_MODES, PlacementVerifier, RateSampler, RedisLink
 from cxlalloc.kvstore.server.persist import PoolFile, restore
-from cxlalloc.kvstore.server.state import MAX_LEASES_PER_CLIENT, ServerState, log
+from cxlalloc.kvstore.server.state import DEFAULT_SLICE_KEYS, MAX_LEASES_PER_CLIENT, ServerState, log
 from cxlalloc.kvstore.server.tenants import TenantSpec, Tenancy, split_sizes
 from cxlalloc.kvstore.server.transport import (DEFAULT_BACKLOG, DEFAULT_FRAME_TIMEOUT_S, DEFAULT_IO_TIMEOUT_S,
                                                DEFAULT_MAX_BUFFERED, DEFAULT_MAX_FRAME, DEFAULT_MAX_OBJECTS,
+                                               DEFAULT_HELLO_TIMEOUT_S, DEFAULT_IDLE_TIMEOUT_S,
                                                DEFAULT_SOCKET_MODE, Transport, resolve_group)
 from cxlalloc.policy import redis_write_back as write_back
 
@@ -75,7 +76,7 @@ class KVServer:
         allow_uids: if given, only these uids (and the server's own) may attach.
         node_reason: why this node (shown by --status).
         io_timeout: seconds a reply may take to be sent.
-        max_frame, max_buffered, frame_timeout, max_objects, backlog: the
+        max_frame, max_buffered, frame_timeout, max_objects, backlog, max_items: the
             transport's bounds (:class:`~cxlalloc.kvstore.server.transport.Transport`).
         max_reserve_bytes: slot bytes one client may hold unpublished (default the whole pool).
         tenants: :class:`~cxlalloc.kvstore.server.tenants.TenantSpec` s (``--tenant``):
@@ -89,6 +90,10 @@ class KVServer:
         shared: ``{namespace: tenants that may write it}`` (``--shared-namespace``):
             every tenant may read those namespaces (a hit is copied from a
             writer's pool into the reader's own); the others' namespaces stay private.
+        slice_keys: blocks a request handles under one hold of the server's lock (fair service).
+        hello_timeout, idle_timeout: seconds to a connection's hello, and between a greeted
+            connection's requests (0: for ever), then ``timeout`` and closed.
+        max_clients_per_uid: connections of one uid at once (default ``max_clients``).
 
     Raises:
         ValueError: a bad size/chunk/mode/group, naming the option.
@@ -104,7 +109,10 @@ class KVServer:
                  frame_timeout: float = DEFAULT_FRAME_TIMEOUT_S, max_objects: int = DEFAULT_MAX_OBJECTS,
                  backlog: int = DEFAULT_BACKLOG, max_reserve_bytes: Optional[int] = None,
                  tenants: Sequence[TenantSpec] = (), pool_file: Optional[str] = None,
-                 pool_file_bytes: Optional[int] = None, shared: Optional[Dict[str, Sequence[str]]] = None):
+                 pool_file_bytes: Optional[int] = None, shared: Optional[Dict[str, Sequence[str]]] = None,
+                 max_items: int = P.DEFAULT_MAX_ITEMS, slice_keys: int = DEFAULT_SLICE_KEYS,
+                 hello_timeout: float = DEFAULT_HELLO_TIMEOUT_S, idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+                 max_clients_per_uid: Optional[int] = None):
         page = os.sysconf("SC_PAGESIZE")
         if chunk_bytes <= 0 or chunk_bytes % page or chunk_bytes > MAX_CHUNK:
             raise ValueError(f"cxlalloc option '--chunk': {format_bytes(chunk_bytes)} must be a multiple of the page "
@@ -145,7 +153,8 @@ class KVServer:
             reserve = min(max_reserve_bytes, tsize) if max_reserve_bytes else None
             st = ServerState(tsize, self.node, tchunk, quotas=quotas, default_quota=default_quota,
                              max_clients=self.max_clients, allow_uids=self.allow_uids,
-                             max_reserve_bytes=reserve, tenant=name)
+                             max_reserve_bytes=reserve, tenant=name, slice_keys=slice_keys,
+                             max_clients_per_uid=max_clients_per_uid)
             verifier = PlacementVerifier(st, self.strict_placement, page)
             st.placement = verifier
             if redis is not None:
@@ -175,7 +184,8 @@ class KVServer:
         self.transport = Transport({n: p[0] for n, p in self.parts.items()}, self.socket_path, self.socket_mode,
                                    self.gid, self.io_timeout, self.stats, self._stop, max_frame=max_frame,
                                    max_buffered=max_buffered, frame_timeout=frame_timeout, max_objects=max_objects,
-                                   backlog=backlog, tenancy=self.tenancy)
+                                   backlog=backlog, tenancy=self.tenancy, max_items=max_items,
+                                   hello_timeout=hello_timeout, idle_timeout=idle_timeout)
         self.map_seconds = time.perf_counter() - t0
 
     def start(self) -> "KVServer":
@@ -216,7 +226,8 @@ class KVServer:
             pool = _merge_pools({n: sn[0] for n, sn in snaps.items()})
             clients = [cl for sn in snaps.values() for cl in sn[1]]
             c = {k: sum(sn[2][k] for sn in snaps.values()) for k in snaps[names[0]][2]}
-            c["peak_clients"] = max(sn[2]["peak_clients"] for sn in snaps.values())
+            for k in ("peak_clients", "lock_hold_us_max", "drop_us_max"):  # maxima, not sums
+                c[k] = max(sn[2][k] for sn in snaps.values())
             rates = _merge_pools({n: self.parts[n][2].rates(sn[3]) for n, sn in snaps.items()})
         server = {"pid": os.getpid(), "pool_id": self.parts[names[0]][0].pool_id if tenant else self.pool_id, "protocol": P.PROTOCOL_VERSION,
                   "socket": os.path.abspath(self.socket_path), "socket_mode": f"{self.socket_mode:04o}",
@@ -231,9 +242,16 @@ class KVServer:
                   "limits": {"max_frame": self.transport.max_frame, "max_buffered": self.transport.max_buffered,
                              "frame_timeout_s": self.transport.frame_timeout,
                              "max_objects": self.transport.max_objects, "backlog": self.transport.backlog,
+                             "max_items": self.transport.max_items, "slice_keys": self.state.slice_keys,
+                             "hello_timeout_s": self.transport.hello_timeout,
+                             "idle_timeout_s": self.transport.idle_timeout,
+                             "max_clients_per_uid": self.state.max_clients_per_uid,
                              "max_clients": self.max_clients, "max_reserve": self.state.max_reserve_bytes},
                   "protocol_errors": c["protocol_errors"], "bad_requests": c["bad_requests"],
                   "corrupt_blocks": c["corrupt_blocks"], "requests": c["requests"],
+                  "buffered_peak_bytes": self.transport.buffered_peak,
+                  "refused_per_uid": c["refused_per_uid"], "closed_no_hello": c["closed_no_hello"],
+                  "closed_idle": c["closed_idle"],
                   "redis_mode": self.redis_mode if self.redis is not None else None,
                   "strict_placement": self.strict_placement}
         out = {"server": server, "pool": pool, "rates": rates,

@@ -15,7 +15,12 @@ so a client gone mid-insert never publishes a half-written block.
 
 Thread-safety: one lock (``self.lock``) around the index and the owners; the
 bytes of a block are copied outside it while the block is pinned or WRITING,
-which eviction never touches.
+which eviction never touches.  Fair service: a request over many blocks
+(lookup, reserve, commit, release, discard, a disconnect) holds the lock for
+at most ``slice_keys`` blocks at a time and lets the other connections'
+threads run between slices, so one client's 65,536-key requests in a loop
+cannot stall another's lookups behind them (``lock_hold_us_max`` in the
+stats: the longest single hold).
 """
 
 from __future__ import annotations
@@ -38,6 +43,12 @@ from cxlalloc.kvstore.layout import verify_stored
 log = logging.getLogger("cxlalloc.kvstore.server")
 
 MAX_LEASES_PER_CLIENT = 4096     # open leases/reservations of one connection
+DEFAULT_SLICE_KEYS = 256         # blocks handled under one hold of the lock (--slice-keys)
+
+
+def _yield() -> None:
+    """Let the other connections' threads run (releases the GIL) between two slices of one request."""
+    time.sleep(0)
 
 
 class _Quotas(dict):
@@ -97,6 +108,9 @@ class ServerState:
             (default: the whole pool); keys past it get no slot, and a
             reservation of which none fits is refused (``limit``).  Slots are
             page multiples, so ``nbytes=1`` counts 4 KiB.
+        slice_keys: blocks handled under one hold of the lock (fair service, above).
+        max_clients_per_uid: owners of one uid at once (default ``max_clients``;
+            the server's own uid, an operator's ``--status``, is not capped).
 
     ``placement`` (``entries -> entries to publish``) and ``tier`` (an object
     with ``evicted(entry)``, ``write_through(entries) -> int`` and
@@ -108,9 +122,13 @@ class ServerState:
     def __init__(self, size: int, node: int, chunk_bytes: int, *, quotas: Optional[Dict[str, int]] = None,
                  default_quota: Optional[int] = None, max_clients: int = 256,
                  allow_uids: Optional[Sequence[int]] = None, max_reserve_bytes: Optional[int] = None,
-                 tenant: str = ""):
+                 tenant: str = "", slice_keys: int = DEFAULT_SLICE_KEYS,
+                 max_clients_per_uid: Optional[int] = None):
         self.tenant = str(tenant)
         self.size, self.node, self.chunk_bytes = int(size), int(node), int(chunk_bytes)
+        self.max_clients_per_uid = int(max_clients_per_uid) if max_clients_per_uid else int(max_clients)
+        self._per_uid: Dict[int, int] = {}
+        self.slice_keys = int(slice_keys)
         self.max_reserve_bytes = int(max_reserve_bytes) if max_reserve_bytes else self.size
         self.max_clients = int(max_clients)
         self.allow_uids = None if allow_uids is None else set(allow_uids)
@@ -124,7 +142,8 @@ class ServerState:
                   "placement_verified_bytes": 0, "placement_misplaced_bytes": 0, "placement_unverified_bytes": 0,
                   "placement_skipped_bytes": 0, "misplaced_dropped_blocks": 0, "peak_clients": 0, "requests": 0,
                   "refused_reserve_budget": 0, "reserve_budget_blocks": 0, "drop_us_max": 0, "corrupt_blocks": 0,
-                  "one_way_requests": 0, "one_way_errors": 0}
+                  "one_way_requests": 0, "one_way_errors": 0, "lock_hold_us_max": 0, "refused_per_uid": 0,
+                  "closed_no_hello": 0, "closed_idle": 0}
         self.placement = None
         self.tier = None
         self.persist = None   # a PoolFile (--pool-file): committed blocks recorded for the next start
@@ -146,35 +165,6 @@ class ServerState:
         """The block names of ``keys`` in ``ns`` here: within this tenant, or
         within no tenant for a namespace the operator shares (``--shared-namespace``)."""
         return namespaced_keys(ns, keys, SHARED_TENANT if ns in self.shared else self.tenant)
-
-    def _from_writers(self, ns: str, iks: List[bytes], o: Owner) -> List[Entry]:
-        """Blocks of shared namespace ``ns`` that a writer tenant holds (up to
-        its first miss), copied into this tenant's pool and pinned for ``o``:
-        the reader maps only its own pool.  Never holds two tenants' locks."""
-        for w in sorted(self.shared[ns]):
-            src = self.siblings.get(w)
-            if src is None or src is self:
-                continue
-            got, tokens = [], 0
-            with src.lock:  # copied under the writer's lock: its blocks cannot be evicted meanwhile
-                for k in iks:
-                    e = src.index.entries.get(k)
-                    if e is None or e.writer is not None or (got and e.nbytes != len(got[0])):
-                        break
-                    got.append(src.block_bytes(e).tobytes())
-                    tokens = e.tokens
-            if not got:
-                continue
-            with self.lock:
-                slots = self.index.reserve(iks[:len(got)], len(got[0]), ns, o, tokens)
-            live = list(itertools.takewhile(lambda e: e is not None, slots))
-            for e, data in zip(live, got):
-                self.view[e.offset:e.offset + e.nbytes] = data
-            with self.lock:
-                self.index.abort([e for e in slots[len(live):] if e is not None], o)
-                self.index.publish(live, o)
-                return self.index.match([e.key for e in live], o)
-        return []
 
     def set_tier(self, tier) -> None:
         """Put ``tier`` below the pool: evicted blocks go to ``tier.evicted``."""
@@ -202,6 +192,13 @@ class ServerState:
                 self.c["refused_full"] += 1
                 raise P.RemoteError("limit", f"the kv-server serves {self.max_clients} clients already "
                                              "(--max-clients)")
+            mine = self._per_uid.get(uid, 0)
+            if mine >= self.max_clients_per_uid and uid != os.geteuid():
+                self.c["refused_full"] += 1
+                self.c["refused_per_uid"] += 1
+                raise P.RemoteError("limit", f"uid {uid} has {mine} connections to this kv-server already "
+                                             f"(--max-clients-per-uid {self.max_clients_per_uid})")
+            self._per_uid[uid] = mine + 1
             self.owners[owner.id] = owner
             self.c["connections"] += 1
             self.c["peak_clients"] = max(self.c["peak_clients"], len(self.owners))
@@ -239,22 +236,52 @@ class ServerState:
         with self.lock:
             self.c[name] += n
 
+    def _held(self, t0: float) -> None:
+        """Record one hold of the lock that began at ``t0`` (call under the lock)."""
+        us = int((time.perf_counter() - t0) * 1e6)
+        if us > self.c["lock_hold_us_max"]:
+            self.c["lock_hold_us_max"] = us
+
     def drop(self, cid: int):
-        """Forget ``cid``: drop its pins, abort its reservations.  Returns
-        (pins dropped, blocks aborted); (0, 0) for an unknown id."""
+        """Forget ``cid``: drop its pins, abort its reservations, ``slice_keys``
+        blocks per hold of the lock.  Returns (pins dropped, blocks aborted);
+        (0, 0) for an unknown id."""
         with self.lock:
-            t0 = time.perf_counter()
             o = self.owners.pop(cid, None)
             if o is None:
                 return 0, 0
+            left = self._per_uid.get(o.uid, 1) - 1
+            if left > 0:
+                self._per_uid[o.uid] = left
+            else:
+                self._per_uid.pop(o.uid, None)
             pins = sum(len(v) for v in o.leases.values())
             writing = sum(1 for v in o.reservations.values() for e in v if e is not None)
-            self.index.drop_owner(o)
             o.leases.clear()
             o.reservations.clear()
-            # How long the lock was held: what a disconnect makes other clients wait (stats: drop_ms_max).
-            self.c["drop_us_max"] = max(self.c["drop_us_max"], int((time.perf_counter() - t0) * 1e6))
+        done = False
+        while not done:
+            with self.lock:
+                t0 = time.perf_counter()
+                done = self.index.drop_owner(o, max(1, self.slice_keys // 4))  # a pin costs more than a lookup
+                # The longest hold of the lock a disconnect makes other clients wait (stats: drop_ms_max).
+                us = int((time.perf_counter() - t0) * 1e6)
+                self.c["drop_us_max"] = max(self.c["drop_us_max"], us)
+                self._held(t0)
+            if not done:
+                _yield()
         return pins, writing
+
+    def _sliced(self, items: Sequence, fn) -> None:
+        """``fn(part)`` for each slice of ``slice_keys`` items, each under one hold of the lock."""
+        n = self.slice_keys
+        for i in range(0, len(items), n):
+            if i:
+                _yield()
+            with self.lock:
+                t0 = time.perf_counter()
+                fn(items[i:i + n])
+                self._held(t0)
 
     # ------------------------------------------------------------ blocks
     def lookup(self, cid: int, ns: str, keys: Sequence[bytes]) -> dict:
@@ -272,9 +299,25 @@ class ServerState:
         with self.lock:
             if len(o.leases) >= MAX_LEASES_PER_CLIENT:
                 raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open leases; release some")
-            entries = self.index.match(ik, o)
+        entries: List[Entry] = []
+        n = self.slice_keys
+        for i in range(0, max(len(ik), 1), n):
+            if i:
+                _yield()
+            part = ik[i:i + n]
+            with self.lock:
+                t0 = time.perf_counter()
+                got = self.index.match(part, o, new_lookup=not i)
+                if len(got) < len(part):  # the prefix ends here: the keys after it are misses too
+                    rest = len(ik) - i - len(part)
+                    self.index.c.lookup_blocks += rest
+                    self.index.c.miss_blocks += rest
+                self._held(t0)
+            entries += got
+            if len(got) < len(part):
+                break
         if ns in self.shared and len(entries) < len(ik):
-            entries += self._from_writers(ns, ik[len(entries):], o)
+            entries += _from_writers(self, ns, ik[len(entries):], o)
         below = []
         if self.tier is not None and len(entries) < len(ik) and not self.tier.down():
             below = self.tier.read_through(ns, ik[len(entries):], o)
@@ -291,12 +334,12 @@ class ServerState:
         """Unpin the leases ``lease_ids`` of ``cid``; returns how many were open."""
         o = self.owner(cid)
         n = 0
-        with self.lock:
-            for lid in lease_ids:
+        for lid in lease_ids:
+            with self.lock:
                 entries = o.leases.pop(lid, None)
-                if entries is not None:
-                    self.index.unpin(entries, o)
-                    n += 1
+            if entries is not None:
+                self._sliced(entries, lambda part: self.index.unpin(part, o))
+                n += 1
         return n
 
     def discard(self, cid: int, ns: str, keys: Sequence[bytes]) -> int:
@@ -307,11 +350,15 @@ class ServerState:
         Counts ``corrupt_blocks``; returns how many were dropped."""
         self.owner(cid)
         by_nskey = dict(zip(self.names(ns, keys), keys))
-        with self.lock:
-            n = self.index.discard(list(by_nskey),
-                                   lambda e: not verify_stored(self.block_bytes(e), by_nskey[e.key]))
+        dropped = [0]
+
+        def part(ks):
+            n = self.index.discard(ks, lambda e: not verify_stored(self.block_bytes(e), by_nskey[e.key]))
+            dropped[0] += n
             self.c["corrupt_blocks"] += n
-        return n
+
+        self._sliced(list(by_nskey), part)
+        return dropped[0]
 
     def reserve(self, cid: int, ns: str, keys: Sequence[bytes], nbytes: int, tokens: int) -> dict:
         """WRITING slots of ``nbytes`` for each key of ``ns`` not stored yet.
@@ -346,7 +393,9 @@ class ServerState:
                                              f"unpublished (blocks are rounded up to {self.index.granule}-byte pages); "
                                              f"a client may hold {self.max_reserve_bytes} (--max-reserve); commit or "
                                              "abort some")
-            entries = self.index.reserve(ik[:fit], nbytes, ns, o, tokens)
+        entries: List[Optional[Entry]] = []
+        self._sliced(ik[:fit], lambda part: entries.extend(self.index.reserve(part, nbytes, ns, o, tokens)))
+        with self.lock:
             if fit < len(ik):
                 self.c["reserve_budget_blocks"] += len(ik) - fit
                 entries += [None] * (len(ik) - fit)
@@ -373,16 +422,23 @@ class ServerState:
         sent = self.tier.write_through(keep) if self.tier is not None else 0
         with self.lock:
             self.c["redis_put_blocks"] += sent
-            if len(keep) != len(live):  # a set: a commit of 16,384 blocks was O(n^2) with `not in keep`
-                kept = set(map(id, keep))
-                self.index.abort([e for e in live if id(e) not in kept], o)
-            n = self.index.publish(keep, o)
-            # Copied under the lock: once published and unpinned a block may be evicted and its slot reused.
-            copies = [(e.key, e.ns, e.tokens, self.block_bytes(e).tobytes()) for e in keep
-                      if self.index.entries.get(e.key) is e and e.writer is None] if self.persist is not None else ()
+        if len(keep) != len(live):  # a set: a commit of 16,384 blocks was O(n^2) with `not in keep`
+            kept = set(map(id, keep))
+            self._sliced([e for e in live if id(e) not in kept], lambda part: self.index.abort(part, o))
+        published = [0]
+        copies: List[tuple] = []
+
+        def part(es):
+            published[0] += self.index.publish(es, o)
+            if self.persist is not None:
+                # Copied under the lock: once published and unpinned a block may be evicted and its slot reused.
+                copies.extend((e.key, e.ns, e.tokens, self.block_bytes(e).tobytes()) for e in es
+                              if self.index.entries.get(e.key) is e and e.writer is None)
+
+        self._sliced(keep, part)
         for rec in copies:  # after publishing: a record is only ever of a committed block
             self.persist.append(*rec)
-        return n
+        return published[0]
 
     def abort(self, cid: int, rid: int) -> None:
         """Free reservation ``rid`` of ``cid`` without publishing (unknown ids are ignored)."""
@@ -409,60 +465,95 @@ class ServerState:
         return os.fstat(self.arena.fd).st_blocks * 512
 
     def snapshot(self):
-        """(pool stats, client list, server counters, rate counters): the
-        ``pool`` and ``clients`` parts of ``KVServer.stats()`` (bytes, counts)."""
-        with self.lock:
-            ic = dict(vars(self.index.c))
-            counters = self.counters()
-            c = dict(self.c)
-            used = self.index.used_bytes
-            n_entries = len(self.index.entries)
-            ns_bytes = {ns: b for ns, b in self.index.ns_bytes.items() if b}
-            writing = self.index.writing_blocks   # running counts: stats never scan the blocks
-            pinned = self.index.pinned_blocks
-            slot_bytes = self.index.slot_bytes
-            per_block = self.index.memory_per_block()
-            clients = [{"id": o.id, "pid": o.pid, "uid": o.uid, "name": o.name, "leases": len(o.leases),
-                        "reservations": len(o.reservations), "requests": o.requests,
-                        "connected_s": round(time.time() - o.since, 1)} for o in self.owners.values()
-                       if not o.status_only]
-            quotas = dict(self.index.quotas)
-            default_quota = self.index.quotas.default
-        pool = {
-            "capacity_bytes": self.size, "mapped_bytes": self.arena.size, "chunk_bytes": self.chunk_bytes,
-            "used_bytes": used, "slot_bytes": slot_bytes, "committed_bytes": self.committed_bytes(),
-            "index_bytes_per_block": round(per_block, 1), "max_reserve_bytes": self.max_reserve_bytes,
-            "refused_reserve_budget": c["refused_reserve_budget"], "reserve_budget_blocks": c["reserve_budget_blocks"],
-            "drop_ms_max": c["drop_us_max"] / 1e3,
-            "blocks": n_entries - writing, "writing_blocks": writing, "pinned_blocks": pinned,
-            "lookups": ic["lookups"], "lookup_blocks": ic["lookup_blocks"], "hit_blocks": ic["hit_blocks"],
-            "hit_tokens": ic["hit_tokens"], "hit_bytes": c["hit_bytes"], "miss_blocks": ic["miss_blocks"],
-            "hit_rate": ic["hit_blocks"] / ic["lookup_blocks"] if ic["lookup_blocks"] else 0.0,
-            "stored_blocks": ic["stored_blocks"], "stored_bytes": ic["stored_bytes"],
-            "duplicate_blocks": ic["duplicate_blocks"], "evicted_blocks": ic["evicted_blocks"],
-            "evicted_bytes": ic["evicted_bytes"], "dropped_blocks": ic["dropped_blocks"],
-            "aborted_blocks": ic["aborted_blocks"], "dropped_pins": ic["dropped_pins"],
-            "placement_verified_bytes": c["placement_verified_bytes"],
-            "placement_misplaced_bytes": c["placement_misplaced_bytes"],
-            "placement_unverified_bytes": c["placement_unverified_bytes"],
-            "placement_skipped_bytes": c["placement_skipped_bytes"],
-            "misplaced_dropped_blocks": c["misplaced_dropped_blocks"],
-            "redis_hit_blocks": c["redis_hit_blocks"], "redis_hit_bytes": c["redis_hit_bytes"],
-            "redis_put_blocks": c["redis_put_blocks"], "redis_hit_tokens": c["redis_hit_tokens"],
-            # blocks served to clients by where they were found: the pool itself, or read through from the tier below
-            "tiers": {"pool": {"blocks": ic["hit_blocks"] - c["redis_hit_blocks"],
-                               "bytes": c["hit_bytes"] - c["redis_hit_bytes"],
-                               "tokens": ic["hit_tokens"] - c["redis_hit_tokens"]},
-                      "remote": {"blocks": c["redis_hit_blocks"], "bytes": c["redis_hit_bytes"],
-                                 "tokens": c["redis_hit_tokens"]}},
-            "namespaces": {ns: {"used_bytes": b, "quota_bytes": quotas.get(ns, default_quota)}
-                           for ns, b in ns_bytes.items()},
-            "quotas": {**quotas, **({"*": default_quota} if default_quota is not None else {})},
-            "pool_file": dict(self.persist.c, path=self.persist.path) if self.persist is not None else None,
-        }
-        return pool, clients, c, counters
+        """(pool, clients, counters, raw counters) of this state (:func:`_snapshot`)."""
+        return _snapshot(self)
 
     def check(self) -> None:
         """The index invariants (tests)."""
         with self.lock:
             self.index.check()
+
+
+def _from_writers(st: "ServerState", ns: str, iks: List[bytes], o: Owner) -> List[Entry]:
+    """Blocks of shared namespace ``ns`` that a writer tenant holds (up to
+    its first miss), copied into this tenant's pool and pinned for ``o``:
+    the reader maps only its own pool.  Never holds two tenants' locks."""
+    for w in sorted(st.shared[ns]):
+        src = st.siblings.get(w)
+        if src is None or src is st:
+            continue
+        got, tokens = [], 0
+        with src.lock:  # copied under the writer's lock: its blocks cannot be evicted meanwhile
+            for k in iks:
+                e = src.index.entries.get(k)
+                if e is None or e.writer is not None or (got and e.nbytes != len(got[0])):
+                    break
+                got.append(src.block_bytes(e).tobytes())
+                tokens = e.tokens
+        if not got:
+            continue
+        with st.lock:
+            slots = st.index.reserve(iks[:len(got)], len(got[0]), ns, o, tokens)
+        live = list(itertools.takewhile(lambda e: e is not None, slots))
+        for e, data in zip(live, got):
+            st.view[e.offset:e.offset + e.nbytes] = data
+        with st.lock:
+            st.index.abort([e for e in slots[len(live):] if e is not None], o)
+            st.index.publish(live, o)
+            return st.index.match([e.key for e in live], o)
+    return []
+
+
+def _snapshot(st: "ServerState"):
+    """(pool stats, client list, server counters, rate counters): the
+    ``pool`` and ``clients`` parts of ``KVServer.stats()`` (bytes, counts)."""
+    with st.lock:
+        ic = dict(vars(st.index.c))
+        counters = st.counters()
+        c = dict(st.c)
+        used = st.index.used_bytes
+        n_entries = len(st.index.entries)
+        ns_bytes = {ns: b for ns, b in st.index.ns_bytes.items() if b}
+        writing = st.index.writing_blocks   # running counts: stats never scan the blocks
+        pinned = st.index.pinned_blocks
+        slot_bytes = st.index.slot_bytes
+        per_block = st.index.memory_per_block()
+        clients = [{"id": o.id, "pid": o.pid, "uid": o.uid, "name": o.name, "leases": len(o.leases),
+                    "reservations": len(o.reservations), "requests": o.requests,
+                    "connected_s": round(time.time() - o.since, 1)} for o in st.owners.values()
+                   if not o.status_only]
+        quotas = dict(st.index.quotas)
+        default_quota = st.index.quotas.default
+    pool = {
+        "capacity_bytes": st.size, "mapped_bytes": st.arena.size, "chunk_bytes": st.chunk_bytes,
+        "used_bytes": used, "slot_bytes": slot_bytes, "committed_bytes": st.committed_bytes(),
+        "index_bytes_per_block": round(per_block, 1), "max_reserve_bytes": st.max_reserve_bytes,
+        "refused_reserve_budget": c["refused_reserve_budget"], "reserve_budget_blocks": c["reserve_budget_blocks"],
+        "drop_ms_max": c["drop_us_max"] / 1e3, "lock_hold_ms_max": c["lock_hold_us_max"] / 1e3,
+        "blocks": n_entries - writing, "writing_blocks": writing, "pinned_blocks": pinned,
+        "lookups": ic["lookups"], "lookup_blocks": ic["lookup_blocks"], "hit_blocks": ic["hit_blocks"],
+        "hit_tokens": ic["hit_tokens"], "hit_bytes": c["hit_bytes"], "miss_blocks": ic["miss_blocks"],
+        "hit_rate": ic["hit_blocks"] / ic["lookup_blocks"] if ic["lookup_blocks"] else 0.0,
+        "stored_blocks": ic["stored_blocks"], "stored_bytes": ic["stored_bytes"],
+        "duplicate_blocks": ic["duplicate_blocks"], "evicted_blocks": ic["evicted_blocks"],
+        "evicted_bytes": ic["evicted_bytes"], "dropped_blocks": ic["dropped_blocks"],
+        "aborted_blocks": ic["aborted_blocks"], "dropped_pins": ic["dropped_pins"],
+        "placement_verified_bytes": c["placement_verified_bytes"],
+        "placement_misplaced_bytes": c["placement_misplaced_bytes"],
+        "placement_unverified_bytes": c["placement_unverified_bytes"],
+        "placement_skipped_bytes": c["placement_skipped_bytes"],
+        "misplaced_dropped_blocks": c["misplaced_dropped_blocks"],
+        "redis_hit_blocks": c["redis_hit_blocks"], "redis_hit_bytes": c["redis_hit_bytes"],
+        "redis_put_blocks": c["redis_put_blocks"], "redis_hit_tokens": c["redis_hit_tokens"],
+        # blocks served to clients by where they were found: the pool itself, or read through from the tier below
+        "tiers": {"pool": {"blocks": ic["hit_blocks"] - c["redis_hit_blocks"],
+                           "bytes": c["hit_bytes"] - c["redis_hit_bytes"],
+                           "tokens": ic["hit_tokens"] - c["redis_hit_tokens"]},
+                  "remote": {"blocks": c["redis_hit_blocks"], "bytes": c["redis_hit_bytes"],
+                             "tokens": c["redis_hit_tokens"]}},
+        "namespaces": {ns: {"used_bytes": b, "quota_bytes": quotas.get(ns, default_quota)}
+                       for ns, b in ns_bytes.items()},
+        "quotas": {**quotas, **({"*": default_quota} if default_quota is not None else {})},
+        "pool_file": dict(st.persist.c, path=st.persist.path) if st.persist is not None else None,
+    }
+    return pool, clients, c, counters

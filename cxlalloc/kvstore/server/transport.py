@@ -23,7 +23,17 @@ limit a ``cxlalloc kv-server`` option, docs/kv-server.md):
   as they arrive against a server-wide ``max_buffered`` (``--max-buffered``,
   else ``busy``), and whole within ``frame_timeout`` seconds of its first
   byte (``--frame-timeout``, else ``timeout``);
-* a request holds at most ``max_objects`` maps and lists (``--max-objects``);
+* a request holds at most ``max_objects`` maps and lists (``--max-objects``)
+  and at most ``max_items`` elements in them together (``--max-items``;
+  strings, bins and maps of a request have fixed small bounds,
+  :func:`~cxlalloc.kvstore.protocol.decode`), so a frame decodes to a bounded
+  number of objects, whatever it holds;
+* a whole request stays charged against ``max_buffered`` from its last byte
+  until its reply is sent, at its frame bytes plus the bound of what it
+  decodes to (:func:`~cxlalloc.kvstore.protocol.decoded_bound`); a request
+  that does not fit waits for room up to its frame deadline (then ``busy``),
+  so the bytes held by requests of all connections together stay under
+  ``--max-buffered`` (the body is decoded in place, never copied);
 * the listen backlog (``--backlog``) queues a burst of connects instead of
   refusing them with EAGAIN.
 
@@ -52,10 +62,17 @@ DEFAULT_MAX_FRAME = 8 << 20        # bytes of one request (a lookup or reserve o
 DEFAULT_MAX_BUFFERED = 256 << 20   # bytes of partly received requests, all connections together
 DEFAULT_FRAME_TIMEOUT_S = 5.0      # seconds from a request's first byte to its last
 DEFAULT_MAX_OBJECTS = 64           # maps and lists in one request (a request has 1-3)
+DEFAULT_MAX_ITEMS = P.DEFAULT_MAX_ITEMS  # elements of all lists and maps of one request
+DEFAULT_HELLO_TIMEOUT_S = 5.0      # seconds from accept to a connection's hello
+DEFAULT_IDLE_TIMEOUT_S = 0.0       # seconds a greeted connection may wait between requests (0: for ever)
 DEFAULT_BACKLOG = 4096             # connects queued before accept (the kernel caps it at net.core.somaxconn)
 REFUSE_LINGER_S = 1.0              # seconds a refused connection may take to send its hello
 MAX_REFUSED = 1024                 # refused connections lingering at once
 _READ = 64 << 10                   # bytes read per recv of a frame body
+
+
+class _Idle(Exception):
+    """No request began within the connection's hello or idle deadline."""
 
 
 def resolve_group(group) -> int:
@@ -137,6 +154,9 @@ class Transport:
         max_buffered: bytes of partly received requests, all connections (``busy`` past it).
         frame_timeout: seconds from a request's first byte to its last (``timeout``).
         max_objects: maps and lists in one request (``bad_request`` past it).
+        max_items: elements of all lists and maps of one request (``bad_request`` past it).
+        hello_timeout: seconds from accept to the connection's first request (``timeout``, closed).
+        idle_timeout: seconds a greeted connection may wait between requests (0: for ever).
         backlog: the listen backlog (connects queued before accept).
     """
 
@@ -144,16 +164,21 @@ class Transport:
                  io_timeout: float, stats: Callable[..., dict], stop: threading.Event, *,
                  max_frame: int = DEFAULT_MAX_FRAME, max_buffered: int = DEFAULT_MAX_BUFFERED,
                  frame_timeout: float = DEFAULT_FRAME_TIMEOUT_S, max_objects: int = DEFAULT_MAX_OBJECTS,
-                 backlog: int = DEFAULT_BACKLOG, tenancy: Optional[Tenancy] = None):
+                 backlog: int = DEFAULT_BACKLOG, tenancy: Optional[Tenancy] = None,
+                 max_items: int = DEFAULT_MAX_ITEMS, hello_timeout: float = DEFAULT_HELLO_TIMEOUT_S,
+                 idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S):
         self.states: Dict[str, ServerState] = dict(state) if isinstance(state, dict) else {"": state}
         self.tenancy = tenancy if tenancy is not None else Tenancy()
         self.state = next(iter(self.states.values()))  # the first tenant's: refusals of unbound peers count here
+        self.hello_timeout, self.idle_timeout = float(hello_timeout), float(idle_timeout)
+        self.max_items = int(max_items)
         self.socket_path, self.socket_mode, self.gid = socket_path, socket_mode, gid
         self.io_timeout = float(io_timeout)
         self.max_frame, self.max_buffered = int(max_frame), int(max_buffered)
         self.frame_timeout, self.max_objects, self.backlog = float(frame_timeout), int(max_objects), int(backlog)
         self._buffered = 0                  # bytes of partly received frames now (all connections)
-        self._buffered_lock = threading.Lock()
+        self._buffered_lock = threading.Condition()
+        self.buffered_peak = 0              # the most bytes charged at once (stats: buffered_peak_bytes)
         self._refused = selectors.DefaultSelector()
         self._refused_lock = threading.Lock()
         self._refused_n = 0
@@ -168,7 +193,7 @@ class Transport:
     def start(self) -> None:
         """Bind and accept in a background thread."""
         self._listener, self._socket_ino = bind_socket(self.socket_path, self.socket_mode, self.gid, self.backlog)
-        for target, name in ((self._accept_loop, "kv-accept"), (self._refusal_loop, "kv-refuse")):
+        for target, name in ((self._accept_loop, "kv-accept"), (lambda: _refusal_loop(self), "kv-refuse")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self.threads.append(t)
@@ -236,60 +261,48 @@ class Transport:
                     pass
         sock.close()
 
-    def _refusal_loop(self) -> None:
-        while not self._stop.is_set():
-            with self._refused_lock:
-                empty = self._refused_n == 0
-            if empty:
-                time.sleep(0.05)
-                continue
-            for key, _ in self._refused.select(timeout=0.1):
-                try:
-                    data = key.fileobj.recv(_READ)
-                except OSError:
-                    data = b""
-                if not data:
-                    self._close_refused(key.fileobj)
-            now = time.monotonic()
-            with self._refused_lock:
-                late = [k.fileobj for k in self._refused.get_map().values() if k.data < now]
-            for s in late:
-                self._close_refused(s)
-        with self._refused_lock:
-            for k in list(self._refused.get_map().values()):
-                self._refused.unregister(k.fileobj)
-                k.fileobj.close()
-            self._refused_n = 0
-
-    def _close_refused(self, sock: socket.socket) -> None:
-        with self._refused_lock:
-            try:
-                self._refused.unregister(sock)
-                self._refused_n -= 1
-            except (KeyError, ValueError):
-                pass
-        sock.close()
-
     # ------------------------------------------------------------ frames
     def _charge(self, n: int) -> None:
         with self._buffered_lock:
             if n > 0 and self._buffered + n > self.max_buffered:
-                raise P.RemoteError("busy", f"the kv-server holds {self._buffered} bytes of partly received requests "
+                raise P.RemoteError("busy", f"the kv-server holds {self._buffered} bytes of requests "
                                             f"(--max-buffered {self.max_buffered}); retry")
             self._buffered += n
+            self.buffered_peak = max(self.buffered_peak, self._buffered)
+            if n < 0:
+                self._buffered_lock.notify_all()
 
-    def read_request(self, sock: socket.socket) -> dict:
+    def _charge_wait(self, n: int, deadline: float) -> None:
+        """Charge ``n`` bytes, waiting for room until ``deadline`` (then ``busy``)."""
+        with self._buffered_lock:
+            while self._buffered + n > self.max_buffered:
+                left = deadline - time.monotonic()
+                if left <= 0 or n > self.max_buffered:
+                    raise P.RemoteError("busy", f"the kv-server holds {self._buffered} bytes of requests "
+                                                f"(--max-buffered {self.max_buffered}); retry")
+                self._buffered_lock.wait(left)
+            self._buffered += n
+            self.buffered_peak = max(self.buffered_peak, self._buffered)
+
+    def read_request(self, sock: socket.socket, wait: Optional[float] = None):
         """One request from ``sock``: waits for ever for its first byte, then
-        reads it incrementally within ``frame_timeout`` seconds.
+        reads it incrementally within ``frame_timeout`` seconds.  Returns
+        ``(message, held)``: ``held`` bytes stay charged against
+        ``max_buffered`` for the decoded message; the caller gives them back
+        (``_charge(-held)``) once the request is answered.  ``wait``: seconds
+        to wait for the first byte (None: for ever), else ``timeout``.
 
         Raises:
             protocol.ConnectionClosed: EOF (between or inside requests).
             protocol.RemoteError: ``too_large`` / ``busy`` / ``timeout`` (the
                 connection is answered with it, then closed).
-            protocol.ProtocolError: not a msgpack map, or over ``max_objects``.
+            protocol.ProtocolError: not a msgpack map, or over ``max_objects`` / ``max_items``.
         """
-        sock.settimeout(None)  # idle clients may wait for ever; a started request may not
-        head = sock.recv(4)
+        sock.settimeout(wait)  # idle clients may wait (for ever, by default); a started request may not
+        try:
+            head = sock.recv(4)
+        except socket.timeout:
+            raise _Idle() from None
         if not head:
             raise P.ConnectionClosed("the peer closed the connection")
         deadline = time.monotonic() + self.frame_timeout
@@ -326,8 +339,17 @@ class Transport:
                 if not data:
                     raise P.ConnectionClosed("the peer closed the connection")
                 body += data
-            return P.decode(bytes(body), self.max_objects)
+            # What it decodes to, charged before it is built (waiting for room up to the deadline).
+            held = P.decoded_bound(n, self.max_items)
+            self._charge_wait(held, deadline)
+            try:
+                msg = P.decode(body, self.max_objects, self.max_items, self.state.slice_keys)
+            except BaseException:
+                self._charge(-held)
+                raise
+            return msg, held
         finally:
+            del body
             if charged:
                 self._charge(-charged)
 
@@ -336,18 +358,33 @@ class Transport:
         st = self.states[owner.tenant]
         try:
             while not self._stop.is_set():
+                if not owner.hello:
+                    wait = self.hello_timeout
+                else:
+                    wait = self.idle_timeout or None
                 try:
-                    msg = self.read_request(sock)
+                    msg, held = self.read_request(sock, wait)
                 except P.ConnectionClosed:
                     break
-                sock.settimeout(self.io_timeout)
-                reply, fds = self.handle(owner, msg)
-                if owner.version >= 2 and P.is_one_way(msg):  # v2 release: acted on, never answered
-                    st.count("one_way_requests")
-                    if not reply.get("ok"):
-                        st.count("one_way_errors")
-                    continue
-                P.send_msg(sock, reply, fds)
+                except _Idle:
+                    what = "hello" if not owner.hello else "idle"
+                    st.count("closed_no_hello" if what == "hello" else "closed_idle")
+                    raise P.RemoteError("timeout", f"no hello within {self.hello_timeout:g} s of connecting "
+                                                   "(--hello-timeout)" if what == "hello" else
+                                        f"no request for {self.idle_timeout:g} s (--idle-timeout)") from None
+                try:
+                    sock.settimeout(self.io_timeout)
+                    one_way = owner.version >= 2 and P.is_one_way(msg)
+                    reply, fds = self.handle(owner, msg)
+                    del msg
+                    if one_way:  # v2 release: acted on, never answered
+                        st.count("one_way_requests")
+                        if not reply.get("ok"):
+                            st.count("one_way_errors")
+                        continue
+                    P.send_msg(sock, reply, fds, st.slice_keys)
+                finally:
+                    self._charge(-held)
         except (P.ProtocolError, P.RemoteError) as e:
             code = e.code if isinstance(e, P.RemoteError) else "bad_request"
             st.count("protocol_errors")
@@ -480,3 +517,39 @@ class Transport:
             if all(not s.owners for s in self.states.values()):
                 break
             time.sleep(0.01)
+
+
+def _refusal_loop(tr: "Transport") -> None:
+    while not tr._stop.is_set():
+        with tr._refused_lock:
+            empty = tr._refused_n == 0
+        if empty:
+            time.sleep(0.05)
+            continue
+        for key, _ in tr._refused.select(timeout=0.1):
+            try:
+                data = key.fileobj.recv(_READ)
+            except OSError:
+                data = b""
+            if not data:
+                _close_refused(tr, key.fileobj)
+        now = time.monotonic()
+        with tr._refused_lock:
+            late = [k.fileobj for k in tr._refused.get_map().values() if k.data < now]
+        for s in late:
+            _close_refused(tr, s)
+    with tr._refused_lock:
+        for k in list(tr._refused.get_map().values()):
+            tr._refused.unregister(k.fileobj)
+            k.fileobj.close()
+        tr._refused_n = 0
+
+
+def _close_refused(tr: "Transport", sock: socket.socket) -> None:
+    with tr._refused_lock:
+        try:
+            tr._refused.unregister(sock)
+            tr._refused_n -= 1
+        except (KeyError, ValueError):
+            pass
+    sock.close()

@@ -19,7 +19,13 @@ store the deployment already runs (docs/sources.md#kv-reuse).
   magic, a version, the namespaced key, the length and a CRC-32, so a
   truncated, foreign or mismatched value is refused (counted), never loaded.
   CRC-32 catches accidents, not forgery: anyone who can write the database
-  can write a valid header and CRC over other K/V.
+  can write a valid header and CRC over other K/V.  Without a key file this
+  is said once per process, at start.
+* **Reads are bounded.**  Each value is read with ``GETRANGE`` up to its
+  header, ``max_value_bytes`` and a MAC (a planted huge value is never read
+  whole: ``too_large_values``), and a whole read has a deadline of
+  ``timeout`` seconds (past it the tier's connections are closed, so a
+  server trickling its reply cannot stretch a miss: ``deadline_expired``).
 * **Values authenticated with a key.**  With ``key_file`` (the kv-server's
   ``--redis-key-file PATH``, the URL's ``?redis_key_file=PATH`` for an
   in-process store) every value carries a keyed BLAKE2b-256 MAC (RFC 7693's
@@ -59,16 +65,19 @@ from typing import Dict, List, Optional, Sequence
 
 from cxlalloc.kvstore.keys import REDIS_PREFIX, check_tenant, redis_key
 from cxlalloc.kvstore.tiers import Tier
-from cxlalloc.kvstore.tiers.redis_format import (_HEADER, HEADER_BYTES, _length, cache_config_warnings,  # noqa: F401
+from cxlalloc.kvstore.tiers.redis_format import (_HEADER, HEADER_BYTES, MAC_BYTES, _length, cache_config_warnings,  # noqa: F401
                                                   check_url, pack_value, read_key_file, redact_url, split_url_options, unpack_value,
                                                   value_problem, value_tokens, is_cluster_url, plain_url)
 from cxlalloc.kvstore.tiers.redis_cluster import ClusterRouter, cluster_info, write_batch
+from cxlalloc.kvstore.tiers.redis_read import _expire, _read_cluster, _read_prefix
 
 log = logging.getLogger("cxlalloc.kvstore.redis")
 
 DEFAULT_PREFIX = REDIS_PREFIX
 DEFAULT_QUEUE_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 2.0
+DEFAULT_MAX_VALUE_BYTES = 64 << 20   # bytes of one block read from Redis (--redis-max-value)
+_warned_unauthenticated = False      # the missing key file is said once per process
 _BACKOFF_MIN_S = 0.25
 _BACKOFF_MAX_S = 10.0
 _INFO_EVERY_S = 5.0
@@ -84,8 +93,11 @@ class RedisTier(Tier):
         prefix: key prefix (default ``cxlalloc:kv:``).
         ttl: seconds a value lives (``SET ... EX``); None: until Redis evicts it.
         queue_bytes: bytes of blocks waiting to be written; past it puts are dropped.
-        timeout: seconds for each connect, read and write.
-        batch_keys: keys per ``MGET`` (a prefix lookup stops at the first miss).
+        timeout: seconds for each connect and write, and the deadline of a
+            whole read (past it the connections are closed: :func:`_expire`).
+        batch_keys: keys per pipelined ``GETRANGE`` (a prefix lookup stops at the first miss).
+        max_value_bytes: bytes of one block read back (``--redis-max-value``;
+            a larger value is never read whole: :func:`_read_prefix`).
         key_file: a file holding the MAC key (``?redis_key_file=PATH`` in the
             URL too): values are written with a MAC and read only with a valid one.
         **redis_kwargs: passed to ``redis.Redis.from_url`` (AUTH, TLS, ...).
@@ -99,8 +111,11 @@ class RedisTier(Tier):
 
     def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX, ttl: Optional[float] = None,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, timeout: float = DEFAULT_TIMEOUT_S, batch_keys: int = 8,
-                 option: str = "--redis", key_file: Optional[str] = None, tenant: str = "", **redis_kwargs):
+                 option: str = "--redis", key_file: Optional[str] = None, tenant: str = "",
+                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES, **redis_kwargs):
         check_url(url, option)
+        self.max_value_bytes = _check_max_value(max_value_bytes)
+        self.timeout = float(timeout) if isinstance(timeout, (int, float)) else timeout
         url, ours = split_url_options(url)
         prefix = ours.get("prefix", prefix)
         self.tenant = check_tenant(t, f"{option} ?tenant") if (t := ours.get("tenant", tenant)) else ""
@@ -171,6 +186,8 @@ class RedisTier(Tier):
         self._config_lock = threading.Lock()
         self._writer = threading.Thread(target=self._drain, name="cxlalloc-redis-writer", daemon=True)
         self._writer.start()
+        if self._mac_key is None:
+            _say_unauthenticated(self.url, key_option)
 
     # ------------------------------------------------------------ state
     def _rkey(self, nskey: bytes) -> str:
@@ -370,57 +387,37 @@ class RedisTier(Tier):
             return out
         t0 = time.perf_counter()
         got = nbytes = 0
-        # one server: MGET in batches, stopping at the first miss; a cluster: one call, grouped by node inside
-        status = [0, 0]  # a cluster's nodes that answered / failed
-
-        def fetch(rkeys):
-            if self._cluster is None:
-                return self._r.mget(rkeys)
-            values, status[0], status[1] = self._cluster.get_status(rkeys)
-            return values
-
-        step = len(nskeys) if self._cluster is not None else self.batch_keys
+        # one server: pipelined GETRANGE in batches, stopping at the first miss; a cluster: one call,
+        # grouped by node inside (redis_cluster); both capped in size and under one deadline
+        expired = threading.Event()  # the read's deadline, not a per-recv timeout
+        watchdog = threading.Timer(self.timeout, _expire, args=(self, expired))
+        watchdog.daemon = True
+        watchdog.start()
+        limit = HEADER_BYTES + self.max_value_bytes + MAC_BYTES
         try:
-            for i in range(0, len(nskeys), step):
-                part = nskeys[i:i + step]
-                for j, (k, v) in enumerate(zip(part, fetch([self._rkey(k) for k in part]))):
-                    data = self._checked(k, v)
-                    if data is None:
-                        break
-                    out[i + j] = (data, value_tokens(v))
-                    got += 1
-                    nbytes += len(data)
-                else:
-                    continue
-                break
-            if self._cluster is not None and status[1] and not status[0]:  # every node asked failed
-                self._failed(ConnectionError(self._cluster.last_error or "no cluster node answers"), "get")
-            else:
+            if self._cluster is None:
+                got, nbytes = _read_prefix(self, nskeys, out, limit, expired)
                 self._ok()
-        except Exception as e:
-            if not self._is_conn_error(e):
-                log.warning("cxlalloc kv: Redis read failed: %s: %s", type(e).__name__, e)
-            self._failed(e, "get")
+            else:
+                got, nbytes, status = _read_cluster(self, nskeys, out, limit)
+                if expired.is_set():
+                    raise TimeoutError("deadline")
+                if status[1] and not status[0]:  # every node asked failed
+                    self._failed(ConnectionError(self._cluster.last_error or "no cluster node answers"), "get")
+                else:
+                    self._ok()
+        except Exception as exc:
+            if not expired.is_set() and not self._is_conn_error(exc):
+                log.warning("cxlalloc kv: Redis read failed: %s: %s", type(exc).__name__, exc)
+            self._failed(TimeoutError(f"the Redis read passed its {self.timeout:g} s deadline (--redis-timeout)")
+                         if expired.is_set() else exc, "get")
+        finally:
+            watchdog.cancel()
         with self._lock:
             self.c["hit_blocks"] += got
             self.c["hit_bytes"] += nbytes
             self.c["get_seconds_us"] += int((time.perf_counter() - t0) * 1e6)
         return out
-
-    def _checked(self, k: bytes, v: Optional[bytes]) -> Optional[bytes]:
-        """The block bytes of value ``v`` of namespaced key ``k``, or None
-        (missing; bad or forged: counted, a forged one warned about once)."""
-        problem = value_problem(k, v, self._mac_key)
-        if problem is None:
-            return v[HEADER_BYTES:HEADER_BYTES + _length(v)]
-        if problem != "missing":
-            with self._lock:
-                self.c["forged_values" if problem == "forged" else "bad_values"] += 1
-            if problem == "forged" and not self._warned_forged:
-                self._warned_forged = True
-                log.warning("cxlalloc kv: a Redis value without a valid MAC was refused (key "
-                            "%s...; counted in forged_values; said once)", self._rkey(k)[:40])
-        return None
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict:
@@ -432,7 +429,9 @@ class RedisTier(Tier):
         (queue full, closed, or refused), ``full_errors`` (Redis OOM),
         ``put_errors``, ``get_errors``, ``lookups``, ``lookup_blocks``,
         ``hit_blocks``, ``hit_bytes``, ``hit_rate``, ``bad_values``,
-        ``forged_values`` (no valid MAC while a key is set), ``authenticated``,
+        ``forged_values`` (no valid MAC while a key is set), ``too_large_values``
+        (over ``max_value_bytes``, never read whole), ``deadline_expired`` (reads
+        cut off at the ``timeout`` deadline), ``authenticated``,
         ``skipped_down``, ``get_seconds``, ``load_seconds_per_block``,
         ``used_bytes``/``capacity_bytes`` (Redis ``used_memory``/``maxmemory``,
         refreshed every 5 s; capacity 0 = no limit), ``reconnects``.
@@ -445,7 +444,9 @@ class RedisTier(Tier):
         out = {k: int(c.get(k, 0)) for k in (
             "queued_blocks", "put_blocks", "put_bytes", "dropped_blocks", "dropped_bytes", "full_errors",
             "put_errors", "get_errors", "info_errors", "lookups", "lookup_blocks", "hit_blocks", "hit_bytes",
-            "bad_values", "forged_values", "skipped_down", "reconnects", "state_changes_not_logged")}
+            "bad_values", "forged_values", "too_large_values", "deadline_expired", "skipped_down", "reconnects",
+            "state_changes_not_logged")}
+        out["max_value_bytes"] = self.max_value_bytes
         out.update(kind=self.kind, url=self.url, prefix=self.prefix, ttl=self.ttl, up=up, last_error=err,
                    authenticated=self._mac_key is not None,
                    queue_blocks=qn, queue_bytes=qb, queue_limit_bytes=self.queue_bytes,
@@ -525,3 +526,20 @@ def _write_single(tier: "RedisTier", _router, batch: List[tuple]) -> None:
                 tier.c["put_bytes"] += len(value) - HEADER_BYTES
     with tier._lock:
         tier.c["put_seconds_us"] += int(dt * 1e6)
+
+
+# ----------------------------------------------------------------- bounded reads (module level: RedisTier stays small)
+def _check_max_value(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1 << 36:
+        raise ValueError(f"cxlalloc option '--redis-max-value': {n!r} must be a size from 1 byte to 64 GiB")
+    return int(n)
+
+
+def _say_unauthenticated(url: str, key_option: str) -> None:
+    """Log once per process that values at ``url`` carry no MAC (no key file)."""
+    global _warned_unauthenticated
+    if not _warned_unauthenticated:
+        _warned_unauthenticated = True
+        log.warning("cxlalloc kv: Redis values at %s are not authenticated (no %s): anyone who can write that "
+                    "database can inject K/V that is loaded as a hit; give a key file (docs/kv-server.md, "
+                    "threat model)", url, key_option)

@@ -10,7 +10,8 @@ redis-py and not valkey-glide.  What is added here is the part redis-py's own
 pipeline does not do for a cache:
 
 * **Grouped by node, pipelined, at once.**  A read of N keys is one
-  pipeline of ``GET`` per key per primary (keys grouped by hash slot, slots by
+  pipeline of ``GET`` per key per primary (``GETRANGE`` up to a limit when the
+  tier bounds its reads; keys grouped by hash slot, slots by
   owner); every node's pipeline is written before any reply is read, so the
   nodes work at the same time (one thread, no hand-off); no ``MGET`` across slots
   (``CROSSSLOT``), no hash tags (a hot prefix is spread over every node).
@@ -65,8 +66,8 @@ def _commands(ops: List[tuple]) -> Tuple[List[tuple], List[int]]:
     for op in ops:
         if op[0].startswith("ask"):
             cmds.append(("ASKING",))
-        if op[0].endswith("get"):
-            cmds.append(("GET", op[1]))
+        if op[0].endswith("get"):  # ("get", key[, limit]): GETRANGE of at most limit + 1 bytes with a limit
+            cmds.append(("GET", op[1]) if len(op) < 3 or op[2] is None else ("GETRANGE", op[1], 0, op[2]))
         else:
             cmds.append(("SET", op[1], op[2]) + (("EX", op[3]) if op[3] is not None else ()))
         at.append(len(cmds) - 1)
@@ -310,8 +311,8 @@ class ClusterRouter:
         answering / redirected twice).  Raises nothing."""
         return self.get_status(rkeys)[0]
 
-    def get_status(self, rkeys: Sequence[str]) -> Tuple[List[Optional[bytes]], int, int]:
-        """:meth:`get` and how many nodes answered / failed in this call."""
+    def get_status(self, rkeys: Sequence[str], limit: Optional[int] = None) -> Tuple[List[Optional[bytes]], int, int]:
+        """:meth:`get` and the nodes that answered / failed; ``limit``: ``GETRANGE`` up to ``limit + 1`` bytes."""
         out: List[Optional[bytes]] = [None] * len(rkeys)
         answered = failed = 0
         rc = self.client()
@@ -320,7 +321,7 @@ class ClusterRouter:
             return out, 0, 1
         by_node, skipped = self._group(rc, rkeys)
         self.c["skipped_keys"] += len(skipped)
-        todo = {name: (node, [("get", rkeys[i]) for i in idx]) for name, (node, idx) in by_node.items()}
+        todo = {name: (node, [("get", rkeys[i], limit) for i in idx]) for name, (node, idx) in by_node.items()}
         where = {name: idx for name, (node, idx) in by_node.items()}
         for _attempt in range(2):  # the first round, and one for the redirected keys
             if not todo:
@@ -345,7 +346,7 @@ class ClusterRouter:
                             continue
                         node, kind = tgt
                         ent = again.setdefault(node.name, (node, []))
-                        ent[1].append((kind + "get", rkeys[i]) if kind == "ask" else ("get", rkeys[i]))
+                        ent[1].append((kind + "get" if kind == "ask" else "get", rkeys[i], limit))
                         again_where.setdefault(node.name, []).append(i)
                     else:
                         out[i] = v

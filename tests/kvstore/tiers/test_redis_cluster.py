@@ -215,6 +215,27 @@ def test_a_full_node_refuses_its_writes_only(redis_cluster_up):
         t.close()
 
 
+def test_planted_huge_values_on_the_cluster_are_never_read_whole(redis_cluster_up):
+    """The size cap of the one-server read holds on the cluster's per-node pipelines too (GETRANGE)."""
+    c = redis_cluster_up
+    t = RedisTier(c.cluster_url, prefix=_prefix(), timeout=1.0, max_value_bytes=BLOCK + 1024)
+    try:
+        keys = _fill(t, 8)
+        r = c.client(c.port_of_slot(_slot(t, keys[5])))
+        r.setrange(t._rkey(namespaced_key("", keys[5])), 8 << 20, b"x")  # the 6th grown to 8 MiB
+
+        def getranges():
+            return r.info("commandstats").get("cmdstat_getrange", {}).get("calls", 0)
+
+        before = getranges()
+        assert t.get_many(keys) == [_data(i) for i in range(5)] + [None] * 3
+        assert getranges() > before  # read up to the cap on that node (GETRANGE), never GET of 8 MiB
+        st = t.stats()
+        assert st["too_large_values"] == 1 and st["bad_values"] == 1 and st["hit_blocks"] == 5
+    finally:
+        t.close()
+
+
 _CHILD = """
 import sys, torch
 import cxlalloc.hf as hf
