@@ -305,7 +305,7 @@ class LocalBlockStore(AccountedStore):
         lower = self.lower
         if lower is not None and write_on_commit(self.lower_mode):
             for e in keep:  # still WRITING and ours: copied out now, sent by the tier's writer thread
-                lower.put(e.key, e.ns, self._view(e).numpy().tobytes())
+                lower.put(e.key, e.ns, self._view(e).numpy().tobytes(), tokens=e.tokens)
             self.counters.add("lower_put_blocks", len(keep))
         with self._lock:
             kept = set(map(id, keep))
