@@ -21,6 +21,7 @@ truncate it); the file is written by the server only.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
@@ -52,11 +53,32 @@ class PoolFile:
         self._lock = threading.Lock()
         self.c = {"persisted_blocks": 0, "persist_dropped_blocks": 0, "restored_blocks": 0,
                   "restore_torn_records": 0, "restore_unplaced_blocks": 0}
+        # One server per file: a second one would replace the file under the first, whose acknowledged blocks
+        # would then be missing after its restart.  The lock sits on a file beside it, since a compaction replaces
+        # the pool file itself (another inode).
+        try:
+            self._lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise OSError(e.errno, f"cxlalloc option '--pool-file': cannot open {self.path + '.lock'!r}: "
+                                   f"{e.strerror}") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise ValueError(f"cxlalloc option '--pool-file': {self.path!r} is in use by another kv-server "
+                             f"(it holds {self.path + '.lock'!r}); give each server a file of its own") from None
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         except OSError as e:
+            os.close(self._lock_fd)
             raise OSError(e.errno, f"cxlalloc option '--pool-file': cannot open {self.path!r}: {e.strerror}") from None
         self._size = os.fstat(self._fd).st_size
+        if self._size and os.pread(self._fd, len(MAGIC), 0) != MAGIC:
+            # A mistyped path must not erase an unrelated file: restore() rewrites the file with what it read.
+            os.close(self._fd)
+            os.close(self._lock_fd)
+            raise ValueError(f"cxlalloc option '--pool-file': {self.path!r} is not a kv-server pool file (it does not "
+                             f"start with {MAGIC.decode()}); refusing to overwrite it")
 
     @staticmethod
     def record(nskey: bytes, ns: str, tokens: int, data: bytes) -> List[bytes]:
@@ -134,6 +156,9 @@ class PoolFile:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)  # releases the lock
+                self._lock_fd = -1
 
 
 class _Restorer:

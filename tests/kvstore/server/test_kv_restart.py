@@ -112,7 +112,29 @@ def test_each_tenant_restores_its_own_file_into_its_own_pool(kv_server, sockdir)
     assert c.call("commit", res=r["res"])["published"] == 1
     c.close()
     srv.stop(0.1)
-    assert sorted(os.listdir(sockdir)) == ["pool.kvp.a", "pool.kvp.b"]
+    # one file per tenant, each with the lock file that keeps a second server off it
+    assert sorted(os.listdir(sockdir)) == ["pool.kvp.a", "pool.kvp.a.lock", "pool.kvp.b", "pool.kvp.b.lock"]
     again = kv_server(size=16 << 20, chunk=1 << 20, tenants=tenants, pool_file=pool_file, name="t2.sock")
     assert again.stats("a")["pool"]["blocks"] == 1 and again.stats("b")["pool"]["blocks"] == 0
     assert _served(again.socket_path, 2) == {1: _payload(1)}
+
+
+def test_a_file_that_is_no_pool_file_is_refused_intact_and_two_servers_cannot_share_one(tmp_path, server_proc):
+    """A mistyped --pool-file must not erase an unrelated file (the restore rewrites the file it read), and a
+    second server on the same file would replace it under the first, whose acknowledged blocks would then be
+    missing after its restart: both are a one-line error, exit 2, the file untouched."""
+    other = tmp_path / "notes.bin"
+    data = os.urandom(5000)
+    other.write_bytes(data)
+    r = subprocess.run([sys.executable, "-m", "cxlalloc", "kv-server", "--size", "16MiB", "--socket",
+                        str(tmp_path / "a.sock"), "--pool-file", str(other)], capture_output=True, text=True,
+                       env=subprocess_env(), cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "'--pool-file'" in r.stderr and "not a kv-server pool file" in r.stderr, r.stderr
+    assert other.read_bytes() == data
+    pool = str(tmp_path / "pool")
+    first = server_proc("--size", "16MiB", "--chunk", "4MiB", "--pool-file", pool, socket_name="one.sock")
+    r = subprocess.run([sys.executable, "-m", "cxlalloc", "kv-server", "--size", "16MiB", "--socket",
+                        str(tmp_path / "two.sock"), "--pool-file", pool], capture_output=True, text=True,
+                       env=subprocess_env(), cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "in use by another kv-server" in r.stderr, r.stderr
+    assert first.proc.poll() is None
