@@ -157,7 +157,7 @@ def request_models():
             return self
 
     class CompletionRequest(Sampling):
-        prompt: StrictStr
+        prompt: StrictStr = Field(min_length=1)  # an empty prompt killed transformers' batching worker
         best_of: Optional[StrictInt] = Field(None, ge=1, le=1)
         echo: Optional[Literal[False]] = None
         logprobs: Optional[Literal[0]] = None
@@ -393,6 +393,14 @@ def guarded_cb_manager(base, stats):
             cap = paged_capacity_tokens(stats(model))
             prompt = len(inputs["input_ids"])
             new = int(gen_config.max_new_tokens or 0)
+            if prompt == 0:  # transformers' worker dies on a request of no token ("cannot reshape ... 0 elements")
+                raise InvalidRequest("messages", "messages: the prompt is empty after the chat template (0 tokens)")
+            ctx = getattr(model.config, "max_position_embeddings", None)  # a transformers config field
+            if isinstance(ctx, int) and prompt + new > ctx:
+                param = "messages" if prompt >= ctx else "max_tokens"
+                raise InvalidRequest(param, f"{param}: the prompt ({prompt} tokens) plus max_tokens ({new}) is "
+                                            f"{prompt + new} tokens, more than the model's context "
+                                            f"(max_position_embeddings {ctx}); shorten the prompt or lower max_tokens")
             if cap is not None and prompt + new > cap:
                 param = "messages" if prompt >= cap else "max_tokens"
                 raise InvalidRequest(param, f"{param}: the prompt ({prompt} tokens) plus max_tokens ({new}) "

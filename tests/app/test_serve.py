@@ -486,11 +486,18 @@ def test_a_request_that_cannot_fit_the_paged_cache_is_400_and_the_server_goes_on
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
     ok = dict(model=d, max_tokens=4, temperature=0)
     client.chat.completions.create(messages=[{"role": "user", "content": "hello there"}], **ok)  # builds the cache
-    huge = " ".join(["harbour tide station report"] * 600)  # well over 1,024 tokens
-    for messages, max_tokens, param in (([{"role": "user", "content": huge}], 4, "messages"),
-                                        ([{"role": "user", "content": "hello"}], 4000, "max_tokens")):
+    big = " ".join(["harbour tide station report"] * 350)  # ~1,400 tokens: over the cache, within the context
+    huge = " ".join(["harbour tide station report"] * 600)  # ~2,400 tokens: over the model's 2,048 positions
+    for messages, max_tokens, param, why in (([{"role": "user", "content": big}], 4, "messages", "paged KV cache"),
+                                             ([{"role": "user", "content": "hello"}], 1500, "max_tokens",
+                                              "paged KV cache"),
+                                             ([{"role": "user", "content": huge}], 4, "messages", "context")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(messages=messages, **dict(ok, max_tokens=max_tokens))
-        assert e.value.body["param"] == param and "paged KV cache" in e.value.body["message"]
+        assert e.value.body["param"] == param and why in e.value.body["message"], e.value.body
+    with pytest.raises(openai.BadRequestError) as e:  # an empty prompt killed transformers' worker (user trial)
+        client.completions.create(prompt="", **ok)
+    assert e.value.body["param"] == "prompt", e.value.body
     r = client.chat.completions.create(messages=[{"role": "user", "content": "rain sun moon"}], **ok)
     assert r.choices[0].message.content is not None and proc.poll() is None
+    assert client.completions.create(prompt="rain sun", **ok).choices[0].text is not None
