@@ -13,7 +13,8 @@ the same:
   synchronised with the device); close the lease; drop the corrupt blocks (so this caller's
   store step writes them again, recomputed); record the load in the store's counters.
 * **store**: reserve the keys; copy each reserved block out of the KV rows; synchronise; seal
-  (the checksum trailer over the bytes that landed); commit; abort what was not committed;
+  (the checksum trailer over the bytes that landed — for a store whose pool other processes map
+  read-write, over a private copy, then copied into the pool whole); commit; abort what was not committed;
   record the store.
 
 Nothing here knows transformers or the cache classes.
@@ -149,17 +150,26 @@ class BlockWriter:
         Returns the blocks committed.  Errors propagate (nothing committed is
         half written: an unsealed block is aborted)."""
         res = self.store.reserve(self.ns, list(keys), self.layout.stored_bytes, self.block_tokens)
+        # A store whose views other processes map read-write (a kv-server's pool) is sealed over a private copy:
+        # a checksum taken over the pool could cover bytes another client changed between the copy and the seal,
+        # and a reader would then accept them (issue 29 item 6, the writer's side; the reader's is BlockReader).
+        staged = bool(getattr(self.store, "views_shared", False))
         try:
             written = []
             for i, (k, view) in enumerate(zip(keys, res.views)):
                 if view is None:  # already stored
                     continue
-                copy_out(i, view)
-                written.append((k, view))
+                src = torch.empty_like(view, pin_memory=view.is_pinned()) if staged else view
+                copy_out(i, src)
+                written.append((k, view, src))
                 self.nbytes += self.layout.block_bytes
             sync(device)
-            for k, view in written:  # after the copies landed: the checksum covers the bytes readers get
-                self.layout.seal(view, k)
+            for k, view, src in written:  # after the copies landed: the checksum covers the bytes readers get
+                if src is view:
+                    self.layout.seal(view, k)
+                else:
+                    self.layout.seal(src, k)
+                    view.copy_(src)
             stored = res.commit()
         finally:
             res.abort()

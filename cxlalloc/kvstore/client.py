@@ -263,6 +263,9 @@ class RemoteBlockStore(AccountedStore):
     """
 
     kind = "server"
+    #: other processes (the server, its other clients) map the pool read-write: writers seal over a private copy
+    #: (:class:`cxlalloc.hf.store_io.BlockWriter`), readers verify a private copy (``BlockReader``).
+    views_shared = True
 
     def __init__(self, url: str, allocator, *, timeout: Optional[float] = None, fallback=None,
                  name: Optional[str] = None):

@@ -40,11 +40,13 @@ MAX_BLOCK_TOKENS = 65536
 CHECKSUM_BYTES = 16  # the XXH3-128 trailer of every stored block
 
 
-def block_checksum(key: bytes, payload) -> bytes:
-    """XXH3-128 of a block's key and payload (any buffer): its 16-byte trailer."""
+def block_checksum(key: bytes, *payload) -> bytes:
+    """XXH3-128 of a block's key and payload (any buffers, hashed in order as
+    one byte string): its 16-byte trailer."""
     h = xxhash.xxh3_128()
     h.update(bytes(key))
-    h.update(payload)
+    for part in payload:
+        h.update(part)
     return h.digest()
 
 

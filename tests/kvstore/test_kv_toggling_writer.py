@@ -6,6 +6,12 @@ kv-server with its own read-write mapping) got unverified K/V copied: 11 wrong a
 each block is copied out of the pool once into private memory, that copy is verified, and the KV cache is
 filled from it: a block torn by the writer fails its checksum (dropped, recomputed), a block that passes is
 exactly the bytes the cache gets.
+
+The writer's side: a block recomputed after a torn load is stored again, often in the same pool slot the
+toggler keeps flipping; sealed over the pool, its checksum covered the flipped bytes and a later reader
+accepted them (CI: 2 wrong answers in 120 calls; here, with the seal over the pool, every run of 600 calls
+failed).  Now the writer seals a private copy and copies it into the pool whole
+(``BlockWriter``, ``RemoteBlockStore.views_shared``).
 """
 
 import subprocess
@@ -21,7 +27,7 @@ from tests.kvstore.kvutil import ROOT, prompts, subprocess_env, tiny_llama
 import cxlalloc.hf as hf
 
 BT = 8
-CALLS = 120
+CALLS = 400
 
 # Another client of the same kv-server: maps the pool read-write and toggles 4 KiB of three stored blocks
 # (flip, flip back) as fast as it can until killed.

@@ -346,10 +346,14 @@ class CxlallocConnector(RemoteConnector):
                     _HEAD.pack_into(head, 0, MAGIC, sk, len(meta))
                     head[_HEAD.size:_HEAD.size + len(meta)] = meta
                     view[:hdr].copy_(torch.frombuffer(head, dtype=torch.uint8))
-                    view[hdr:-CHECKSUM_BYTES].copy_(payloads[i])
-                    # sealed over the bytes that landed in the pool, after the copy (as the block store seals)
-                    view[-CHECKSUM_BYTES:].copy_(torch.frombuffer(
-                        bytearray(block_checksum(sk, view[:-CHECKSUM_BYTES].numpy())), dtype=torch.uint8))
+                    # a device payload comes to host memory once; the pool and the checksum take that copy
+                    body = payloads[i] if payloads[i].device.type == "cpu" else payloads[i].cpu()
+                    view[hdr:-CHECKSUM_BYTES].copy_(body)
+                    # sealed over the private header and payload, not the pool: another client mapping the pool
+                    # read-write could change the pool's bytes between the copy and a checksum taken there, and a
+                    # reader would then accept them (block_checksum(sk, header + payload), as the block store seals)
+                    trailer = block_checksum(sk, bytes(head), memoryview(body.numpy()))
+                    view[-CHECKSUM_BYTES:].copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
                 n = res.commit()
             published += n
             self.counters.add("put_skipped", len(idx) - n)
