@@ -106,4 +106,12 @@ size_t DeviceAllocator::empty_cache() {
   return n;
 }
 
+bool DeviceAllocator::add_peer(int peer) {
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  if (!factory_->add_peer(peer)) return false;
+  for (auto& [base, seg] : segments_) factory_->grant_peer(*seg, peer);
+  return true;
+}
+
 }  // namespace cxl::alloc

@@ -8,8 +8,9 @@ engine is built by the very functions global mode calls
 (``visible_devices`` + ``configure_engine``) on a 2-device simulated driver,
 installed as the process engine, and driven through the C ABI exactly as the
 adapter drives it (``cxlalloc_malloc(size, device, stream)``); a copy between
-GPUs is the driver's ``cuMemcpy`` (unified addressing) and fails today (see
-``test_cross_device_copies``); ``torch.cuda.set_device`` is stood in for by
+GPUs is the driver's ``cuMemcpy`` run by one GPU's context (what torch's
+copy with P2P enabled comes down to), after ``cxlalloc_enable_peer_access``
+(what the adapter's ``enablePeerAccess`` calls); ``torch.cuda.set_device`` is stood in for by
 patching torch's current-device query.  Not yet run on several GPUs.
 """
 
@@ -138,28 +139,68 @@ def test_gpu_1_allocates_while_gpu_0_is_full(two_gpu_global, streams):
     assert cxlalloc.empty_cache() >= 104 * MiB
 
 
-@pytest.mark.xfail(strict=True, reason="found here: each GPU's engine grants cuMemSetAccess to its own GPU only, so a "
-                   "copy between two GPUs' VMM memory is refused (the simulated driver checks per-device access as "
-                   "CUDA VMM does; torch's expandable segments grant peers on enablePeerAccess); not fixed yet")
-def test_cross_device_copies(two_gpu_global, streams):
-    c = _capi()
-    s = streams.new()
+@pytest.fixture
+def current_gpu(two_gpu_global):
+    """Make a GPU's primary context current on this thread (what torch's
+    device guard does before a copy); released afterwards."""
     cu = Cu(two_gpu_global[2].lib)
+    held, old = [], ctypes.c_void_p()
+    assert cu.cuCtxGetCurrent(ctypes.byref(old)) == 0
+
+    def use(device):
+        ctx = ctypes.c_void_p()
+        assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device) == 0
+        held.append(device)
+        assert cu.cuCtxSetCurrent(ctx) == 0
+        return cu
+
+    yield use
+    cu.cuCtxSetCurrent(old)
+    for d in held:
+        cu.cuDevicePrimaryCtxRelease(d)
+
+
+def test_cross_device_copies_need_and_get_peer_access(two_gpu_global, streams, current_gpu):
+    """A copy run by GPU 1 between GPU 0's and GPU 1's cxlalloc memory (torch
+    with P2P enabled: a plain cudaMemcpyAsync on the destination's stream).
+    A VMM mapping opens only to the GPUs cuMemSetAccess names, so it is
+    refused until torch's enablePeerAccess reaches cxlalloc
+    (``cxlalloc_enable_peer_access``, the adapter's ``enablePeerAccess``);
+    then it works for memory mapped before and after, both tiers."""
+    c = _capi()
+    c.cxlalloc_enable_peer_access.restype = ctypes.c_int
+    c.cxlalloc_enable_peer_access.argtypes = [ctypes.c_int, ctypes.c_int]
+    s = streams.new()
     on0 = c.cxlalloc_malloc(8 * MiB, 0, s)
     on1 = c.cxlalloc_malloc(8 * MiB, 1, s)
-    spill1 = c.cxlalloc_malloc(40 * MiB, 1, s)  # past GPU 1's 32 MiB: its host tier
+    data = bytes(range(256)) * (MiB // 256)
+    cu = current_gpu(1)
+    late0 = spill1 = None
     try:
-        data = bytes(range(256)) * (MiB // 256)
         write(on0, data)
-        # GPU 0 -> GPU 1's VRAM -> GPU 1's host tier -> back to GPU 0
-        assert cu.cuMemcpy(on1, on0, MiB) == 0
-        assert cu.cuMemcpy(spill1, on1, MiB) == 0
-        assert cu.cuMemcpy(on0 + 4 * MiB, spill1, MiB) == 0
-        assert read(on1, MiB) == data and read(spill1, MiB) == data and read(on0 + 4 * MiB, MiB) == data
+        assert cu.cuMemcpy(on1, on0, MiB) == 1  # CUDA_ERROR_INVALID_VALUE: GPU 1 may not read GPU 0's mapping
+        assert c.cxlalloc_enable_peer_access(0, 1) == 0  # GPU 1 may access GPU 0's memory
+        assert c.cxlalloc_enable_peer_access(0, 1) == 0  # again: a no-op
+        assert cu.cuMemcpy(on1, on0, MiB) == 0 and read(on1, MiB) == data
+        late0 = c.cxlalloc_malloc(40 * MiB, 0, s)  # mapped after the grant (a new segment)
+        assert late0 and cu.cuMemcpy(late0 + 32 * MiB, on1, MiB) == 0 and read(late0 + 32 * MiB, MiB) == data
+        spill1 = c.cxlalloc_malloc(40 * MiB, 1, s)  # GPU 1's host tier (past its 32 MiB)
+        assert c.cxlalloc_tier_of(spill1, 1) == 1
+        assert cu.cuMemcpy(spill1, on0, MiB) == 0 and read(spill1, MiB) == data
+        # the other direction: GPU 0 copying out of GPU 1's memory needs GPU 1's grant
+        cu = current_gpu(0)
+        assert cu.cuMemcpy(on0 + 4 * MiB, spill1, MiB) == 1
+        assert c.cxlalloc_enable_peer_access(1, 0) == 0
+        assert cu.cuMemcpy(on0 + 4 * MiB, spill1, MiB) == 0 and read(on0 + 4 * MiB, MiB) == data
+        assert c.cxlalloc_enable_peer_access(0, 2) == -1
+        assert c.cxlalloc_last_error().decode().endswith("device 0 / peer 2 is not a visible GPU (0..1)")
     finally:
         c.cxlalloc_free(on0, 8 * MiB, 0, s)
         c.cxlalloc_free(on1, 8 * MiB, 1, s)
-        c.cxlalloc_free(spill1, 40 * MiB, 1, s)
+        if late0:
+            c.cxlalloc_free(late0, 40 * MiB, 0, s)
+        if spill1:
+            c.cxlalloc_free(spill1, 40 * MiB, 1, s)
         c.cxlalloc_empty_cache()
 
 
