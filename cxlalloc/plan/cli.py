@@ -2,7 +2,8 @@
 no network, no torch).
 
     cxlalloc plan --model DIR|config.json|llama-3.1-8b --context 32768 --users 64 --gpu h200
-                  [--json] [--plot plan.png] [--reuse 0.5] [--host-bytes 1TB] [--host-node cxl-x8] ...
+                  [--gpus 2 [--parallel tp|pp]] [--json] [--plot plan.png] [--reuse 0.5] [--host-bytes 1TB]
+                  [--host-node cxl-x8] ...
 
 Exit codes: 0 success; 2 bad usage (one line naming the option and its allowed values).
 """

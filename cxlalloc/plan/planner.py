@@ -24,6 +24,13 @@ states each and the assumptions; :func:`plan` returns them in the record):
 * GPUs: ``g * ceil(users / sequences per group)``, sequences per group the
   largest count whose KV fits (VRAM only, or VRAM + host bytes) and whose
   ``t_step`` meets the TPOT target.
+* ``gpus=N`` fixes ``g``; ``parallel="tp"`` keeps the formulas above (KV heads
+  split over the GPUs, or copied when ``N`` is a multiple of them: the KV
+  scaled by ``N / H_kv``); ``parallel="pp"`` (:class:`StagedModel`) gives
+  each GPU a run of layers with its own weights, cache and room, and sums
+  ``t_step`` and prefill over the GPUs.  ``per_gpu`` / ``per_node`` in the
+  record: each GPU's share at the operating point, its tier's node
+  (:func:`cxlalloc.plan.hardware.gpu_tier_nodes`) and link.
 """
 
 from __future__ import annotations
