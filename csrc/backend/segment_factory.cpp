@@ -252,10 +252,15 @@ void SegmentFactory::migrate_chunk(SegmentMemory& seg, Chunk& c, Tier target) {
 }
 
 // ------------------------------------------------------------------ peer access
-bool SegmentFactory::add_peer(int peer) {
-  if (peer == cfg_.device) return false;
+bool SegmentFactory::has_peer(int peer) const {
+  if (peer == cfg_.device) return true;
   for (int p : peers_)
-    if (p == peer) return false;
+    if (p == peer) return true;
+  return false;
+}
+
+bool SegmentFactory::add_peer(int peer) {
+  if (has_peer(peer)) return false;
   peers_.push_back(peer);
   return true;
 }

@@ -71,8 +71,9 @@ class SegmentFactory {
   // mapping made from now on (a VMM mapping is accessible only to the
   // devices cuMemSetAccess names, so a copy run by another GPU's context,
   // e.g. torch's peer copy with P2P enabled, fails without it).  Returns
-  // false when it already had it.
+  // false when it already had it (or is this GPU).
   bool add_peer(int peer);
+  bool has_peer(int peer) const;
   const std::vector<int>& peers() const { return peers_; }
   // Grant `peer` access to the committed VMM chunks of `seg` (mappings made
   // before add_peer).

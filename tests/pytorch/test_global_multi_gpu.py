@@ -192,7 +192,7 @@ def test_cross_device_copies_need_and_get_peer_access(two_gpu_global, streams, c
         assert cu.cuMemcpy(on0 + 4 * MiB, spill1, MiB) == 1
         assert c.cxlalloc_enable_peer_access(1, 0) == 0
         assert cu.cuMemcpy(on0 + 4 * MiB, spill1, MiB) == 0 and read(on0 + 4 * MiB, MiB) == data
-        assert c.cxlalloc_enable_peer_access(0, 2) == -1
+        assert c.cxlalloc_enable_peer_access(0, 2) == -1  # CXLALLOC_E_INVALID_ARGUMENT
         assert c.cxlalloc_last_error().decode().endswith("device 0 / peer 2 is not a visible GPU (0..1)")
     finally:
         c.cxlalloc_free(on0, 8 * MiB, 0, s)
@@ -201,6 +201,31 @@ def test_cross_device_copies_need_and_get_peer_access(two_gpu_global, streams, c
             c.cxlalloc_free(late0, 40 * MiB, 0, s)
         if spill1:
             c.cxlalloc_free(spill1, 40 * MiB, 1, s)
+        c.cxlalloc_empty_cache()
+
+
+def test_a_failed_peer_grant_is_an_error_and_a_retry_grants_again(two_gpu_global, streams, current_gpu):
+    c = _capi()
+    c.cxlalloc_enable_peer_access.restype = ctypes.c_int
+    c.cxlalloc_enable_peer_access.argtypes = [ctypes.c_int, ctypes.c_int]
+    sim = two_gpu_global[2]
+    s = streams.new()
+    a = c.cxlalloc_malloc(4 * MiB, 0, s)
+    b = c.cxlalloc_malloc(40 * MiB, 0, s)  # a second segment: the grant fails on it
+    on1 = c.cxlalloc_malloc(4 * MiB, 1, s)
+    cu = current_gpu(1)
+    try:
+        sim.fail("cuMemSetAccess", 2, 999)
+        assert c.cxlalloc_enable_peer_access(0, 1) == -5  # CXLALLOC_E_DRIVER
+        assert "cuMemSetAccess" in c.cxlalloc_last_error().decode()
+        sim.clear_faults()
+        assert c.cxlalloc_enable_peer_access(0, 1) == 0  # not recorded by the failed call: granted now
+        assert cu.cuMemcpy(on1, a, MiB) == 0 and cu.cuMemcpy(on1, b, MiB) == 0
+    finally:
+        sim.clear_faults()
+        c.cxlalloc_free(a, 4 * MiB, 0, s)
+        c.cxlalloc_free(b, 40 * MiB, 0, s)
+        c.cxlalloc_free(on1, 4 * MiB, 1, s)
         c.cxlalloc_empty_cache()
 
 
