@@ -312,3 +312,28 @@ def test_bad_gpus_is_one_line_naming_gpus(args, needle):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], p.stderr
+
+
+def test_gpus_sharing_one_cxl_node_and_kv_heads_copied_past_their_count():
+    from cxlalloc.plan import plan as plan_fn
+    from cxlalloc.plan.cli import resolve_model
+    from cxlalloc.plan.layout import cache_bytes, read_layout
+
+    model = resolve_model("llama-3.1-70b")
+    # both GPUs near node 0, one CXL expander: both tiers on node 2, its bytes summed there
+    info = {"gpu": {"devices": [{"name": "NVIDIA H200", "total_bytes": 141e9, "host_numa_id": 0}] * 2},
+            "numa": {"topology": {"nodes": [
+                {"id": 0, "has_cpu": True, "total_bytes": 500e9, "distance": {"0": 10, "2": 14}},
+                {"id": 2, "has_cpu": False, "cxl": True, "total_bytes": 256e9, "distance": {"0": 14}}]}}}
+    r = plan_fn(model, gpus=2, parallel="pp", context=131072, users=16, info=info, tpot_slo_ms=None)
+    assert [x["node"] for x in r["per_gpu"]] == [2, 2]
+    assert len(r["per_node"]) == 1 and r["per_node"][0]["gpus"] == [0, 1]
+    spilled = sum(x["host_bytes"] for x in r["per_gpu"])
+    assert spilled > 0 and r["per_node"][0]["host_bytes"] == pytest.approx(spilled)
+    assert r["per_node"][0]["node_bytes"] == 256e9 and r["hardware"]["host_bytes_per_gpu"] == 128e9  # shared by 2
+    # tensor parallel over 16 GPUs, 8 KV heads: each GPU keeps one head, the copy holds the KV twice (vLLM's rule)
+    r = plan_fn(model, gpus=16, context=32768, users=64, tpot_slo_ms=None)
+    u = r["decode"]["sequences_per_group_at_target"]
+    assert {x["kv_heads"] for x in r["per_gpu"]} == {1}
+    assert r["per_gpu"][0]["kv_bytes"] == pytest.approx(2 * cache_bytes(read_layout(model), u, 32768, 2)["total"] / 16)
+    assert "copied: the group holds 2x the KV" in r["parallel"]["rule"]
