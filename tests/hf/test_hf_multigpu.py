@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 
-from tests.helpers.hf_util import MiB, assert_same, gen, padded_batch, tiny_llama
+from tests.helpers.hf_util import MiB, assert_same, gen, padded_batch, tiny_llama, torch
 from tests.helpers.sim_dispatch import dispatch, simulated_gpus
 
 import cxlalloc.hf as hf
@@ -188,3 +188,46 @@ def test_continuous_batching_on_a_spread_model_says_once_it_is_not_tiered(two_gp
     cb = hf.stats(m)["hf"]["continuous_batching"]
     assert cb["tiered"] is False and "not yet one per GPU" in cb["untiered_reason"]
     hf.unwrap(m)
+
+
+def test_store_blocks_are_keyed_independently_of_the_device_map(two_gpus, tmp_path):
+    """A prefix stored by a model on 2 GPUs is hit by the same weights on 1 GPU, and the reverse,
+    through one kv-server pool (what two processes share)."""
+    import os
+    import shutil
+    import tempfile
+
+    from cxlalloc.kvstore.server import KVServer
+
+    d = tempfile.mkdtemp(prefix="kvmg-", dir="/tmp")
+    server = KVServer(32 * MiB, 0, os.path.join(d, "kv.sock"), chunk_bytes=4 * MiB).start()
+    try:
+        url = "unix://" + server.socket_path
+        kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        g = torch.Generator().manual_seed(3)
+        first, second = (torch.randint(3, 256, (1, 49), generator=g) for _ in range(2))  # 3 blocks + 1
+        plain = wide_llama()
+        refs = [gen(plain, input_ids=p, **kw).sequences for p in (first, second)]
+        two, one = wide_llama(), wide_llama()  # the same weights (seeded)
+        dispatch(two, 2)
+        opts = dict(host_limit="64MiB", kv_store=url, block_tokens=16)
+        hf.wrap(two, device_limit=["64MiB", "64MiB"], **opts)
+        hf.wrap(one, device_limit="64MiB", **opts)
+        assert hf.stats(two)["hf"]["layer_gpus"] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+
+        def run(model, prompt, ref):
+            out = gen(model, input_ids=prompt, **kw)
+            assert torch.equal(out.sequences, ref)
+            return hf.stats(model)["hf"]["reuse"]["last"]["hit_tokens"]
+
+        assert run(two, first, refs[0]) == 0  # stored by the 2-GPU model
+        assert run(one, first, refs[0]) == 48  # hit by the 1-GPU model: 3 blocks of 16
+        assert run(one, second, refs[1]) == 0  # stored by the 1-GPU model
+        assert run(two, second, refs[1]) == 48  # hit by the 2-GPU model, loaded into both GPUs' layers
+        s = hf.stats(two)
+        assert all(s["gpus"][gpu]["kv"]["peak_device_bytes"] > 0 for gpu in ("cuda:0", "cuda:1"))
+        hf.unwrap(two)
+        hf.unwrap(one)
+    finally:
+        server.stop(0.5)
+        shutil.rmtree(d, ignore_errors=True)
