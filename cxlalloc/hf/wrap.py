@@ -55,6 +55,7 @@ import torch
 from cxlalloc import _C
 from cxlalloc.allocator import Allocator
 from cxlalloc.config import format_bytes, make_config
+from cxlalloc.engine import ensure_sim
 from cxlalloc.hf.cache import CxlCache
 from cxlalloc.hf.compat import TRANSFORMERS_VERSION, cache_kwarg
 from cxlalloc.hf.devices import GpuLayout, model_layout, per_gpu_options, sum_stats
@@ -314,6 +315,9 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
             place_weights = True
         allocators = {}
         gpu_of = layout.param_gpu(model) if layout.multi else {}
+        if simulate and layout.multi:
+            for g in layout.gpus:  # a simulated machine with the GPUs the device map names
+                ensure_sim(configs[g], devices=layout.gpus[-1] + 1)
         for g in layout.gpus:
             kw = dict(per_gpu[g])
             if layout.multi or not simulate:
@@ -331,9 +335,9 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
             except ValueError as e:
                 if simulate and layout.multi and "not a CUDA device ordinal" in str(e):
                     raise ValueError(f"cxlalloc.hf.wrap: the model's hf_device_map places layers on simulated GPUs "
-                                     f"{layout.gpus}, but the simulated driver has fewer GPUs ({e}); configure it "
-                                     f"first: cxlalloc._sim.Sim().configure('devices={layout.gpus[-1] + 1}') while no "
-                                     "simulated allocator is alive") from None
+                                     f"{layout.gpus}, but the simulated driver has fewer GPUs ({e}); it gains GPUs "
+                                     "only while no simulated allocator is alive: wrap this model first, or free the "
+                                     "others") from None
                 raise
     allocator = allocators[layout.gpus[0]]
 

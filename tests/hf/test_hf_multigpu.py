@@ -145,11 +145,24 @@ def test_per_gpu_options_of_a_bad_shape_are_refused(two_gpus):
     assert not hf.is_wrapped(m)
 
 
-def test_a_device_map_beyond_the_simulated_gpus_says_how_to_configure(fresh_sim):
+def test_a_device_map_beyond_the_simulated_gpus(fresh_sim):
+    import cxlalloc
+
     m = wide_llama()
     dispatch(m, 2)  # the simulated driver has one GPU (fresh_sim)
-    with pytest.raises(ValueError, match=r"simulated GPUs \[0, 1\].*configure\('devices=2'\)"):
+    busy = cxlalloc.Allocator(simulate=True, device_limit="8MiB", host_limit="8MiB")
+    busy.tensor((1024,), torch.float32)  # something alive: the simulator cannot gain a GPU now
+    with pytest.raises(ValueError, match=r"2 simulated GPUs needs it resized.*free the other"):
         hf.wrap(m, device_limit="64MiB", host_limit="64MiB")
+    assert not hf.is_wrapped(m)
+    del busy
+    gc.collect()
+    hf.wrap(m, device_limit="64MiB", host_limit="64MiB")  # nothing alive: wrap() gives the simulator 2 GPUs
+    assert fresh_sim.device_count() == 2 and hf.stats(m)["hf"]["gpus"] == ["cuda:0", "cuda:1"]
+    hf.unwrap(m)
+    gc.collect()
+    fresh_sim.configure("vram=1GiB")  # back to the one GPU of the other tests
+    cxlalloc.engine._sim_vram = 1 << 30
 
 
 def test_options_per_gpu_on_one_device_as_a_list_of_one(fresh_sim):
@@ -231,3 +244,29 @@ def test_store_blocks_are_keyed_independently_of_the_device_map(two_gpus, tmp_pa
     finally:
         server.stop(0.5)
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_the_docs_simulated_several_gpus_example_runs():
+    """docs/huggingface.md "A model on several GPUs": its second block (simulated GPUs) run as written, in a
+    fresh process (it configures the simulated driver); the first block needs GPUs and is marked so."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "huggingface.md").read_text(encoding="utf-8")
+    section = text[text.index('<a id="several-gpus"></a>'):text.index("### What `hf.wrap` does")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2 and "device_map=\"auto\"" in blocks[0]
+    assert "Needs several GPUs (**not yet run on several GPUs**" in section
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p),
+               CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
+    env.pop("CXLALLOC", None)
+    r = subprocess.run([sys.executable, "-c", blocks[1]], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1]
+    layer_gpus, weights = last.split("] ", 1)
+    assert layer_gpus + "]" == "['cuda:0', 'cuda:1']"
+    assert re.fullmatch(r"\{'cuda:0': [1-9]\d*, 'cuda:1': [1-9]\d*\}", weights), last
