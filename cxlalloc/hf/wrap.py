@@ -401,8 +401,22 @@ def generate(model, *args, **kwargs):
 
 
 def allocator(model):
-    """The :class:`cxlalloc.Allocator` behind a wrapped model."""
+    """The :class:`cxlalloc.Allocator` behind a wrapped model (for a model on
+    several GPUs, its first GPU's: :func:`allocators` gives each GPU's)."""
     return _state(model).allocator
+
+
+def allocators(model) -> dict:
+    """``{"cuda:i": cxlalloc.Allocator}``: the allocator of each GPU of a wrapped
+    model (one entry for a model on one device; in simulation the simulated
+    GPU's ordinal).
+
+    Raises:
+        ValueError: the model is not wrapped.
+    """
+    st = _state(model)
+    found = st.allocators or {st.allocator.device: st.allocator}
+    return {f"cuda:{g}": a for g, a in sorted(found.items())}
 
 
 def forget_conversation(model) -> None:

@@ -104,6 +104,39 @@ def test_layers_on_two_gpus_spill_on_both_gpus_tiers(two_gpus):
     hf.unwrap(m)
 
 
+def test_beam_search_deepcopy_and_rewrap_on_two_gpus(two_gpus):
+    import copy
+
+    from cxlalloc.hf import cache_kwarg
+
+    m = tiny_llama(layers=4, vocab=256)
+    inp = padded_batch(vocab=256)
+    beam = dict(num_beams=3, num_return_sequences=2, do_sample=False, max_new_tokens=10, min_new_tokens=10)
+    ref_beam = gen(m, **inp, **beam)
+    prompt = {k: v[:, :6] for k, v in inp.items()}
+    ref_cont = gen(m, **inp, do_sample=False, max_new_tokens=6, min_new_tokens=6)
+    dispatch(m, 2)
+    hf.wrap(m, device_limit=[32 * MiB, "32MiB"], host_limit="128MiB")
+    assert hf.wrap(m, device_limit={0: "32MiB", "cuda:1": 32 * MiB}, host_limit=128 * MiB) is m  # same values
+    with pytest.raises(ValueError, match=r"already wrapped.*cuda:1 device_limit: 32\.00 MiB \(wrapped\) vs 16\.00 MiB"):
+        hf.wrap(m, device_limit=["32MiB", "16MiB"], host_limit="128MiB")
+    out = gen(m, **inp, **beam)  # beam reorders and batch expansion on stores of two GPUs
+    assert_same(ref_beam, out)
+    assert returned_cache(out).kv_stats()["reorders"] > 0
+    # prompt-cache reuse: a deep copy keeps each layer on its GPU's allocator
+    pc = returned_cache(gen(m, **prompt, do_sample=False, max_new_tokens=1))
+    assert pc.get_seq_length() == 6
+    twin = copy.deepcopy(pc)
+    on = [layer._store.allocator.device for layer in twin.kv_layers()]
+    assert on == [layer._store.allocator.device for layer in pc.kv_layers()] and sorted(set(on)) == [0, 1]
+    assert len({id(p) for p in twin._pools}) == 2 and twin.kv_stats()["stores"] == 2
+    out2 = gen(m, **inp, do_sample=False, max_new_tokens=6, min_new_tokens=6, **{cache_kwarg(m): twin})
+    assert torch.equal(out2.sequences, ref_cont.sequences)
+    assert set(hf.allocators(m)) == {"cuda:0", "cuda:1"}
+    del out, out2, pc, twin
+    hf.unwrap(m)
+
+
 def test_layers_on_four_gpus_with_options_per_gpu(four_gpus):
     m = wide_llama(layers=8)
     inp = padded_batch(batch=2, length=100, vocab=256)

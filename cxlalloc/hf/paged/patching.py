@@ -120,9 +120,10 @@ def _untiered_reason(manager, cb: CBState) -> Optional[str]:
                 "paged cache stays transformers' own")
     st = cb.wrap_state
     if getattr(st, "multi", False):
-        return (f"the model is spread over GPUs {['cuda:%d' % g for g in st.layout.gpus]}, and cxlalloc's paged cache "
-                "is one extent of one GPU's allocator (not yet one per GPU); the paged cache stays transformers' own "
-                "(generate() tiers each layer's KV on its GPU)")
+        return (f"the model is spread over GPUs {['cuda:%d' % g for g in st.layout.gpus]}, and a paged cache is one "
+                "tensor on one device (transformers' PagedAttentionCache(device=...), whose blocks hold every layer's "
+                "pages; cxlalloc's is one extent of one GPU's allocator, not yet one per GPU); the paged cache stays "
+                "transformers' own (generate() tiers each layer's KV on its GPU)")
     return None
 
 
