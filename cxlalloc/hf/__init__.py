@@ -52,10 +52,11 @@ from cxlalloc.hf.coverage import CacheCoverageWarning  # noqa: F401
 from cxlalloc.hf.paged import ContinuousBatchingWarning, CxlPagedAttentionCache  # noqa: F401
 from cxlalloc.hf.compat import cache_kwarg, returned_cache  # noqa: F401
 from cxlalloc.hf.storage import KVCounters  # noqa: F401
+from cxlalloc.hf.devices import TensorParallelWarning  # noqa: F401
 from cxlalloc.hf.wrap import (UnwrappedCopyWarning, allocator, allocators, forget_conversation, generate,  # noqa: F401
                               is_wrapped, kv_cache, stats, unwrap, wrap)
 
 __all__ = ["wrap", "unwrap", "generate", "stats", "kv_cache", "forget_conversation", "allocator", "allocators", "is_wrapped", "CxlCache", "CxlKVLayer",
            "KVCounters", "cache_kwarg", "returned_cache", "UnwrappedCopyWarning", "CxlSlidingLayer", "CxlIndexedLayer",
            "CxlHybridLayer", "CxlHybridSlidingLayer", "CxlEncoderDecoderCache", "CacheCoverageWarning",
-           "ContinuousBatchingWarning", "CxlPagedAttentionCache"]
+           "ContinuousBatchingWarning", "CxlPagedAttentionCache", "TensorParallelWarning"]

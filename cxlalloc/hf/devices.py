@@ -29,6 +29,25 @@ from typing import Dict, List, Optional
 
 import torch
 
+class TensorParallelWarning(UserWarning):
+    """A model sharded by transformers' tensor-parallel plan (``tp_plan``): its weight shards stay where
+    torch.distributed put them (said once per wrap())."""
+
+
+TP_WEIGHTS = ("cxlalloc.hf.wrap: the model is sharded by transformers' tensor-parallel plan (tp_size={tp}); its "
+              "weights are torch.distributed DTensor shards, which cxlalloc does not move into its allocator (a "
+              "parameter's .data replaced by a plain tensor would no longer be a shard), so device_limit does not "
+              "cover them; each rank's KV cache is still this process's (not yet run under tensor parallelism)")
+
+
+def tp_size(model) -> int:
+    """transformers' tensor-parallel degree of ``model`` (``model._tp_size``; 1 when not sharded)."""
+    try:
+        return max(1, int(getattr(model, "_tp_size", None) or 1))
+    except (TypeError, ValueError):
+        return 1
+
+
 PER_GPU_OPTIONS = ("device_limit", "kv_device_limit", "host_limit", "numa_node")
 # Keys of Allocator.stats() that name something (a device, a node): listed per GPU in totals, not summed.
 _NAME_KEYS = ("device", "numa_node", "backend", "method")

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Dict, List, Optional
 
 import torch
@@ -58,7 +59,8 @@ from cxlalloc.config import format_bytes, make_config
 from cxlalloc.engine import ensure_sim
 from cxlalloc.hf.cache import CxlCache
 from cxlalloc.hf.compat import TRANSFORMERS_VERSION, cache_kwarg
-from cxlalloc.hf.devices import GpuLayout, model_layout, per_gpu_options, sum_stats
+from cxlalloc.hf.devices import (TP_WEIGHTS, GpuLayout, TensorParallelWarning, model_layout, per_gpu_options,
+                                 sum_stats, tp_size)
 from cxlalloc.hf.model_caches import own_cache_class
 from cxlalloc.hf.reuse import PrefixReuse, parse_reuse_options
 from cxlalloc.hf.generate_hooks import make_generate, make_pre_forward, make_prepare_hook, predicted_report, warn_once
@@ -293,6 +295,12 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
                              "decoder-only model with transformers' cache layers over several GPUs, not an "
                              f"encoder-decoder model or a model with its own cache class ({type(model).__name__}); "
                              "load it on one GPU")
+    tp = tp_size(model)
+    if tp > 1:
+        if place_weights:
+            raise ValueError(TP_WEIGHTS.format(tp=tp) + "; place_weights=True cannot apply: leave it out")
+        place_weights = False
+        warnings.warn(TP_WEIGHTS.format(tp=tp), TensorParallelWarning, stacklevel=2)
     configs = _options_configs(dict(options, simulate=simulate), device, layout)  # validates every option
     per_gpu = per_gpu_options(options, layout.gpus)
     found = {g: _global_allocator(device if simulate and not layout.multi else torch.device("cuda", g), simulate)

@@ -303,3 +303,25 @@ def test_the_docs_simulated_several_gpus_example_runs():
     layer_gpus, weights = last.split("] ", 1)
     assert layer_gpus + "]" == "['cuda:0', 'cuda:1']"
     assert re.fullmatch(r"\{'cuda:0': [1-9]\d*, 'cuda:1': [1-9]\d*\}", weights), last
+
+
+def test_a_tensor_parallel_model_says_once_its_weight_shards_are_not_placed(fresh_sim):
+    """transformers' tensor-parallel plan marks the model with ``_tp_size`` (> 1 once sharded); CI has no
+    torch.distributed run, so the mark stands in for it here: the weights (DTensor shards under TP) are left where
+    they are, said once, and KV is still tiered with the tokens unchanged."""
+    m = tiny_llama()
+    inp = padded_batch()
+    ref = gen(m, **inp, max_new_tokens=6, min_new_tokens=6)
+    m._tp_size = 2
+    with pytest.raises(ValueError, match="tensor-parallel plan.*place_weights=True cannot apply"):
+        hf.wrap(m, place_weights=True, device_limit="64MiB")
+    with pytest.warns(hf.TensorParallelWarning, match=r"tp_size=2.*DTensor shards") as w:
+        hf.wrap(m, device_limit="64MiB", host_limit="64MiB")
+    assert len(w) == 1
+    out = gen(m, **inp, max_new_tokens=6, min_new_tokens=6)
+    assert_same(ref, out)
+    s = hf.stats(m)
+    assert s["hf"]["weights_placed"] is False and s["weight"]["device_bytes"] == 0
+    assert returned_cache(out).kv_stats()["kv_device_bytes"] > 0
+    del out
+    hf.unwrap(m)
