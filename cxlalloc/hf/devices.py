@@ -105,6 +105,14 @@ def _gpu_index(value, where: str) -> int:
                      "weights")
 
 
+def _names_gpu(value) -> bool:
+    try:
+        _gpu_index(value, "")
+        return True
+    except ValueError:
+        return False
+
+
 def _gpu_in_map(name: str, device_map: dict) -> int:
     best = None
     for key in device_map:
@@ -150,7 +158,8 @@ def model_layout(model) -> GpuLayout:
     if kind == "cuda":
         gpus = sorted({d.index or 0 for d in devices})
         simulated = False
-    elif kind == "cpu" and isinstance(device_map, dict) and device_map:
+    elif kind == "cpu" and isinstance(device_map, dict) and any(_names_gpu(v) for v in device_map.values()):
+        # A CPU model whose map names GPUs: simulated GPUs (every entry must name one).
         gpus = sorted({_gpu_index(v, f"hf_device_map[{k!r}]") for k, v in device_map.items()})
         simulated = True
     else:

@@ -200,6 +200,7 @@ def test_a_device_map_beyond_the_simulated_gpus(fresh_sim):
 
 def test_options_per_gpu_on_one_device_as_a_list_of_one(fresh_sim):
     m = tiny_llama()
+    m.hf_device_map = {"": "cpu"}  # from_pretrained(device_map="cpu") sets this: a plain CPU model
     inp = padded_batch()
     ref = gen(m, **inp, max_new_tokens=8, min_new_tokens=8)
     hf.wrap(m, device_limit=["64MiB"], host_limit={0: "256MiB"})
