@@ -148,8 +148,10 @@ def model_layout(model) -> GpuLayout:
     if not devices:
         raise ValueError("cxlalloc.hf: the model has no parameters on a real device (all on 'meta')")
     types = {d.type for d in devices}
-    if len(types) > 1:
-        raise ValueError(f"cxlalloc.hf: the model is spread over {sorted(map(str, devices))}; wrap() tiers a model on "
+    if len(types) > 1 or (isinstance(getattr(model, "hf_device_map", None), dict)
+                          and any(p.device.type == "meta" for p in model.parameters())):
+        shown = sorted({str(p.device) for p in model.parameters()})  # 'meta': accelerate's disk offload
+        raise ValueError(f"cxlalloc.hf: the model is spread over {shown}; wrap() tiers a model on "
                          "one or several GPUs (or on the CPU in simulation), not accelerate's CPU/disk offload of "
                          "weights: give the GPUs' device_map without 'cpu'/'disk' entries and let cxlalloc's host "
                          "tier hold what does not fit")

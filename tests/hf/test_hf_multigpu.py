@@ -175,6 +175,9 @@ def test_per_gpu_options_of_a_bad_shape_are_refused(two_gpus):
     m.hf_device_map = dict(m.hf_device_map, lm_head="disk")
     with pytest.raises(ValueError, match="CPU or disk offload"):
         hf.wrap(m)
+    m.lm_head.weight = torch.nn.Parameter(torch.empty(m.lm_head.weight.shape, device="meta"))  # offloaded to disk
+    with pytest.raises(ValueError, match=r"spread over \['cpu', 'meta'\].*CPU/disk offload"):
+        hf.wrap(m)
     assert not hf.is_wrapped(m)
 
 
