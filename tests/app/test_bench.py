@@ -18,7 +18,8 @@ from tests.helpers.proc import child_env
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB = 1 << 30
 MiB = 1 << 20
-STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "kvserver", "reuse",
+STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "hf-per-gpu",
+         "hf-multi-gpu", "kvserver", "reuse",
          "lmcache", "vllm", "cb", "decode", "plan", "rightsizing", "report", "pack")
 
 
