@@ -52,7 +52,7 @@ class ServeMetrics:
         stats: :func:`cxlalloc.hf.stats`.
     """
 
-    def __init__(self, models: Callable[[], Dict[str, Any]], stats: Callable[[Any], dict]) -> None:
+    def __init__(self, models: Callable[[], Dict[str, Any]], stats: Callable[[Any], dict], status=None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
@@ -69,6 +69,8 @@ class ServeMetrics:
         self.prompt_tokens = Counter("cxlalloc_serve_prompt_tokens", "prompt tokens of non-streamed answers",
                                      ["route"], registry=r)
         r.register(_StatsCollector(models, stats))
+        if status is not None:
+            r.register(_StatusCollector(status))
 
     def render(self) -> bytes:
         """The registry in Prometheus' text format."""
@@ -120,7 +122,7 @@ class _Watch:
     def __init__(self, metrics: ServeMetrics, route: str) -> None:
         self.m, self.route = metrics, route
         self.t0 = time.perf_counter()
-        self.status = 500
+        self.status = 499  # no response started: the client went away, or the drain deadline cancelled it
         self.stream = False
         self.first: Optional[float] = None
         self.last: Optional[float] = None
@@ -224,3 +226,31 @@ class _StatsCollector:
             for metric, field, _ in CB_COUNTERS:
                 counters[metric].add_metric([name], float(cb.get(field, 0)))
         yield from (kv, mem, limit, peak, *counters.values())
+
+
+class _StatusCollector:
+    """The server's cancellations and continuous-batching queue (:class:`cxlalloc.hf.serving.ServeStatus`)."""
+
+    def __init__(self, status) -> None:
+        self.status = status
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        cancelled = CounterMetricFamily("cxlalloc_serve_cancelled_requests", "completion requests cancelled before their "
+                                        "answer was sent: the client went away (disconnect) or the drain deadline "
+                                        "ran out (drain)", labels=["reason"])
+        with self.status.lock:
+            counts, in_cb = dict(self.status.cancelled), self.status.cb_cancelled
+        for reason, n in sorted(counts.items()):
+            cancelled.add_metric([reason], float(n))
+        cb = CounterMetricFamily("cxlalloc_serve_cb_cancelled_requests", "requests cancelled in transformers' "
+                                 "continuous-batching manager (removed from its scheduler, blocks freed)")
+        cb.add_metric([], float(in_cb))
+        queued = GaugeMetricFamily("cxlalloc_serve_cb_requests", "requests the continuous-batching scheduler holds "
+                                   "(running and waiting)")
+        queued.add_metric([], float(self.status.cb_requests()))
+        yield from (cancelled, cb, queued)
