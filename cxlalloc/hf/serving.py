@@ -10,7 +10,7 @@ generation runs on cxlalloc's tiers and, with ``kv_store``, reuses stored
 prefixes across requests as ``generate()`` does.  One route is added:
 ``GET /v1/cxlalloc/stats``, :func:`cxlalloc.hf.stats` of the served model as JSON.
 
-Two things transformers' server does not do are done here:
+Things transformers' server does not do are done here:
 
 * a GGUF (``DIR:FILE.gguf``, the shipped SmolLM2's form) is loaded as a causal
   LM: transformers' ``ModelManager`` looks the class up in
@@ -22,7 +22,13 @@ Two things transformers' server does not do are done here:
   server would ignore (``logprobs``, ``presence_penalty``, ...) set to something
   else than its default is an HTTP 400 in OpenAI's error form
   (``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``)
-  naming the field, never a 500 or a silent change.
+  naming the field, never a 500 or a silent change; every other 4xx (a ``model``
+  not served: 404 ``model_not_found``, a body that is not UTF-8, an unknown
+  field, route or method) has the same form (:func:`openai_error`);
+* a client that goes away cancels its request where it is computed, streamed or
+  not (:class:`_DisconnectMiddleware`, :func:`guarded_cb_manager`,
+  :func:`stoppable_generate_manager`); a shutdown waits ``drain_timeout`` seconds
+  at most, then cancels what still runs (counted in :class:`ServeStatus`).
 
 transformers 5.24's layout (``transformers/cli/serve.py``,
 ``transformers/cli/serving/model_manager.py``, ``server.py``;
@@ -91,23 +97,25 @@ class ServeStatus:
     Attributes:
         cancelled: ``{"disconnect": n, "drain": n}``: completion requests cancelled before their answer was
             sent, because their client went away, or because ``drain_timeout`` ran out at shutdown.
-        cb_cancelled: of those, the requests cancelled in transformers' continuous-batching manager
-            (``cancel_request``: removed from its scheduler, their blocks freed).
+        engine_cancelled: of those, the requests stopped where they were computed:
+            ``"continuous_batching"``, cancelled in transformers' continuous-batching manager
+            (``cancel_request``: removed from its scheduler, their blocks freed); ``"generate"``, a
+            non-streamed ``model.generate()`` stopped at its next token (``--no-continuous-batching``).
         managers: the continuous-batching managers made (normally one).
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.cancelled = {"disconnect": 0, "drain": 0}
-        self.cb_cancelled = 0
+        self.engine_cancelled = {"continuous_batching": 0, "generate": 0}
         self.managers: List[Any] = []
 
-    def count(self, reason: Optional[str] = None) -> None:
-        """One more request cancelled for ``reason`` (``"disconnect"``/``"drain"``), or in the continuous-
-        batching manager (None)."""
+    def count(self, reason: Optional[str] = None, engine: Optional[str] = None) -> None:
+        """One more request cancelled for ``reason`` (``"disconnect"``/``"drain"``), or stopped in ``engine``
+        (``"continuous_batching"``/``"generate"``)."""
         with self.lock:
-            if reason is None:
-                self.cb_cancelled += 1
+            if engine is not None:
+                self.engine_cancelled[engine] += 1
             else:
                 self.cancelled[reason] += 1
 
@@ -432,6 +440,9 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
     base_cb = getattr(serving_utils.CBGenerateManager, "cxlalloc_base", serving_utils.CBGenerateManager)
     serving_utils.CBGenerateManager = guarded_cb_manager(base_cb, hf.stats, status)
     serving_utils.CBGenerateManager.cxlalloc_base = base_cb
+    base_gen = getattr(serving_utils.GenerateManager, "cxlalloc_base", serving_utils.GenerateManager)
+    serving_utils.GenerateManager = stoppable_generate_manager(base_gen, status)
+    serving_utils.GenerateManager.cxlalloc_base = base_gen
     with _swapped(uvicorn, "Config", config), _swapped(model_manager, "ModelManager", TieredModelManager), _swapped(server, "build_server", build_server), \
             _swapped(chat_mod, "ChatCompletionHandler", CheckedChat), \
             _swapped(completion_mod, "CompletionHandler", CheckedCompletion):
@@ -466,7 +477,8 @@ def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
       ``restarts``); requests in flight when it died get transformers' own error;
     * a request whose handler is cancelled (its client went away: :class:`_DisconnectMiddleware`; or the drain
       deadline ran out) is cancelled in transformers' ``ContinuousBatchingManager`` (``cancel_request``: its
-      blocks freed, it leaves the scheduler at the worker's next step) and counted in ``status.cb_cancelled``.
+      blocks freed, it leaves the scheduler at the worker's next step) and counted in
+      ``status.engine_cancelled``.
       transformers 5.24 does this for a streamed request only (its SSE generator's ``streamer.cancel()``);
       a non-streamed request ran to its end.
     """
@@ -490,7 +502,7 @@ def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
                 with router._lock:
                     router.result_handlers.pop(request_id, None)
             if status is not None:
-                status.count()
+                status.count(engine="continuous_batching")
 
         def init_cb(self, model, gen_config) -> None:
             self._model, self._gen_config = model, gen_config
@@ -576,7 +588,7 @@ class _DisconnectMiddleware:
     request: :func:`guarded_cb_manager`).  A cancellation of this middleware
     itself (uvicorn's drain deadline) is passed on the same way, its reason
     ``"drain"``.  With ``--no-continuous-batching`` a non-streamed request's
-    ``generate()`` cannot be stopped from outside and runs to its end.
+    ``generate()`` stops at its next token (:func:`stoppable_generate_manager`).
     """
 
     def __init__(self, app, status: Optional[ServeStatus] = None) -> None:
@@ -659,6 +671,45 @@ async def _end_drained(send, started: bool, complete: bool) -> None:
             await send({"type": "http.response.body", "body": data})
         elif not complete:
             await send({"type": "http.response.body", "body": f"data: {json.dumps(err)}\n\n".encode()})
+
+
+def stoppable_generate_manager(base, status: Optional[ServeStatus] = None):
+    """transformers' ``GenerateManager`` (``--no-continuous-batching``: one ``model.generate()`` at a time on
+    an inference thread) whose non-streamed request stops when its handler is cancelled (its client went
+    away, or the drain deadline ran out): a stopping criterion ends the ``generate()`` at its next token, and
+    the inference thread is free for the next request.  transformers 5.24 ran it to its end, then set the
+    result of the cancelled future ("InvalidStateError" logged).  Streamed requests already stop (their
+    streamer raises at the next token)."""
+
+    class StoppableGenerateManager(base):
+        async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+            import torch
+            from transformers import StoppingCriteria, StoppingCriteriaList
+
+            stop = threading.Event()
+
+            class _Cancelled(StoppingCriteria):
+                def __call__(self, input_ids, scores, **kwargs):
+                    return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool,
+                                      device=input_ids.device)
+
+            kwargs = {**inputs, "generation_config": gen_config, "tokenizer": processor,
+                      "stopping_criteria": StoppingCriteriaList([_Cancelled()])}
+            if hasattr(model, "has_talker"):  # as transformers: text only
+                kwargs["generation_mode"] = "text"
+            future = self.async_submit(model.generate, **kwargs)
+            try:
+                sequences = await asyncio.shield(future)  # a cancelled handler leaves the thread's future alone
+            except asyncio.CancelledError:
+                stop.set()
+                if status is not None:
+                    status.count(engine="generate")
+                raise
+            input_len = inputs["input_ids"].shape[-1]
+            generated_ids = sequences[0, input_len:]
+            return processor.decode(generated_ids, skip_special_tokens=True), input_len, generated_ids
+
+    return StoppableGenerateManager
 
 
 def header_timeout_protocol(seconds: float):

@@ -244,12 +244,14 @@ class _StatusCollector:
                                         "answer was sent: the client went away (disconnect) or the drain deadline "
                                         "ran out (drain)", labels=["reason"])
         with self.status.lock:
-            counts, in_cb = dict(self.status.cancelled), self.status.cb_cancelled
+            counts, engines = dict(self.status.cancelled), dict(self.status.engine_cancelled)
         for reason, n in sorted(counts.items()):
             cancelled.add_metric([reason], float(n))
-        cb = CounterMetricFamily("cxlalloc_serve_cb_cancelled_requests", "requests cancelled in transformers' "
-                                 "continuous-batching manager (removed from its scheduler, blocks freed)")
-        cb.add_metric([], float(in_cb))
+        cb = CounterMetricFamily("cxlalloc_serve_engine_cancelled_requests", "cancelled requests stopped where "
+                                 "they were computed (continuous_batching: removed from transformers' scheduler, "
+                                 "blocks freed; generate: a generate() stopped at its next token)", labels=["engine"])
+        for engine, n in sorted(engines.items()):
+            cb.add_metric([engine], float(n))
         queued = GaugeMetricFamily("cxlalloc_serve_cb_requests", "requests the continuous-batching scheduler holds "
                                    "(running and waiting)")
         queued.add_metric([], float(self.status.cb_requests()))
