@@ -228,8 +228,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
         drain_timeout = float(args.drain_timeout)
     except ValueError:
         drain_timeout = -1.0
-    if not 0 <= drain_timeout <= 86400:
-        fail(prog, f"--drain-timeout {args.drain_timeout!r} is not allowed; allowed: seconds in [0, 86400]")
+    if not 0 < drain_timeout <= 86400:
+        fail(prog, f"--drain-timeout {args.drain_timeout!r} is not allowed; allowed: seconds in (0, 86400]")
     opts = parse_options(args, prog)
     model = resolve_model(prog, args.model)
     check_listen(prog, args.host, port)

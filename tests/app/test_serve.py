@@ -208,7 +208,7 @@ def test_four_concurrent_multi_turn_conversations_streamed_and_not(served):
     (["/no/such/model"], "is not a directory"),
     (["--log-level", "loud"], "--log-level 'loud' is not allowed"),
     (["--header-timeout", "0"], "--header-timeout '0' is not allowed"),
-    (["--drain-timeout", "-1"], "--drain-timeout '-1' is not allowed; allowed: seconds in [0, 86400]"),
+    (["--drain-timeout", "0"], "--drain-timeout '0' is not allowed; allowed: seconds in (0, 86400]"),
     (["--device-limit", "1B"], "--device-limit"),  # below one segment: the engine's own check, before the load
     (["--host-limit", "1KiB"], "--host-limit"),
 ])
