@@ -104,6 +104,10 @@ class ServeMetrics:
             metrics.in_flight.inc()
             try:
                 await app(scope, receive, lambda m: watch.send(m, send))
+            except Exception:  # Starlette's outer error middleware answers it with a 500
+                if not watch.started:
+                    watch.status = 500
+                raise
             finally:
                 metrics.in_flight.dec()
                 watch.done()
@@ -123,6 +127,7 @@ class _Watch:
         self.m, self.route = metrics, route
         self.t0 = time.perf_counter()
         self.status = 499  # no response started: the client went away, or the drain deadline cancelled it
+        self.started = False
         self.stream = False
         self.first: Optional[float] = None
         self.last: Optional[float] = None
@@ -132,6 +137,7 @@ class _Watch:
 
     async def send(self, message, send) -> None:
         if message["type"] == "http.response.start":
+            self.started = True
             self.status = message["status"]
             headers = {k.lower(): v for k, v in message.get("headers", [])}
             self.stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")

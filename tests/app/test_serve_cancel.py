@@ -252,3 +252,45 @@ def test_sigterm_drain_deadline_cancels_a_stuck_request_and_exits_3(server):
         log = f.read()
     assert "1 request(s) still running after --drain-timeout 2 s were cancelled" in log, log[-2000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_metrics_count_a_request_cut_off_before_its_answer_as_499_and_a_crash_as_500():
+    """The serving metrics middleware in-process: an app that raises (Starlette answers 500) is counted 500; one
+    cancelled before it answered (its client gone) 499; one that answered, its status."""
+    pytest.importorskip("prometheus_client")
+    import asyncio
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cxlalloc.hf.serving_metrics import ServeMetrics
+
+    m = ServeMetrics(lambda: {}, lambda model: {})
+
+    async def crash(scope, receive, send):
+        raise RuntimeError("boom")
+
+    async def slow(scope, receive, send):
+        await asyncio.sleep(60)
+
+    async def ok(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"usage": {"completion_tokens": 2}}'})
+
+    async def sent(message):
+        pass
+
+    async def main():
+        scope = {"type": "http", "path": "/v1/completions"}
+        with pytest.raises(RuntimeError):
+            await m.middleware(crash)(scope, None, sent)
+        task = asyncio.ensure_future(m.middleware(slow)(scope, None, sent))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await m.middleware(ok)(scope, None, sent)
+
+    asyncio.run(main())
+    got = {s.labels["status"]: s.value for fam in text_string_to_metric_families(m.render().decode())
+           for s in fam.samples if s.name == "cxlalloc_serve_requests_total"}
+    assert got == {"500": 1.0, "499": 1.0, "200": 1.0}, got
