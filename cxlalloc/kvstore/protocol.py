@@ -70,6 +70,18 @@ class ProtocolError(Exception):
     """The peer sent something that is not this protocol (the connection is closed)."""
 
 
+class LimitError(ProtocolError):
+    """A request over one of the kv-server's decoding limits (the connection is closed).
+
+    Attributes:
+        limit: ``"max_items"`` (``--max-items``) or ``"max_objects"`` (``--max-objects``).
+    """
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
 class ConnectionClosed(ProtocolError):
     """The peer closed the connection (EOF)."""
 
@@ -249,10 +261,11 @@ def decode(body, max_containers: Optional[int] = None, max_items: Optional[int] 
             msg = _msgpack().unpackb(body, raw=False, use_list=True, strict_map_key=True,
                                      max_array_len=MAX_KEYS + 16, max_ext_len=0, **sizes, **hooks)
     except _TooManyObjects:
-        raise ProtocolError(f"a message holds more than {max_containers} maps and lists (--max-objects)") from None
+        raise LimitError(f"a message holds more than {max_containers} maps and lists (--max-objects)",
+                         "max_objects") from None
     except _TooManyItems:
-        raise ProtocolError(f"a message holds more than {max_items} elements in its lists and maps together "
-                            "(--max-items)") from None
+        raise LimitError(f"a message holds more than {max_items} elements in its lists and maps together "
+                         "(--max-items)", "max_items") from None
     except ValueError as e:
         if max_items is not None and "exceeds max_" in str(e):
             raise ProtocolError(f"not a kv-server request: {e} (strings hold at most {SERVER_MAX_STR} characters, "

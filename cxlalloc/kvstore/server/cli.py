@@ -172,7 +172,7 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
     p.add_argument("--strict-placement", action="store_true", help="drop blocks whose pages are not on the node")
     p.add_argument("--redis", default=None, metavar="URL", help="a Redis/Valkey tier below the pool: "
                    "redis://[user:password@]host:port/db or rediss://... (TLS); a Redis/Valkey Cluster: "
-                   "redis+cluster://host:port (any node as the seed)")
+                   "redis+cluster://host:port[,host:port...] (any nodes as seeds, tried in turn)")
     p.add_argument("--redis-mode", default="evict", choices=REDIS_MODES, help="evict: blocks go to Redis when "
                    "evicted from the pool (default); through: also when committed")
     p.add_argument("--redis-ttl", type=float, default=None, metavar="S", help="seconds a block lives in Redis")

@@ -143,7 +143,7 @@ class ServerState:
                   "placement_skipped_bytes": 0, "misplaced_dropped_blocks": 0, "peak_clients": 0, "requests": 0,
                   "refused_reserve_budget": 0, "reserve_budget_blocks": 0, "drop_us_max": 0, "corrupt_blocks": 0,
                   "one_way_requests": 0, "one_way_errors": 0, "lock_hold_us_max": 0, "refused_per_uid": 0,
-                  "closed_no_hello": 0, "closed_idle": 0}
+                  "closed_no_hello": 0, "closed_idle": 0, "refused_max_items": 0, "refused_max_objects": 0}
         self.placement = None
         self.tier = None
         self.persist = None   # a PoolFile (--pool-file): committed blocks recorded for the next start

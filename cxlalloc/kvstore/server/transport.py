@@ -389,6 +389,8 @@ class Transport:
             code = e.code if isinstance(e, P.RemoteError) else "bad_request"
             st.count("protocol_errors")
             st.count(f"refused_{code}" if code in ("too_large", "busy", "timeout") else "bad_frames")
+            if isinstance(e, P.LimitError):  # of the bad frames, those over --max-items / --max-objects
+                st.count(f"refused_{e.limit}")
             why = f"{code}: {e}"
             try:
                 sock.settimeout(1.0)
