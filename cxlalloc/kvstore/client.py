@@ -296,6 +296,38 @@ class _Nothing:
         pass
 
 
+_PAGE = os.sysconf("SC_PAGESIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _slot_views(pool: _Pool, slots: Sequence, nbytes: int, register) -> List[Optional[torch.Tensor]]:
+    """The pool's bytes of each slot (``None`` stays None) as 1-D uint8 views of ``nbytes``, each run of slots
+    one after another (the stride less than a page over ``nbytes``) built by one ``unbind`` (a reservation's slots
+    are mostly consecutive: a fresh chunk's tail, or the LRU's oldest blocks freed in order) and registered once (``register(pool, offset, length)``)."""
+    views: List[Optional[torch.Tensor]] = [None] * len(slots)
+    i, n = 0, len(slots)
+    while i < n:
+        off = slots[i]
+        if off is None:
+            i += 1
+            continue
+        off = int(off)
+        j = i + 1
+        step = int(slots[j]) - off if j < n and slots[j] is not None else 0
+        if nbytes <= step < nbytes + _PAGE:  # slots packed (a slot is nbytes rounded up to a page)
+            while j < n and slots[j] is not None and int(slots[j]) == off + (j - i) * step:
+                j += 1
+        if j - i == 1:
+            register(pool, off, nbytes)
+            views[i] = pool.bytes[off:off + nbytes]
+        else:
+            k = j - i
+            register(pool, off, (k - 1) * step + nbytes)
+            run = pool.bytes[off:off + (k - 1) * step + nbytes].as_strided((k, nbytes), (step, 1))
+            views[i:j] = run.unbind(0)
+        i = j
+    return views
+
+
 class RemoteBlockStore(AccountedStore):
     """The kv-server at ``url`` as a block store (see the module docstring).
 
@@ -606,13 +638,7 @@ class RemoteBlockStore(AccountedStore):
         if not rid:
             c.unhold()
             return _Nothing(len(keys))
-        views: List[Optional[torch.Tensor]] = []
-        for off in slots:
-            if off is None:
-                views.append(None)
-                continue
-            self._register(c.pool, int(off), int(nbytes))
-            views.append(c.pool.bytes[int(off):int(off) + int(nbytes)])
+        views = _slot_views(c.pool, slots, int(nbytes), self._register)
         self._count("reserved_blocks", sum(1 for v in views if v is not None))
         return RemoteReservation(self, c, rid, views)
 

@@ -183,3 +183,34 @@ def test_commit_wait_in_the_url_waits_and_a_bad_value_is_refused(kv_server, allo
     st.close()
     with pytest.raises(ValueError, match=r"commit='later'.*allowed values: pipelined.*wait"):
         RemoteBlockStore(srv.url + "?commit=later", alloc())
+
+
+def test_slot_views_are_the_slots_bytes_in_runs_registered_once():
+    from types import SimpleNamespace
+
+    import torch
+
+    from cxlalloc.kvstore.client import _slot_views
+
+    pool = SimpleNamespace(bytes=torch.zeros(1 << 21, dtype=torch.uint8))
+    slots = [0, BLOCK, 2 * BLOCK, None, 4 * BLOCK, 5 * BLOCK, 9 * BLOCK, 3 * BLOCK]
+    registered = []
+    views = _slot_views(pool, slots, BLOCK, lambda p, off, n: registered.append((off, n)))
+    assert views[3] is None
+    for off, v in zip(slots, views):
+        if off is not None:
+            ref = pool.bytes[off:off + BLOCK]
+            assert v.data_ptr() == ref.data_ptr() and v.shape == (BLOCK,) and v.is_contiguous()
+    # runs: 0-2, 4-5, then 9 and 3 alone (not after the one before)
+    assert registered == [(0, 3 * BLOCK), (4 * BLOCK, 2 * BLOCK), (9 * BLOCK, BLOCK), (3 * BLOCK, BLOCK)]
+    for i, v in enumerate(views):
+        if v is not None:
+            v.fill_(i + 1)
+    assert [int(pool.bytes[off]) for off in slots if off is not None] == [1, 2, 3, 5, 6, 7, 8]
+    # 5000-byte blocks: in their 8 KiB slots one run; 16 KiB apart (the stride a page or more over the block) not
+    registered.clear()
+    _slot_views(pool, [0, 8192, 16384], 5000, lambda p, off, n: registered.append((off, n)))
+    assert registered == [(0, 2 * 8192 + 5000)]
+    registered.clear()
+    _slot_views(pool, [0, 16384, 32768], 5000, lambda p, off, n: registered.append((off, n)))
+    assert registered == [(0, 5000), (16384, 5000), (32768, 5000)]
