@@ -290,6 +290,30 @@ INSERT_BATCHES = 8   # reservations per timed sample of an arm (a sample of one 
 INSERT_GOALS = {64 * KiB: 0.6, 1 * MiB: 0.8}   # memcpy time / insert time, issue 33
 
 
+def _proc_cpu_ns(pid: int) -> int:
+    """Nanoseconds process ``pid`` has run on a CPU, all its threads (Linux ``/proc/PID/task/*/schedstat``)."""
+    total = 0
+    base = f"/proc/{pid}/task"
+    for tid in os.listdir(base):
+        try:
+            with open(f"{base}/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that ended between the listing and the read
+            pass
+    return total
+
+
+def _cpu_seconds(fn, server_pid: int):
+    """An arm that runs ``fn`` and returns the CPU seconds this process and process ``server_pid`` spent."""
+    me = os.getpid()
+
+    def arm():
+        t0 = _proc_cpu_ns(me) + _proc_cpu_ns(server_pid)
+        fn()
+        return (_proc_cpu_ns(me) + _proc_cpu_ns(server_pid) - t0) / 1e9
+    return arm
+
+
 def part_insert(ctx, w, work: str) -> None:
     """Insert vs memcpy with the benchmark method (:mod:`.method`): per block size, the arms run interleaved
     in rotated order for >= 5 timed rounds, each sample ``INSERT_BATCHES`` reservations; the ratio memcpy /
@@ -310,7 +334,7 @@ def part_insert(ctx, w, work: str) -> None:
         st_wait = RemoteBlockStore(srv.url, alloc, timeout=30, commit="wait")  # every commit waited (before)
         if not st._conn.pipelined_commit:
             raise RuntimeError("the kv-server does not speak protocol 3 (pipelined commits)")
-        rounds = 7 if ctx.quick else 15
+        rounds = 7 if ctx.quick else 25
         serial = [0]
 
         def new_keys(n):
@@ -362,9 +386,12 @@ def part_insert(ctx, w, work: str) -> None:
                         cold[at[0]:at[0] + B].copy_(s_)
                         at[0] += B
 
-            cmp = interleave({"memcpy": memcpy, "insert": insert(), "insert_commit_waited": insert(st_wait),
-                              "insert_one_per_reservation": insert(st, 1), "memcpy_cold": memcpy_cold},
-                             rounds, warmup=1)
+            arms = {"memcpy": memcpy, "insert": insert(), "insert_commit_waited": insert(st_wait),
+                    "insert_one_per_reservation": insert(st, 1), "memcpy_cold": memcpy_cold}
+            cmp = interleave(arms, rounds, warmup=1)
+            # The same arms, each sample the CPU seconds this process and the kv-server spent (not the wall
+            # time): on a shared machine, time spent descheduled is left out (the wake-up latencies too).
+            cpu = interleave({a: _cpu_seconds(fn, srv.proc.pid) for a, fn in arms.items()}, rounds, warmup=1)
             floor = noise_floor(memcpy, rounds)
             ratio = cmp.ratio("memcpy", "insert")
             goal = INSERT_GOALS[B]
@@ -378,6 +405,11 @@ def part_insert(ctx, w, work: str) -> None:
                    "ratio_one_per_reservation_over_memcpy": cmp.ratio("memcpy", "insert_one_per_reservation").as_dict(),
                    "ratio_insert_over_memcpy_cold": cmp.ratio("memcpy_cold", "insert").as_dict(),
                    "ratio_pipelined_over_waited": cmp.ratio("insert_commit_waited", "insert").as_dict(),
+                   "cpu_ms_per_batch_median": {a: round(cpu.spread(a).median / INSERT_BATCHES * 1e3, 3)
+                                               for a in cpu.arms},
+                   "cpu_ratio_insert_over_memcpy": cpu.ratio("memcpy", "insert").as_dict(),
+                   "cpu_ratio_insert_commit_waited_over_memcpy": cpu.ratio("memcpy", "insert_commit_waited").as_dict(),
+                   "cpu_comparison": cpu.as_dict(),
                    "fixed_us_per_block_median": round((med["insert"] - med["memcpy"]) / (INSERT_BATCHES * per) * 1e6,
                                                       2),
                    "goal": goal_record(f"insert {B // KiB} KiB batch >= {goal}x memcpy", ratio, goal, "higher"),
@@ -390,7 +422,10 @@ def part_insert(ctx, w, work: str) -> None:
                              "memcpy: a torch copy_ of each of the same blocks into one preallocated touched buffer "
                              "(memcpy_cold: into a touched pool-sized buffer, a new place each time, as the pool "
                              "is written); the pool was filled once before (committed pages, eviction on); ratios "
-                             "are memcpy time / insert time per round (higher is better)"})
+                             "are memcpy time / insert time per round (higher is better); cpu_*: the same arms interleaved "
+                             "again, each "
+                             "sample the CPU time of this process plus the kv-server's (/proc schedstat), which "
+                             "leaves out time spent descheduled on a shared machine"})
         st.close()
         st_wait.close()
     finally:
