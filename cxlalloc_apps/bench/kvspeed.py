@@ -655,20 +655,23 @@ def plot(rec: Dict[str, Any], path: str) -> Optional[str]:
     x = [f"{r['block_bytes'] // KiB} KiB" for r in ins]
     arms = [("ratio_insert_over_memcpy", "batched, pipelined commit"),
             ("ratio_insert_commit_waited_over_memcpy", "batched, commit waited"),
-            ("ratio_one_per_reservation_over_memcpy", "one per reservation")]
+            ("ratio_one_per_reservation_over_memcpy", "one per reservation"),
+            ("cpu_ratio_insert_over_memcpy", "pipelined, in CPU time")]
+    width = 0.8 / len(arms)
     for k, (field, label) in enumerate(arms):
         rows = [r[field] for r in ins if isinstance(r.get(field), dict)]
         if len(rows) != len(ins):
             continue
         med = [d["median"] for d in rows]
         err = [[m - d["q1"] for m, d in zip(med, rows)], [d["q3"] - m for m, d in zip(med, rows)]]
-        a.bar([i + (k - 1) * 0.27 for i in range(len(ins))], med, 0.27, yerr=err, capsize=3, label=label)
+        a.bar([i + (k - (len(arms) - 1) / 2) * width for i in range(len(ins))], med, width, yerr=err, capsize=3,
+              label=label)
     a.set_xticks(range(len(ins)), x)
     for i, goal in enumerate([0.6 if r["block_bytes"] < MiB else 0.8 for r in ins]):
         a.hlines(goal, i - 0.45, i + 0.45, colors="k", linestyles="--", lw=1)
     a.set_ylabel("memcpy time / insert time (median, IQR)")
     a.set_title("insert vs memcpy")
-    a.legend()
+    a.legend(fontsize=7)
     ch = [r for r in res if r.get("part") == "chat"]
     a = axes[2]
     if ch:
