@@ -172,6 +172,9 @@ def test_against_a_version_2_server_every_commit_waits(kv_server, alloc, monkeyp
     assert res.commit() == 2 and st.counters.snapshot()["committed_blocks"] == 2
     assert st.counters.snapshot()["pipelined_commits"] == 0 and srv.state.c["pipelined_commits"] == 0
     st.close()
+    from cxlalloc.kvstore.server.cli import query_status
+
+    assert query_status(srv.socket_path)["pool"]["blocks"] == 2  # --status asks for version 2 after 3 is refused
 
 
 def test_commit_wait_in_the_url_waits_and_a_bad_value_is_refused(kv_server, alloc):
