@@ -400,9 +400,12 @@ def query_status(socket_path: str, timeout: float = 5.0) -> dict:
     s.settimeout(timeout)
     try:
         s.connect(socket_path)
-        P.send_msg(s, {"op": "hello", "v": P.PROTOCOL_VERSION, "pid": os.getpid(), "want_fd": False,
-                       "name": "status"})
-        reply, _ = P.recv_msg(s)
+        for v in range(P.PROTOCOL_VERSION, 0, -1):  # an older server refuses a newer version: ask for the one below
+            P.send_msg(s, {"op": "hello", "v": v, "pid": os.getpid(), "want_fd": False, "name": "status"})
+            reply, _ = P.recv_msg(s)
+            if reply.get("ok") or reply.get("code") != "bad_request" or "protocol version" not in str(
+                    reply.get("error", "")):
+                break
         if not reply.get("ok"):
             raise P.RemoteError(reply.get("code", "?"), reply.get("error", "refused"))
         P.send_msg(s, {"op": "stats"})
