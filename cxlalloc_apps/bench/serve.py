@@ -65,6 +65,7 @@ from cxlalloc_apps.bench.meta import REPO_ROOT, RecordWriter, new_record
 
 MiB = 1 << 20
 WEIGHT_SEGMENT = 4 * MiB  # the model's weights fill one 4 MiB device segment of the wrapped model
+STOP_TIMEOUT_S = 15.0  # a server's graceful shutdown, then SIGKILL
 SERVER_THREADS = 1  # torch intra-op threads of every server (OMP_NUM_THREADS)
 ARMS = ("plain", "plain_same_blocks", "cxlalloc")
 RATIOS = (("cxlalloc", "plain"), ("cxlalloc", "plain_same_blocks"))
@@ -159,6 +160,7 @@ class Server:
         self.port = _free_port()
         self.log_path = os.path.join(work, f"{name}.log")
         self._log = open(self.log_path, "wb")
+        self.exited: Optional[bool] = None
         self.proc = subprocess.Popen(argv + ["--host", "127.0.0.1", "--port", str(self.port)], cwd=REPO_ROOT,
                                      env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         self.base = f"http://127.0.0.1:{self.port}"
@@ -189,18 +191,35 @@ class Server:
         except Exception:
             return None
 
-    def stop(self) -> None:
-        """SIGINT (uvicorn's graceful shutdown), then SIGKILL of the whole group after 30 s."""
+    def interrupt(self) -> None:
+        """SIGINT to the server's group (uvicorn's graceful shutdown)."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGINT)
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
             except ProcessLookupError:
                 pass
+
+    def wait_or_kill(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the server to exit, then SIGKILL its group.  True when it exited by
+        itself.  (``transformers serve`` does not: after uvicorn's shutdown its continuous-batching thread keeps
+        the process alive.)"""
+        try:
+            self.proc.wait(timeout=max(0.1, timeout))
+            exited = True
+        except subprocess.TimeoutExpired:
+            exited = False
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
         self._log.close()
+        return exited
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
+        """:meth:`interrupt`, then :meth:`wait_or_kill`."""
+        self.interrupt()
+        return self.wait_or_kill(timeout)
 
 
 def _words(rng: random.Random, n: int, vocab_words: int) -> str:
@@ -438,13 +457,20 @@ def run(ctx) -> Dict[str, Any]:
                 **{g["goal"]: g["verdict"] for g in summary["goals"]}})
         return wr.finish_and_plot(plot, ctx.log)
     finally:
+        for s in servers.values():  # all at once: their shutdowns overlap
+            s.interrupt()
+        end = time.monotonic() + STOP_TIMEOUT_S
         for s in servers.values():
-            s.stop()
+            s.exited = s.wait_or_kill(end - time.monotonic())
         for s in servers.values():
-            if s.proc.returncode not in (0, -signal.SIGINT, 130):
+            if not s.exited:
+                wr.note(f"{s.name} server did not exit {STOP_TIMEOUT_S:.0f} s after SIGINT (transformers serve's "
+                        "continuous-batching thread outlives uvicorn's shutdown): killed")
+            elif s.proc.returncode != 0:
                 wr.note(f"{s.name} server exited {s.proc.returncode}: {s.log_tail(600)}")
         if isinstance(wr.record.get("summary"), dict):
-            wr.record["summary"]["servers"] = {a: {"port": s.port, "pid": s.proc.pid, "exit": s.proc.returncode}
+            wr.record["summary"]["servers"] = {a: {"port": s.port, "pid": s.proc.pid, "exit": s.proc.returncode,
+                                                   "exited_by_itself": s.exited}
                                                for a, s in servers.items()}
         wr.flush()
         shutil.rmtree(work, ignore_errors=True)
