@@ -516,6 +516,8 @@ def plot(rec: Dict[str, Any], path: str) -> Optional[str]:
     rows = [r for r in rec.get("results", []) if r.get("kind") == "variant"]
     if not rows:
         return None
+    order = [a[0] for a in ARMS]
+    rows.sort(key=lambda r: order.index(r["variant"]) if r["variant"] in order else len(order))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -540,16 +542,27 @@ def plot(rec: Dict[str, Any], path: str) -> Optional[str]:
     axes[2].set_xticklabels(names)
     axes[2].set_ylabel("TTFT (ms)")
     axes[2].legend()
-    ratios = ((rec.get("summary") or {}).get("comparison") or {}).get("tokens_per_s", {}).get("ratios", {})
-    if ratios:
+    comp = (rec.get("summary") or {}).get("comparison") or {}
+    for j, (key, color) in enumerate((("tokens_per_s", "tab:blue"), ("tokens_per_cpu_s", "tab:orange"))):
+        ratios = comp.get(key, {}).get("ratios", {})
+        if not ratios:
+            continue
         keys = list(ratios)
-        axes[3].boxplot([[ratios[k]["min"], ratios[k]["q1"], ratios[k]["median"], ratios[k]["q3"], ratios[k]["max"]]
-                         for k in keys], whis=(0, 100))
+        # a box from the five numbers: its quartiles are exactly q1/median/q3, its whiskers min/max
+        bp = axes[3].boxplot([[ratios[k]["min"], ratios[k]["q1"], ratios[k]["median"], ratios[k]["q3"],
+                               ratios[k]["max"]] for k in keys], whis=(0, 100),
+                             positions=[i + 1 + (j - 0.5) * 0.35 for i in range(len(keys))], widths=0.3,
+                             patch_artist=True)
+        for box in bp["boxes"]:
+            box.set_facecolor(color)
+        axes[3].plot([], [], color=color, lw=6, label="wall tokens/s" if j == 0 else "tokens per CPU s")
         axes[3].set_xticks(range(1, len(keys) + 1))
         axes[3].set_xticklabels([k.replace("/", "\n/ ") for k in keys], fontsize=7)
+    if comp:
         for g in (rec.get("summary") or {}).get("goals", []):
             axes[3].axhline(g["target"], ls="--", lw=0.8, color="tab:red")
-        axes[3].set_ylabel("tokens/s ratio per round (goals dashed)")
+        axes[3].set_ylabel("ratio per round (median, IQR, range; goals dashed)")
+        axes[3].legend(fontsize=7)
     probes = [(r["variant"], r["probe_ttft_ms_median"]) for r in rows if r.get("probe_ttft_ms_median")]
     if probes:
         axes[4].bar([n for n, _ in probes], [v for _, v in probes], color="tab:green")
