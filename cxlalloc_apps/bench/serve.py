@@ -2,9 +2,9 @@
 
     python -m cxlalloc bench --only serve [--quick] --out DIR
 
-Writes ``DIR/serve.json`` (:mod:`.meta` record) and ``DIR/serve.png``.  Two long-lived servers of the same model
-(a saved tiny Llama with a word-level tokenizer and a chat template, random weights, fp32; built here, nothing
-downloaded), both with transformers' continuous batching on the CPU, at the same device budget for KV:
+Writes ``DIR/serve.json`` (:mod:`.meta` record) and ``DIR/serve.png``.  Three long-lived servers of the same
+model (a saved tiny Llama with a word-level tokenizer and a chat template, random weights, fp32; built here,
+nothing downloaded), all with transformers' continuous batching (on the CPU; on the GPU when there is one):
 
 * ``plain``: ``transformers serve DIR --continuous-batching --cb-num-blocks B`` — the ``B`` blocks the device
   budget holds;
