@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 GiB = 1 << 30
 MiB = 1 << 20
 STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "kvserver", "reuse",
-         "lmcache", "vllm", "cb", "decode", "plan", "rightsizing", "report", "pack")
+         "lmcache", "vllm", "cb", "serve", "decode", "plan", "rightsizing", "report", "pack")
 
 
 def _bench(args, timeout=120):
