@@ -24,7 +24,9 @@
 #   LMCache's own GPU connector: scripts/gpu_vllm_step.sh installs vLLM where a
 #   package index is reachable, else says it cannot and skips), cb (continuous batching: a
 #   request stream under a device budget, plain vs wrapped vs wrapped + store;
-#   quick grid), decode, plan (the planner's decode and
+#   quick grid), serve (cxlalloc serve vs transformers serve on the GPU, the
+#   chat trace of bench --only serve, --quick: a short load run; skipped where
+#   fastapi/uvicorn/openai are missing), decode, plan (the planner's decode and
 #   prefix-load bounds against this run's decode/reuse records, from its
 #   measured ceilings: results/plan_check.json with each row's error; a few
 #   seconds, no GPU work), rightsizing,
@@ -122,6 +124,7 @@ STEPS=(
   "lmcache|45|$PY -c 'import lmcache, msgpack' 2>/dev/null || { echo 'lmcache (or msgpack) is not installed on this machine: the plugin step did not run (pip install .[lmcache] from the clone where a network is reachable; the vllm step installs vLLM)'; exit 0; }; $PY -m pytest -m gpu -q -ra -s --timeout=40 -p no:cacheprovider --junitxml=$RES/pytest-lmcache.xml tests/kvstore/engines/test_lmcache_gpu.py"
   "vllm|150|bash scripts/gpu_vllm_step.sh $WORK/engines"
   "cb|60|$BENCH --only cb --time-budget \$STEP_BUDGET"
+  "serve|90|$PY -c 'import fastapi, uvicorn, openai' 2>/dev/null || { echo 'fastapi/uvicorn/openai are not installed on this machine: the serve step did not run (pip install .[serve])'; exit 0; }; $BENCH --only serve --time-budget \$STEP_BUDGET"
   "decode|130|$BENCH --only decode --time-budget \$STEP_BUDGET"
   "plan|20|$PY -m cxlalloc.plan.check $RES --out $RES/plan_check.json"
   "rightsizing|90|$BENCH --only rightsizing --time-budget \$STEP_BUDGET"

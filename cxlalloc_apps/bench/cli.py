@@ -17,7 +17,7 @@ Benchmarks (``--only ceilings,allocation,decode,rightsizing``; default all):
   rightsizing  GPU: largest batch and tokens/s at a fixed budget (:mod:`.rightsizing`)
 
 Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, ``--only kvscale``, ``--only cb``, ``--only kvspeed``,
-``--only cluster``, ``--only engines``):
+``--only cluster``, ``--only engines``, ``--only serve``):
 
   reuse        TTFT of a KV prefix hit vs a full prefill as the prefix grows, load
                GB/s vs the measured link rate, a block-size sweep (:mod:`.reuse`;
@@ -44,6 +44,10 @@ Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, 
                vLLM's prefix cache, LMCache's local CPU tier, cxlalloc:// from another
                process; arms interleaved (:mod:`.engines`; CPU, vLLM's CPU build from
                scripts/install_engines.sh, a clone's tests/engines stand-in connector)
+  serve        cxlalloc serve vs plain transformers serve at one device KV budget:
+               a closed-loop multi-turn chat trace with shared system prompts
+               streamed by the openai client; sessions completed, TTFT p50/p99,
+               TPOT, tokens/s; arms interleaved (:mod:`.serve`; CPU)
 
 Each writes ``DIR/<name>.json`` (:mod:`.meta` describes the record; decode's
 ``parameters`` hold the grid that ran: ``points``, ``models``, ``contexts``,

@@ -46,6 +46,8 @@ def quantile(xs: Sequence[float], p: float) -> float:
         return float("nan")
     k = p * (len(s) - 1)
     lo, hi = math.floor(k), math.ceil(k)
+    if s[lo] == s[hi] or k == lo:  # also keeps an infinite sample (a ratio over a zero) from turning into NaN
+        return s[lo]
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 

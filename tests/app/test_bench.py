@@ -20,7 +20,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "hf-per-gpu",
          "hf-multi-gpu", "kvserver", "reuse",
-         "lmcache", "vllm", "cb", "decode", "plan", "rightsizing", "report", "pack")
+         "lmcache", "vllm", "cb", "serve", "decode", "plan", "rightsizing", "report", "pack")
 
 
 def _bench(args, timeout=120):
@@ -699,11 +699,12 @@ def test_kvscale_runs_only_when_named_and_its_record_plots(tmp_path):
 
 
 def test_cb_bench_records_every_variant_side_by_side(tmp_path, monkeypatch):
-    """`bench --simulate --only cb` on a small stream: all five variants answer
+    """`bench --simulate --only cb` on a small stream: all six arms answer
     every request with plain continuous batching's tokens; the wrapped ones run
     on the tiers (KV on the host tier under the budget), the store variant loads
-    the documents back after a restart (probe), and the summary has the ratios."""
-    from cxlalloc_apps.bench import cb, cli
+    the documents back after a restart (probe), and the summary has the per-round
+    ratios (method.py), a verdict per goal and the machine's load."""
+    from cxlalloc_apps.bench import cb, cli, method
 
     small = cb.Workload(documents=2, doc_tokens=256, question_tokens=8, new_tokens=4, rag=3, chats=1, page=32,
                         budget_blocks=12, max_batch_tokens=256)
@@ -712,11 +713,12 @@ def test_cb_bench_records_every_variant_side_by_side(tmp_path, monkeypatch):
     rec = json.loads((tmp_path / "cb.json").read_text())
     assert meta.validate_record(rec) == [] and rec["status"] == "ok", rec["errors"]
     rows = {r["variant"]: r for r in rec["results"] if r["kind"] == "round"}
-    assert list(rows) == ["plain", "wrapped", "wrapped+store", "plain no-spill", "wrapped no-spill"]
+    assert list(rows) == [a[0] for a in cb.ARMS]  # one round: the arms in their listed order
     s = rec["summary"]
     assert s["all_tokens_identical"] is True and sorted(s["variants"]) == sorted(rows), s
     assert all(r["requests"] == 3 + 2 * 1 and r["generated_tokens"] == 5 * 4 for r in rows.values())
     assert rows["plain"]["num_blocks"] == 12 and rows["wrapped"]["num_blocks"] == 4 * 12
+    assert rows["plain same blocks"]["num_blocks"] == rows["wrapped"]["num_blocks"]
     for name in ("wrapped", "wrapped+store"):
         assert rows[name]["tiered"] is True and rows[name]["cxlalloc"]["peak_kv_host_bytes"] > 0
     store = rows["wrapped+store"]["cxlalloc"]
@@ -725,8 +727,16 @@ def test_cb_bench_records_every_variant_side_by_side(tmp_path, monkeypatch):
     assert store["store_hit_tokens"] >= 256 * len(asked) and store["reprefills_avoided"] >= len(asked)
     assert len(rows["plain"]["probe_ttft_ms"]) == len(rows["wrapped+store"]["probe_ttft_ms"]) == 2
     assert rows["wrapped no-spill"]["cxlalloc"]["peak_kv_host_bytes"] == 0  # nothing spills at the larger budget
-    for k in ("in_flight_ratio_wrapped_vs_plain", "probe_ttft_ratio_store_vs_plain", "no_spill_overhead"):
+    for k in ("in_flight_ratio_wrapped_vs_plain", "probe_ttft_ratio_store_vs_plain", "no_spill_overhead",
+              "throughput_ratio_wrapped_vs_plain_same_blocks", "throughput_ratio_no_spill"):
         assert isinstance(s[k], float), k
+    tps = s["comparison"]["tokens_per_s"]
+    for a, b in cb.RATIOS:  # one round: the ratio is that round's quotient
+        want = rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
+        assert tps["ratios"][f"{a}/{b}"]["median"] == pytest.approx(want, rel=1e-3)
+    assert [g["verdict"] in method.VERDICTS for g in s["goals"]] == [True] * len(cb.GOALS)
+    assert s["load_before"]["cpus"] >= 1 and rec["parameters"]["torch_threads"] == cb.CPU_THREADS
+    assert any("smoke run" in n for n in rec["notes"])
     assert (tmp_path / "cb.png").stat().st_size > 0
 
 

@@ -110,6 +110,26 @@ def test_generate_batch_past_the_device_budget():
     assert hf.stats(m)["kv"]["peak_host_bytes"] > 0
 
 
+def test_nothing_spilled_places_without_planning_moves(monkeypatch):
+    """Every committed chunk in VRAM (the batch's KV fits the device budget): the per-batch placement plans no
+    move (the profiled no-spill overhead of issue 33: ranking every block of the batch, every step); the tiers
+    are still noted, and the tokens are transformers'."""
+    from cxlalloc.hf.paged import placement
+
+    def no_plan(*a, **k):
+        raise AssertionError("plan_moves called with nothing on the host tier")
+
+    monkeypatch.setattr(placement, "plan_moves", no_plan)
+    ps = prompts(3, 100, 9)
+    gen = greedy(6)
+    m = wrap(model(), device_limit=32 * MiB, host_limit=64 * MiB, device_headroom=0)
+    out = m.generate_batch(ps, generation_config=gen, continuous_batching_config=cb_config(num_blocks=16))
+    assert tokens(out) == reference(ps, gen)
+    c = cb_stats(m)["counters"]
+    assert c["peak_kv_host_bytes"] == 0 and c["peak_kv_device_bytes"] > 0 and c["steps"] > 0
+    assert c["promoted_bytes"] == c["demoted_bytes"] == 0
+
+
 def test_manager_preempts_into_the_host_tier_swap_pool():
     """init_continuous_batching's manager: a cache too small for all requests
     preempts into the swap pool, which lives on the host tier, exactly sized."""
