@@ -9,6 +9,9 @@ The room where an engine plugin goes (CONTRIBUTING.md, "Where new code goes"):
                     :data:`~cxlalloc.kvstore.engines.config.PLUGIN_MODULE` in its YAML)
     lmcache_l2      the kv-server as an L2 adapter of LMCache's multiprocess mode
                     (``{"type": "plugin", ...}``; needs the ``lmcache`` extra; imported only by LMCache)
+    vllm_tier       the kv-server as a secondary tier of vLLM's own KV offloading
+                    (``TieringOffloadingSpec``'s ``secondary_tiers``, by ``module_path``; needs
+                    vLLM; imported only by vLLM)
 
 A new engine's plugin is one module here, its config lines a function in
 ``config``, its tests under ``tests/kvstore/engines/``.
