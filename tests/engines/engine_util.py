@@ -42,6 +42,15 @@ def docs_lmcache_yaml() -> str:
     return mine[0]
 
 
+def docs_offload_config() -> dict:
+    """The ``--kv-transfer-config`` JSON of docs/engines.md (section 5c, vLLM's own offloading), parsed."""
+    with open(DOCS) as f:
+        text = f.read()
+    blocks = [b for b in re.findall(r"```json\n(.*?)```", text, flags=re.S) if "CxlallocSecondaryTier" in b]
+    assert len(blocks) == 1, f"docs/engines.md: expected one vLLM offloading JSON block, found {len(blocks)}"
+    return json.loads(blocks[0])
+
+
 def yaml_for_socket(doc_yaml: str, socket_path: str) -> str:
     """The docs' YAML with its kv-server socket (``/run/cxlalloc/kv.sock``) replaced by ``socket_path``: the one
     change a test makes (it cannot own /run/cxlalloc)."""

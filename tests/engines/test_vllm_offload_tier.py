@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
 
 import pytest
 
-from tests.engines.engine_util import DOCS, DOCS_SOCKET, Child, engines_python, smollm2_safetensors
+from tests.engines.engine_util import DOCS_SOCKET, Child, docs_offload_config, engines_python, smollm2_safetensors
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -46,14 +45,6 @@ def model_dir():
     py = engines_python()
     venv = os.path.realpath(os.path.dirname(os.path.dirname(py)))
     return smollm2_safetensors(os.path.join(venv, "cxlalloc-models", "SmolLM2-135M-Instruct-bf16"))
-
-
-def docs_offload_config() -> dict:
-    """The ``--kv-transfer-config`` JSON of docs/engines.md (the vLLM offloading section), parsed."""
-    text = open(DOCS).read()
-    blocks = [b for b in re.findall(r"```json\n(.*?)```", text, flags=re.S) if "CxlallocSecondaryTier" in b]
-    assert len(blocks) == 1, blocks
-    return json.loads(blocks[0])
 
 
 def _for_socket(conf: dict, socket_path: str) -> dict:

@@ -18,7 +18,7 @@ A new engine's plugin is one module here, its config lines a function in
 """
 
 from cxlalloc.kvstore.engines.config import (PLUGIN_CLASS, PLUGIN_MODULE, engine_lines, kvbm_host_tier_lines,
-                                             lmcache_yaml, vllm_kv_transfer_config)
+                                             lmcache_yaml, vllm_kv_transfer_config, vllm_offload_config)
 
 __all__ = ["PLUGIN_CLASS", "PLUGIN_MODULE", "engine_lines", "kvbm_host_tier_lines", "lmcache_yaml",
-           "vllm_kv_transfer_config"]
+           "vllm_kv_transfer_config", "vllm_offload_config"]
