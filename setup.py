@@ -213,7 +213,8 @@ setup(
         # docs/engines.md then starts, for an engine's environment (vLLM, SGLang, Dynamo): `pip install '.[lmcache]'`
         # from a clone; the project's own venv uses scripts/install_lmcache.sh instead
         "lmcache": ["lmcache==0.5.6", "msgpack>=1.0", "redis>=5.0", "prometheus_client>=0.17", "rich"],
-        "bench": ["matplotlib", "rich", "tqdm"],
+        # hiredis: redis-py's C parser, as users run redis-py (the kvspeed lookup baseline; issue 33)
+        "bench": ["matplotlib", "rich", "tqdm", "redis>=5.0", "hiredis>=3.0"],
         # cxlalloc serve: transformers' OpenAI-compatible server (transformers[serving] without accelerate's pin)
         "serve": ["transformers>=5.24", "fastapi>=0.115", "uvicorn>=0.30", "openai>=1.98", "prometheus_client>=0.17"],
         # peft: the adapter-state tests (tests/hf/test_hf_reuse_state.py) run against the real package

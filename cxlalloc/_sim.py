@@ -195,6 +195,17 @@ class Sim:
         text = self.lib.cxlsim_called_functions().decode()
         return text.split(",") if text else []
 
+    def device_count(self) -> int:
+        """GPUs of the simulated machine now (``devices=N``; 0 on a machine configured without GPUs).
+        Calls the simulated ``cuInit(0)`` (creates nothing) and ``cuDeviceGetCount``."""
+        lib = self.lib
+        if lib.cuInit(ctypes.c_uint(0)) != 0:
+            return 0
+        n = ctypes.c_int(0)
+        if lib.cuDeviceGetCount(ctypes.byref(n)) != 0:
+            return 0
+        return int(n.value)
+
     def live(self) -> dict[str, int]:
         """Live simulated resources, keyed by the cxlsim_live_t field names (:data:`LIVE_FIELDS`).
 

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 
 import cxlalloc
 from cxlalloc import _C, topology
-from cxlalloc.config import BACKENDS, POLICIES, format_bytes, make_config, parse_env
+from cxlalloc.config import BACKENDS, POLICIES, format_bytes, make_config, make_enable_config, parse_env
 from cxlalloc.engine import choose_node, new_engine
 from cxlalloc.pytorch import adapter_build
 from cxlalloc.cli_usage import OneLineParser, program_name
@@ -269,7 +269,7 @@ def _inherited_error_already_shown() -> bool:
     """True when the inherited CXLALLOC is itself invalid and the start-up
     hook of this very interpreter has already printed why."""
     try:
-        make_config(**(parse_env(os.environ.get("CXLALLOC", "")) or {}))
+        make_enable_config(**(parse_env(os.environ.get("CXLALLOC", "")) or {}))
         return False
     except ValueError:
         startup = sys.modules.get("cxlalloc.pytorch.startup")
@@ -308,7 +308,7 @@ def build_env_value(args) -> str:
     for k, v in opts.items():
         if "," in str(v):  # CXLALLOC separates pairs with commas
             raise ValueError(f"cxlalloc option '{k}': {v!r} cannot contain ',' in CXLALLOC")
-    make_config(**opts)  # validate now: a clear error before CMD starts
+    make_enable_config(**opts)  # validate now: a clear error before CMD starts
     if not opts:
         return "1"
     return ",".join(f"{k}:{v}" for k, v in opts.items())

@@ -319,6 +319,9 @@ class Config:
     spill_reserve: Union[int, float, None] = None
     kv_store: Optional[str] = None
     implicit_moves: str = "owner"
+    # enable() only (make_enable_config): per-GPU values of PER_DEVICE_OPTIONS, as
+    # ((option, "list" | "mapping", count, ((device, value), ...)), ...)
+    per_device: tuple = ()
 
 
 def _opt_size(v, name):
@@ -370,6 +373,104 @@ def make_config(**options: Any) -> Config:
             continue
         parsed[name] = _PARSERS[name](value, name)
     return Config(**parsed)
+
+
+# Options enable() takes per GPU: one value, a list (one per visible GPU) or a mapping by device index.
+PER_DEVICE_OPTIONS = ("device_limit", "kv_device_limit", "host_limit", "numa_node", "device_headroom")
+
+
+def _per_device_help(option: str) -> str:
+    return (f"give one value for every GPU, a list with one value per visible GPU ({option}=['8GiB', '4GiB']), or a "
+            f"mapping by device index ({option}={{0: '8GiB', 1: '4GiB'}}); in CXLALLOC: {option}:8GiB|4GiB or "
+            f"{option}:0=8GiB|1=4GiB")
+
+
+def _split_env_per_device(option: str, text: str):
+    """``8GiB|4GiB`` -> a list, ``0=8GiB|1=4GiB`` -> a mapping (CXLALLOC's per-GPU forms)."""
+    parts = [p.strip() for p in text.split("|")]
+    if any(not p for p in parts):
+        raise ValueError(f"cxlalloc option '{option}': {text!r} has an empty value; {_per_device_help(option)}")
+    if all("=" in p for p in parts):
+        return dict(p.split("=", 1) for p in parts)
+    if any("=" in p for p in parts):
+        raise ValueError(f"cxlalloc option '{option}': {text!r} mixes device=value and plain values; "
+                         f"{_per_device_help(option)}")
+    return parts
+
+
+def make_enable_config(**options: Any) -> Config:
+    """:func:`make_config` for ``cxlalloc.enable()`` / ``CXLALLOC``: each of
+    :data:`PER_DEVICE_OPTIONS` may also be a list (one value per visible GPU,
+    in device order) or a mapping ``{device index or 'cuda:N': value}`` (GPUs
+    not named get the option's default); from ``CXLALLOC`` the text forms
+    ``8GiB|4GiB`` and ``0=8GiB|1=4GiB``.  Each value is validated as the
+    option's own; the list's length and the mapping's devices are checked
+    against the visible GPUs when enabling (:func:`check_per_device`).
+
+    Raises:
+        ValueError: a bad value (named ``option[i]`` / ``option[cuda:N]``), an
+            empty list or mapping, a repeated device, or per-GPU values given
+            with ``device`` (the message names the option and the allowed forms).
+    """
+    per = []
+    plain = dict(options)
+    for name in PER_DEVICE_OPTIONS:
+        value = plain.get(name)
+        if isinstance(value, str) and ("|" in value or "=" in value):
+            value = _split_env_per_device(name, value)
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise ValueError(f"cxlalloc option '{name}': an empty list; {_per_device_help(name)}")
+            pairs = tuple((i, _PARSERS[name](v, f"{name}[{i}]")) for i, v in enumerate(value))
+            per.append((name, "list", len(value), pairs))
+        elif isinstance(value, dict):
+            if not value:
+                raise ValueError(f"cxlalloc option '{name}': an empty mapping; {_per_device_help(name)}")
+            pairs, seen = [], set()
+            for k, v in value.items():
+                try:
+                    d = _parse_device(k, name)
+                except ValueError:
+                    raise ValueError(f"cxlalloc option '{name}': the key {k!r} is not a device index (0, 1, ... or "
+                                     f"'cuda:N'); {_per_device_help(name)}") from None
+                if d in seen:
+                    raise ValueError(f"cxlalloc option '{name}': cuda:{d} is given twice; {_per_device_help(name)}")
+                seen.add(d)
+                pairs.append((d, _PARSERS[name](v, f"{name}[cuda:{d}]")))
+            per.append((name, "mapping", len(pairs), tuple(sorted(pairs))))
+        elif value is not None and not isinstance(value, (str, int, float)):
+            raise ValueError(f"cxlalloc option '{name}': {_short(value)} is not one value, a list or a mapping; "
+                             f"{_per_device_help(name)}")
+        else:
+            continue
+        plain.pop(name)
+    cfg = make_config(**plain)
+    if per and cfg.device is not None:
+        raise ValueError(f"cxlalloc option 'device': cannot be combined with per-GPU values of "
+                         f"{', '.join(p[0] for p in per)} (a list or mapping names the GPUs itself); leave out device")
+    return dataclasses.replace(cfg, per_device=tuple(per)) if per else cfg
+
+
+def check_per_device(cfg: Config, count: int) -> None:
+    """Per-GPU values against the ``count`` visible GPUs.
+
+    Raises:
+        ValueError: a list whose length is not ``count``, or a mapping naming a
+            device that is not visible (naming the option and the allowed forms).
+    """
+    for name, form, n, pairs in cfg.per_device:
+        if form == "list" and n != count:
+            raise ValueError(f"cxlalloc option '{name}': a list of {n} values for {count} visible GPU(s); "
+                             f"{_per_device_help(name)}")
+        bad = [d for d, _ in pairs if d >= count]
+        if form == "mapping" and bad:
+            raise ValueError(f"cxlalloc option '{name}': cuda:{bad[0]} is not a visible GPU (cuda:0..cuda:{count - 1} "
+                             f"are); {_per_device_help(name)}")
+
+
+def per_device_values(cfg: Config, device: int) -> dict:
+    """The per-GPU values that apply to ``device`` (option -> parsed value)."""
+    return {name: v for name, _, _, pairs in cfg.per_device for d, v in pairs if d == device}
 
 
 def parse_env(value: Optional[str] = None) -> dict:

@@ -36,13 +36,15 @@ def driver_path(cfg: Config) -> str:
     return cfg.libcuda
 
 
-def ensure_sim(cfg: Config) -> None:
+def ensure_sim(cfg: Config, devices: int = 1) -> None:
     """Configure the process-wide simulated GPU for `cfg` (simulation only).
 
     The simulated VRAM is ``sim_vram`` when given; otherwise a simulator
-    already configured is kept if ``device_limit`` fits in it, else it is
-    configured with max(16 GiB, device_limit).  VRAM is lazily backed: only
-    touched bytes cost RAM.
+    already configured is kept if ``device_limit`` fits in it and it has at
+    least ``devices`` GPUs, else it is configured with max(16 GiB,
+    device_limit, its VRAM now) and ``devices`` GPUs (at least the GPUs it
+    has when ``devices`` > 1; a resize for one GPU configures one, as
+    before).  VRAM is lazily backed: only touched bytes cost RAM.
 
     Raises:
         ValueError: the simulator must change size while in use (live resources).
@@ -53,18 +55,24 @@ def ensure_sim(cfg: Config) -> None:
         raise ValueError(f"cxlalloc option 'device_limit': {format_bytes(need)} is more than the simulated GPU can "
                          f"model ({format_bytes(MAX_SIM_VRAM)})")
     with _sim_lock:
+        sim = simulator.Sim()
+        # Asked only for several GPUs: counting them calls the driver (cuInit), which tests arming faults count.
+        have = sim.device_count() if devices > 1 else 1
+        more = have < devices
         if cfg.sim_vram is None:
-            if _sim_vram is not None and need <= _sim_vram:
+            if _sim_vram is not None and need <= _sim_vram and not more:
                 return
-            vram = max(DEFAULT_SIM_VRAM, need)
+            vram = max(DEFAULT_SIM_VRAM, need, _sim_vram or 0)
             why = f"device_limit={format_bytes(need)}" if need > DEFAULT_SIM_VRAM else "the default"
         else:
-            if cfg.sim_vram == _sim_vram:
+            if cfg.sim_vram == _sim_vram and not more:
                 return
             vram = cfg.sim_vram
             why = f"sim_vram={format_bytes(vram)}"
+        if more:
+            why = f"{devices} simulated GPUs"
         try:
-            simulator.Sim().configure(f"vram={vram}")
+            sim.configure(f"devices={max(have, devices, 1)},vram={vram}")
         except ValueError as e:
             now = format_bytes(_sim_vram) if _sim_vram is not None else "its default"
             raise ValueError(

@@ -39,6 +39,8 @@ WRAP_FLAGS = ("device_limit", "host_limit", "kv_device_limit", "numa_node", "bac
               "kv_store_limit", "cache_salt")
 # ContinuousBatchingConfig fields with a flag (transformers' --cb-* flags)
 CB_FLAGS = ("block_size", "num_blocks", "max_batch_tokens")
+# exit status when the drain deadline (--drain-timeout) cancelled requests still running at shutdown
+EXIT_DRAIN_TIMEOUT = 3
 
 
 def make_parser(prog: str = "cxlalloc serve") -> argparse.ArgumentParser:
@@ -63,6 +65,9 @@ def make_parser(prog: str = "cxlalloc serve") -> argparse.ArgumentParser:
     p.add_argument("--header-timeout", default="30", metavar="SECONDS",
                    help="a connection that has not sent a whole request head in this time gets 408 and is closed "
                    "(default 30)")
+    p.add_argument("--drain-timeout", default="30", metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, wait at most this long for the requests in flight, then cancel them and "
+                   f"exit {EXIT_DRAIN_TIMEOUT} (default 30)")
     p.add_argument("--seed", default=None, help="torch seed set at start (seeded sampling)")
     p.add_argument("--log-level", default="warning", help=f"one of {', '.join(LOG_LEVELS)} (default warning)")
     return p
@@ -202,7 +207,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
 
     SIGTERM or SIGINT drains: uvicorn stops accepting connections, answers the
     requests in flight, shuts transformers' generation down, and the command
-    returns 0."""
+    returns 0; requests still running after ``--drain-timeout`` seconds are
+    cancelled and it returns EXIT_DRAIN_TIMEOUT (3)."""
     args = make_parser(prog).parse_args(argv)
     port = _positive_int(prog, "--port", args.port, 1, 65535)
     if args.log_level.lower() not in LOG_LEVELS:
@@ -218,6 +224,12 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
         header_timeout = -1.0
     if not 0 < header_timeout <= 3600:
         fail(prog, f"--header-timeout {args.header_timeout!r} is not allowed; allowed: seconds in (0, 3600]")
+    try:
+        drain_timeout = float(args.drain_timeout)
+    except ValueError:
+        drain_timeout = -1.0
+    if not 0 < drain_timeout <= 86400:
+        fail(prog, f"--drain-timeout {args.drain_timeout!r} is not allowed; allowed: seconds in (0, 86400]")
     opts = parse_options(args, prog)
     model = resolve_model(prog, args.model)
     check_listen(prog, args.host, port)
@@ -226,7 +238,9 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
         check_limits_simulated(prog, opts)
     print(mode_line(prog, dev, model, gpu), flush=True)
 
-    from cxlalloc.hf.serving import serve
+    from cxlalloc.hf.serving import ServeStatus, serve
+
+    status = ServeStatus()
 
     stopped = []
 
@@ -238,10 +252,15 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
     try:
         serve(model, host=args.host, port=port, continuous_batching=args.continuous_batching, wrap_options=opts,
               cb_options=cb, device=dev, log_level=args.log_level.lower(), default_seed=seed,
-              header_timeout=header_timeout)
+              header_timeout=header_timeout, drain_timeout=drain_timeout, status=status)
     except (RuntimeError, ValueError) as e:
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    drained = status.cancelled["drain"]
+    if stopped and drained:
+        print(f"{prog}: stopped by {stopped[0]}: {drained} request(s) still running after --drain-timeout "
+              f"{drain_timeout:g} s were cancelled", file=sys.stderr)
+        return EXIT_DRAIN_TIMEOUT
     if stopped:
         print(f"{prog}: stopped by {stopped[0]} (requests in flight were answered first)", file=sys.stderr)
     return 0

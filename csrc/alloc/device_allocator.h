@@ -155,6 +155,10 @@ class DeviceAllocator {
   // Wait for pending frees and release every wholly free cached segment of
   // both tiers (except those of private pools in use).  Returns bytes released.
   size_t empty_cache();
+  // Give GPU `peer` read/write access to this GPU's memory, both tiers: every
+  // VMM mapping now and later (torch's enablePeerAccess(peer, this GPU)).
+  // Returns false when `peer` had it already or is this GPU.
+  bool add_peer(int peer);
   // Requested size of a live allocation (the base pointer); 0 if unknown.
   size_t allocation_size(void* ptr) const;
 

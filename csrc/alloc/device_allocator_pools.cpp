@@ -106,4 +106,14 @@ size_t DeviceAllocator::empty_cache() {
   return n;
 }
 
+bool DeviceAllocator::add_peer(int peer) {
+  std::lock_guard<std::mutex> lk(mu_);
+  driver::ContextGuard guard(*drv_, ctx_.get());
+  if (factory_->has_peer(peer)) return false;
+  // Existing mappings first: if a grant fails, the peer is not recorded and a
+  // later call grants again (cuMemSetAccess is idempotent).
+  for (auto& [base, seg] : segments_) factory_->grant_peer(*seg, peer);
+  return factory_->add_peer(peer);
+}
+
 }  // namespace cxl::alloc

@@ -73,6 +73,7 @@ void SegmentFactory::create_block_segment(SegmentMemory& seg, size_t size, Tier 
       seg.base = seg.va.base();
       c.phys = driver::PhysicalMemory(drv_, size, location(Tier::Device));
       c.map = driver::Mapping(drv_, seg.base, c.phys, cfg_.device, false, -1);
+      grant_peers(seg.base, size);
     } else {
       seg.backing = Backing::DeviceMem;
       seg.devmem = driver::DeviceMemory(drv_, size);
@@ -92,6 +93,7 @@ void SegmentFactory::create_block_segment(SegmentMemory& seg, size_t size, Tier 
       seg.base = seg.va.base();
       c.phys = driver::PhysicalMemory(drv_, size, location(Tier::Host));
       c.map = driver::Mapping(drv_, seg.base, c.phys, cfg_.device, true, cfg_.host_node);
+      grant_peers(seg.base, size);
       break;
     case HostBackend::Managed:
       seg.backing = Backing::Managed;
@@ -165,6 +167,7 @@ void SegmentFactory::commit_chunk(SegmentMemory& seg, Chunk& c, Tier tier) {
   if (seg.backing == Backing::Vmm) {
     driver::PhysicalMemory phys(drv_, c.size, location(tier));
     driver::Mapping map(drv_, seg.base + c.offset, phys, cfg_.device, tier == Tier::Host, cfg_.host_node);
+    grant_peers(seg.base + c.offset, c.size);
     c.phys = std::move(phys);
     c.map = std::move(map);
   } else if (seg.backing == Backing::Managed) {
@@ -230,10 +233,12 @@ void SegmentFactory::migrate_chunk(SegmentMemory& seg, Chunk& c, Tier target) {
   c.map.unmap();
   try {
     c.map = driver::Mapping(drv_, va, fresh, cfg_.device, target == Tier::Host, cfg_.host_node);
+    grant_peers(va, c.size);
   } catch (...) {
     // Roll back: put the old pages back under the address.
     try {
       c.map = driver::Mapping(drv_, va, c.phys, cfg_.device, c.tier == Tier::Host, cfg_.host_node);
+      grant_peers(va, c.size);
     } catch (const std::exception& e) {
       log_warning(std::string("migration rollback failed, the chunk is unmapped: ") + e.what());
     }
@@ -244,6 +249,42 @@ void SegmentFactory::migrate_chunk(SegmentMemory& seg, Chunk& c, Tier target) {
   c.touches = 0;
   if (target == Tier::Host) verify_host_placement(seg, c);
   else c.placed_ok = c.placed_wrong = c.placed_unknown = 0;
+}
+
+// ------------------------------------------------------------------ peer access
+bool SegmentFactory::has_peer(int peer) const {
+  if (peer == cfg_.device) return true;
+  for (int p : peers_)
+    if (p == peer) return true;
+  return false;
+}
+
+bool SegmentFactory::add_peer(int peer) {
+  if (has_peer(peer)) return false;
+  peers_.push_back(peer);
+  return true;
+}
+
+void SegmentFactory::grant_peers(CUdeviceptr va, size_t size) {
+  if (peers_.empty()) return;
+  std::vector<CUmemAccessDesc> desc(peers_.size());
+  for (size_t i = 0; i < peers_.size(); ++i) {
+    desc[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc[i].location.id = peers_[i];
+    desc[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  CXL_CU(*drv_, cuMemSetAccess, va, size, static_cast<const CUmemAccessDesc*>(desc.data()), desc.size());
+}
+
+void SegmentFactory::grant_peer(const SegmentMemory& seg, int peer) {
+  if (seg.backing != Backing::Vmm) return;  // managed and registered host memory: every device already
+  CUmemAccessDesc desc{};
+  desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  desc.location.id = peer;
+  desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  for (const Chunk& c : seg.chunks)
+    if (c.committed && c.map.va())
+      CXL_CU(*drv_, cuMemSetAccess, c.map.va(), c.map.size(), static_cast<const CUmemAccessDesc*>(&desc), size_t(1));
 }
 
 }  // namespace cxl::backend

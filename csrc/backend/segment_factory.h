@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <vector>
 
 #include "backend/backends.h"
 #include "backend/placement.h"
@@ -66,16 +67,31 @@ class SegmentFactory {
   // Re-read where a host chunk's pages are (numa ops) into c.placed_*.
   void verify_host_placement(const SegmentMemory& seg, Chunk& c);
 
+  // Peer access: `peer` (another GPU) gets read/write access to every VMM
+  // mapping made from now on (a VMM mapping is accessible only to the
+  // devices cuMemSetAccess names, so a copy run by another GPU's context,
+  // e.g. torch's peer copy with P2P enabled, fails without it).  Returns
+  // false when it already had it (or is this GPU).
+  bool add_peer(int peer);
+  bool has_peer(int peer) const;
+  const std::vector<int>& peers() const { return peers_; }
+  // Grant `peer` access to the committed VMM chunks of `seg` (mappings made
+  // before add_peer).
+  void grant_peer(const SegmentMemory& seg, int peer);
+
  private:
   CUmemLocation location(Tier t) const;
   void advise_managed(const SegmentMemory& seg, const Chunk& c, Tier t);
   CUstream stream();
+  // Grant every peer access to a mapping just made at [va, va + size).
+  void grant_peers(CUdeviceptr va, size_t size);
 
   driver::DriverPtr drv_;
   FactoryConfig cfg_;
   NumaOps* numa_;
   size_t align_;
   driver::Stream stream_;  // prefetches; created on first use
+  std::vector<int> peers_;  // devices granted access to new VMM mappings (add_peer)
 };
 
 }  // namespace cxl::backend

@@ -267,6 +267,18 @@ size_t cxlalloc_device_limit(int device) {
   return n;
 }
 
+int cxlalloc_enable_peer_access(int device, int peer) {
+  return guarded([&] {
+    Engine::Use use;
+    Engine* e = engine(use);
+    if (peer < 0 || peer >= e->device_count() || device < 0 || device >= e->device_count())
+      throw Error(ErrorKind::InvalidArgument, "enable_peer_access: device " + std::to_string(device) + " / peer " +
+                                                  std::to_string(peer) + " is not a visible GPU (0.." +
+                                                  std::to_string(e->device_count() - 1) + ")");
+    e->device(device).add_peer(peer);
+  });
+}
+
 int cxlalloc_set_device_limit(int device, size_t bytes) {
   return guarded([&] {
     Engine::Use use;

@@ -62,6 +62,12 @@ CXLALLOC_API void cxlalloc_host_free(void* ptr, size_t size, int device, void* s
 CXLALLOC_API int cxlalloc_record_stream(void* ptr, void* stream);
 CXLALLOC_API int cxlalloc_empty_cache(void);
 CXLALLOC_API int cxlalloc_device_empty_cache(int device);
+/* GPU `peer` may read and write GPU `device`'s cxlalloc memory from now on
+ * (torch's enablePeerAccess(peer, device)): 0, or -CXLALLOC_E_* with the
+ * error (INVALID_ARGUMENT: a device or peer that is not a visible GPU;
+ * DRIVER: a cuMemSetAccess failed, and the peer is not recorded, so a later
+ * call grants again).  Granting it again is a no-op. */
+CXLALLOC_API int cxlalloc_enable_peer_access(int device, int peer);
 CXLALLOC_API size_t cxlalloc_allocation_size(void* ptr, int device);
 CXLALLOC_API int cxlalloc_push_class(int cls); /* 0 other, 1 kv, 2 weight */
 CXLALLOC_API int cxlalloc_pop_class(void);

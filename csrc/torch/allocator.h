@@ -109,6 +109,7 @@ class CxlAllocator final : public Base {
   std::shared_ptr<CCA::AllocatorState> getCheckpointState(c10::DeviceIndex device, c10::MempoolId_t id) override;
   CCA::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
                                               std::shared_ptr<CCA::AllocatorState> pps) override;
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override;
   cudaError_t memcpyAsync(void* dst, int dst_device, const void* src, int src_device, size_t count,
                           cudaStream_t stream, bool p2p_enabled) override;
 

@@ -43,6 +43,14 @@ CCA::CheckpointDelta CxlAllocator::setCheckpointPoolState(c10::DeviceIndex, std:
               "which cxlalloc does not provide yet");
 }
 
+void CxlAllocator::enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) {
+  // torch's own step (cudaDeviceEnablePeerAccess: plain device memory), then
+  // cxlalloc's VMM mappings of `dev_to_access`, which only cuMemSetAccess
+  // opens to `dev` (torch's expandable segments do the same, addPeer).
+  Base::enablePeerAccess(dev, dev_to_access);
+  if (c_.enable_peer_access(dev_to_access, dev) != 0) fail("enablePeerAccess");
+}
+
 cudaError_t CxlAllocator::memcpyAsync(void* dst, int dst_device, const void* src, int src_device, size_t count,
                                       cudaStream_t stream, bool p2p_enabled) {
   // cxlalloc's device segments are VMM mappings (cuMemMap); without P2P

@@ -52,6 +52,7 @@ const CApi& load_capi(const std::string& path) {
   resolve(h, "cxlalloc_record_stream", t->record_stream, path);
   resolve(h, "cxlalloc_empty_cache", t->empty_cache, path);
   resolve(h, "cxlalloc_device_empty_cache", t->device_empty_cache, path);
+  resolve(h, "cxlalloc_enable_peer_access", t->enable_peer_access, path);
   resolve(h, "cxlalloc_create_pool", t->create_pool, path);
   resolve(h, "cxlalloc_begin_allocate_to_pool", t->begin_allocate_to_pool, path);
   resolve(h, "cxlalloc_end_allocate_to_pool", t->end_allocate_to_pool, path);

@@ -26,6 +26,7 @@ struct CApi {
   decltype(&cxlalloc_record_stream) record_stream;
   decltype(&cxlalloc_empty_cache) empty_cache;
   decltype(&cxlalloc_device_empty_cache) device_empty_cache;
+  decltype(&cxlalloc_enable_peer_access) enable_peer_access;
   decltype(&cxlalloc_create_pool) create_pool;
   decltype(&cxlalloc_begin_allocate_to_pool) begin_allocate_to_pool;
   decltype(&cxlalloc_end_allocate_to_pool) end_allocate_to_pool;

@@ -10,7 +10,8 @@ Public API:
     unwrap(model) -> model               undo wrap
     generate(model, *args, **kwargs)     wrap if needed, then model.generate(...)
     stats(model) -> dict                 allocator stats + per-cache KV counters ("hf")
-    kv_cache(model), allocator(model)    the latest live CxlCache / the Allocator
+    kv_cache(model), allocator(model)    the latest live CxlCache / the Allocator (the first GPU's)
+    allocators(model)                    {"cuda:i": Allocator}: each GPU's (a model spread over GPUs)
     forget_conversation(model)           release the previous turn's cache kept for the next turn (kv_store)
     CxlCache, CxlKVLayer                 the cache classes (transformers DynamicCache/DynamicLayer)
     CxlSlidingLayer, CxlIndexedLayer, CxlHybridLayer, CxlHybridSlidingLayer
@@ -29,6 +30,7 @@ budget, with identical tokens.
 
 Modules:
     wrap      wrap()/unwrap()/stats(): the generate() hook, weights placed in the allocator, copies
+    devices   a model on several GPUs: each layer's and parameter's GPU, per-GPU options, stats totals
     cache     CxlCache: a transformers DynamicCache whose layers live in cxlalloc (the container only)
     layers    every tiered layer class (full, sliding, indexed, hybrid) and LAYER_CLASSES, the one
               mapping from transformers' layer kinds to them
@@ -50,10 +52,11 @@ from cxlalloc.hf.coverage import CacheCoverageWarning  # noqa: F401
 from cxlalloc.hf.paged import ContinuousBatchingWarning, CxlPagedAttentionCache  # noqa: F401
 from cxlalloc.hf.compat import cache_kwarg, returned_cache  # noqa: F401
 from cxlalloc.hf.storage import KVCounters  # noqa: F401
-from cxlalloc.hf.wrap import (UnwrappedCopyWarning, allocator, forget_conversation, generate, is_wrapped,  # noqa: F401
-                              kv_cache, stats, unwrap, wrap)
+from cxlalloc.hf.devices import TensorParallelWarning  # noqa: F401
+from cxlalloc.hf.wrap import (UnwrappedCopyWarning, allocator, allocators, forget_conversation, generate,  # noqa: F401
+                              is_wrapped, kv_cache, stats, unwrap, wrap)
 
-__all__ = ["wrap", "unwrap", "generate", "stats", "kv_cache", "forget_conversation", "allocator", "is_wrapped", "CxlCache", "CxlKVLayer",
+__all__ = ["wrap", "unwrap", "generate", "stats", "kv_cache", "forget_conversation", "allocator", "allocators", "is_wrapped", "CxlCache", "CxlKVLayer",
            "KVCounters", "cache_kwarg", "returned_cache", "UnwrappedCopyWarning", "CxlSlidingLayer", "CxlIndexedLayer",
            "CxlHybridLayer", "CxlHybridSlidingLayer", "CxlEncoderDecoderCache", "CacheCoverageWarning",
-           "ContinuousBatchingWarning", "CxlPagedAttentionCache"]
+           "ContinuousBatchingWarning", "CxlPagedAttentionCache", "TensorParallelWarning"]

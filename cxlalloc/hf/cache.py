@@ -49,7 +49,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 from cxlalloc.hf.cache_batch import BatchRowsMixin
 from cxlalloc.hf.indices import batch_rows, crop_layers
 from cxlalloc.hf.layers import LAYER_CLASSES, CxlKVLayer, CxlSlidingLayer
-from cxlalloc.hf.pool import PICKLE_ERROR, KVPool, _shallow_copy, default_allocator
+from cxlalloc.hf.pool import PICKLE_ERROR, KVPool, _shallow_copy, default_allocator, update_demotions
 from cxlalloc.hf.storage import Geometry, KVCounters, KVStorage
 
 
@@ -68,6 +68,12 @@ class CxlCache(BatchRowsMixin, DynamicCache):
         round_tokens: regrown capacities are multiples of this many tokens.
         share_storage: one extent for all full-attention layers of the same
             shape (default); False gives each layer its own extent.
+        layer_allocators: one :class:`cxlalloc.Allocator` per cache layer
+            (``len(cache.layers)``, in layer order) for a model whose decoder
+            layers sit on several GPUs (:func:`cxlalloc.hf.wrap` passes each
+            layer's GPU's allocator): each layer's K/V live in its GPU's
+            allocator and tiers, the full-attention layers of one GPU share one
+            extent.  Needs ``config``; ``allocator`` is then ignored.
 
     Counters: :meth:`kv_stats`.  Use :func:`cxlalloc.hf.cache_kwarg` for the
     generate()/forward() keyword (``cache`` or ``past_key_values``).
@@ -76,11 +82,18 @@ class CxlCache(BatchRowsMixin, DynamicCache):
     same allocator; pickling (``pickle``, ``torch.save``) raises ``TypeError``.
 
     Raises:
-        ValueError: no allocator given and no process-wide engine.
+        ValueError: no allocator given and no process-wide engine;
+            ``layer_allocators`` without a config, or not one per layer.
     """
 
     def __init__(self, config=None, *, allocator=None, max_cache_len: Optional[int] = None, growth: float = 2.0,
-                 round_tokens: int = 256, share_storage: bool = True):
+                 round_tokens: int = 256, share_storage: bool = True, layer_allocators=None):
+        if layer_allocators is not None:
+            layer_allocators = list(layer_allocators)
+            if config is None or not layer_allocators:
+                raise ValueError("cxlalloc.hf: layer_allocators (one allocator per cache layer) needs the model "
+                                 "config (CxlCache(config=model.config, ...))")
+            allocator = layer_allocators[0]
         if allocator is None:
             allocator = default_allocator()
         if not growth > 1.0:
@@ -88,19 +101,35 @@ class CxlCache(BatchRowsMixin, DynamicCache):
         super().__init__(config=config)  # never offloading=True: placement is cxlalloc's business
         if self.layer_class_to_replicate is not None:  # no config: layers appended by Cache.update
             self._pool = KVPool(allocator, 0, max_cache_len, growth, round_tokens)
+            self._pools = [self._pool]
             pool = self._pool
             self.layer_class_to_replicate = lambda: CxlKVLayer(pool, None)
         else:
             # Each stock layer kind with a tiered counterpart (LAYER_CLASSES) is
             # replaced; layers of a kind that shares the full-attention store get a slot.
             kinds = [LAYER_CLASSES.get(type(layer)) for layer in self.layers]
+            if layer_allocators is None:
+                layer_allocators = [allocator] * len(self.layers)
+            elif len(layer_allocators) != len(self.layers):
+                raise ValueError(f"cxlalloc.hf: layer_allocators has {len(layer_allocators)} allocators for "
+                                 f"{len(self.layers)} cache layers (one per layer, in order)")
+            # One pool per allocator (per GPU), its shared store holding the slots of its layers; one set of
+            # counters for the whole cache.
             shared = [i for i, k in enumerate(kinds) if k is not None and k.shares_full_store]
-            self._pool = KVPool(allocator, len(shared) if share_storage else 0, max_cache_len, growth, round_tokens)
-            slots = {i: slot for slot, i in enumerate(shared)}
+            counters = KVCounters()
+            pools, slots = {}, {}
+            for a in layer_allocators:
+                if id(a) not in pools:
+                    on_a = [i for i in shared if layer_allocators[i] is a]
+                    pools[id(a)] = KVPool(a, len(on_a) if share_storage else 0, max_cache_len, growth, round_tokens,
+                                          counters)
+                    slots.update({i: slot for slot, i in enumerate(on_a)})
+            self._pools = list(pools.values())
+            self._pool = self._pools[0]
             for i, kind in enumerate(kinds):
                 if kind is not None:
                     slot = slots[i] if share_storage and i in slots else None
-                    made = kind.from_stock(self.layers[i], self._pool, slot)
+                    made = kind.from_stock(self.layers[i], pools[id(layer_allocators[i])], slot)
                     if made is not None:  # None: this instance cannot be tiered (stays transformers', reported)
                         self.layers[i] = made
         self._last_layer_idx: Optional[int] = None
@@ -150,16 +179,18 @@ class CxlCache(BatchRowsMixin, DynamicCache):
         # -1, not None: the step has begun, so the first layer's update (an unplanned
         # sliding-window layer, say) must not begin another.
         self._last_layer_idx = -1
-        pool = self._pool
         for layer in layers:  # storage for every layer first: a regrowth replaces a store's views
             if layer._prepared:
                 layer._unplan()
             if layer._len == 0:
-                g = Geometry(int(batch), guess.heads, guess.k_dim, guess.v_dim, guess.dtype, guess.device)
+                # The layer's own GPU (its pool's device): with layers on several GPUs the guess names the first.
+                dev = layer._pool.device if len(self._pools) > 1 else guess.device
+                g = Geometry(int(batch), guess.heads, guess.k_dim, guess.v_dim, guess.dtype, dev)
                 if not layer.is_initialized:
                     layer.device, layer.dtype, layer.is_initialized = g.device, g.dtype, True
-                layer._store, layer._slot = pool.bind_geometry(layer, g, int(tokens))
+                layer._store, layer._slot = layer._pool.bind_geometry(layer, g, int(tokens))
         for store in {id(layer._store): layer._store for layer in layers}.values():
+            pool = next(layer._pool for layer in layers if layer._store is store)
             need = max(layer._len for layer in layers if layer._store is store) + int(tokens)
             store.apply_pending()
             if need > store.capacity_tokens:
@@ -172,19 +203,19 @@ class CxlCache(BatchRowsMixin, DynamicCache):
         return True
 
     def _begin_step(self) -> None:
-        pool = self._pool
-        c = pool.counters
+        c = self._pool.counters
         c.steps += 1
         c.step_bytes_copied.append(0)
         c.step_context_tokens.append(0)
-        for s in list(pool.stores):
-            s.apply_pending()
-            s.retry_trim()
-        # KV read by this step is its working set: a transient allocated during
-        # the step (case C04: a full-logits copy) never demotes it.
-        pool.allocator.mark_step()
-        for s in list(pool.stores):
-            s.touch()
+        for pool in self._pools:
+            for s in list(pool.stores):
+                s.apply_pending()
+                s.retry_trim()
+            # KV read by this step is its working set: a transient allocated during
+            # the step (case C04: a full-logits copy) never demotes it.
+            pool.allocator.mark_step()
+            for s in list(pool.stores):
+                s.touch()
 
     # ------------------------------------------------------------ whole-cache ops
     def _cxl_layers(self):
@@ -278,7 +309,8 @@ class CxlCache(BatchRowsMixin, DynamicCache):
     def reserve(self, tokens: int) -> None:
         """Reserve capacity for ``tokens`` tokens (generate() calls it through the
         wrapper with ``max_length - 1`` when this cache is passed in)."""
-        self._pool.reserve(tokens)
+        for pool in self._pools:
+            pool.reserve(tokens)
 
     def open_prefix(self, geometries, batch: int, tokens: int) -> List[Tuple[KVStorage, int]]:
         """Make this empty cache hold ``tokens`` tokens in every full-attention
@@ -306,8 +338,8 @@ class CxlCache(BatchRowsMixin, DynamicCache):
             raise ValueError("cxlalloc.hf: open_prefix() needs an empty cache")
         out = []
         for layer, (heads, k_dim, v_dim, dtype) in zip(layers, geometries):
-            g = Geometry(int(batch), int(heads), int(k_dim), int(v_dim), dtype, self._pool.device)
-            store, slot = self._pool.bind_geometry(layer, g, int(tokens))
+            g = Geometry(int(batch), int(heads), int(k_dim), int(v_dim), dtype, layer._pool.device)
+            store, slot = layer._pool.bind_geometry(layer, g, int(tokens))
             store.ensure(int(tokens))
             layer.device, layer.dtype, layer.is_initialized = g.device, dtype, True
             layer._store, layer._slot, layer._len = store, slot, int(tokens)
@@ -320,7 +352,8 @@ class CxlCache(BatchRowsMixin, DynamicCache):
         self.reset()
         for layer in self._cxl_layers():
             layer._store = None
-        self._pool.shared = None
+        for pool in self._pools:
+            pool.shared = None
 
     def __reduce_ex__(self, protocol):
         """Pickling (``pickle``, ``torch.save``) raises ``TypeError``: the
@@ -336,25 +369,30 @@ class CxlCache(BatchRowsMixin, DynamicCache):
         cls = self.__class__
         new = cls.__new__(cls)
         memo[id(self)] = new
-        skip = ("layers", "_pool", "layer_class_to_replicate")
+        skip = ("layers", "_pool", "_pools", "layer_class_to_replicate")
         for k, v in self.__dict__.items():
             if k not in skip:
                 setattr(new, k, copy.deepcopy(v, memo))
-        old = self._pool
-        pool = KVPool(old.allocator, old.n_shared, old.hint, old.growth, old.round_tokens)
-        new._pool = pool
-        memo[id(old)] = pool  # layers of other kinds (cxlalloc.hf.layers.sliding) find the copy's pool here
+        counters = KVCounters()
+        new._pools = []
+        for old in self._pools:
+            p = KVPool(old.allocator, old.n_shared, old.hint, old.growth, old.round_tokens, counters)
+            new._pools.append(p)
+            memo[id(old)] = p  # layers of other kinds (cxlalloc.hf.layers.sliding) find the copy's pool here
+        new._pool = pool = memo[id(self._pool)]
         stores = {}
         for s in self._stores():
-            c = s.clone(pool.counters)
-            pool.stores.add(c)
+            old = next(layer._pool for layer in self._cxl_layers() if layer._store is s)
+            p = memo[id(old)]
+            c = s.clone(p.counters)
+            p.stores.add(c)
             stores[id(s)] = c
             if old.shared is s:
-                pool.shared = c
+                p.shared = c
         layers = []
         for layer in self.layers:
             if isinstance(layer, CxlKVLayer):
-                nl = layer._empty_like(pool, memo)
+                nl = layer._empty_like(memo.get(id(layer._pool), pool), memo)
                 nl.is_initialized = layer.is_initialized
                 if layer.is_initialized:
                     nl.device, nl.dtype = layer.device, layer.dtype
@@ -415,6 +453,6 @@ class CxlCache(BatchRowsMixin, DynamicCache):
             "stores": len(stores),
             "other_stores": len(extra),
         }
-        self._pool.update_demotions()
+        update_demotions(self._pools)
         d.update(self._pool.counters.as_dict())
         return d

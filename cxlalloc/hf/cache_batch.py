@@ -59,9 +59,10 @@ class BatchRowsMixin:
             if s.live_tokens == 0:
                 continue
             new = s.rebuilt(batch_of(s.g.batch), transform)
-            self._pool.stores.add(new)
-            if self._pool.shared is s:
-                self._pool.shared = new
+            pool = next(layer._pool for layer in self._cxl_layers() if layer._store is s)  # its GPU's pool
+            pool.stores.add(new)
+            if pool.shared is s:
+                pool.shared = new
             for layer in self._cxl_layers():
                 if layer._store is s:
                     layer._store = new

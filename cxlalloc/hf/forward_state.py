@@ -37,6 +37,11 @@ _MACHINERY = frozenset({
     "_compiled_call_impl", "_version",
 })
 
+# Attributes that say where a module runs, not what it computes: accelerate's ``dispatch_model`` (what
+# ``from_pretrained(device_map=...)`` calls) sets ``hf_device_map`` on the model.  A prefix stored by the
+# model on 2 GPUs must be hit by the same weights on 1 GPU (issue 32): the device map is not state.
+_PLACEMENT = frozenset({"hf_device_map"})
+
 # Packages whose hooks are known not to change a module's outputs: cxlalloc's own (the wrap's pre-forward
 # hook), accelerate's device-placement hooks, transformers' output recording.
 KNOWN_HOOK_PACKAGES = ("cxlalloc", "accelerate", "transformers")
@@ -122,14 +127,15 @@ def _feed(h: "xxhash.xxh3_128", v: Any, depth: int = 0) -> bool:
 
 def state_digest(model: torch.nn.Module) -> bytes:
     """16 bytes over every module's plain state (see the module docstring): its path, class, and each
-    attribute that is a number, string, bool, None, a non-parameter tensor or a container of those.  Objects
+    attribute that is a number, string, bool, None, a non-parameter tensor or a container of those (not
+    the device placement: ``hf_device_map``, so block keys do not depend on the device map).  Objects
     of other types (configs, functions, other objects) are not part of it: the config is in the model
     fingerprint, and a function's effect cannot be digested."""
     h = xxhash.xxh3_128()
     for name, mod in model.named_modules():
         h.update(f"<{name}:{type(mod).__qualname__}>".encode())
         for k in sorted(mod.__dict__):
-            if k in _MACHINERY:
+            if k in _MACHINERY or k in _PLACEMENT:
                 continue
             mark = h.copy()
             h.update(k.encode() + b"=")

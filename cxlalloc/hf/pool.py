@@ -63,14 +63,16 @@ class KVPool:
     and the store shared by its full-attention layers.  Holds no reference to
     the layers (so a dropped cache frees its memory by refcount, at once)."""
 
-    def __init__(self, allocator, n_shared: int, max_cache_len: Optional[int], growth: float, round_tokens: int):
+    def __init__(self, allocator, n_shared: int, max_cache_len: Optional[int], growth: float, round_tokens: int,
+                 counters: Optional[KVCounters] = None):
+        # counters: shared by the pools of one cache whose layers sit on several GPUs (one pool per GPU).
         self.allocator = allocator
         self.device = _allocator_device(allocator)
         self.n_shared = int(n_shared)
         self.hint = int(max_cache_len) if max_cache_len else None
         self.growth = float(growth)
         self.round_tokens = int(round_tokens)
-        self.counters = KVCounters()
+        self.counters = counters if counters is not None else KVCounters()
         self.shared: Optional[KVStorage] = None
         self.stores: "weakref.WeakSet[KVStorage]" = weakref.WeakSet()
         st = allocator.stats()
@@ -134,7 +136,19 @@ class KVPool:
             if s.capacity_tokens < tokens:
                 s.regrow(self.clamp(tokens, s.live_tokens, s.row_bytes))
 
-    def update_demotions(self) -> None:
+    def demotions_since_start(self) -> Tuple[int, int]:
+        """(bytes, moves) the allocator demoted since this pool was made."""
         st = self.allocator.stats()
-        self.counters.demoted_bytes = int(st["demoted_bytes"]) - self._demoted_at_start[0]
-        self.counters.demotions = int(st["demotions"]) - self._demoted_at_start[1]
+        return int(st["demoted_bytes"]) - self._demoted_at_start[0], int(st["demotions"]) - self._demoted_at_start[1]
+
+    def update_demotions(self) -> None:
+        self.counters.demoted_bytes, self.counters.demotions = self.demotions_since_start()
+
+
+def update_demotions(pools) -> None:
+    """Set the shared counters of ``pools`` (the pools of one cache: one per GPU
+    its layers sit on) to the demotions of all their allocators."""
+    pools = list(pools)
+    got = [p.demotions_since_start() for p in pools]
+    pools[0].counters.demoted_bytes = sum(b for b, _ in got)
+    pools[0].counters.demotions = sum(n for _, n in got)

@@ -173,15 +173,19 @@ class PrefixReuse(ConversationMixin):
         allocator: its :class:`cxlalloc.Allocator` (the store's node and device).
         opts: :class:`ReuseOptions`.
         cache_kw: the forward() keyword of the cache (``cache``/``past_key_values``).
+        layer_allocators: a model spread over several GPUs: the allocator of
+            each decoder layer's GPU, by layer index (None: one GPU).
 
     Raises:
         ValueError: a store smaller than one block (names ``kv_store_limit``),
             or a bad store spec.
     """
 
-    def __init__(self, model, allocator, opts: ReuseOptions, cache_kw: str):
+    def __init__(self, model, allocator, opts: ReuseOptions, cache_kw: str, layer_allocators=None):
         self.model = model
         self.allocator = allocator
+        # A model spread over GPUs: each layer's allocator (its GPU's); the store's host arena is the first GPU's.
+        self.layer_allocators = layer_allocators
         self.opts = opts
         self.cache_kw = cache_kw
         self.store: BlockStore = open_store(opts.kv_store, allocator, limit=opts.kv_store_limit)
@@ -219,7 +223,8 @@ class PrefixReuse(ConversationMixin):
                           "(generate() works as without kv_store)", KVReuseWarning, stacklevel=4)
             return
         device = next(p.device for p in model.parameters())
-        cache = CxlCache(config=model.config.get_text_config(decoder=True), allocator=self.allocator, max_cache_len=1)
+        cache = CxlCache(config=model.config.get_text_config(decoder=True), allocator=self.allocator, max_cache_len=1,
+                         layer_allocators=self.layer_allocators)
         try:
             with torch.no_grad():
                 model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True,

@@ -10,7 +10,7 @@ generation runs on cxlalloc's tiers and, with ``kv_store``, reuses stored
 prefixes across requests as ``generate()`` does.  One route is added:
 ``GET /v1/cxlalloc/stats``, :func:`cxlalloc.hf.stats` of the served model as JSON.
 
-Two things transformers' server does not do are done here:
+Things transformers' server does not do are done here:
 
 * a GGUF (``DIR:FILE.gguf``, the shipped SmolLM2's form) is loaded as a causal
   LM: transformers' ``ModelManager`` looks the class up in
@@ -22,7 +22,13 @@ Two things transformers' server does not do are done here:
   server would ignore (``logprobs``, ``presence_penalty``, ...) set to something
   else than its default is an HTTP 400 in OpenAI's error form
   (``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``)
-  naming the field, never a 500 or a silent change.
+  naming the field, never a 500 or a silent change; every other 4xx (a ``model``
+  not served: 404 ``model_not_found``, a body that is not UTF-8, an unknown
+  field, route or method) has the same form (:func:`openai_error`);
+* a client that goes away cancels its request where it is computed, streamed or
+  not (:class:`_DisconnectMiddleware`, :func:`guarded_cb_manager`,
+  :func:`stoppable_generate_manager`); a shutdown waits ``drain_timeout`` seconds
+  at most, then cancels what still runs (counted in :class:`ServeStatus`).
 
 transformers 5.24's layout (``transformers/cli/serve.py``,
 ``transformers/cli/serving/model_manager.py``, ``server.py``;
@@ -33,6 +39,7 @@ cxlalloc[serve]`` (fastapi, uvicorn, openai).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 from typing import Any, Dict, Iterator, List, Literal, Optional, Union
@@ -40,6 +47,8 @@ from typing import Any, Dict, Iterator, List, Literal, Optional, Union
 STATS_ROUTE = "/v1/cxlalloc/stats"
 METRICS_ROUTE = "/metrics"
 DEFAULT_HEADER_TIMEOUT_S = 30.0
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 
 
 def serving_modules():
@@ -81,6 +90,46 @@ class _Served:
         self.models: Dict[str, Any] = {}
 
 
+class ServeStatus:
+    """What one server cancelled and what its continuous-batching manager holds (read by ``/metrics`` and by
+    ``cxlalloc serve``'s exit status).
+
+    Attributes:
+        cancelled: ``{"disconnect": n, "drain": n}``: completion requests cancelled before their answer was
+            sent, because their client went away, or because ``drain_timeout`` ran out at shutdown.
+        engine_cancelled: of those, the requests stopped where they were computed:
+            ``"continuous_batching"``, cancelled in transformers' continuous-batching manager
+            (``cancel_request``: removed from its scheduler, their blocks freed); ``"generate"``, a
+            non-streamed ``model.generate()`` stopped at its next token (``--no-continuous-batching``).
+        managers: the continuous-batching managers made (normally one).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = {"disconnect": 0, "drain": 0}
+        self.engine_cancelled = {"continuous_batching": 0, "generate": 0}
+        self.managers: List[Any] = []
+
+    def count(self, reason: Optional[str] = None, engine: Optional[str] = None) -> None:
+        """One more request cancelled for ``reason`` (``"disconnect"``/``"drain"``), or stopped in ``engine``
+        (``"continuous_batching"``/``"generate"``)."""
+        with self.lock:
+            if engine is not None:
+                self.engine_cancelled[engine] += 1
+            else:
+                self.cancelled[reason] += 1
+
+    def cb_requests(self) -> int:
+        """Requests the continuous-batching scheduler(s) hold now (running and waiting)."""
+        n = 0
+        for m in list(self.managers):
+            cb = getattr(m, "_cb", None)
+            sched = getattr(getattr(cb, "batch_processor", None), "scheduler", None)
+            if sched is not None:
+                n += len(sched.active_requests) + len(sched.waiting_requests)
+        return n
+
+
 class InvalidRequest(Exception):
     """A request body refused before transformers' handler (HTTP 400).
 
@@ -89,15 +138,47 @@ class InvalidRequest(Exception):
         message: one line naming the field, the value and what is allowed.
     """
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: Optional[str], message: str, status: int = 400, code: Optional[str] = "invalid_value",
+                 kind: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.param = param
         self.message = message
+        self.status = status
+        self.code = code
+        self.kind = kind
 
     def body(self) -> dict:
         """OpenAI's error object (what the ``openai`` client's ``BadRequestError`` reads)."""
-        return {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param,
-                          "code": "invalid_value"}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def openai_error(exc) -> "InvalidRequest":
+    """Starlette's/FastAPI's ``HTTPException`` (transformers' handlers raise it; routing raises 404 and 405; a
+    body that cannot be read raises 400) as :class:`InvalidRequest`, so that every 4xx of the server has
+    OpenAI's error form (``{"error": {"message", "type", "param", "code"}}``) and the ``openai`` client raises
+    its ``BadRequestError``/``NotFoundError``/... with the message, never FastAPI's ``{"detail": ...}``.
+
+    transformers' 422 "Unexpected fields in the request: {...}" becomes OpenAI's 400 for an unknown argument,
+    the field named; a body that is not UTF-8 is a 400 naming ``body``.
+    """
+    status = int(getattr(exc, "status_code", 500))
+    detail = getattr(exc, "detail", None)
+    message = detail if isinstance(detail, str) else str(detail or "")
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, UnicodeDecodeError):
+        return InvalidRequest("body", f"body: the request body is not UTF-8 ({cause.reason} at byte {cause.start}); "
+                                      "send JSON encoded as UTF-8")
+    if status == 400 and message == "There was an error parsing the body":
+        return InvalidRequest("body", f"body: the request body could not be read ({cause or message})")
+    if status == 422 and message.startswith("Unexpected fields in the request: "):
+        fields = message.split(": ", 1)[1]
+        first = fields.strip("{}").split(",")[0].strip().strip("'\"")
+        return InvalidRequest(first, f"{first}: unrecognized request argument (unexpected fields {fields}); "
+                                     "see the OpenAI API reference for the fields of this route",
+                              code="unknown_parameter")
+    code = {404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "request_too_large",
+            415: "unsupported_media_type"}.get(status, "invalid_request")
+    return InvalidRequest(None, message or f"HTTP {status}", status=status, code=code)
 
 
 _MODELS: Dict[str, Any] = {}
@@ -218,7 +299,8 @@ def _load_causal_lm(manager, model_id_and_revision: str, gguf_file: str, tqdm_cl
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_batching: bool = True,
           wrap_options: Optional[dict] = None, cb_options: Optional[dict] = None, device: str = "auto",
           log_level: str = "warning", default_seed: Optional[int] = None, non_blocking: bool = False,
-          header_timeout: float = DEFAULT_HEADER_TIMEOUT_S):
+          header_timeout: float = DEFAULT_HEADER_TIMEOUT_S, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
+          status: Optional[ServeStatus] = None):
     """Serve ``model`` over HTTP with transformers' OpenAI-compatible server,
     its KV cache in cxlalloc's tiers.
 
@@ -241,6 +323,12 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
             the server exits.
         header_timeout: seconds a connection may take to send a request head
             (:func:`header_timeout_protocol`; 408 and closed after it).
+        drain_timeout: seconds a shutdown (SIGTERM, SIGINT) waits for the
+            requests in flight; then they are cancelled (in the continuous-batching
+            manager too) and the server stops.  ``status.cancelled["drain"]``
+            counts them.
+        status: a :class:`ServeStatus` to fill (cancelled requests, the
+            continuous-batching scheduler); a new one when None.
 
     Returns:
         transformers' ``Serve`` instance (when ``non_blocking``; else after it exits).
@@ -255,6 +343,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
     from transformers.cli.serving import chat_completion as chat_mod, completion as completion_mod
 
     request_models()
+    status = status if status is not None else ServeStatus()
     opts = dict(wrap_options or {})
     served = _Served()
     base_manager = model_manager.ModelManager
@@ -274,11 +363,18 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
                 served.models[model_id_and_revision] = loaded
             return loaded
 
+    def check_model(manager, body) -> None:
+        forced, requested = manager.force_model, body.get("model")
+        if forced is not None and requested is not None and requested != forced:
+            raise InvalidRequest("model", f"model: {requested!r} does not exist on this server; it serves "
+                                          f"{forced!r} only (GET /v1/models)", status=404, code="model_not_found")
+
     class CheckedChat(chat_mod.ChatCompletionHandler):
         """transformers' chat handler behind :func:`validate_request`."""
 
         def _validate_request(self, body):
             validate_request("chat", body)
+            check_model(self.model_manager, body)
             super()._validate_request(body)
 
     class CheckedCompletion(completion_mod.CompletionHandler):
@@ -286,6 +382,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
 
         def _validate_request(self, body):
             validate_request("completion", body)
+            check_model(self.model_manager, body)
             super()._validate_request(body)
 
     def build_server(*args, **kwargs):
@@ -294,9 +391,16 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
 
         app = base_build(*args, **kwargs)
 
+        from starlette.exceptions import HTTPException as StarletteHTTPException
+
         @app.exception_handler(InvalidRequest)
         async def _invalid(_request, exc: InvalidRequest):
-            return JSONResponse(exc.body(), status_code=400)
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(_request, exc):
+            err = openai_error(exc)
+            return JSONResponse(err.body(), status_code=err.status, headers=getattr(exc, "headers", None))
 
         @app.exception_handler(RequestValidationError)
         async def _unreadable(_request, exc: RequestValidationError):
@@ -314,7 +418,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
                 models = dict(served.models)
             return {name: _jsonable(hf.stats(m)) for name, m in models.items()}
 
-        _add_metrics(app, served, hf.stats)
+        app.add_middleware(_DisconnectMiddleware, status=status)  # inside the metrics middleware: a cancelled request is counted
+        _add_metrics(app, served, hf.stats, status)
         return app
 
     import uvicorn
@@ -323,14 +428,21 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
     base_config = uvicorn.Config
 
     def config(app, **kwargs):  # transformers' Serve builds uvicorn.Config(app, host=, port=, log_level=)
-        return base_config(app, http=protocol, **kwargs)
+        # uvicorn's graceful shutdown waits for the requests in flight at most drain_timeout seconds, then cancels
+        # their tasks (guarded_cb_manager cancels them in the continuous-batching manager, counted as "drain")
+        return base_config(app, http=protocol, timeout_graceful_shutdown=drain_timeout, **kwargs)
 
     cb = {k: v for k, v in (cb_options or {}).items() if v is not None}
     # transformers makes its continuous-batching manager lazily, at the first request, by this module name:
     # the guarded one stays in place for the server's life (the swaps above matter only while it is built).
     from transformers.cli.serving import utils as serving_utils
 
-    serving_utils.CBGenerateManager = guarded_cb_manager(serving_utils.CBGenerateManager, hf.stats)
+    base_cb = getattr(serving_utils.CBGenerateManager, "cxlalloc_base", serving_utils.CBGenerateManager)
+    serving_utils.CBGenerateManager = guarded_cb_manager(base_cb, hf.stats, status)
+    serving_utils.CBGenerateManager.cxlalloc_base = base_cb
+    base_gen = getattr(serving_utils.GenerateManager, "cxlalloc_base", serving_utils.GenerateManager)
+    serving_utils.GenerateManager = stoppable_generate_manager(base_gen, status)
+    serving_utils.GenerateManager.cxlalloc_base = base_gen
     with _swapped(uvicorn, "Config", config), _swapped(model_manager, "ModelManager", TieredModelManager), _swapped(server, "build_server", build_server), \
             _swapped(chat_mod, "ChatCompletionHandler", CheckedChat), \
             _swapped(completion_mod, "CompletionHandler", CheckedCompletion):
@@ -355,18 +467,42 @@ def paged_capacity_tokens(stats: dict) -> Optional[int]:
     return int(n) * int(page) if n and page else None
 
 
-def guarded_cb_manager(base, stats):
+def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
     """transformers' ``CBGenerateManager`` with two guards (issue 29, item 3: one request used to kill the
-    continuous-batching worker for good, every later request a 503 "CB worker is dead"):
+    continuous-batching worker for good, every later request a 503 "CB worker is dead") and cancellation:
 
     * a request whose prompt plus ``max_tokens`` cannot fit the paged KV cache is refused with a 400 naming
       the limit (:class:`InvalidRequest`), before it reaches the worker;
     * a worker that died anyway is replaced by a new one at the next request (logged, counted in
-      ``restarts``); requests in flight when it died get transformers' own error.
+      ``restarts``); requests in flight when it died get transformers' own error;
+    * a request whose handler is cancelled (its client went away: :class:`_DisconnectMiddleware`; or the drain
+      deadline ran out) is cancelled in transformers' ``ContinuousBatchingManager`` (``cancel_request``: its
+      blocks freed, it leaves the scheduler at the worker's next step) and counted in
+      ``status.engine_cancelled``.
+      transformers 5.24 does this for a streamed request only (its SSE generator's ``streamer.cancel()``);
+      a non-streamed request ran to its end.
     """
 
     class GuardedCBManager(base):
         restarts = 0
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if status is not None:
+                status.managers.append(self)
+
+        def _cancel(self, request_id: str) -> None:
+            """Cancel ``request_id`` in the continuous-batching manager, drop its result handler, count it."""
+            cb = self._cb
+            if cb is None:
+                return
+            cb.cancel_request(request_id)
+            router = getattr(cb, "output_router", None)
+            if router is not None:
+                with router._lock:
+                    router.result_handlers.pop(request_id, None)
+            if status is not None:
+                status.count(engine="continuous_batching")
 
         def init_cb(self, model, gen_config) -> None:
             self._model, self._gen_config = model, gen_config
@@ -410,14 +546,170 @@ def guarded_cb_manager(base, stats):
 
         def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
             self._check_fits(model, inputs, gen_config)
-            return super().generate_streaming(model, processor, inputs, gen_config, request_id,
-                                              response_parser=response_parser)
+            queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id,
+                                                         response_parser=response_parser)
+            # transformers' SSE generator calls streamer.cancel() when the response is cancelled; cancel once,
+            # and only a request still running (not one whose last token was already delivered)
+            state = {"ended": False, "cancelled": False}
+            base_end = streamer.end
+
+            def end() -> None:
+                state["ended"] = True
+                base_end()
+
+            def cancel() -> None:
+                if not state["ended"] and not state["cancelled"]:
+                    state["cancelled"] = True
+                    self._cancel(request_id)
+
+            streamer.end, streamer.cancel = end, cancel
+            return queue, streamer
 
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
             self._check_fits(model, inputs, gen_config)
-            return await super().generate_non_streaming(model, processor, inputs, gen_config, request_id)
+            try:
+                return await super().generate_non_streaming(model, processor, inputs, gen_config, request_id)
+            except asyncio.CancelledError:  # the client went away, or the drain deadline ran out
+                self._cancel(request_id)
+                raise
 
     return GuardedCBManager
+
+
+class _DisconnectMiddleware:
+    """ASGI middleware: a completion request whose client goes away is cancelled.
+
+    Starlette cancels a streamed response when the client disconnects, but not a
+    non-streamed one: its handler awaits the whole generation (a 100k-character
+    prompt kept the server computing for minutes after the client left).  Here
+    the request body is read first, then the route runs in its own task while
+    the connection is watched; an ``http.disconnect`` before the response is
+    complete cancels that task (the continuous-batching manager then cancels the
+    request: :func:`guarded_cb_manager`).  A cancellation of this middleware
+    itself (uvicorn's drain deadline) is passed on the same way, its reason
+    ``"drain"``.  With ``--no-continuous-batching`` a non-streamed request's
+    ``generate()`` stops at its next token (:func:`stoppable_generate_manager`).
+    """
+
+    def __init__(self, app, status: Optional[ServeStatus] = None) -> None:
+        self.app = app
+        self.status = status if status is not None else ServeStatus()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") not in COMPLETION_ROUTES:
+            return await self.app(scope, receive, send)
+        body = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # gone before its request was read: nothing was started
+            body.append(message)
+            if not message.get("more_body"):
+                break
+        gone = asyncio.Event()
+        complete = [False]
+
+        async def inner_receive():
+            if body:
+                return body.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        started = [False]
+
+        async def inner_send(message):
+            if message["type"] == "http.response.start":
+                started[0] = True
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                complete[0] = True
+            await send(message)
+
+        holder = {"reason": None}
+        task = asyncio.ensure_future(self.app(scope, inner_receive, inner_send))
+        watcher = asyncio.ensure_future(receive())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and not complete[0]:  # the client went away with its answer unsent
+                holder["reason"] = "disconnect"
+                self.status.count("disconnect")
+                gone.set()
+                task.cancel()
+            gone.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        except asyncio.CancelledError:  # uvicorn cancels the requests still running at the drain deadline
+            if holder["reason"] is not None or task.done():
+                raise
+            holder["reason"] = "drain"
+            self.status.count("drain")
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            # the answer is ended in OpenAI's error form (a 503, or an SSE error event ending the stream), so the
+            # client learns why and uvicorn logs no traceback
+            await _end_drained(send, started[0], complete[0])
+        finally:
+            watcher.cancel()
+
+
+DRAIN_MESSAGE = ("the server is shutting down and this request was still running at its drain deadline "
+                 "(--drain-timeout); retry it on another server")
+
+
+async def _end_drained(send, started: bool, complete: bool) -> None:
+    """End a response cancelled at the drain deadline: a 503 in OpenAI's error form if nothing was sent yet,
+    else an SSE ``error`` event closing the stream (the ``openai`` client raises ``APIError`` with it)."""
+    import json
+
+    err = InvalidRequest(None, DRAIN_MESSAGE, status=503, code="server_shutting_down", kind="server_error").body()
+    with contextlib.suppress(Exception):  # the client may be gone too
+        if not started:
+            data = json.dumps(err).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                                    (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": data})
+        elif not complete:
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(err)}\n\n".encode()})
+
+
+def stoppable_generate_manager(base, status: Optional[ServeStatus] = None):
+    """transformers' ``GenerateManager`` (``--no-continuous-batching``: one ``model.generate()`` at a time on
+    an inference thread) whose non-streamed request stops when its handler is cancelled (its client went
+    away, or the drain deadline ran out): a stopping criterion ends the ``generate()`` at its next token, and
+    the inference thread is free for the next request.  transformers 5.24 ran it to its end, then set the
+    result of the cancelled future ("InvalidStateError" logged).  Streamed requests already stop (their
+    streamer raises at the next token)."""
+
+    class StoppableGenerateManager(base):
+        async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+            import torch
+            from transformers import StoppingCriteria, StoppingCriteriaList
+
+            stop = threading.Event()
+
+            class _Cancelled(StoppingCriteria):
+                def __call__(self, input_ids, scores, **kwargs):
+                    return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool,
+                                      device=input_ids.device)
+
+            kwargs = {**inputs, "generation_config": gen_config, "tokenizer": processor,
+                      "stopping_criteria": StoppingCriteriaList([_Cancelled()])}
+            if hasattr(model, "has_talker"):  # as transformers: text only
+                kwargs["generation_mode"] = "text"
+            future = self.async_submit(model.generate, **kwargs)
+            try:
+                sequences = await asyncio.shield(future)  # a cancelled handler leaves the thread's future alone
+            except asyncio.CancelledError:
+                stop.set()
+                if status is not None:
+                    status.count(engine="generate")
+                raise
+            input_len = inputs["input_ids"].shape[-1]
+            generated_ids = sequences[0, input_len:]
+            return processor.decode(generated_ids, skip_special_tokens=True), input_len, generated_ids
+
+    return StoppableGenerateManager
 
 
 def header_timeout_protocol(seconds: float):
@@ -475,7 +767,7 @@ def header_timeout_protocol(seconds: float):
     return HeaderTimeoutH11Protocol
 
 
-def _add_metrics(app, served: _Served, stats) -> None:
+def _add_metrics(app, served: _Served, stats, status: Optional[ServeStatus] = None) -> None:
     """``GET /metrics`` (:mod:`cxlalloc.hf.serving_metrics`) on ``app``; without
     prometheus_client, said once on stderr and left out."""
     try:
@@ -494,7 +786,7 @@ def _add_metrics(app, served: _Served, stats) -> None:
         with served.lock:
             return dict(served.models)
 
-    metrics = ServeMetrics(models, stats)
+    metrics = ServeMetrics(models, stats, status)
 
     class MetricsMiddleware:
         def __init__(self, inner):

@@ -52,7 +52,7 @@ class ServeMetrics:
         stats: :func:`cxlalloc.hf.stats`.
     """
 
-    def __init__(self, models: Callable[[], Dict[str, Any]], stats: Callable[[Any], dict]) -> None:
+    def __init__(self, models: Callable[[], Dict[str, Any]], stats: Callable[[Any], dict], status=None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
@@ -69,6 +69,8 @@ class ServeMetrics:
         self.prompt_tokens = Counter("cxlalloc_serve_prompt_tokens", "prompt tokens of non-streamed answers",
                                      ["route"], registry=r)
         r.register(_StatsCollector(models, stats))
+        if status is not None:
+            r.register(_StatusCollector(status))
 
     def render(self) -> bytes:
         """The registry in Prometheus' text format."""
@@ -102,6 +104,10 @@ class ServeMetrics:
             metrics.in_flight.inc()
             try:
                 await app(scope, receive, lambda m: watch.send(m, send))
+            except Exception:  # Starlette's outer error middleware answers it with a 500
+                if not watch.started:
+                    watch.status = 500
+                raise
             finally:
                 metrics.in_flight.dec()
                 watch.done()
@@ -120,7 +126,8 @@ class _Watch:
     def __init__(self, metrics: ServeMetrics, route: str) -> None:
         self.m, self.route = metrics, route
         self.t0 = time.perf_counter()
-        self.status = 500
+        self.status = 499  # no response started: the client went away, or the drain deadline cancelled it
+        self.started = False
         self.stream = False
         self.first: Optional[float] = None
         self.last: Optional[float] = None
@@ -130,6 +137,7 @@ class _Watch:
 
     async def send(self, message, send) -> None:
         if message["type"] == "http.response.start":
+            self.started = True
             self.status = message["status"]
             headers = {k.lower(): v for k, v in message.get("headers", [])}
             self.stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
@@ -224,3 +232,33 @@ class _StatsCollector:
             for metric, field, _ in CB_COUNTERS:
                 counters[metric].add_metric([name], float(cb.get(field, 0)))
         yield from (kv, mem, limit, peak, *counters.values())
+
+
+class _StatusCollector:
+    """The server's cancellations and continuous-batching queue (:class:`cxlalloc.hf.serving.ServeStatus`)."""
+
+    def __init__(self, status) -> None:
+        self.status = status
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        cancelled = CounterMetricFamily("cxlalloc_serve_cancelled_requests", "completion requests cancelled before their "
+                                        "answer was sent: the client went away (disconnect) or the drain deadline "
+                                        "ran out (drain)", labels=["reason"])
+        with self.status.lock:
+            counts, engines = dict(self.status.cancelled), dict(self.status.engine_cancelled)
+        for reason, n in sorted(counts.items()):
+            cancelled.add_metric([reason], float(n))
+        cb = CounterMetricFamily("cxlalloc_serve_engine_cancelled_requests", "cancelled requests stopped where "
+                                 "they were computed (continuous_batching: removed from transformers' scheduler, "
+                                 "blocks freed; generate: a generate() stopped at its next token)", labels=["engine"])
+        for engine, n in sorted(engines.items()):
+            cb.add_metric([engine], float(n))
+        queued = GaugeMetricFamily("cxlalloc_serve_cb_requests", "requests the continuous-batching scheduler holds "
+                                   "(running and waiting)")
+        queued.add_metric([], float(self.status.cb_requests()))
+        yield from (cancelled, cb, queued)

@@ -48,15 +48,20 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import List, Optional
+import warnings
+from typing import Dict, List, Optional
 
 import torch
 
 from cxlalloc import _C
 from cxlalloc.allocator import Allocator
 from cxlalloc.config import format_bytes, make_config
+from cxlalloc.engine import ensure_sim
 from cxlalloc.hf.cache import CxlCache
 from cxlalloc.hf.compat import TRANSFORMERS_VERSION, cache_kwarg
+from cxlalloc.hf.devices import (TP_WEIGHTS, GpuLayout, TensorParallelWarning, model_layout, per_gpu_options,
+                                 sum_stats, tp_size)
+from cxlalloc.hf.model_caches import own_cache_class
 from cxlalloc.hf.reuse import PrefixReuse, parse_reuse_options
 from cxlalloc.hf.generate_hooks import make_generate, make_pre_forward, make_prepare_hook, predicted_report, warn_once
 from cxlalloc.hf.wrap_state import (INSTANCE_ATTRS, STATE_ATTR, GetState, UnwrappedCopyWarning,  # noqa: F401
@@ -71,11 +76,11 @@ ACTIVATION_RESERVE_MIN = 2 << 30
 ACTIVATION_RESERVE_FRACTION = 0.10
 
 
-def _options_config(options: dict, device: torch.device):
+def _options_config(options: dict, device: torch.device, gpu: Optional[int] = None):
     """``options`` as values: a :class:`cxlalloc.config.Config` with the
     defaults wrap() applies (``simulate`` from the model's device, ``device``
-    from a CUDA model's index), so that ``"4MiB"``, ``4 << 20`` and
-    ``"4194304"`` compare equal.
+    from a CUDA model's index, or ``gpu``: one simulated GPU of a model spread
+    over several), so that ``"4MiB"``, ``4 << 20`` and ``"4194304"`` compare equal.
 
     Raises:
         ValueError: an unknown option or a bad value (naming it).
@@ -83,9 +88,21 @@ def _options_config(options: dict, device: torch.device):
     eff = dict(options)
     if eff.get("simulate") is None:
         eff["simulate"] = device.type == "cpu"
-    if device.type == "cuda" and eff.get("device") is None:
-        eff["device"] = device.index or 0
+    if eff.get("device") is None:
+        if gpu is not None:
+            eff["device"] = gpu
+        elif device.type == "cuda":
+            eff["device"] = device.index or 0
     return make_config(**eff)
+
+
+def _options_configs(options: dict, device: torch.device, layout: GpuLayout) -> Dict[int, object]:
+    """``{gpu: Config}``: :func:`_options_config` of each GPU's options
+    (:func:`cxlalloc.hf.devices.per_gpu_options`)."""
+    per = per_gpu_options(options, layout.gpus)
+    if layout.multi:
+        return {g: _options_config(per[g], device, g) for g in layout.gpus}
+    return {g: _options_config(per[g], device) for g in layout.gpus}
 
 
 # Config fields that hold bytes (int) or a fraction (float); shown as sizes/percentages.
@@ -117,14 +134,10 @@ def _option_differences(old, new) -> List[str]:
     return out
 
 
-def _model_device(model) -> torch.device:
-    devices = {p.device for p in model.parameters() if p.device.type != "meta"}
-    if not devices:
-        raise ValueError("cxlalloc.hf: the model has no parameters on a real device (all on 'meta')")
-    if len(devices) > 1:
-        raise ValueError(f"cxlalloc.hf: the model is spread over {sorted(map(str, devices))}; wrap() supports a model "
-                         "on one device (one GPU, or the CPU in simulation)")
-    return devices.pop()
+def _model_device(model, layout: GpuLayout) -> torch.device:
+    """The device the model runs on: the CPU in simulation, else its first GPU."""
+    dev = next(p.device for p in model.parameters() if p.device.type != "meta")
+    return dev if dev.type != "cuda" else torch.device("cuda", layout.gpus[0])
 
 
 def _global_allocator(device: torch.device, simulate: bool):
@@ -140,18 +153,22 @@ def _global_allocator(device: torch.device, simulate: bool):
     return Allocator.from_engine(engine, idx)
 
 
-def _place_weights(model, allocator, device: torch.device):
-    """Move every parameter into ``allocator`` (class ``weight``), bytes
-    unchanged.  Returns (bytes, params)."""
+def _place_weights(model, allocators: Dict[int, Allocator], layout: GpuLayout, device: torch.device):
+    """Move every parameter into the allocator of its GPU (class ``weight``),
+    bytes unchanged.  Returns (bytes, params, {gpu: bytes})."""
     total = n = since = 0
+    gpu_of = layout.param_gpu(model) if layout.multi else {}
+    per_gpu = {g: 0 for g in allocators}
     with torch.no_grad():
         for p in model.parameters():  # tied parameters are visited once
             if p.numel() == 0:
                 continue
-            t = allocator.tensor(p.shape, p.dtype, tag="weight")
+            gpu = gpu_of.get(id(p), layout.gpus[0])
+            t = allocators[gpu].tensor(p.shape, p.dtype, tag="weight")
             t.copy_(p.data)
             p.data = t
             nbytes = t.numel() * t.element_size()
+            per_gpu[gpu] += nbytes
             total += nbytes
             since += nbytes
             n += 1
@@ -160,7 +177,7 @@ def _place_weights(model, allocator, device: torch.device):
                 since = 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return total, n
+    return total, n, per_gpu
 
 
 def _prepare_hook_ok(model) -> bool:
@@ -180,7 +197,13 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
     Args:
         model: a transformers ``PreTrainedModel`` with ``generate()`` (decoder-only,
             or encoder-decoder: a :class:`CxlEncoderDecoderCache`), on one CUDA
-            device, or on the CPU for simulation.  Cache layers left to
+            device, or on the CPU for simulation.  A decoder-only model spread
+            over several GPUs (accelerate's ``device_map="auto"``/``"balanced"``
+            /a dict) gets one allocator per GPU: each decoder layer's KV lives
+            in its GPU's allocator, spilling to that GPU's host tier, and each
+            parameter is placed in its GPU's allocator
+            (:mod:`cxlalloc.hf.devices`; in simulation a CPU model's
+            ``hf_device_map`` names simulated GPUs).  Cache layers left to
             transformers are said once (:class:`CacheCoverageWarning`, here when
             the config tells, else at the first generate()) and counted in
             ``stats(model)["hf"]["layers"]``.
@@ -195,7 +218,13 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
             ``host_limit``, ``simulate``, ``kv_device_limit``,
             ``device_headroom``, ``numa_node``, ``backend``, ... (sizes in bytes
             or strings like ``"512MiB"``).  ``simulate`` defaults to True for a
-            CPU model.  On a GPU without ``device_limit``: free VRAM + the
+            CPU model.  ``device_limit``, ``kv_device_limit``, ``host_limit`` and
+            ``numa_node`` take one value for every GPU, a list of one value per
+            GPU of the model (in increasing GPU index) or a mapping
+            ``{GPU index or "cuda:i": value}`` (a GPU left out: the default);
+            ``numa_node="auto"`` picks each GPU's own nearest node
+            (:func:`cxlalloc.topology.choose_host_node` with that GPU's
+            ``HOST_NUMA_ID``).  On a GPU without ``device_limit``: free VRAM + the
             weights moved in - max(2 GiB, 10% of VRAM) left to torch.
 
     A wrapped model can be deep-copied, pickled and ``torch.save``'d: the copy
@@ -203,7 +232,10 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
 
     Raises:
         ValueError: a bad option; a CPU model with ``simulate=False`` (or a CUDA
-            model with ``simulate=True``); a model spread over several devices;
+            model with ``simulate=True``); a model spread over the CPU and GPUs
+            (accelerate's offload), a per-GPU option of the wrong shape or
+            naming a GPU the model does not use, ``device`` given for a model
+            on several GPUs, an encoder-decoder model on several GPUs;
             options given while the process-wide engine serves the device; the
             model is already wrapped with other options.  Wrapping a wrapped
             model again returns it unchanged when no options are given or when
@@ -225,7 +257,11 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
     if is_wrapped(model):
         st = _state(model)
         if given:
-            diff = _option_differences(st.config, _options_config(options, st.device))
+            old, new = st.configs, _options_configs(options, st.device, st.layout)
+            diff = []
+            for g in st.layout.gpus:
+                where = f"cuda:{g} " if st.layout.multi else ""
+                diff += [where + d for d in _option_differences(old[g], new[g])]
             if reuse_opts != st.reuse_options:
                 diff.append(f"kv reuse: {st.reuse_options} (wrapped) vs {reuse_opts} (asked)")
             if diff:
@@ -233,7 +269,8 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
                                  f"values are asked ({'; '.join(diff)}); call cxlalloc.hf.unwrap(model) first to "
                                  "change options")
         return model
-    device = _model_device(model)
+    layout = model_layout(model)
+    device = _model_device(model, layout)
     simulate = options.pop("simulate", None)
     if device.type == "cpu":
         if simulate is False:
@@ -249,43 +286,82 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
     else:
         raise ValueError(f"cxlalloc.hf.wrap: the model is on {device}; cxlalloc supports CUDA devices (or the CPU "
                          "with simulate=True)")
-
-    config = _options_config(dict(options, simulate=simulate), device)  # validates every option
-    allocator = _global_allocator(device, simulate)
-    if allocator is not None:
+    if layout.multi:
+        if options.get("device") is not None:
+            raise ValueError(f"cxlalloc.hf.wrap option 'device': the model is spread over GPUs {layout.gpus} (its "
+                             "device map says which GPU each layer's KV uses); leave 'device' out")
+        if getattr(model.config, "is_encoder_decoder", False) or own_cache_class(model) is not None:
+            raise ValueError(f"cxlalloc.hf.wrap: the model is spread over GPUs {layout.gpus}; wrap() tiers a "
+                             "decoder-only model with transformers' cache layers over several GPUs, not an "
+                             f"encoder-decoder model or a model with its own cache class ({type(model).__name__}); "
+                             "load it on one GPU")
+    tp = tp_size(model)
+    if tp > 1:
+        if place_weights:
+            raise ValueError(TP_WEIGHTS.format(tp=tp) + "; place_weights=True cannot apply: leave it out")
+        place_weights = False
+        warnings.warn(TP_WEIGHTS.format(tp=tp), TensorParallelWarning, stacklevel=2)
+    configs = _options_configs(dict(options, simulate=simulate), device, layout)  # validates every option
+    per_gpu = per_gpu_options(options, layout.gpus)
+    found = {g: _global_allocator(device if simulate and not layout.multi else torch.device("cuda", g), simulate)
+             for g in layout.gpus}
+    if all(a is not None for a in found.values()):
         if options:
             raise ValueError(f"cxlalloc.hf.wrap: the process-wide cxlalloc engine (cxlalloc.enable()) serves {device}; "
                              f"configure it there, not with wrap() options {sorted(options)}")
         mode = "global"
+        allocators = found
         if place_weights is None:
             place_weights = False
+    elif any(a is not None for a in found.values()):
+        served = [g for g, a in found.items() if a is not None]
+        raise ValueError(f"cxlalloc.hf.wrap: the process-wide cxlalloc engine serves GPU(s) {served} of the model's "
+                         f"GPUs {layout.gpus}, not all; configure every GPU the model uses there (or none)")
     else:
         mode = "scoped"
         if place_weights is None:
             place_weights = True
-        kw = dict(options)
-        if not simulate:
-            kw.setdefault("device", device.index or 0)
-            if kw.get("device_limit") is None:
+        allocators = {}
+        gpu_of = layout.param_gpu(model) if layout.multi else {}
+        if simulate and layout.multi:
+            for g in layout.gpus:  # a simulated machine with the GPUs the device map names
+                ensure_sim(configs[g], devices=layout.gpus[-1] + 1)
+        for g in layout.gpus:
+            kw = dict(per_gpu[g])
+            if layout.multi or not simulate:
+                kw.setdefault("device", g)
+            if not simulate and kw.get("device_limit") is None:
                 torch.cuda.empty_cache()
-                free, total = torch.cuda.mem_get_info(device)
-                weights = sum(p.numel() * p.element_size() for p in model.parameters()) if place_weights else 0
+                free, total = torch.cuda.mem_get_info(torch.device("cuda", g))
+                weights = sum(p.numel() * p.element_size() for p in model.parameters()
+                              if gpu_of.get(id(p), g) == g) if place_weights else 0
                 reserve = max(ACTIVATION_RESERVE_MIN, int(ACTIVATION_RESERVE_FRACTION * total))
                 kw["device_limit"] = max(256 << 20, free + weights - reserve)
-        allocator = Allocator(simulate=simulate, _made_by='cxlalloc.hf.wrap(model, ..., host_limit="64GiB")', **kw)
+            try:
+                allocators[g] = Allocator(simulate=simulate, _made_by='cxlalloc.hf.wrap(model, ..., host_limit="64GiB")',
+                                          **kw)
+            except ValueError as e:
+                if simulate and layout.multi and "not a CUDA device ordinal" in str(e):
+                    raise ValueError(f"cxlalloc.hf.wrap: the model's hf_device_map places layers on simulated GPUs "
+                                     f"{layout.gpus}, but the simulated driver has fewer GPUs ({e}); it gains GPUs "
+                                     "only while no simulated allocator is alive: wrap this model first, or free the "
+                                     "others") from None
+                raise
+    allocator = allocators[layout.gpus[0]]
 
     st = WrapState(allocator=allocator, mode=mode, device=device, cache_kw=cache_kwarg(model),
                    hook="prepare" if (hook != "generate" and _prepare_hook_ok(model)) else "generate",
-                   options=given, config=config)
+                   options=given, config=configs[layout.gpus[0]], configs=configs, layout=layout,
+                   allocators=allocators)
     if hook == "prepare" and st.hook != "prepare":
         raise ValueError("cxlalloc.hf.wrap: hook='prepare' but this transformers version has no "
                          "_prepare_cache_for_generation with the expected signature; use hook='auto'")
     if place_weights:
-        st.weight_bytes, st.weight_params = _place_weights(model, allocator, device)
+        st.weight_bytes, st.weight_params, st.weight_bytes_per_gpu = _place_weights(model, allocators, layout, device)
         st.weights_placed = True
     if reuse_opts is not None:
         st.reuse_options = reuse_opts
-        st.reuse = PrefixReuse(model, allocator, reuse_opts, st.cache_kw)
+        st.reuse = PrefixReuse(model, allocator, reuse_opts, st.cache_kw, layer_allocators=st.layer_allocators())
 
     st.orig_generate = model.generate
     if st.hook == "prepare":
@@ -333,8 +409,22 @@ def generate(model, *args, **kwargs):
 
 
 def allocator(model):
-    """The :class:`cxlalloc.Allocator` behind a wrapped model."""
+    """The :class:`cxlalloc.Allocator` behind a wrapped model (for a model on
+    several GPUs, its first GPU's: :func:`allocators` gives each GPU's)."""
     return _state(model).allocator
+
+
+def allocators(model) -> dict:
+    """``{"cuda:i": cxlalloc.Allocator}``: the allocator of each GPU of a wrapped
+    model (one entry for a model on one device; in simulation the simulated
+    GPU's ordinal).
+
+    Raises:
+        ValueError: the model is not wrapped.
+    """
+    st = _state(model)
+    found = st.allocators or {st.allocator.device: st.allocator}
+    return {f"cuda:{g}": a for g, a in sorted(found.items())}
 
 
 def forget_conversation(model) -> None:
@@ -356,8 +446,15 @@ def kv_cache(model) -> Optional[CxlCache]:
 def stats(model) -> dict:
     """The allocator's stats dict (:meth:`cxlalloc.Allocator.stats`: per tier
     and per class ``kv``/``weight``/``other`` bytes, spilled/demoted/promoted
-    bytes, ...) plus ``"hf"``: ``mode`` ("scoped"/"global"), ``simulated``,
-    ``device``, ``transformers`` (version), ``hook``, ``weights_placed``,
+    bytes, ...; for a model spread over several GPUs the totals over its GPUs'
+    allocators: numbers summed, peaks as the sum of each GPU's peak, names such
+    as ``device``/``numa_node`` listed per GPU), ``"gpus"``: each GPU's own
+    stats dict by ``"cuda:i"`` (a simulated GPU's ordinal in simulation; one
+    entry for a model on one device), plus ``"hf"``: ``mode``
+    ("scoped"/"global"), ``simulated``, ``device`` (the first GPU, or the CPU in
+    simulation), ``gpus`` (``["cuda:i", ...]``), ``layer_gpus`` (each decoder
+    layer's GPU by layer index; None on one GPU), ``weight_bytes_per_gpu``,
+    ``transformers`` (version), ``hook``, ``weights_placed``,
     ``weight_bytes``, ``weight_params``, ``caches_created``, ``cache``: the
     :meth:`CxlCache.kv_stats` of the most recent cache (live, or as it was when
     its generate() call returned; None before the first call), and ``layers``:
@@ -376,12 +473,18 @@ def stats(model) -> dict:
         ValueError: the model is not wrapped.
     """
     st = _state(model)
-    d = st.allocator.stats()
+    allocators = st.allocators or {st.allocator.device: st.allocator}
+    per_gpu = {f"cuda:{g}": a.stats() for g, a in sorted(allocators.items())}
+    d = sum_stats(list(per_gpu.values())) if len(per_gpu) > 1 else dict(next(iter(per_gpu.values())))
+    d["gpus"] = per_gpu
     live = st.last_cache()
     d["hf"] = {
         "mode": st.mode,
         "simulated": bool(st.allocator.simulated),
         "device": str(st.device),
+        "gpus": [f"cuda:{g}" for g in sorted(allocators)],
+        "layer_gpus": [f"cuda:{g}" for g in st.layout.layer_gpu] if st.multi else None,
+        "weight_bytes_per_gpu": {f"cuda:{g}": b for g, b in sorted(st.weight_bytes_per_gpu.items())},
         "transformers": TRANSFORMERS_VERSION,
         "hook": st.hook,
         "weights_placed": st.weights_placed,

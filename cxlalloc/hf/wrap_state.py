@@ -103,6 +103,21 @@ class WrapState:
     layer_report: Optional[dict] = None  # cxlalloc.hf.coverage.layer_report of the last generate() (or predicted)
     warned: set = dataclasses.field(default_factory=set)  # coverage situations already warned about
     cb: Any = None  # cxlalloc.hf.paged.CBState: continuous batching (generate_batch / init_continuous_batching)
+    configs: dict = dataclasses.field(default_factory=dict)  # {gpu: Config}: each GPU's options as values
+    layout: Any = None  # cxlalloc.hf.devices.GpuLayout: the model's GPUs, each decoder layer's GPU
+    allocators: dict = dataclasses.field(default_factory=dict)  # {gpu: Allocator}; allocator is the first GPU's
+    weight_bytes_per_gpu: dict = dataclasses.field(default_factory=dict)  # {gpu: bytes of weights placed}
+
+    @property
+    def multi(self) -> bool:
+        """The model's decoder layers sit on several GPUs (one allocator each)."""
+        return self.layout is not None and self.layout.multi
+
+    def layer_allocators(self) -> Optional[List[Any]]:
+        """The allocator of each decoder layer's GPU, by layer index (None: one GPU)."""
+        if not self.multi:
+            return None
+        return [self.allocators[g] for g in self.layout.layer_gpu]
 
     @property
     def _live(self) -> List[Any]:
@@ -118,7 +133,8 @@ class WrapState:
         cfg = model.config.get_text_config(decoder=True)
         if getattr(model.config, "is_encoder_decoder", False):
             return CxlEncoderDecoderCache(cfg, allocator=self.allocator, max_cache_len=max_cache_len)
-        return CxlCache(config=cfg, allocator=self.allocator, max_cache_len=max_cache_len)
+        return CxlCache(config=cfg, allocator=self.allocator, max_cache_len=max_cache_len,
+                        layer_allocators=self.layer_allocators())
 
     def note(self, cache) -> None:
         if isinstance(cache, (CxlCache, CxlEncoderDecoderCache)):

@@ -24,9 +24,12 @@ still open: closing it makes the server drop those pins and abort those
 slots, and a slot the server reused while this process still read or wrote it
 would be a wrong token.
 
-URL options (``unix:///path/kv.sock?timeout=5&fallback=256MiB``):
+URL options (``unix:///path/kv.sock?timeout=5&fallback=256MiB&commit=wait``):
     timeout   seconds for each request (default 5)
     fallback  bytes of an in-process LocalBlockStore used while the server is away
+    commit    ``pipelined`` (default): a commit is not waited for (protocol 3;
+              acknowledged by the next reply, :meth:`RemoteBlockStore.flush`);
+              ``wait``: every commit waits for the server's reply
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class _Conn:
         self.closed = False
         self.served = 0                    # requests answered on it
         self.timed_out = False             # it broke on a time-out (the server hangs) rather than a reset
+        self.pending = {}                  # pipelined commits sent, not yet acknowledged: res -> blocks sent
+        self.on_commits = None             # called with (outcomes, pending) as a reply acknowledges them
 
     @property
     def established(self) -> bool:
@@ -99,22 +104,52 @@ class _Conn:
                 self._close_if_idle()
                 raise _Broken(f"{type(e).__name__}: {e}") from None
             self.served += 1
+            acked = self._acked(reply)
+        if acked is not None and self.on_commits is not None:
+            self.on_commits(*acked)
         if not reply.get("ok"):
             raise P.RemoteError(str(reply.get("code", "?")), str(reply.get("error", "")))
         return reply
+
+    def _acked(self, reply: dict):
+        """The pipelined commits this reply acknowledges (under the request lock): ``(outcomes
+        [[res, published, code], ...], {res: blocks sent} of those, dropped outcomes)`` or None."""
+        outcomes = reply.pop("commits", None)
+        dropped = int(reply.pop("commits_dropped", 0) or 0)
+        if not outcomes and not dropped and not self.pending:
+            return None
+        if not isinstance(outcomes, list):
+            outcomes = []
+        sent = {}
+        for o in outcomes:
+            if isinstance(o, list) and len(o) == 3 and isinstance(o[0], int):
+                sent[o[0]] = self.pending.pop(o[0], 0)
+        if dropped:  # the server kept no outcome for the oldest: they are done, their count is unknown
+            for rid in sorted(self.pending)[:dropped]:
+                sent[rid] = self.pending.pop(rid)
+        return outcomes, sent, dropped
+
+    @property
+    def pipelined_commit(self) -> bool:
+        """The server speaks protocol 3: a commit is sent without waiting for its reply."""
+        return int(self.hello.get("v", 1)) >= 3
 
     @property
     def one_way_release(self) -> bool:
         """The server speaks protocol 2: a lease is released without waiting for a reply."""
         return int(self.hello.get("v", 1)) >= 2
 
-    def send_one_way(self, msg: dict) -> None:
-        """Send a request the server does not answer (protocol 2's ``release``
-        with ``reply: False``); frames stay in order under the request lock."""
+    def send_one_way(self, msg: dict, pending: int = -1) -> None:
+        """Send a request the server does not answer (protocol 2's ``release``,
+        protocol 3's ``commit``, with ``reply: False``); frames stay in order
+        under the request lock.  ``pending >= 0``: a commit of that many blocks,
+        acknowledged by a later reply."""
         with self.lock:
             if self.broken:
                 raise _Broken("the connection failed earlier")
             try:
+                if pending >= 0:
+                    self.pending[msg["res"]] = pending
                 P.send_msg(self.sock, msg)
             except (OSError, P.ProtocolError) as e:
                 self.broken = True
@@ -189,13 +224,18 @@ class RemoteReservation(ScopedHandle):
     def slots(self) -> int:
         return sum(1 for v in self.views if v is not None)
 
-    def _finish(self, op: str) -> int:
+    def _finish(self, op: str, wait: bool = True) -> int:
         conn, self._conn = self._conn, None
         if conn is None:
             return 0
         try:
             if conn.broken:
                 return 0
+            if not wait:
+                n = self.slots
+                conn.send_one_way({"op": op, "res": self._id, "reply": False}, pending=n)
+                self._store._count("pipelined_commits")
+                return n
             reply = conn.request({"op": op, "res": self._id})
             return int(reply.get("published", 0))
         except (_Broken, P.RemoteError) as e:
@@ -204,11 +244,26 @@ class RemoteReservation(ScopedHandle):
         finally:
             conn.unhold()
 
-    def commit(self) -> int:
-        """Publish the written blocks to every client; returns how many became visible
-        (0 when the server went away: nothing half-written is ever visible)."""
-        n = self._finish("commit")
-        self._store._count("committed_blocks", n)
+    def commit(self, wait: Optional[bool] = None) -> int:
+        """Publish the written blocks to every client (write every view first).
+
+        Waited (``wait=True``, or a server older than protocol 3, or the
+        store's ``commit="wait"``): returns how many became visible (0 when
+        the server went away: nothing half-written is ever visible).
+        Pipelined (the default against a protocol-3 server): the commit is
+        sent without waiting for its reply and the slots sent are returned;
+        the server publishes them before it reads this connection's next
+        request, and the next reply acknowledges them (``committed_blocks``
+        counts what it published; a failure is counted and warned about
+        then, :meth:`RemoteBlockStore.flush` waits for them).  Either way a
+        block becomes visible only after its bytes were written, and a
+        connection that closes before the commit arrives aborts it."""
+        conn = self._conn
+        if wait is None:
+            wait = not (conn is not None and conn.pipelined_commit and self._store.pipeline_commits)
+        n = self._finish("commit", wait)
+        if wait:
+            self._store._count("committed_blocks", n)
         return n
 
     def abort(self) -> None:
@@ -241,6 +296,38 @@ class _Nothing:
         pass
 
 
+_PAGE = os.sysconf("SC_PAGESIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _slot_views(pool: _Pool, slots: Sequence, nbytes: int, register) -> List[Optional[torch.Tensor]]:
+    """The pool's bytes of each slot (``None`` stays None) as 1-D uint8 views of ``nbytes``, each run of slots
+    one after another (the stride less than a page over ``nbytes``) built by one ``unbind`` (a reservation's slots
+    are mostly consecutive: a fresh chunk's tail, or the LRU's oldest blocks freed in order) and registered once (``register(pool, offset, length)``)."""
+    views: List[Optional[torch.Tensor]] = [None] * len(slots)
+    i, n = 0, len(slots)
+    while i < n:
+        off = slots[i]
+        if off is None:
+            i += 1
+            continue
+        off = int(off)
+        j = i + 1
+        step = int(slots[j]) - off if j < n and slots[j] is not None else 0
+        if nbytes <= step < nbytes + _PAGE:  # slots packed (a slot is nbytes rounded up to a page)
+            while j < n and slots[j] is not None and int(slots[j]) == off + (j - i) * step:
+                j += 1
+        if j - i == 1:
+            register(pool, off, nbytes)
+            views[i] = pool.bytes[off:off + nbytes]
+        else:
+            k = j - i
+            register(pool, off, (k - 1) * step + nbytes)
+            run = pool.bytes[off:off + (k - 1) * step + nbytes].as_strided((k, nbytes), (step, 1))
+            views[i:j] = run.unbind(0)
+        i = j
+    return views
+
+
 class RemoteBlockStore(AccountedStore):
     """The kv-server at ``url`` as a block store (see the module docstring).
 
@@ -254,10 +341,12 @@ class RemoteBlockStore(AccountedStore):
         timeout: seconds per request (overrides the URL's).
         fallback: bytes of a local store used while the server is away (overrides the URL's).
         name: shown in the server's client list (default: the program's name).
+        commit: ``"pipelined"`` or ``"wait"`` (overrides the URL's; see the module docstring).
 
     Raises:
         ValueError: not a unix:// URL, a bad timeout or fallback size, a
-            fallback without an allocator (naming ``kv_store``).
+            fallback without an allocator, a ``commit`` other than
+            pipelined/wait (naming ``kv_store``).
 
     Never raises because the server is down: it warns and generates without it.
     """
@@ -268,14 +357,19 @@ class RemoteBlockStore(AccountedStore):
     views_shared = True
 
     def __init__(self, url: str, allocator, *, timeout: Optional[float] = None, fallback=None,
-                 name: Optional[str] = None):
+                 name: Optional[str] = None, commit: Optional[str] = None):
         self.url = url
         self.path = P.socket_path_from_url(url)
         q = P.url_query(url)
-        unknown = sorted(set(q) - {"timeout", "fallback"})
+        unknown = sorted(set(q) - {"timeout", "fallback", "commit"})
         if unknown:
             raise ValueError(f"cxlalloc option 'kv_store': unknown URL option(s) {', '.join(unknown)} in {url!r}; "
-                             "allowed: timeout (seconds), fallback (bytes of a local tier)")
+                             "allowed: timeout (seconds), fallback (bytes of a local tier), commit (pipelined, wait)")
+        commit = q.get("commit", "pipelined") if commit is None else commit
+        if commit not in ("pipelined", "wait"):
+            raise ValueError(f"cxlalloc option 'kv_store': commit={commit!r}; allowed values: pipelined (a commit is "
+                             "acknowledged by the next reply), wait (every commit waits for its reply)")
+        self.pipeline_commits = commit == "pipelined"
         if timeout is None:
             try:
                 timeout = float(q.get("timeout", DEFAULT_TIMEOUT_S))
@@ -305,7 +399,8 @@ class RemoteBlockStore(AccountedStore):
         self._warned = set()
         self.last_error: Optional[str] = None
         super().__init__(("lookups", "lookup_blocks", "hit_blocks", "reserves", "reserved_blocks",
-                                       "committed_blocks", "server_errors", "timeouts", "remote_errors", "reconnects",
+                                       "committed_blocks", "pipelined_commits", "commit_shortfall_blocks",
+                                       "unacknowledged_commits", "server_errors", "timeouts", "remote_errors", "reconnects",
                                        "server_restarts", "skipped_down", "fallback_lookups", "register_failures"))
         self._get_conn()  # connect now if the server is up (a warning if not)
 
@@ -330,6 +425,9 @@ class RemoteBlockStore(AccountedStore):
         self._count("server_errors")
         if "timed out" in text or "timeout" in text.lower():
             self._count("timeouts")
+        if conn is not None and conn.pending:  # pipelined commits the server may or may not have published
+            self._count("unacknowledged_commits", len(conn.pending))
+            conn.pending.clear()
         with self._lock:
             self.last_error = text
             if conn is not None:
@@ -378,9 +476,12 @@ class RemoteBlockStore(AccountedStore):
         fds: List[int] = []
         try:
             s.connect(self.path)
-            P.send_msg(s, {"op": "hello", "v": P.PROTOCOL_VERSION, "pid": os.getpid(), "want_fd": True,
-                           "name": self.name})
-            reply, fds = P.recv_msg(s, max_fds=4)
+            for v in range(P.PROTOCOL_VERSION, 0, -1):  # an older server refuses a newer version: ask for the one below
+                P.send_msg(s, {"op": "hello", "v": v, "pid": os.getpid(), "want_fd": True, "name": self.name})
+                reply, fds = P.recv_msg(s, max_fds=4)
+                if reply.get("ok") or reply.get("code") != "bad_request" or "protocol version" not in str(
+                        reply.get("error", "")):
+                    break
             if not reply.get("ok"):
                 raise P.RemoteError(str(reply.get("code", "?")), str(reply.get("error", "refused")))
             pool = self._pool
@@ -403,11 +504,40 @@ class RemoteBlockStore(AccountedStore):
                 if pool is not None:
                     self._count("server_restarts")
                 pool = self._pool = _Pool(arena, reply)
-            return _Conn(s, pool, reply)
+            conn = _Conn(s, pool, reply)
+            conn.on_commits = self._on_commits
+            return conn
         except BaseException:
             close_fds(fds)
             s.close()
             raise
+
+    def _on_commits(self, outcomes, sent, dropped) -> None:
+        """A reply acknowledged pipelined commits: count what the server published, and any failure."""
+        for rid, published, code in outcomes:
+            self._count("committed_blocks", int(published))
+            if code is not None:
+                self._failed(P.RemoteError(str(code), f"a pipelined commit (reservation {rid}) failed"))
+            elif int(published) < sent.get(rid, 0):
+                self._count("commit_shortfall_blocks", sent[rid] - int(published))
+        if dropped:
+            self._count("unacknowledged_commits", dropped)
+
+    def flush(self) -> bool:
+        """Wait until the server has acknowledged every pipelined commit of this
+        store (one ``ping`` when any is outstanding): after it, those blocks
+        are published and, with ``--pool-file``, recorded.  Returns True when
+        none is left unacknowledged (False: the server went away first; they
+        are counted in ``unacknowledged_commits``)."""
+        c = self._conn
+        if c is None or c.broken or not c.pending:
+            return c is None or not c.pending
+        try:
+            c.request({"op": "ping"})
+        except (_Broken, P.RemoteError) as e:
+            self._failed(e, c if isinstance(e, _Broken) else None)
+            return False
+        return not c.pending
 
     # ------------------------------------------------------------ blocks
     def _register(self, pool: _Pool, off: int, n: int) -> None:
@@ -508,13 +638,7 @@ class RemoteBlockStore(AccountedStore):
         if not rid:
             c.unhold()
             return _Nothing(len(keys))
-        views: List[Optional[torch.Tensor]] = []
-        for off in slots:
-            if off is None:
-                views.append(None)
-                continue
-            self._register(c.pool, int(off), int(nbytes))
-            views.append(c.pool.bytes[int(off):int(off) + int(nbytes)])
+        views = _slot_views(c.pool, slots, int(nbytes), self._register)
         self._count("reserved_blocks", sum(1 for v in views if v is not None))
         return RemoteReservation(self, c, rid, views)
 
@@ -580,7 +704,9 @@ class RemoteBlockStore(AccountedStore):
         return c
 
     def close(self) -> None:
-        """Stop using the server (the connection closes once no lease or reservation is open)."""
+        """Stop using the server (the connection closes once no lease or reservation is open);
+        pipelined commits are acknowledged first (:meth:`flush`)."""
+        self.flush()
         with self._lock:
             c, self._conn = self._conn, None
             self._down_until = float("inf")

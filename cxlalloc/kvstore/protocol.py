@@ -19,7 +19,8 @@ hello       v, pid, want_fd (bool), name                            v, pool_id, 
 lookup      ns, keys                                                lease (0 = none), blocks [[off, n, tokens]]
 release     leases [ids], reply (bool, v2; default True)            released (no reply at all when reply=False)
 reserve     ns, keys, nbytes, tokens                                res (0 = none), slots [off | None]
-commit      res                                                     published
+commit      res, reply (bool, v3; default True)                     published (no reply when reply=False: the
+                                                                    outcome rides on the next reply, ``commits``)
 abort       res                                                     (nothing)
 stats       (nothing)                                               stats (the server's counters)
 ping        (nothing)                                               (nothing)
@@ -33,6 +34,22 @@ on it and sends nothing back, so a hit costs one waited round trip (``lookup``,
 then the lease's release goes out without waiting; it is done before the
 connection's next request is read, as frames are handled in order).  A
 version-1 client never sends it and gets every reply as before.
+
+Version 3 adds a *pipelined* ``commit`` (``"reply": False``): the client
+writes a reservation's blocks, sends the commit and goes on without waiting
+(an insert costs one waited round trip, the reserve).  The server handles it
+in order, before the connection's next request, exactly as a waited commit
+(a block is published only then, after its bytes were written; a connection
+that closes first aborts it), and puts its outcome on the next reply it
+sends on that connection, whatever the op::
+
+    "commits": [[res, published, code | None], ...]     (code: the error's, when it failed)
+
+so a pipelined commit is *acknowledged* (durable in ``--pool-file``, written
+through to the tier below) when the reply that carries it arrives; a
+``ping`` waits for every one sent before it.  At most
+:data:`MAX_DEFERRED_COMMITS` outcomes wait for a reply; past that the oldest
+are dropped and counted (``"commits_dropped": n`` on the reply).
 
 The connection is the owner of its leases (pinned READY blocks) and
 reservations (WRITING blocks): when it closes, for any reason, the server
@@ -54,8 +71,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from cxlalloc.kvstore.handles import close_fds
 
-PROTOCOL_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)    # hello versions a server serves (2: one-way release)
+PROTOCOL_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)  # hello versions a server serves (2: one-way release; 3: pipelined commit)
+MAX_DEFERRED_COMMITS = 4096    # pipelined commits' outcomes one connection keeps for its next reply
 MAX_FRAME = 64 << 20           # bytes of one message (a lookup of 65536 keys is ~2.4 MiB)
 MAX_KEYS = 65536               # keys in one lookup/reserve
 MAX_NS_CHARS = 256             # a namespace (cache_salt) name
@@ -68,6 +86,18 @@ OPS = ("hello", "lookup", "release", "reserve", "commit", "abort", "stats", "pin
 
 class ProtocolError(Exception):
     """The peer sent something that is not this protocol (the connection is closed)."""
+
+
+class LimitError(ProtocolError):
+    """A request over one of the kv-server's decoding limits (the connection is closed).
+
+    Attributes:
+        limit: ``"max_items"`` (``--max-items``) or ``"max_objects"`` (``--max-objects``).
+    """
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 class ConnectionClosed(ProtocolError):
@@ -249,10 +279,11 @@ def decode(body, max_containers: Optional[int] = None, max_items: Optional[int] 
             msg = _msgpack().unpackb(body, raw=False, use_list=True, strict_map_key=True,
                                      max_array_len=MAX_KEYS + 16, max_ext_len=0, **sizes, **hooks)
     except _TooManyObjects:
-        raise ProtocolError(f"a message holds more than {max_containers} maps and lists (--max-objects)") from None
+        raise LimitError(f"a message holds more than {max_containers} maps and lists (--max-objects)",
+                         "max_objects") from None
     except _TooManyItems:
-        raise ProtocolError(f"a message holds more than {max_items} elements in its lists and maps together "
-                            "(--max-items)") from None
+        raise LimitError(f"a message holds more than {max_items} elements in its lists and maps together "
+                         "(--max-items)", "max_items") from None
     except ValueError as e:
         if max_items is not None and "exceeds max_" in str(e):
             raise ProtocolError(f"not a kv-server request: {e} (strings hold at most {SERVER_MAX_STR} characters, "
@@ -382,9 +413,13 @@ def url_query(url: str) -> Dict[str, str]:
     return out
 
 
-def is_one_way(msg: Dict[str, Any]) -> bool:
-    """True for a request the server must not answer (v2: ``release`` with ``reply: False``)."""
-    return msg.get("op") == "release" and msg.get("reply") is False
+def is_one_way(msg: Dict[str, Any], version: int = PROTOCOL_VERSION) -> bool:
+    """True for a request the server must not answer on a connection speaking ``version``: ``release`` with
+    ``reply: False`` (v2 and later), ``commit`` with ``reply: False`` (v3 and later)."""
+    if msg.get("reply") is not False:
+        return False
+    op = msg.get("op")
+    return (op == "release" and version >= 2) or (op == "commit" and version >= 3)
 
 
 # ----------------------------------------------------------------- request checks (server side)
@@ -423,6 +458,6 @@ def fd_is_shared_memory(fd: int) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_size > 0
 
 
-__all__ = ["PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "is_one_way", "MAX_FRAME", "MAX_KEYS", "OPS", "ProtocolError", "ConnectionClosed", "RemoteError",
+__all__ = ["PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "MAX_DEFERRED_COMMITS", "is_one_way", "MAX_FRAME", "MAX_KEYS", "OPS", "ProtocolError", "ConnectionClosed", "RemoteError",
            "encode", "decode", "send_msg", "recv_msg", "peer_credentials", "socket_path_from_url",
            "check_socket_path", "url_query"]

@@ -2,7 +2,8 @@
 no network, no torch).
 
     cxlalloc plan --model DIR|config.json|llama-3.1-8b --context 32768 --users 64 --gpu h200
-                  [--json] [--plot plan.png] [--reuse 0.5] [--host-bytes 1TB] [--host-node cxl-x8] ...
+                  [--gpus 2 [--parallel tp|pp]] [--json] [--plot plan.png] [--reuse 0.5] [--host-bytes 1TB]
+                  [--host-node cxl-x8] ...
 
 Exit codes: 0 success; 2 bad usage (one line naming the option and its allowed values).
 """
@@ -19,7 +20,7 @@ from typing import List, Optional
 from cxlalloc.cli_usage import OneLineParser as _Parser, fail
 from cxlalloc.plan import hardware
 from cxlalloc.plan.layout import DTYPE_BYTES, PRESETS_DIR, presets
-from cxlalloc.plan.planner import PlanInputs, plan
+from cxlalloc.plan.planner import PARALLEL, PlanInputs, check_gpus, plan
 
 DEFAULT_RECORDS = os.path.join("benchmarks", "results")
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 1 << 10, "mib": 1 << 20,
@@ -62,6 +63,13 @@ def _share(text: str) -> float:
     if not 0.0 <= v <= 1.0:
         raise ValueError(f"--reuse takes a share in [0, 1], got {text!r}")
     return v
+
+
+def _gpus(text: str) -> int:
+    return check_gpus(text)
+
+
+_gpus.__name__ = "--gpus"
 
 
 def _slo(text: str):
@@ -125,6 +133,13 @@ def make_parser(prog: str = "cxlalloc plan") -> argparse.ArgumentParser:
                    help=f"bench records (files or folders) whose measured ceilings replace datasheet rates "
                         f"(default: {DEFAULT_RECORDS} if present)")
     p.add_argument("--no-records", action="store_true", help="use datasheet figures only")
+    p.add_argument("--gpus", type=_gpus, default=None, metavar="N",
+                   help="GPUs per model copy, with per-GPU figures (weights, KV, host/CXL bytes, node, link); "
+                        "default: the smallest of 1, 2, 4, 8 that holds the weights")
+    p.add_argument("--parallel", choices=PARALLEL, default="tp",
+                   help="how --gpus spread a copy: tp, tensor parallel (default, as vLLM/SGLang "
+                        "--tensor-parallel-size), or pp, layers split over the GPUs (as transformers' "
+                        "device_map='auto')")
     p.add_argument("--json", action="store_true", help="print the plan record as JSON")
     p.add_argument("--plot", metavar="PNG", default=None,
                    help="write a plot: capacity against context, TPOT against users")
@@ -163,7 +178,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc plan") -> int:
                             hbm_bytes=args.hbm_bytes, hbm_gbps=args.hbm_gbps, bf16_tflops=args.tflops,
                             link_gbps=args.link_gbps, host_bytes=args.host_bytes, host_node=args.host_node, info=info,
                             headroom_bytes=args.headroom, tpot_slo_ms=args.tpot_slo_ms, mfu=args.mfu,
-                            weight_bytes=args.weight_bytes, records=records)
+                            weight_bytes=args.weight_bytes, records=records, gpus=args.gpus,
+                            parallel=args.parallel)
         rec = plan(inputs)
     except (ValueError, FileNotFoundError) as e:
         fail(prog, str(e))

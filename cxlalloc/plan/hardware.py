@@ -172,3 +172,41 @@ def info_here() -> Dict[str, Any]:
 
     topo = topology.read_topology()
     return {"numa": {"topology": topo, "auto_node": topology.choose_host_node(topo, -1, "auto")}}
+
+
+def gpu_tier_nodes(info: Optional[Dict[str, Any]], gpus: int) -> List[Dict[str, Any]]:
+    """The host/CXL node each of ``gpus`` GPUs' tier would use, from a
+    ``cxlalloc info --json`` record, by the rule of ``numa_node="auto"``
+    (:func:`cxlalloc.topology.choose_host_node`): a CPU-less/CXL node nearest
+    the GPU's own node by SLIT distance (ties: more free memory, then the lower
+    id), else the GPU's own node.  A GPU past the record's list, or without a
+    record, gets ``{"node": None}``.
+
+    Returns one ``{"gpu", "near_node", "node", "node_bytes", "kind"}`` per GPU
+    (``node_bytes``: the node's memory; ``kind``: ``"cxl"`` / ``"cpu-less"`` / ``"host"``).
+    """
+    out: List[Dict[str, Any]] = []
+    devs = list(((info or {}).get("gpu") or {}).get("devices") or [])
+    nodes = [n for n in ((((info or {}).get("numa") or {}).get("topology") or {}).get("nodes") or [])
+             if n.get("has_memory", True) and (n.get("total_bytes") or 0) > 0]
+    far = [n for n in nodes if n.get("cxl") or not n.get("has_cpu", True)]
+    for i in range(gpus):
+        near = devs[i].get("host_numa_id") if i < len(devs) else None
+        near = near if isinstance(near, int) and near >= 0 else None
+        chosen = None
+        if i < len(devs) and nodes:
+            if far:
+                def dist(n):
+                    d = (n.get("distance") or {})
+                    v = d.get(str(near), d.get(near)) if near is not None else None
+                    return (v if isinstance(v, (int, float)) else 1 << 30, -(n.get("free_bytes") or 0), n.get("id"))
+                chosen = min(far, key=dist)
+            else:
+                chosen = next((n for n in nodes if n.get("id") == near), None) or \
+                    next((n for n in nodes if n.get("id") == ((info.get("numa") or {}).get("auto_node") or {})
+                          .get("node")), None) or max(nodes, key=lambda n: n["total_bytes"])
+        out.append({"gpu": i, "near_node": near, "node": chosen.get("id") if chosen else None,
+                    "node_bytes": float(chosen["total_bytes"]) if chosen else None,
+                    "kind": None if chosen is None else ("cxl" if chosen.get("cxl") else
+                                                        "cpu-less" if not chosen.get("has_cpu", True) else "host")})
+    return out

@@ -120,6 +120,8 @@ class Layout:
     head_dim: int
     notes: List[str]
     config_dtype: Optional[str] = None
+    embed_in_params: int = 0    # input embeddings (on the first pipeline stage)
+    embed_out_params: int = 0   # final norm + an untied lm_head (on the last pipeline stage)
 
     def count(self, *kinds: str) -> int:
         return sum(1 for la in self.layers if la.kind in kinds)
@@ -350,9 +352,30 @@ def read_layout(source: Any) -> Layout:
     vocab = int(_first(d, "vocab_size", default=32000))
     params, active, src = _params(d, hidden, n_layers, heads, kv_heads, head_dim, vocab, notes)
     name = str(_first(d, "_name_or_path", "name", default="") or d.get("model_type") or "model")
+    tied = bool(d.get("tie_word_embeddings", False))
     return Layout(name=name, model_type=str(d.get("model_type") or ""), layers=layers, params=params,
                   active_params=active, params_source=src, state_elems=state, attn_heads=heads,
-                  head_dim=head_dim, notes=notes, config_dtype=_first(d, "torch_dtype", "dtype"))
+                  head_dim=head_dim, notes=notes, config_dtype=_first(d, "torch_dtype", "dtype"),
+                  embed_in_params=vocab * hidden, embed_out_params=(0 if tied else vocab * hidden) + hidden)
+
+
+def split_layers(n_layers: int, stages: int) -> List[Tuple[int, int]]:
+    """Contiguous ``[start, end)`` layer ranges of ``stages`` pipeline stages,
+    as even as whole layers allow (the first ``n_layers % stages`` stages hold
+    one more): how ``cxlalloc plan --parallel pp`` splits a model over GPUs."""
+    base, extra = divmod(int(n_layers), int(stages))
+    out, start = [], 0
+    for i in range(int(stages)):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def stage_layout(layout: Layout, start: int, end: int) -> Layout:
+    """The layers ``[start, end)`` of ``layout`` as a layout of their own (one
+    pipeline stage: what that GPU's cache holds)."""
+    return dataclasses.replace(layout, layers=list(layout.layers[start:end]), notes=list(layout.notes))
 
 
 # ---------------------------------------------------------------------------- bytes

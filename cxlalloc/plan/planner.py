@@ -24,17 +24,25 @@ states each and the assumptions; :func:`plan` returns them in the record):
 * GPUs: ``g * ceil(users / sequences per group)``, sequences per group the
   largest count whose KV fits (VRAM only, or VRAM + host bytes) and whose
   ``t_step`` meets the TPOT target.
+* ``gpus=N`` fixes ``g``; ``parallel="tp"`` keeps the formulas above (KV heads
+  split over the GPUs, or copied when ``N`` is a multiple of them: the KV
+  scaled by ``N / H_kv``); ``parallel="pp"`` (:class:`StagedModel`) gives
+  each GPU a run of layers with its own weights, cache and room, and sums
+  ``t_step`` and prefill over the GPUs.  ``per_gpu`` / ``per_node`` in the
+  record: each GPU's share at the operating point, its tier's node
+  (:func:`cxlalloc.plan.hardware.gpu_tier_nodes`) and link.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from cxlalloc.plan import hardware
 from cxlalloc.plan.layout import (DEFAULT_CHUNK_BYTES, SHARED_KINDS, SLIDING_KINDS, Layout, cache_bytes, dtype_bytes,
-                                  kv_bytes_per_token, live_kv_bytes, read_layout, state_bytes)
+                                  kv_bytes_per_token, live_kv_bytes, read_layout, split_layers, stage_layout,
+                                  state_bytes)
 
 GiB = 1 << 30
 GROUPS = (1, 2, 4, 8)  # tensor-parallel group sizes tried for weights that do not fit one GPU
@@ -52,8 +60,12 @@ class PlanModel:
     the bounds of measured records."""
 
     def __init__(self, layout: Layout, weight_bytes: float, kv_elem: float, hbm: float, hbm_gbps: float,
-                 read_gbps: float, tflops: float, mfu: float, headroom: float, host_bytes: float, chunk: int):
+                 read_gbps: float, tflops: float, mfu: float, headroom: float, host_bytes: float, chunk: int,
+                 kv_scale: float = 1.0):
         self.layout, self.W, self.e = layout, float(weight_bytes), kv_elem
+        # Tensor parallel over more GPUs than KV heads: each GPU keeps a copy of a head (vLLM's rule), so the
+        # group holds kv_scale times the model's KV.
+        self.kv_scale = float(kv_scale)
         # Fixed-size state (SSM/conv) of stateful layers stays in transformers' memory: VRAM, untiered.
         self.state = float(state_bytes(layout, kv_elem) or 0)
         self.hbm, self.hbm_gbps, self.read_gbps = hbm, hbm_gbps, read_gbps
@@ -64,14 +76,16 @@ class PlanModel:
         return g * (self.hbm - self.headroom) - self.W - users * self.state
 
     def kv(self, users: int, context: int) -> int:
-        return cache_bytes(self.layout, users, context, self.e, chunk=self.chunk)["total"] if users else 0
+        if not users:
+            return 0
+        return int(cache_bytes(self.layout, users, context, self.e, chunk=self.chunk)["total"] * self.kv_scale)
 
     def host_share(self, users: int, context: int, g: int) -> float:
         k = self.kv(users, context)
         return max(0.0, k - max(0.0, self.budget(g, users))) / k if k else 0.0
 
     def step_s(self, users: int, context: int, g: int, host: bool = True) -> float:
-        live = users * live_kv_bytes(self.layout, context, self.e)
+        live = users * live_kv_bytes(self.layout, context, self.e) * self.kv_scale
         f = self.host_share(users, context, g) if host else 0.0
         t = (self.W + (1 - f) * live) / (g * self.hbm_gbps * 1e9)
         return t + (f * live / (g * self.read_gbps * 1e9) if f else 0.0)
@@ -100,6 +114,21 @@ class PlanModel:
             return False
         return slo_s is None or self.step_s(users, context, g, host) <= slo_s
 
+    def host_needed(self, users: int, context: int, g: int) -> float:
+        """Host/CXL bytes the group's spilled KV takes (all GPUs)."""
+        return max(0.0, self.kv(users, context) - self.budget(g, users))
+
+    def per_gpu(self, users: int, context: int, g: int) -> List[Dict[str, Any]]:
+        """Each GPU's share (tensor parallel: an equal slice of every layer's
+        heads, so KV, weights and spill divide evenly): layers ``[start, end)``,
+        ``weights_bytes``, ``kv_bytes`` (its cache), ``kv_vram_bytes``,
+        ``host_bytes`` (its spill) and ``kv_room_bytes``."""
+        kv, room = self.kv(users, context), self.budget(g, users)
+        vram = min(kv, max(0.0, room))
+        return [{"gpu": i, "layers": [0, len(self.layout.layers)], "weights_bytes": self.W / g,
+                 "kv_bytes": kv / g, "kv_vram_bytes": vram / g, "host_bytes": (kv - vram) / g,
+                 "kv_room_bytes": room / g} for i in range(g)]
+
     def max_users(self, context: int, g: int, host: bool, slo_s: Optional[float], limit: int = 1 << 20) -> int:
         """Largest sequence count that fits (binary search; KV grows with users)."""
         if self.budget(g) <= 0 or not self.fits(1, context, g, host, slo_s):
@@ -111,6 +140,121 @@ class PlanModel:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self.fits(mid, context, g, host, slo_s) else (lo, mid)
         return lo
+
+
+class StagedModel(PlanModel):
+    """Pipeline parallel: GPU ``i`` holds the contiguous layers of stage ``i``
+    (:func:`cxlalloc.plan.layout.split_layers`), their weights (the first
+    also the input embeddings, the last the final norm and an untied
+    ``lm_head``) and their KV in a cache of its own, spilling to its own
+    host tier.  A sequence's decode step and prefill run through the stages
+    one after another, so times add up over GPUs (no speed-up from ``g``);
+    capacity holds while every GPU's KV fits its own room."""
+
+    def __init__(self, layout: Layout, weight_bytes: float, kv_elem: float, hbm: float, hbm_gbps: float,
+                 read_gbps: float, tflops: float, mfu: float, headroom: float, host_bytes: float, chunk: int,
+                 gpus: int):
+        super().__init__(layout, weight_bytes, kv_elem, hbm, hbm_gbps, read_gbps, tflops, mfu, headroom,
+                         host_bytes, chunk)
+        body = max(1, layout.params - layout.embed_in_params - layout.embed_out_params)
+        per_layer = body / max(1, len(layout.layers))
+        self.ranges = split_layers(len(layout.layers), gpus)
+        self.stages = []
+        for i, (a, b) in enumerate(self.ranges):
+            params = per_layer * (b - a) + (layout.embed_in_params if i == 0 else 0) \
+                + (layout.embed_out_params if i == gpus - 1 else 0)
+            sub = stage_layout(layout, a, b)
+            self.stages.append((sub, self.W * params / max(1, layout.params), float(state_bytes(sub, kv_elem) or 0)))
+
+    def room(self, i: int, users: int = 0) -> float:
+        sub, w, st = self.stages[i]
+        return self.hbm - self.headroom - w - users * st
+
+    def stage_kv(self, i: int, users: int, context: int) -> int:
+        return cache_bytes(self.stages[i][0], users, context, self.e, chunk=self.chunk)["total"] if users else 0
+
+    def budget(self, g: int, users: int = 0) -> float:
+        return sum(self.room(i, users) for i in range(len(self.stages)))
+
+    def kv(self, users: int, context: int) -> int:
+        return sum(self.stage_kv(i, users, context) for i in range(len(self.stages)))
+
+    def _spill(self, i: int, users: int, context: int) -> float:
+        return max(0.0, self.stage_kv(i, users, context) - max(0.0, self.room(i, users)))
+
+    def host_needed(self, users: int, context: int, g: int) -> float:
+        return sum(self._spill(i, users, context) for i in range(len(self.stages)))
+
+    def host_share(self, users: int, context: int, g: int) -> float:
+        k = self.kv(users, context)
+        return self.host_needed(users, context, g) / k if k else 0.0
+
+    def step_s(self, users: int, context: int, g: int, host: bool = True) -> float:
+        t = 0.0
+        for i, (sub, w, _) in enumerate(self.stages):
+            live = users * live_kv_bytes(sub, context, self.e)
+            k = self.stage_kv(i, users, context)
+            f = self._spill(i, users, context) / k if (host and k) else 0.0
+            t += (w + (1 - f) * live) / (self.hbm_gbps * 1e9) + (f * live / (self.read_gbps * 1e9) if f else 0.0)
+        return t
+
+    def prefill_s(self, new: float, context: float, g: int) -> float:
+        return super().prefill_s(new, context, 1)  # one prompt goes through the stages in turn
+
+    def fits(self, users: int, context: int, g: int, host: bool, slo_s: Optional[float]) -> bool:
+        for i in range(len(self.stages)):
+            room = self.room(i, users)
+            if room < 0 or self.stage_kv(i, users, context) > room + (self.host if host else 0.0):
+                return False
+        return slo_s is None or self.step_s(users, context, g, host) <= slo_s
+
+    def per_gpu(self, users: int, context: int, g: int) -> List[Dict[str, Any]]:
+        out = []
+        for i, ((a, b), (sub, w, _)) in enumerate(zip(self.ranges, self.stages)):
+            kv, room = self.stage_kv(i, users, context), self.room(i, users)
+            vram = min(kv, max(0.0, room))
+            out.append({"gpu": i, "layers": [a, b], "weights_bytes": w, "kv_bytes": kv, "kv_vram_bytes": vram,
+                        "host_bytes": kv - vram, "kv_room_bytes": room})
+        return out
+
+
+PARALLEL = ("tp", "pp")
+
+
+def check_gpus(value) -> int:
+    """``--gpus``: a whole number >= 1 (an int, or a string of digits).
+
+    Raises:
+        ValueError: anything else, naming ``--gpus`` and its allowed values.
+    """
+    ok = (isinstance(value, int) and not isinstance(value, bool)) or \
+        (isinstance(value, str) and value.strip().isascii() and value.strip().isdigit())
+    if not ok or int(value) < 1:
+        raise ValueError(f"--gpus takes a whole number of GPUs >= 1 (1, 2, 4, 8, ...), got {value!r}")
+    return int(value)
+
+
+def _tp_heads(layout: Layout, g: int) -> Tuple[int, float]:
+    """KV heads per GPU and the group's KV multiple for tensor parallel over ``g`` GPUs.
+
+    Raises:
+        ValueError: ``g`` does not divide the attention heads, or neither
+            divides nor is a multiple of the KV heads (naming ``--gpus``)."""
+    heads = layout.attn_heads
+    if heads % g:
+        ok = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ValueError(f"--gpus {g} with --parallel tp: tensor parallelism splits the {heads} attention heads "
+                         f"evenly, so --gpus must divide {heads} (allowed: {', '.join(map(str, ok))}); "
+                         f"or use --parallel pp")
+    geo = layout.shared_geometry() or next((la for la in layout.layers if la.kv_elems), None)
+    kvh = geo.heads if geo is not None else 1
+    if kvh % g == 0:
+        return kvh // g, 1.0
+    if g % kvh == 0:
+        return 1, g / kvh
+    raise ValueError(f"--gpus {g} with --parallel tp: the {kvh} KV heads neither split evenly over {g} GPUs nor "
+                     f"are copied whole to each (--gpus must divide {kvh} or be a multiple of it); "
+                     f"or use --parallel pp")
 
 
 def _check(name: str, value, lo=None, hi=None, integer=False):
@@ -155,6 +299,13 @@ class PlanInputs:
             replaces the datasheet HBM and link rates (said in ``hardware``).
         chunk_bytes: the engine's extent chunk (2 MiB).
         curve_contexts / curve_users: points of the plot's curves.
+        gpus: GPUs per model copy (``--gpus``; a whole number >= 1); None:
+            the smallest of 1, 2, 4, 8 that holds the weights (tensor parallel).
+        parallel: how a copy is spread over ``gpus``: ``"tp"`` (tensor
+            parallel, the default: every GPU holds a slice of every layer's
+            heads, as vLLM's and SGLang's ``--tensor-parallel-size``) or
+            ``"pp"`` (pipeline: layers split over the GPUs, as transformers'
+            ``device_map="auto"``).
     """
 
     model: Any
@@ -179,6 +330,8 @@ class PlanInputs:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     curve_contexts: Optional[Sequence[int]] = None
     curve_users: Optional[Sequence[int]] = None
+    gpus: Optional[int] = None
+    parallel: str = "tp"
 
 
 def plan(inputs, **options) -> Dict[str, Any]:
@@ -218,7 +371,17 @@ def plan(inputs, **options) -> Dict[str, Any]:
     tpot_slo_ms = p.tpot_slo_ms
     if tpot_slo_ms is not None:
         tpot_slo_ms = _check("--tpot-slo-ms", tpot_slo_ms, 0.001)
+    gpus = None if p.gpus is None else check_gpus(p.gpus)
+    if p.parallel not in PARALLEL:
+        raise ValueError(f"--parallel must be one of {', '.join(PARALLEL)}, got {p.parallel!r}")
+    if gpus is not None and from_info is not None and from_info["gpus"] and gpus > from_info["gpus"]:
+        raise ValueError(f"--gpus {gpus}: the --info record lists {from_info['gpus']} GPU(s) (allowed: 1.."
+                         f"{from_info['gpus']}, or leave out --info)")
     layout = read_layout(p.model)
+    if gpus is not None and p.parallel == "pp" and gpus > len(layout.layers):
+        raise ValueError(f"--gpus {gpus} with --parallel pp: the model has {len(layout.layers)} layers, one stage "
+                         f"per GPU at least (allowed: 1..{len(layout.layers)})")
+    kv_heads_per_gpu, kv_scale = _tp_heads(layout, gpus) if (gpus and p.parallel == "tp") else (None, 1.0)
     we = dtype_bytes(p.weight_dtype, "--weight-dtype")
     ke = dtype_bytes(p.kv_dtype or p.weight_dtype, "--kv-dtype")
     preset = hardware.gpu_preset(p.gpu)
@@ -250,8 +413,21 @@ def plan(inputs, **options) -> Dict[str, Any]:
     tflops = float(p.bf16_tflops) if p.bf16_tflops else preset.bf16_tflops
     head = float(p.headroom_bytes) if p.headroom_bytes is not None else default_headroom(hbm)
     W = float(p.weight_bytes) if p.weight_bytes else layout.params * we
-    m = PlanModel(layout, W, ke, hbm, bw, read, tflops, mfu, head, host_bytes, int(p.chunk_bytes))
-    g = next((n for n in GROUPS if m.budget(n) > 0 and m.max_users(context, n, True, None) > 0), None)
+    if gpus is not None and p.parallel == "pp":
+        m = StagedModel(layout, W, ke, hbm, bw, read, tflops, mfu, head, host_bytes, int(p.chunk_bytes), gpus)
+    else:
+        m = PlanModel(layout, W, ke, hbm, bw, read, tflops, mfu, head, host_bytes, int(p.chunk_bytes), kv_scale)
+    if gpus is not None:
+        g = gpus
+        if m.max_users(context, g, True, None) == 0:
+            auto = next((n for n in GROUPS if PlanModel(layout, W, ke, hbm, bw, read, tflops, mfu, head, host_bytes,
+                                                        int(p.chunk_bytes)).max_users(context, n, True, None)), None)
+            raise ValueError(f"--gpus {g} ({p.parallel}): the weights ({W / 1e9:.1f} GB) and one sequence of {context} "
+                             f"tokens do not fit {g} {preset.name} GPU(s) (VRAM {hbm / 1e9:.0f} GB, headroom "
+                             f"{head / 1e9:.1f} GB, host/CXL {host_bytes / 1e9:.0f} GB per GPU)"
+                             + (f"; {auto} GPUs hold them (tensor parallel)" if auto else ""))
+    else:
+        g = next((n for n in GROUPS if m.budget(n) > 0 and m.max_users(context, n, True, None) > 0), None)
     if g is None:
         raise ValueError(f"the weights ({W / 1e9:.1f} GB) and one sequence of {context} tokens fit no group of up to "
                          f"{GROUPS[-1]} {preset.name} GPUs (VRAM {hbm / 1e9:.0f} GB, headroom {head / 1e9:.1f} GB)")
@@ -271,14 +447,27 @@ def plan(inputs, **options) -> Dict[str, Any]:
     kv_target = m.kv(users, context)
     # Operating point with the host tier: the target's users spread over n_with GPUs.
     u_op = math.ceil(users / (n_with // g)) if n_with else 0
-    kv_op = m.kv(u_op, context)
-    host_op = max(0.0, kv_op - m.budget(g, u_op))
+    host_op = m.host_needed(u_op, context, g)
     prefix_tokens = int(round(reuse * context))
     load_bytes = live_kv_bytes(layout, prefix_tokens, ke)
     cold = m.prefill_s(context, context, g)
     warm_load = load_bytes / (g * read * 1e9)
     warm = warm_load + m.prefill_s(context - prefix_tokens, context, g)
     st = state_bytes(layout, ke)
+    per = m.per_gpu(u_op, context, g) if u_op else m.per_gpu(0, context, g)
+    tiers = hardware.gpu_tier_nodes(p.info, g)
+    link_text = link_src if link_src.startswith("measured") or link_src == "--link-gbps" else preset.link_name
+    by_node: Dict[Any, Dict[str, Any]] = {}
+    for x, t in zip(per, tiers):
+        x["weights_bytes"], x["kv_bytes"] = float(x["weights_bytes"]), float(x["kv_bytes"])
+        x.update(node=t["node"], node_kind=t["kind"], near_node=t["near_node"], link=link_text, link_gbps=link,
+                 host_read_gbps=read)
+        if p.parallel == "tp" and gpus is not None:
+            x["kv_heads"] = kv_heads_per_gpu
+        nd = by_node.setdefault(t["node"], {"node": t["node"], "gpus": [], "host_bytes": 0.0,
+                                            "node_bytes": t["node_bytes"]})
+        nd["gpus"].append(x["gpu"])
+        nd["host_bytes"] += x["host_bytes"]
     record: Dict[str, Any] = {
         "model": {"name": layout.name, "model_type": layout.model_type, "layers": len(layout.layers),
                   "layer_kinds": layout.kinds(), "params": layout.params, "active_params": layout.active_params,
@@ -295,8 +484,18 @@ def plan(inputs, **options) -> Dict[str, Any]:
                "state_bytes_per_sequence": st, "target_cache_bytes": kv_target,
                "target_cache_bytes_by_store": cache_bytes(layout, users, context, ke, chunk=int(p.chunk_bytes))},
         "vram": {"per_gpu_bytes": hbm, "weights_per_gpu": W / g, "headroom_per_gpu": head,
-                 "kv_per_gpu": min(kv_op, max(0.0, m.budget(g, u_op))) / g, "kv_room_per_gpu": m.budget(g) / g,
+                 "kv_per_gpu": sum(x["kv_vram_bytes"] for x in per) / g, "kv_room_per_gpu": m.budget(g) / g,
                  "state_per_gpu": u_op * m.state / g},
+        "parallel": {"gpus": g, "mode": p.parallel if g > 1 else "none", "gpus_given": gpus is not None,
+                     "rule": ("tensor parallel: each GPU a 1/g slice of every layer's heads and weights"
+                              + (f" ({kv_heads_per_gpu} KV head(s) per GPU"
+                                 + (f", copied: the group holds {kv_scale:g}x the KV)" if kv_scale != 1 else ")")
+                                 if kv_heads_per_gpu else ""))
+                     if p.parallel == "tp" else
+                     "pipeline parallel: contiguous layers per GPU (the first stages one more when uneven), "
+                     "embeddings on the first, norm and lm_head on the last; times add up over the stages"},
+        "per_gpu": per,
+        "per_node": list(by_node.values()),
         "capacity": {"group_gpus": g, "sequences_per_group_vram_only": u_vram,
                      "sequences_per_group_with_host": u_host,
                      "sequences_per_gpu_vram_only": u_vram / g, "sequences_per_gpu_with_host": u_host / g},
@@ -319,7 +518,9 @@ def plan(inputs, **options) -> Dict[str, Any]:
                  "reuse_pool_bytes_upper": users * load_bytes},
         "assumptions": [
             f"weights {W / 1e9:.2f} GB ({'--weight-bytes' if p.weight_bytes else layout.params_source}), "
-            f"one copy per group of {g} GPU(s), all in VRAM",
+            f"one copy per group of {g} GPU(s), all in VRAM"
+            + (f", {'layers split (pipeline)' if p.parallel == 'pp' else 'tensor parallel'} (--gpus)"
+               if gpus is not None else ""),
             f"headroom {head / GiB:.1f} GiB per GPU left to activations "
             f"({'--headroom' if p.headroom_bytes is not None else 'max(2 GiB, 10% of VRAM)'})",
             "one CxlCache of all sequences per group (the engine's shared store; 2 MiB chunks)",

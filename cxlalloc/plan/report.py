@@ -58,6 +58,32 @@ def rows(rec: Dict[str, Any]) -> List[tuple]:
             ("hardware", "HBM", f"{hw['hbm_gbps']:,.0f} GB/s ({hw['hbm_gbps_source']})"),
             ("hardware", "host read", f"{hw['host_read_gbps']:,.1f} GB/s = min(link {hw['link_gbps']:.1f}: "
              f"{hw['link_source']}; node {hw['host_node_gbps']:.0f}: {hw['host_node_source']})")]
+    out += per_gpu_rows(rec)
+    return out
+
+
+def per_gpu_rows(rec: Dict[str, Any]) -> List[tuple]:
+    """One row per GPU of a model copy (its layers, weights, KV in VRAM and on
+    its host/CXL tier, the node and link of that tier) and one per NUMA node,
+    at the operating point (``decode.sequences_per_group_at_target`` sequences)."""
+    par = rec.get("parallel") or {}
+    if par.get("gpus", 1) <= 1 and not par.get("gpus_given"):
+        return []
+    u = rec["decode"]["sequences_per_group_at_target"]
+    sec = f"per GPU ({par.get('mode')}, {u} seq.)"
+    out = []
+    for x in rec["per_gpu"]:
+        node = "node unknown (give --info)" if x["node"] is None else f"node {x['node']} ({x['node_kind']})"
+        heads = f", {x['kv_heads']} KV heads" if x.get("kv_heads") else ""
+        out.append((sec, f"GPU {x['gpu']}: layers {x['layers'][0]}-{x['layers'][1] - 1}{heads}",
+                    f"weights {_b(x['weights_bytes'])}, KV {_b(x['kv_bytes'])} (VRAM {_b(x['kv_vram_bytes'])}, "
+                    f"host/CXL {_b(x['host_bytes'])}); tier on {node} via {x['link']} "
+                    f"({x['host_read_gbps']:.0f} GB/s read)"))
+    for nd in rec["per_node"]:
+        name = "NUMA node unknown" if nd["node"] is None else f"NUMA node {nd['node']}"
+        size = f" of {_b(nd['node_bytes'])}" if nd.get("node_bytes") else ""
+        out.append(("per NUMA node", f"{name}: GPUs {', '.join(map(str, nd['gpus']))}",
+                    f"host/CXL {_b(nd['host_bytes'])}{size} per model copy"))
     return out
 
 

@@ -3,12 +3,13 @@ engine that serves them; whether torch can use CUDA here at all."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Optional
 
 from cxlalloc import _C
-from cxlalloc.config import Config, _parse_device
+from cxlalloc.config import Config, _parse_device, check_per_device, per_device_values
 from cxlalloc.engine import configure, device_options, new_engine
 
 
@@ -42,11 +43,14 @@ def require_cuda(torch, cfg: Config) -> None:
 
 def device_config(cfg: Config, device: int) -> Config:
     """The options that apply to ``device``: all of them when ``cfg.device`` is
-    None or names it; defaults for the other GPUs (global mode serves every
+    None or names it, with that GPU's own value of any option given per GPU (a
+    list or mapping, :func:`cxlalloc.config.make_enable_config`); defaults for
+    the other GPUs when ``cfg.device`` names one (global mode serves every
     GPU, so each needs an allocator)."""
-    if cfg.device is None or cfg.device == device:
-        return cfg
-    return Config(libcuda=cfg.libcuda)
+    if cfg.device is not None and cfg.device != device:
+        return Config(libcuda=cfg.libcuda)
+    over = per_device_values(cfg, device)
+    return dataclasses.replace(cfg, **over) if over else cfg
 
 
 def made_by(source: str) -> Optional[str]:
@@ -71,6 +75,7 @@ def visible_devices(engine_count: int, cfg: Config) -> list:
     if cfg.device is not None and not (0 <= cfg.device < engine_count):
         raise ValueError(f"cxlalloc option 'device': {cfg.device} is not a CUDA device ordinal "
                          f"(0..{engine_count - 1} are visible)")
+    check_per_device(cfg, engine_count)
     return list(range(engine_count))
 
 

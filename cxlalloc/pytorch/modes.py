@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from cxlalloc.config import make_config
+from cxlalloc.config import make_enable_config
 from cxlalloc.pytorch import state
 from cxlalloc.pytorch.devices import require_cuda
 from cxlalloc.pytorch.global_mode import TooLate, enable_global
@@ -35,7 +35,10 @@ def enable(device_limit=None, host_limit=None, numa_node="auto", backend="auto",
         backend: host-tier backend: ``"auto"``, ``"host-vmm"``, ``"managed"``,
             ``"pinned"``.
         device: the GPU these options apply to (int or ``"cuda:N"``); None =
-            every GPU.  In global mode the other GPUs get default options; in
+            every GPU.  ``device_limit``, ``kv_device_limit``, ``host_limit``,
+            ``numa_node`` and ``device_headroom`` also take one value per GPU:
+            a list (one per visible GPU, in device order) or a mapping
+            ``{device index or "cuda:N": value}`` (not with ``device``).  In global mode the other GPUs get default options; in
             scoped mode only this GPU gets pools.
         **options: the other options of :mod:`cxlalloc.config`
             (``kv_device_limit``, ``device_headroom``, ``migration_rate``,
@@ -61,7 +64,7 @@ def enable(device_limit=None, host_limit=None, numa_node="auto", backend="auto",
 def enable_from(options: dict, source: str) -> str:
     """:func:`enable` with the options as a dict; ``source`` names the caller
     in a later conflict's message (the CXLALLOC start-up hook passes its own)."""
-    cfg = make_config(**options)  # validation first: ValueError naming the option
+    cfg = make_enable_config(**options)  # validation first: ValueError naming the option
     if cfg.simulate:
         raise ValueError(
             "cxlalloc option 'simulate': torch cannot allocate from cxlalloc's simulated GPU, so enable() needs a "

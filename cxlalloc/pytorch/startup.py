@@ -25,7 +25,7 @@ import os
 import sys
 import warnings
 
-from cxlalloc.config import make_config, parse_env
+from cxlalloc.config import make_enable_config, parse_env
 from cxlalloc.pytorch.modes import enable_from
 
 _done = False
@@ -106,7 +106,7 @@ def _main() -> None:
         options = parse_env(text)
         if options is None:
             return
-        make_config(**options)  # every option checked here, before CUDA starts, so a bad value is one line
+        make_enable_config(**options)  # every option checked here, before CUDA starts, so a bad value is one line
     except ValueError as e:
         global reported_error
         msg = str(e) if str(e).startswith("CXLALLOC") else f"CXLALLOC: {e}"

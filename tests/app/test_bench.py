@@ -18,7 +18,8 @@ from tests.helpers.proc import child_env
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB = 1 << 30
 MiB = 1 << 20
-STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "kvserver", "reuse",
+STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "hf-per-gpu",
+         "hf-multi-gpu", "kvserver", "reuse",
          "lmcache", "vllm", "cb", "decode", "plan", "rightsizing", "report", "pack")
 
 
@@ -733,11 +734,17 @@ def test_kvspeed_is_opt_in_and_plots_its_ratios(tmp_path):
     from cxlalloc_apps.bench import kvspeed as ks
 
     assert "kvspeed" in meta.OPT_IN and set(ks.PARTS) == {"lookup", "insert", "chat", "prefix"}
+    def spread(m):  # a ratio as the method records it (cxlalloc_apps/bench/method.py)
+        return {"n": 5, "median": m, "q1": m - 0.05, "q3": m + 0.05, "min": m - 0.1, "max": m + 0.1}
+
     rec = {"simulated": True, "results": [
-        *({"part": "lookup", "clients": c, "keys": n, "ratio_kvserver_over_redis": 1.0 + c / 10 + n / 1000}
+        *({"part": "lookup", "clients": c, "keys": n, "redis_parser": "hiredis",
+           "ratio_kvserver_over_redis": spread(1.0 + c / 10 + n / 1000),
+           "ratio_kvserver_over_redis_python_parser": spread(1.2 + c / 10)}
           for c in ks.LOOKUP_CLIENTS for n in ks.LOOKUP_KEYS),
-        {"part": "insert", "block_bytes": 64 << 10, "ratio_insert_over_memcpy": 0.5,
-         "ratio_one_per_reservation_over_memcpy": 0.1},
+        *({"part": "insert", "block_bytes": b, "ratio_insert_over_memcpy": spread(0.5),
+           "ratio_insert_commit_waited_over_memcpy": spread(0.4),
+           "ratio_one_per_reservation_over_memcpy": spread(0.1)} for b in (64 << 10, 1 << 20)),
         {"part": "chat", "ratio_wrapped_over_by_hand": 1.05,
          "ttft_ms_per_turn": {"by_hand_dynamic_cache": [10, 11], "wrapped_kv_store": [10, 12]}},
         {"part": "prefix", "prefix_tokens": 1024, "ttft_ms_median": {"deepcopy_recipe": 30, "wrapped_kv_store": 20}}]}

@@ -79,6 +79,16 @@ def test_run_propagates_variable_and_exit_code():
     assert r.stdout == "device_limit:2GiB,numa_node:0,promote_after:3\n"
 
 
+def test_run_takes_per_gpu_values():
+    code = "import os; print(os.environ['CXLALLOC'])"
+    r = cli("run", "--device-limit", "2GiB|1GiB", "--option", "numa_node=0=2|1=3", "--", sys.executable, "-c", code)
+    assert (r.returncode, r.stdout) == (0, "device_limit:2GiB|1GiB,numa_node:0=2|1=3\n"), r.stderr
+    r = cli("run", "--host-limit", "1GiB|lots", "--", "true")
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "python -m cxlalloc run: error: cxlalloc option 'host_limit[1]': 'lots' is not a size; use bytes (int) or a "
+        "size string like '512MiB', '8GiB', '1.5TiB', '8GB'"], r.stderr
+
+
 def test_run_defaults_to_1_and_merges_existing_variable():
     code = "import os; print(os.environ['CXLALLOC'])"
     r = cli("run", "--", sys.executable, "-c", code)

@@ -22,10 +22,11 @@ WORDS = ("the tide station reports water levels every six minutes hello how are 
          "document about harbours ships rivers rain sun moon stars north south east west").split()
 
 
-def _tiny_model_dir(path):
+def _tiny_model_dir(path, **sizes):
     """A tiny Llama with a word-level tokenizer and a chat template, saved with
     save_pretrained (no download).  Word-level: every token decodes to a whole
-    word, so streamed text and decoded tokens compare exactly."""
+    word, so streamed text and decoded tokens compare exactly.  ``sizes``:
+    LlamaConfig fields replacing the tiny defaults (a slower model)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -40,9 +41,10 @@ def _tiny_model_dir(path):
     tok.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=len(vocab), pad_token_id=0, bos_token_id=2, eos_token_id=3))
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    model = LlamaForCausalLM(LlamaConfig(**dict(dims, **sizes), vocab_size=len(vocab), pad_token_id=0, bos_token_id=2,
+                                         eos_token_id=3))
     model.generation_config.do_sample = False
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -206,6 +208,7 @@ def test_four_concurrent_multi_turn_conversations_streamed_and_not(served):
     (["/no/such/model"], "is not a directory"),
     (["--log-level", "loud"], "--log-level 'loud' is not allowed"),
     (["--header-timeout", "0"], "--header-timeout '0' is not allowed"),
+    (["--drain-timeout", "0"], "--drain-timeout '0' is not allowed; allowed: seconds in (0, 86400]"),
     (["--device-limit", "1B"], "--device-limit"),  # below one segment: the engine's own check, before the load
     (["--host-limit", "1KiB"], "--host-limit"),
 ])

@@ -209,3 +209,131 @@ def test_plan_function_takes_the_preset_names_its_error_lists():
     assert rec["kv"]["bytes_per_token"]["total"] == 131072  # 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
     with pytest.raises(FileNotFoundError, match="preset name: llama-3.1-70b, llama-3.1-8b"):
         plan_mod.plan("llama-3.1-9b")
+
+
+# ----------------------------------------------------------------- --gpus N: per-GPU figures
+def test_gpus_2_h200_70b_128k_prints_per_gpu_figures():
+    """The issue's command (docs/planning.md runs it): a table with one row per GPU and per NUMA node."""
+    p = plan("--model", "llama-3.1-70b", "--gpus", "2", "--gpu", "h200", "--context", "131072", "--users", "16")
+    assert p.returncode == 0, p.stderr  # exactly as docs/planning.md writes it (records: benchmarks/results)
+    out = " ".join(p.stdout.split())
+    assert "GPU 0: layers 0-79, 4 KV heads" in out and "GPU 1: layers 0-79, 4 KV heads" in out
+    assert out.count("weights 70.55 GB, KV 42.95 GB (VRAM 42.95 GB, host/CXL 0 B)") == 2  # 2 sequences per copy
+    assert "NUMA node unknown: GPUs 0, 1" in out and "tier on node unknown (give --info) via " in out
+
+
+def test_gpus_tensor_and_pipeline_parallel_records():
+    from cxlalloc.plan import plan as plan_fn
+    from cxlalloc.plan.cli import resolve_model
+    from cxlalloc.plan.layout import cache_bytes, read_layout, split_layers, stage_layout
+
+    model = resolve_model("llama-3.1-70b")
+    lay = read_layout(model)
+    kw = dict(gpus=2, gpu="h200", context=131072, users=16, tpot_slo_ms=None)
+    tp = plan_fn(model, **kw)
+    pp = plan_fn(model, parallel="pp", **kw)
+    W = lay.params * 2
+    for r in (tp, pp):
+        assert r["capacity"]["group_gpus"] == 2 and len(r["per_gpu"]) == 2
+        assert sum(x["weights_bytes"] for x in r["per_gpu"]) == pytest.approx(W)
+        u = r["decode"]["sequences_per_group_at_target"]
+        assert u > 1
+        # per-GPU KV adds up to the copy's cache; VRAM + host per GPU is its KV; the host part is the spill
+        assert sum(x["kv_bytes"] for x in r["per_gpu"]) == pytest.approx(r["per_gpu"][0]["kv_bytes"] * 2)
+        for x in r["per_gpu"]:
+            assert x["kv_vram_bytes"] + x["host_bytes"] == pytest.approx(x["kv_bytes"])
+            assert x["kv_vram_bytes"] <= x["kv_room_bytes"] + 1
+        assert sum(x["host_bytes"] for x in r["per_gpu"]) == pytest.approx(r["host"]["bytes_needed_per_gpu"] * 2)
+        assert r["per_node"] == [{"node": None, "gpus": [0, 1], "node_bytes": None,
+                                  "host_bytes": pytest.approx(sum(x["host_bytes"] for x in r["per_gpu"]))}]
+    # tensor parallel: every layer on both GPUs, half of each layer's 8 KV heads, half of the one cache
+    u = tp["decode"]["sequences_per_group_at_target"]
+    assert [x["layers"] for x in tp["per_gpu"]] == [[0, 80], [0, 80]]
+    assert [x["kv_heads"] for x in tp["per_gpu"]] == [4, 4]
+    assert tp["per_gpu"][0]["kv_bytes"] == cache_bytes(lay, u, 131072, 2)["total"] / 2
+    assert tp["parallel"]["mode"] == "tp" and tp["parallel"]["gpus_given"]
+    # pipeline: 40 layers each, each GPU's cache exactly its stage's; the 70B spills past VRAM at capacity
+    u = pp["decode"]["sequences_per_group_at_target"]
+    assert split_layers(80, 2) == [(0, 40), (40, 80)] and [x["layers"] for x in pp["per_gpu"]] == [[0, 40], [40, 80]]
+    for x, (a, b) in zip(pp["per_gpu"], split_layers(80, 2)):
+        assert x["kv_bytes"] == cache_bytes(stage_layout(lay, a, b), u, 131072, 2)["total"]
+        assert x["host_bytes"] > 0  # capacity only: the host tier holds most of the KV
+    # the first GPU holds the input embeddings, the last the lm_head: equal here (untied, 128256 x 8192 each)
+    assert pp["per_gpu"][0]["weights_bytes"] == pytest.approx(pp["per_gpu"][1]["weights_bytes"] - 2 * 8192, rel=1e-9)
+    # a pipeline step runs the stages in turn: twice the tensor-parallel step at the same sequences
+    assert pp["ttft"]["cold_ms"] == pytest.approx(2 * tp["ttft"]["cold_ms"])
+
+
+def test_gpus_nodes_and_links_from_cxlalloc_info():
+    """Two GPUs on two sockets, a CXL expander near each: each GPU's tier on its own CXL node."""
+    from cxlalloc.plan import plan as plan_fn
+    from cxlalloc.plan.cli import resolve_model
+
+    info = {"gpu": {"devices": [{"name": "NVIDIA H200", "total_bytes": 141e9, "host_numa_id": 0},
+                                {"name": "NVIDIA H200", "total_bytes": 141e9, "host_numa_id": 1}]},
+            "numa": {"auto_node": {"node": 2}, "topology": {"nodes": [
+                {"id": 0, "has_cpu": True, "total_bytes": 500e9, "distance": {"0": 10, "1": 21, "2": 14, "3": 24}},
+                {"id": 1, "has_cpu": True, "total_bytes": 500e9, "distance": {"0": 21, "1": 10, "2": 24, "3": 14}},
+                {"id": 2, "has_cpu": False, "cxl": True, "total_bytes": 256e9, "distance": {"0": 14, "1": 24}},
+                {"id": 3, "has_cpu": False, "cxl": True, "total_bytes": 256e9, "distance": {"0": 24, "1": 14}}]}}}
+    r = plan_fn(resolve_model("llama-3.1-70b"), gpus=2, parallel="pp", context=131072, users=16, info=info,
+                tpot_slo_ms=None)
+    assert [(x["node"], x["node_kind"], x["near_node"]) for x in r["per_gpu"]] == [(2, "cxl", 0), (3, "cxl", 1)]
+    assert [(n["node"], n["gpus"], n["node_bytes"]) for n in r["per_node"]] == [(2, [0], 256e9), (3, [1], 256e9)]
+    assert [n["host_bytes"] for n in r["per_node"]] == [x["host_bytes"] for x in r["per_gpu"]]
+    assert all(x["link"] == "PCIe 5.0 x16" and x["host_read_gbps"] == 63.0 for x in r["per_gpu"])
+    with pytest.raises(ValueError, match=r"--gpus 4: the --info record lists 2 GPU\(s\) \(allowed: 1..2"):
+        plan_fn(resolve_model("llama-3.1-70b"), gpus=4, info=info)
+
+
+@pytest.mark.parametrize("gpus", [0, -2, 2.5, "two", True, None.__class__])
+def test_plan_function_rejects_bad_gpus(gpus):
+    from cxlalloc.plan import plan as plan_fn
+    from cxlalloc.plan.cli import resolve_model
+
+    with pytest.raises(ValueError, match=r"^--gpus takes a whole number of GPUs >= 1 \(1, 2, 4, 8, ...\), got "):
+        plan_fn(resolve_model("llama-3.1-8b"), gpus=gpus)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--gpus", "0"], "--gpus takes a whole number of GPUs >= 1 (1, 2, 4, 8, ...), got '0'"),
+    (["--gpus=-1"], "--gpus takes a whole number of GPUs >= 1 (1, 2, 4, 8, ...), got '-1'"),
+    (["--gpus", "1.5"], "--gpus takes a whole number of GPUs >= 1 (1, 2, 4, 8, ...), got '1.5'"),
+    (["--gpus", "3"], "--gpus 3 with --parallel tp: tensor parallelism splits the 64 attention heads evenly, so "
+                      "--gpus must divide 64 (allowed: 1, 2, 4, 8, 16, 32, 64); or use --parallel pp"),
+    (["--gpus", "81", "--parallel", "pp"], "--gpus 81 with --parallel pp: the model has 80 layers, one stage per "
+                                           "GPU at least (allowed: 1..80)"),
+    (["--gpus", "1"], "--gpus 1 (tp): the weights (141.1 GB) and one sequence of 32768 tokens do not fit 1 NVIDIA "
+                      "H200 SXM 141 GB GPU(s)"),
+    (["--gpus", "2", "--parallel", "dp"], "--parallel: invalid choice: 'dp' (choose from 'tp', 'pp')"),
+])
+def test_bad_gpus_is_one_line_naming_gpus(args, needle):
+    p = plan("--model", "llama-3.1-70b", "--no-records", *args)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], p.stderr
+
+
+def test_gpus_sharing_one_cxl_node_and_kv_heads_copied_past_their_count():
+    from cxlalloc.plan import plan as plan_fn
+    from cxlalloc.plan.cli import resolve_model
+    from cxlalloc.plan.layout import cache_bytes, read_layout
+
+    model = resolve_model("llama-3.1-70b")
+    # both GPUs near node 0, one CXL expander: both tiers on node 2, its bytes summed there
+    info = {"gpu": {"devices": [{"name": "NVIDIA H200", "total_bytes": 141e9, "host_numa_id": 0}] * 2},
+            "numa": {"topology": {"nodes": [
+                {"id": 0, "has_cpu": True, "total_bytes": 500e9, "distance": {"0": 10, "2": 14}},
+                {"id": 2, "has_cpu": False, "cxl": True, "total_bytes": 256e9, "distance": {"0": 14}}]}}}
+    r = plan_fn(model, gpus=2, parallel="pp", context=131072, users=16, info=info, tpot_slo_ms=None)
+    assert [x["node"] for x in r["per_gpu"]] == [2, 2]
+    assert len(r["per_node"]) == 1 and r["per_node"][0]["gpus"] == [0, 1]
+    spilled = sum(x["host_bytes"] for x in r["per_gpu"])
+    assert spilled > 0 and r["per_node"][0]["host_bytes"] == pytest.approx(spilled)
+    assert r["per_node"][0]["node_bytes"] == 256e9 and r["hardware"]["host_bytes_per_gpu"] == 128e9  # shared by 2
+    # tensor parallel over 16 GPUs, 8 KV heads: each GPU keeps one head, the copy holds the KV twice (vLLM's rule)
+    r = plan_fn(model, gpus=16, context=32768, users=64, tpot_slo_ms=None)
+    u = r["decode"]["sequences_per_group_at_target"]
+    assert {x["kv_heads"] for x in r["per_gpu"]} == {1}
+    assert r["per_gpu"][0]["kv_bytes"] == pytest.approx(2 * cache_bytes(read_layout(model), u, 32768, 2)["total"] / 16)
+    assert "copied: the group holds 2x the KV" in r["parallel"]["rule"]

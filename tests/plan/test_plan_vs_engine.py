@@ -136,3 +136,61 @@ def test_configs_saved_without_layer_types_read_as_transformers_builds_them(make
     d = json.loads(json.dumps(cfg.to_dict()))
     d.pop("layer_types", None)
     assert [la.kind for la in read_layout(d).layers] == [la.kind for la in read_layout(cfg).layers]
+
+
+# ----------------------------------------------------------------- a 2-GPU pipeline layout
+@_seeded
+def _llama_stage(layers):
+    return T.LlamaForCausalLM(T.LlamaConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=layers,
+                                            num_attention_heads=8, num_key_value_heads=4, vocab_size=500))
+
+
+def test_two_gpu_pipeline_plan_per_gpu_kv_and_spill_match_the_engine(fresh_sim):
+    """``cxlalloc plan --gpus 2 --parallel pp`` on a 5-layer Llama GQA: GPU 0
+    holds layers 0-2, GPU 1 layers 3-4, each its own cache on its own tiers.
+    Each stage runs on its own simulated GPU (cuda:0 and cuda:1 of a 2-device
+    simulated driver, both alive at once) as a Llama of that stage's layers:
+    the planned per-GPU KV is what that GPU's engine commits in class ``kv``,
+    a budget of the planned bytes spills nothing there, one chunk less spills
+    exactly one chunk on that GPU's host tier and none on the other's.  (One
+    device-mapped model over both GPUs is hf.wrap's multi-GPU path; here each
+    stage is a model of its own: the same layers, geometry and tokens.)"""
+    from cxlalloc.plan.planner import StagedModel
+    from tests.helpers.sim_gpus import sim_gpus
+
+    layout = read_layout(json.loads(json.dumps(_llama_stage(layers=5).config.to_dict())))
+    batch, prompt, new = 8, 600, 12
+    tokens = prompt + new - 1
+    staged = StagedModel(layout, 0.0, FP32, 64 * MiB, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, CHUNK, gpus=2)
+    per = staged.per_gpu(batch, tokens, 2)
+    assert [x["layers"] for x in per] == [[0, 3], [3, 5]]
+    planned = [int(x["kv_bytes"]) for x in per]
+    assert planned == [cache_bytes(read_layout(json.loads(json.dumps(_llama_stage(layers=b - a).config.to_dict()))),
+                                   batch, tokens, FP32)["total"] for a, b in ((0, 3), (3, 5))]
+    assert planned[0] > planned[1] >= 2 * CHUNK  # uneven stages, several chunks each
+    ids = padded_batch(batch=batch, length=prompt, pad=0, vocab=500)
+    with sim_gpus(fresh_sim, 2):
+        for short in (None, 0, 1):  # no GPU short, GPU 0 one chunk short, GPU 1 one chunk short
+            models, outs, kvs = [], [], []
+            try:
+                for gpu, (a, b) in enumerate(((0, 3), (3, 5))):
+                    m = _llama_stage(layers=b - a)
+                    limit = planned[gpu] - (CHUNK if short == gpu else 0)
+                    hf.wrap(m, device=gpu, device_limit=256 * MiB, host_limit=256 * MiB, kv_device_limit=limit)
+                    models.append(m)
+                for gpu, m in enumerate(models):
+                    outs.append(gen(m, **ids, max_new_tokens=new, min_new_tokens=new))
+                    st = hf.stats(m)
+                    assert st["device"]["device"] == gpu
+                    kvs.append((st["kv"]["device_bytes"], st["kv"]["host_bytes"]))
+            finally:
+                for m in models:
+                    hf.unwrap(m)
+                outs = [o.sequences for o in outs]
+                gc.collect()
+            want = [(planned[g] - (CHUNK if short == g else 0), CHUNK if short == g else 0) for g in (0, 1)]
+            assert kvs == want
+            if short is None:
+                ref = outs
+            else:
+                assert all(torch.equal(o, r) for o, r in zip(outs, ref))  # spilling changes no token

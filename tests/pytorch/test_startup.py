@@ -100,6 +100,15 @@ def test_python_dash_m_and_child_processes(tmp_path):
     ("numa_node:2,backend:cuda",
      "cxlalloc: error: CXLALLOC: cxlalloc option 'backend': 'cuda' is not allowed; allowed: auto, host-vmm, managed, "
      "pinned (cxlalloc is not enabled)"),
+    ("device_limit:8GiB|8Gx",  # per GPU: the second GPU's value is named
+     "cxlalloc: error: CXLALLOC: cxlalloc option 'device_limit[1]': '8Gx' is not a size or fraction; use bytes (int) "
+     "or a size string like '512MiB', '8GiB', '1.5TiB', '8GB', or a fraction of VRAM: a float in (0, 1] or a "
+     "percentage like '50%' (cxlalloc is not enabled)"),
+    ("host_limit:0=1GiB|1GiB",
+     "cxlalloc: error: CXLALLOC: cxlalloc option 'host_limit': '0=1GiB|1GiB' mixes device=value and plain values; "
+     "give one value for every GPU, a list with one value per visible GPU (host_limit=['8GiB', '4GiB']), or a "
+     "mapping by device index (host_limit={0: '8GiB', 1: '4GiB'}); in CXLALLOC: host_limit:8GiB|4GiB or "
+     "host_limit:0=8GiB|1=4GiB (cxlalloc is not enabled)"),
     ("devise:1",
      "cxlalloc: error: CXLALLOC: unknown key 'devise'; known keys: device_limit, host_limit, numa_node, backend, "
      "kv_device_limit, device_headroom, migration_rate, promote_after, extent_chunk, policy, strict_placement, "

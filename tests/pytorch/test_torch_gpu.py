@@ -585,3 +585,42 @@ def test_each_gpu_has_its_own_allocator_and_node():
     """)
     assert res["devices"] == ["cuda:0", "cuda:1"] and res["tiers"] == ["host", "host"]
     assert res["limits"] == [128 * MiB, 128 * MiB] and all(isinstance(n, int) for n in res["nodes"])
+
+
+def test_per_gpu_options_as_a_list_of_one():
+    """The per-GPU option forms on one GPU: a list of one value and a mapping by device index."""
+    res, _ = run_case("""
+        enable(device_limit=["128MiB"], host_limit={0: "1GiB"})
+        x = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda:0")
+        st = cx().stats(0)
+        result(tier=cx().tier_of(x), limit=st["device"]["limit_bytes"], host=st["host"]["limit_bytes"])
+    """)
+    assert res == {"tier": "host", "limit": 128 * MiB, "host": GiB}
+
+
+def test_per_gpu_options_set_device_and_copies_between_gpus():
+    """Two GPUs with their own device_limit; copies between GPUs (with P2P the
+    adapter's enablePeerAccess opens cxlalloc's mappings to the peer), from
+    VRAM and from the host tier; torch.cuda.set_device picks the allocator."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    res, _ = run_case("""
+        enable(device_limit=["128MiB", "768MiB"], host_limit="1GiB")
+        a = torch.arange(16 * MiB, dtype=torch.int32, device="cuda:0")   # 64 MiB: cuda:0's VRAM
+        big = torch.full((256 * MiB,), 7, dtype=torch.uint8, device="cuda:0")  # past 128 MiB: cuda:0's host tier
+        b = a.to("cuda:1")
+        back = b.to("cuda:0")
+        big1 = big.to("cuda:1")
+        torch.cuda.set_device(1)
+        y = torch.empty(200 * MiB, dtype=torch.uint8, device="cuda")  # cuda:1's VRAM (768 MiB there)
+        torch.cuda.synchronize(0); torch.cuda.synchronize(1)
+        result(p2p=torch.cuda.can_device_access_peer(1, 0), same=bool(torch.equal(a, back)),
+               big1_sum=int(big1.sum(dtype=torch.int64)), tiers=[cx().tier_of(t) for t in (a, big, b, big1, y)],
+               y_device=str(y.device), current=cx().stats()["device"]["device"],
+               limits=[cx().stats(d)["device"]["limit_bytes"] for d in range(2)])
+    """)
+    assert res["same"] and res["big1_sum"] == 7 * 256 * MiB
+    assert res["tiers"] == ["device", "host", "device", "device", "device"]
+    assert res["y_device"] == "cuda:1" and res["current"] == 1 and res["limits"] == [128 * MiB, 768 * MiB]

@@ -20,8 +20,9 @@ cxlalloc (:class:`CxlPagedAttentionCache`):
   VRAM while the device budget allows and to the host tier past it, so the
   number of blocks (and of requests in flight) is bounded by device + host
   budget, not by VRAM.  Default capacity (``num_blocks=None``, a ceiling): the
-  device tier's room for KV, and as much again on the host tier (at least a
-  chunk, at most its room); a ``num_blocks`` you set is used as given
+  device tier's room for KV, and as much again on the host tier (at most its
+  room, at least one batch's ``max_batch_tokens`` of blocks, 4 at the least:
+  with no VRAM left for KV the whole cache is on the host tier); a ``num_blocks`` you set is used as given
   (refused, naming it, when device + host cannot hold it).  When neither tier
   has room for more chunks the cache stops growing (said once).
 * **KV-aware placement.**  Before each batch, the chunks holding blocks of

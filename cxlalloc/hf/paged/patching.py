@@ -112,10 +112,18 @@ def _mask_bytes(bp) -> int:
     return total
 
 
-def _untiered_reason(manager) -> Optional[str]:
+def _untiered_reason(manager, cb: CBState) -> Optional[str]:
     dh = getattr(manager, "distributed_helper", None)
     if dh is not None and getattr(dh, "tp_size", 1) > 1:
-        return f"tensor parallelism (tp_size={dh.tp_size}): each rank's paged cache stays transformers' own"
+        return (f"tensor parallelism (tp_size={dh.tp_size}): each rank's paged cache is a shard transformers "
+                "allocates per rank, and cxlalloc's paged cache is one extent of one GPU's allocator; each rank's "
+                "paged cache stays transformers' own")
+    st = cb.wrap_state
+    if getattr(st, "multi", False):
+        return (f"the model is spread over GPUs {['cuda:%d' % g for g in st.layout.gpus]}, and a paged cache is one "
+                "tensor on one device (transformers' PagedAttentionCache(device=...), whose blocks hold every layer's "
+                "pages; cxlalloc's is one extent of one GPU's allocator, not yet one per GPU); the paged cache stays "
+                "transformers' own (generate() tiers each layer's KV on its GPU)")
     return None
 
 
@@ -126,7 +134,7 @@ def _attach(cb: CBState, manager) -> None:
         existing = getattr(manager, "batch_processor", None)
         if isinstance(existing, _tf_api.ContinuousBatchProcessor):
             return orig_create()
-        reason = _untiered_reason(manager)
+        reason = _untiered_reason(manager, cb)
         if reason is not None:
             cb.untiered_reason = reason
             cb.warn_once("untiered", f"cxlalloc.hf: continuous batching of {type(cb.model).__name__} is not tiered: "

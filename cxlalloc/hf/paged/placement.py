@@ -111,10 +111,16 @@ class PlacementMixin:
                     "cxlalloc.hf.wrap(model, ..., host_limit=...)")
             return sectors
         # Default capacity (a ceiling: memory is committed as sectors are used): the device tier's whole chunks for
-        # KV and as much again on the host tier, at least one chunk there, at most its room.
+        # KV and as much again on the host tier, at most its room; on the host tier at least the blocks of one
+        # batch's tokens (max_batch_tokens, at least 4 blocks) and the two trash sectors, in whole chunks, so that
+        # with no VRAM left for KV (weights filling device_limit) the paged cache lives on the host tier, as
+        # generate()'s cache spills there, instead of refusing.
         dev_chunks = (dev_room // chunk) * chunk
         host_chunks = (host_room // chunk) * chunk
-        target = dev_chunks + min(max(dev_chunks, chunk), host_chunks)
+        page = max(1, int(getattr(self, "page_size", 0) or next(iter(self.cache_allocators.values())).tokens_per_page))
+        floor_blocks = max(4, -(-int(self.max_batch_tokens) // page))
+        floor = -(-(math.ceil(floor_blocks * self.model_block_bytes / bps) + 2) * bps // chunk) * chunk
+        target = dev_chunks + min(max(dev_chunks, chunk, floor), host_chunks)
         sectors = target // bps - 2
         if sectors < 1:
             short = [f"the device tier has {format_bytes(dev_room)} for KV (device_limit less what is reserved"

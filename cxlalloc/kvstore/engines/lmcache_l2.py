@@ -99,7 +99,8 @@ class CxlallocL2Adapter(L2AdapterInterface):
             path, timeout, self.tenant = parse_url(self.url)
         except ValueError as e:
             raise PluginConfigError(str(e)) from None
-        self.store = RemoteBlockStore("unix://" + path, None, timeout=timeout, name="lmcache-mp")
+        # commit="wait": other processes look a chunk up right after its put (see lmcache_plugin.py)
+        self.store = RemoteBlockStore("unix://" + path, None, timeout=timeout, name="lmcache-mp", commit="wait")
         if not self.store.connected():
             log.error("cxlalloc L2 adapter: no kv-server answers at %s (%s); every lookup is a miss until one "
                       "listens there (start `cxlalloc kv-server --socket %s`)", path,

@@ -225,7 +225,9 @@ class CxlallocConnector(RemoteConnector):
             super().__init__(config, metadata)   # shapes, dtypes, RemoteMetadata size
         else:  # LMCache's scheduler role: lookups only, nothing is allocated
             self.full_chunk_size_bytes = self.single_token_size = None
-        self.store = RemoteBlockStore("unix://" + path, None, timeout=timeout, name="lmcache")
+        # commit="wait": LMCache's scheduler process asks another connection whether a chunk exists right after a
+        # worker's put; a pipelined commit (protocol 3) could still be in flight then (not measured here yet)
+        self.store = RemoteBlockStore("unix://" + path, None, timeout=timeout, name="lmcache", commit="wait")
         self.counters = StoreCounters(("puts", "put_blocks", "stored_blocks", "put_skipped", "gets", "get_blocks",
                                        "hit_blocks", "bad_blocks", "corrupt_blocks", "alloc_failures", "lookups",
                                        "errors"))

@@ -251,7 +251,8 @@ class KVServer:
                   "corrupt_blocks": c["corrupt_blocks"], "requests": c["requests"],
                   "buffered_peak_bytes": self.transport.buffered_peak,
                   "refused_per_uid": c["refused_per_uid"], "closed_no_hello": c["closed_no_hello"],
-                  "closed_idle": c["closed_idle"],
+                  "closed_idle": c["closed_idle"], "refused_max_items": c["refused_max_items"],
+                  "refused_max_objects": c["refused_max_objects"],
                   "redis_mode": self.redis_mode if self.redis is not None else None,
                   "strict_placement": self.strict_placement}
         out = {"server": server, "pool": pool, "rates": rates,

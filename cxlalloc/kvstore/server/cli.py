@@ -172,7 +172,7 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
     p.add_argument("--strict-placement", action="store_true", help="drop blocks whose pages are not on the node")
     p.add_argument("--redis", default=None, metavar="URL", help="a Redis/Valkey tier below the pool: "
                    "redis://[user:password@]host:port/db or rediss://... (TLS); a Redis/Valkey Cluster: "
-                   "redis+cluster://host:port (any node as the seed)")
+                   "redis+cluster://host:port[,host:port...] (any nodes as seeds, tried in turn)")
     p.add_argument("--redis-mode", default="evict", choices=REDIS_MODES, help="evict: blocks go to Redis when "
                    "evicted from the pool (default); through: also when committed")
     p.add_argument("--redis-ttl", type=float, default=None, metavar="S", help="seconds a block lives in Redis")
@@ -400,9 +400,12 @@ def query_status(socket_path: str, timeout: float = 5.0) -> dict:
     s.settimeout(timeout)
     try:
         s.connect(socket_path)
-        P.send_msg(s, {"op": "hello", "v": P.PROTOCOL_VERSION, "pid": os.getpid(), "want_fd": False,
-                       "name": "status"})
-        reply, _ = P.recv_msg(s)
+        for v in range(P.PROTOCOL_VERSION, 0, -1):  # an older server refuses a newer version: ask for the one below
+            P.send_msg(s, {"op": "hello", "v": v, "pid": os.getpid(), "want_fd": False, "name": "status"})
+            reply, _ = P.recv_msg(s)
+            if reply.get("ok") or reply.get("code") != "bad_request" or "protocol version" not in str(
+                    reply.get("error", "")):
+                break
         if not reply.get("ok"):
             raise P.RemoteError(reply.get("code", "?"), reply.get("error", "refused"))
         P.send_msg(s, {"op": "stats"})

@@ -19,7 +19,13 @@ Names (``tier`` is ``pool`` or ``redis``; docs/kv-server.md#metrics lists them w
     cxlalloc_kv_evicted_bytes_total           cxlalloc_kv_dropped_blocks_total{tier}
     cxlalloc_kv_aborted_blocks_total          cxlalloc_kv_dropped_pins_total
     cxlalloc_kv_clients                       cxlalloc_kv_connections_total
-    cxlalloc_kv_refused_connections_total{reason}
+    cxlalloc_kv_refused_connections_total{reason}  (max_clients, per_uid, denied, too_large, busy, timeout,
+                                                 hello_timeout, idle_timeout, max_items, max_objects, bad_frame)
+    cxlalloc_kv_bad_requests_total            cxlalloc_kv_corrupt_blocks_total
+    cxlalloc_kv_refused_reserves_total        cxlalloc_kv_reserve_budget_blocks_total
+    cxlalloc_kv_lock_hold_seconds_max         cxlalloc_kv_drop_seconds_max
+    cxlalloc_kv_buffered_peak_bytes           cxlalloc_kv_limit{limit}
+    cxlalloc_kv_redis_refused_values_total{reason}  cxlalloc_kv_redis_deadline_expired_total
     cxlalloc_kv_namespace_used_bytes{namespace}  cxlalloc_kv_namespace_quota_bytes{namespace}
     cxlalloc_kv_placement_bytes_total{result}
     cxlalloc_kv_redis_up                      cxlalloc_kv_redis_errors_total{op}
@@ -130,12 +136,39 @@ def families(st: dict) -> Iterator:
     yield counter("dropped_pins", "Pins dropped because their client disconnected.", rows=[((), pool["dropped_pins"])])
     yield gauge("clients", "Connected clients.", rows=[((), srv["clients"])])
     yield counter("connections", "Connections accepted.", rows=[((), srv["connections_total"])])
-    yield counter("refused_connections", "Connections refused (max_clients, denied) or closed for breaking a "
-                  "per-request limit (too_large: --max-frame, busy: --max-buffered, timeout: --frame-timeout, "
-                  "bad_frame: not msgpack or over --max-objects).", ["reason"],
-                  [(("max_clients",), srv["refused_full"]), (("denied",), srv["refused_denied"]),
-                   (("too_large",), srv.get("refused_too_large", 0)), (("busy",), srv.get("refused_busy", 0)),
-                   (("timeout",), srv.get("refused_timeout", 0)), (("bad_frame",), srv.get("bad_frames", 0))])
+    g = srv.get
+    per_uid, no_hello, idle = g("refused_per_uid", 0), g("closed_no_hello", 0), g("closed_idle", 0)
+    max_items, max_objects = g("refused_max_items", 0), g("refused_max_objects", 0)
+    yield counter("refused_connections", "Connections refused (max_clients: --max-clients, per_uid: "
+                  "--max-clients-per-uid, denied: --allow-user/--tenant) or closed for breaking a limit (too_large: "
+                  "--max-frame, busy: --max-buffered, timeout: --frame-timeout, hello_timeout: --hello-timeout, "
+                  "idle_timeout: --idle-timeout, max_items: --max-items, max_objects: --max-objects, bad_frame: "
+                  "not a request). Each refusal has one reason.", ["reason"],
+                  [(("max_clients",), max(0, srv["refused_full"] - per_uid)), (("per_uid",), per_uid),
+                   (("denied",), srv["refused_denied"]),
+                   (("too_large",), g("refused_too_large", 0)), (("busy",), g("refused_busy", 0)),
+                   (("timeout",), max(0, g("refused_timeout", 0) - no_hello - idle)), (("hello_timeout",), no_hello),
+                   (("idle_timeout",), idle), (("max_items",), max_items), (("max_objects",), max_objects),
+                   (("bad_frame",), max(0, g("bad_frames", 0) - max_items - max_objects))])
+    yield counter("bad_requests", "Requests answered bad_request (a field missing or of the wrong type; the "
+                  "connection stays).", rows=[((), g("bad_requests"))])
+    yield counter("corrupt_blocks", "Blocks a reader found corrupt, verified here (checksum) and dropped.",
+                  rows=[((), g("corrupt_blocks"))])
+    yield counter("refused_reserves", "Reserve requests of which no block fitted the client's --max-reserve "
+                  "budget.", rows=[((), pool.get("refused_reserve_budget"))])
+    yield counter("reserve_budget_blocks", "Blocks given no slot because their client's --max-reserve budget "
+                  "was spent.", rows=[((), pool.get("reserve_budget_blocks"))])
+    yield gauge("lock_hold_seconds_max", "Longest hold of the server's lock by one slice of a request "
+                "(--slice-keys) since start.", rows=[((), _ms(pool.get("lock_hold_ms_max")))])
+    yield gauge("drop_seconds_max", "Longest hold of the lock while a disconnected client's pins and "
+                "reservations were dropped, since start.", rows=[((), _ms(pool.get("drop_ms_max")))])
+    yield gauge("buffered_peak_bytes", "Most bytes of requests received and decoded at once, over every "
+                "connection (bounded by --max-buffered).", rows=[((), g("buffered_peak_bytes"))])
+    limits = srv.get("limits") or {}
+    yield gauge("limit", "The server's hardening limits (max_frame, max_buffered, max_items, max_objects, "
+                "max_reserve: bytes or counts; *_timeout_s, frame_timeout_s: seconds).", ["limit"],
+                [((k,), v) for k, v in sorted(limits.items()) if isinstance(v, (int, float))
+                 and not isinstance(v, bool)])
     yield gauge("namespace_used_bytes", "Bytes held per namespace.", ["namespace"],
                 [((ns_label(ns),), v["used_bytes"]) for ns, v in (pool.get("namespaces") or {}).items()])
     yield gauge("namespace_quota_bytes", "Quota per namespace ('*' = every namespace without its own).", ["namespace"],
@@ -152,6 +185,12 @@ def families(st: dict) -> Iterator:
         yield gauge("redis_queue_bytes", "Bytes waiting to be written to Redis.", rows=[((), red["queue_bytes"])])
         yield counter("redis_bad_values", "Redis values refused (truncated, foreign, CRC mismatch).",
                       rows=[((), red["bad_values"])])
+        yield counter("redis_refused_values", "Redis values refused by reason (too_large: over --redis-max-value, "
+                      "never read whole; forged: no valid MAC while --redis-key-file is set).", ["reason"],
+                      [(("too_large",), red.get("too_large_values", 0)),
+                       (("forged",), red.get("forged_values", 0))])
+        yield counter("redis_deadline_expired", "Redis reads cut off at their --redis-timeout deadline.",
+                      rows=[((), red.get("deadline_expired", 0))])
         yield gauge("redis_load_seconds_per_block", "Mean seconds to read one block from Redis.",
                     rows=[((), red.get("load_seconds_per_block"))])
     yield gauge("uptime_seconds", "Seconds since the server started.", rows=[((), srv["uptime_s"])])
@@ -159,6 +198,10 @@ def families(st: dict) -> Iterator:
                  labels=["node", "pool_id", "numa_method", "socket"])
     info.add_metric([str(srv["node"]), srv["pool_id"], srv["numa_method"], srv["socket"]], 1.0)
     yield info
+
+
+def _ms(v):
+    return None if v is None else float(v) / 1e3
 
 
 class _Collector:

@@ -78,6 +78,8 @@ class Owner:
                                   # every tenant and ping only, no pool
         self.hello = False
         self.version = 0        # the protocol version of its hello
+        self.deferred: List[list] = []  # v3 pipelined commits' outcomes [res, published, code] for the next reply
+        self.deferred_dropped = 0       # outcomes dropped past protocol.MAX_DEFERRED_COMMITS
         self.status_only = False  # a --status query (hello without the pool fd): not counted as a client
         self.since = time.time()
         self.leases: Dict[int, List[Entry]] = {}
@@ -142,8 +144,9 @@ class ServerState:
                   "placement_verified_bytes": 0, "placement_misplaced_bytes": 0, "placement_unverified_bytes": 0,
                   "placement_skipped_bytes": 0, "misplaced_dropped_blocks": 0, "peak_clients": 0, "requests": 0,
                   "refused_reserve_budget": 0, "reserve_budget_blocks": 0, "drop_us_max": 0, "corrupt_blocks": 0,
-                  "one_way_requests": 0, "one_way_errors": 0, "lock_hold_us_max": 0, "refused_per_uid": 0,
-                  "closed_no_hello": 0, "closed_idle": 0}
+                  "one_way_requests": 0, "one_way_errors": 0, "pipelined_commits": 0, "lock_hold_us_max": 0,
+                  "refused_per_uid": 0, "closed_no_hello": 0, "closed_idle": 0, "refused_max_items": 0,
+                  "refused_max_objects": 0}
         self.placement = None
         self.tier = None
         self.persist = None   # a PoolFile (--pool-file): committed blocks recorded for the next start

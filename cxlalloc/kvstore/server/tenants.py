@@ -40,50 +40,73 @@ class TenantSpec:
     size: Optional[int] = None
 
 
-def _uid(user: str) -> int:
-    if user.isdigit():
-        return int(user)
-    try:
-        return pwd.getpwnam(user).pw_uid
-    except KeyError:
-        raise ValueError(f"cxlalloc option '--tenant': no user named {user!r} on this machine") from None
+FORM = ("NAME:USERS[:SIZE] (NAME: 1-64 of A-Z a-z 0-9 _ . -; USERS: comma list of user names or uids and "
+        "@group names or @gids; SIZE: the tenant's pool, a positive size such as 8GiB, at least one page; "
+        "e.g. --tenant team-a:alice,@inference:64GiB)")
+MAX_ID = (1 << 32) - 2  # uid_t/gid_t; 2**32 - 1 is (uid_t)-1, "no id"
 
 
-def _gid(group: str) -> int:
-    if group.isdigit():
-        return int(group)
+def _id(text: str, kind: str, names, spec_text: str) -> int:
+    if text.isdigit():
+        n = int(text)
+        if n > MAX_ID:
+            raise ValueError(f"cxlalloc option '--tenant': {spec_text!r}: USERS has {kind} id {text}, out of "
+                             f"range; allowed: 0..{MAX_ID}; the form: {FORM}")
+        return n
     try:
-        return grp.getgrnam(group).gr_gid
+        return names(text)
     except KeyError:
-        raise ValueError(f"cxlalloc option '--tenant': no group named {group!r} on this machine") from None
+        raise ValueError(f"cxlalloc option '--tenant': {spec_text!r}: USERS names no {kind} {text!r} on this "
+                         f"machine; allowed: {kind} names of this machine or numeric ids; the form: {FORM}") from None
+
+
+def _uid(user: str, spec_text: str = "") -> int:
+    return _id(user, "user", lambda n: pwd.getpwnam(n).pw_uid, spec_text or user)
+
+
+def _gid(group: str, spec_text: str = "") -> int:
+    return _id(group, "group", lambda n: grp.getgrnam(n).gr_gid, spec_text or "@" + group)
 
 
 def parse_tenant(text: str) -> TenantSpec:
     """``NAME:USERS[:SIZE]`` -> :class:`TenantSpec`.
 
     USERS is a comma list of user names or uids, and ``@group`` names or
-    ``@gid``; SIZE its pool bytes (``8GiB``).  NAME is 1-64 characters of
-    ``A-Z a-z 0-9 _ . -``.
+    ``@gid``; SIZE its pool bytes (``8GiB``, more than 0).  NAME is 1-64
+    characters of ``A-Z a-z 0-9 _ . -``.
 
     Raises:
-        ValueError: naming ``--tenant`` and the form expected.
+        ValueError: naming ``--tenant``, the value, the field at fault (NAME, USERS or SIZE), its allowed
+            values and the form expected.
     """
     parts = str(text).split(":")
-    if len(parts) not in (2, 3) or not TENANT_NAME.match(parts[0]) or not parts[1]:
-        raise ValueError(f"cxlalloc option '--tenant': {text!r} is not NAME:USERS[:SIZE] (NAME: 1-64 of A-Z a-z 0-9 "
-                         "_ . -; USERS: comma list of users/uids and @groups/@gids; e.g. --tenant "
-                         "team-a:alice,@inference:64GiB)")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"cxlalloc option '--tenant': {text!r} has {len(parts)} field(s); allowed: 2 or 3, "
+                         f"the form: {FORM}")
+    if not TENANT_NAME.match(parts[0]):
+        raise ValueError(f"cxlalloc option '--tenant': {text!r}: NAME {parts[0]!r} is not allowed; allowed: 1-64 "
+                         f"of A-Z a-z 0-9 _ . -; the form: {FORM}")
+    if not parts[1].strip():
+        raise ValueError(f"cxlalloc option '--tenant': {text!r}: USERS is empty; the form: {FORM}")
     spec = TenantSpec(parts[0])
     for who in parts[1].split(","):
         who = who.strip()
         if not who or who == "@":
-            raise ValueError(f"cxlalloc option '--tenant': {text!r} has an empty user in USERS")
+            raise ValueError(f"cxlalloc option '--tenant': {text!r} has an empty user in USERS; the form: {FORM}")
         if who.startswith("@"):
-            spec.gids.append(_gid(who[1:]))
+            spec.gids.append(_gid(who[1:], text))
         else:
-            spec.uids.append(_uid(who))
+            spec.uids.append(_uid(who, text))
     if len(parts) == 3:
-        spec.size = parse_size(parts[2].strip(), "--tenant")
+        try:
+            size = parse_size(parts[2].strip(), "--tenant")
+        except ValueError:
+            size = -1
+        if size <= 0:
+            raise ValueError(f"cxlalloc option '--tenant': {text!r}: SIZE {parts[2]!r} is not allowed; allowed: a "
+                             f"positive size such as 512MiB or 8GiB (at least one page), or no SIZE for an equal "
+                             f"share of --size; the form: {FORM}")
+        spec.size = size
     return spec
 
 
@@ -94,6 +117,10 @@ def split_sizes(specs: Sequence[TenantSpec], total: int, page: int) -> Dict[str,
     Raises:
         ValueError: the named sizes exceed ``--size``, or a share is under one page.
     """
+    for s in specs:
+        if s.size is not None and s.size < page:
+            raise ValueError(f"cxlalloc option '--tenant': tenant {s.name!r} has SIZE {format_bytes(s.size)}, under "
+                             f"one page of the pool ({format_bytes(page)}); allowed: at least {format_bytes(page)}")
     named = sum(s.size for s in specs if s.size is not None)
     rest = [s for s in specs if s.size is None]
     if named > total:

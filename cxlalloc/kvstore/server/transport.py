@@ -374,14 +374,26 @@ class Transport:
                                         f"no request for {self.idle_timeout:g} s (--idle-timeout)") from None
                 try:
                     sock.settimeout(self.io_timeout)
-                    one_way = owner.version >= 2 and P.is_one_way(msg)
+                    one_way = P.is_one_way(msg, owner.version)
+                    op, rid = msg.get("op"), msg.get("res")
                     reply, fds = self.handle(owner, msg)
                     del msg
-                    if one_way:  # v2 release: acted on, never answered
+                    if one_way:  # v2 release, v3 commit: acted on, never answered
                         st.count("one_way_requests")
                         if not reply.get("ok"):
                             st.count("one_way_errors")
+                        if op == "commit":  # its outcome rides on the next reply (protocol.py, version 3)
+                            st.count("pipelined_commits")
+                            if len(owner.deferred) >= P.MAX_DEFERRED_COMMITS:
+                                owner.deferred.pop(0)
+                                owner.deferred_dropped += 1
+                            owner.deferred.append([rid if isinstance(rid, int) else 0, int(reply.get("published", 0)),
+                                                   None if reply.get("ok") else str(reply.get("code", "?"))])
                         continue
+                    if owner.deferred:
+                        reply["commits"], owner.deferred = owner.deferred, []
+                        if owner.deferred_dropped:
+                            reply["commits_dropped"], owner.deferred_dropped = owner.deferred_dropped, 0
                     P.send_msg(sock, reply, fds, st.slice_keys)
                 finally:
                     self._charge(-held)
@@ -389,6 +401,8 @@ class Transport:
             code = e.code if isinstance(e, P.RemoteError) else "bad_request"
             st.count("protocol_errors")
             st.count(f"refused_{code}" if code in ("too_large", "busy", "timeout") else "bad_frames")
+            if isinstance(e, P.LimitError):  # of the bad frames, those over --max-items / --max-objects
+                st.count(f"refused_{e.limit}")
             why = f"{code}: {e}"
             try:
                 sock.settimeout(1.0)

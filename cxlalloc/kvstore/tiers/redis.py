@@ -42,9 +42,10 @@ store the deployment already runs (docs/sources.md#kv-reuse).
   ``rediss://...`` for TLS, and any redis-py keyword (``ssl_ca_certs``,
   ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``, ``password``, ...) passed through,
   also as URL query options (``rediss://host:6380/0?ssl_ca_certs=/etc/ssl/ca.pem``).
-  cxlalloc's own: ``?prefix=...&ttl=SECONDS&queue=SIZE&tenant=NAME``.
-* **A Cluster** (Redis Cluster / Valkey Cluster): ``redis+cluster://host:port``
-  (``rediss+cluster://`` for TLS), any node as the seed.  Keys are grouped by
+  cxlalloc's own: ``?prefix=...&ttl=SECONDS&queue=SIZE&tenant=NAME``; any other
+  query option is refused, naming it and the allowed ones.
+* **A Cluster** (Redis Cluster / Valkey Cluster): ``redis+cluster://host:port[,host:port...]``
+  (``rediss+cluster://`` for TLS), any nodes as seeds (tried in turn).  Keys are grouped by
   hash slot and read with one pipeline per primary, all written before any
   reply is read; ``MOVED`` and ``ASK`` are followed, the topology is re-read
   after a failover or resharding, and a node down is misses for its slots
@@ -89,7 +90,8 @@ class RedisTier(Tier):
 
     Args:
         url: ``redis://[user:password@]host:port/db`` or ``rediss://...`` (TLS);
-            ``redis+cluster://host:port`` (``rediss+cluster://``) for a Cluster.
+            ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://``) for a Cluster
+            (every seed given to redis-py, tried in turn); unknown query options are refused.
         prefix: key prefix (default ``cxlalloc:kv:``).
         ttl: seconds a value lives (``SET ... EX``); None: until Redis evicts it.
         queue_bytes: bytes of blocks waiting to be written; past it puts are dropped.

@@ -49,7 +49,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from cxlalloc.kvstore.tiers.redis_format import HEADER_BYTES
+from cxlalloc.kvstore.tiers.redis_format import HEADER_BYTES, cluster_seeds, first_seed_url
 
 log = logging.getLogger("cxlalloc.kvstore.redis")
 
@@ -78,8 +78,10 @@ class ClusterRouter:
     """Reads and writes of single keys spread over a Redis/Valkey Cluster.
 
     Args:
-        url: the seed node, ``redis://[user:password@]host:port`` (already
-            without ``+cluster``; the database must be 0: a cluster has one).
+        url: the seed nodes, ``redis://[user:password@]host:port[,host:port...]``
+            (already without ``+cluster``; the database must be 0: a cluster has
+            one); redis-py's ``RedisCluster`` gets the first from the URL and the
+            others as ``startup_nodes``, and tries them in turn.
         timeout: seconds for each connect, read and write, and the longest a
             read waits for a node.
         redis_kwargs: passed to ``redis.RedisCluster`` (AUTH, TLS, ...).
@@ -131,7 +133,12 @@ class ClusterRouter:
             if now < self._rc_next_try or self._closed:
                 return None
             try:
-                self._rc = self._redis.RedisCluster.from_url(self._url, **self._kw)
+                # every seed of the URL: redis-py tries them in turn (a dead first seed is skipped)
+                from redis.cluster import ClusterNode
+
+                seeds = [ClusterNode(h, p) for h, p in cluster_seeds(self._url)[1:]]
+                self._rc = self._redis.RedisCluster.from_url(first_seed_url(self._url), startup_nodes=seeds,
+                                                             **self._kw)
                 self._rc_backoff = _BACKOFF_MIN_S
                 self._learn_primaries()
             except (ValueError, TypeError):
@@ -139,7 +146,7 @@ class ClusterRouter:
             except Exception as e:
                 if "cluster" in str(e).lower() and "not enabled" in str(e).lower() or "support disabled" in str(e):
                     # One server without cluster mode: the same tier, every slot on it.
-                    self._rc = _Standalone(self._redis, self._url, self._kw)
+                    self._rc = _Standalone(self._redis, first_seed_url(self._url), self._kw)
                     self.standalone = True
                     log.warning("cxlalloc kv: %s is one server, not a cluster node (cluster mode not enabled): "
                                 "used as one node (the URL for one server is 'redis://host:port/0')",

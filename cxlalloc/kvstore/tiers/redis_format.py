@@ -120,50 +120,127 @@ def read_key_file(path: str, option: str = "--redis-key-file") -> bytes:
 
 
 def redact_url(url: str) -> str:
-    """The URL with its password replaced by ``***`` (for logs and stats)."""
+    """The URL with its password replaced by ``***`` (for logs and stats); a cluster URL's seed list is kept."""
     try:
         u = urlsplit(url)
     except ValueError:
         return "<unparsable URL>"
-    if u.password is None:
+    userinfo, at, hosts = u.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
         return url
-    user = u.username or ""
-    host = u.hostname or ""
-    if u.port:
-        host = f"{host}:{u.port}"
-    return urlunsplit((u.scheme, f"{user}:***@{host}", u.path, u.query, u.fragment))
+    user = userinfo.split(":", 1)[0]
+    return urlunsplit((u.scheme, f"{user}:***@{hosts}", u.path, u.query, u.fragment))
+
+
+SINGLE_FORM = ("'redis://host:port/db' or 'rediss://host:port/db' (TLS), with 'user:password@' for AUTH, "
+               "query options after '?'")
+CLUSTER_FORM = ("'redis+cluster://host:port[,host:port...]' ('rediss+cluster://' for TLS; any nodes as seeds, "
+                "database 0 only, 'user:password@' for AUTH, query options after '?')")
+# cxlalloc's own query options (taken off the URL before redis-py sees it)
+OWN_URL_OPTIONS = ("prefix", "ttl", "queue", "redis_key_file", "tenant")
+# redis-py's own string-valued connection options given in a TLS URL (SSLConnection's keywords)
+TLS_URL_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile",
+                   "ssl_password", "ssl_ciphers", "ssl_check_hostname", "ssl_min_version",
+                   "ssl_include_verify_flags", "ssl_exclude_verify_flags")
+
+
+def url_options_allowed(url: str) -> List[str]:
+    """The query options a Redis URL may carry: cxlalloc's own (:data:`OWN_URL_OPTIONS`), redis-py's
+    (``redis.connection.URL_QUERY_ARGUMENT_PARSERS``: ``socket_timeout``, ``health_check_interval``, ...,
+    and ``client_name``), and with ``rediss`` the TLS ones (:data:`TLS_URL_OPTIONS`).  A cluster has
+    database 0 only: no ``db``."""
+    try:
+        from redis.connection import URL_QUERY_ARGUMENT_PARSERS as parsers
+    except ImportError:  # redis-py is checked (and said to be missing) when the tier is made
+        parsers = {}
+    tls = url.split("://", 1)[0].startswith("rediss")
+    names = list(OWN_URL_OPTIONS) + [n for n in parsers if tls or not n.startswith("ssl_")] + ["client_name"]
+    names += [n for n in TLS_URL_OPTIONS if tls and n not in names]
+    if is_cluster_url(url):
+        names = [n for n in names if n != "db"]
+    return names
+
+
+def cluster_seeds(url: str, option: str = "--redis") -> List[tuple]:
+    """The seed nodes ``[(host, port), ...]`` of a cluster URL ``redis+cluster://h1:p1,h2:p2,...``
+    (IPv6 hosts in brackets; port 6379 when left out).
+
+    Raises:
+        ValueError: naming ``option`` and the cluster form, for an empty seed, a bad or out-of-range port.
+    """
+    u = urlsplit(url)
+    hosts = u.netloc.rpartition("@")[2]
+    seeds = []
+    for part in hosts.split(","):
+        part = part.strip()
+        if part.startswith("["):
+            host, _, rest = part[1:].partition("]")
+            port_text = rest[1:] if rest.startswith(":") else ("" if not rest else None)
+        else:
+            host, _, port_text = part.partition(":")
+        if not host or port_text is None:
+            raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r}: seed {part!r} has no host; use "
+                             f"{CLUSTER_FORM}")
+        if port_text == "":
+            port = 6379
+        elif port_text.isdigit() and 1 <= int(port_text) <= 65535:
+            port = int(port_text)
+        else:
+            raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r}: seed {part!r} has port "
+                             f"{port_text!r}; allowed: 1..65535; use {CLUSTER_FORM}")
+        seeds.append((host, port))
+    return seeds
+
+
+def first_seed_url(url: str) -> str:
+    """A cluster URL with its first seed only (what redis-py's ``from_url`` parses; the others are given as
+    ``startup_nodes``)."""
+    u = urlsplit(url)
+    userinfo, at, hosts = u.netloc.rpartition("@")
+    return urlunsplit((u.scheme, userinfo + at + hosts.split(",")[0].strip(), u.path, u.query, u.fragment))
 
 
 def check_url(url, option: str = "--redis") -> str:
     """Validate a ``redis://`` / ``rediss://`` URL, or a cluster's
-    ``redis+cluster://`` / ``rediss+cluster://`` (database 0 or none).
+    ``redis+cluster://h1:p1[,h2:p2...]`` / ``rediss+cluster://...`` (database 0 or none), and its query
+    options (:func:`url_options_allowed`).
 
     Raises:
-        ValueError: naming ``option``, for another scheme, no host, or a bad port/db.
+        ValueError: naming ``option`` and the form of the URL given (single server or cluster), for another
+            scheme, no host, a bad port or db, an unknown query option (naming it and the allowed ones).
     """
     if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "redis+cluster://",
                                                        "rediss+cluster://")):
-        raise ValueError(f"cxlalloc option '{option}': {url!r} is not a Redis URL; use 'redis://host:port/db' "
-                         "or 'rediss://host:port/db' (TLS), with 'user:password@' for AUTH, or for a Redis/Valkey "
-                         "Cluster 'redis+cluster://host:port' ('rediss+cluster://' for TLS; any node as the seed)")
+        raise ValueError(f"cxlalloc option '{option}': {url!r} is not a Redis URL; use {SINGLE_FORM}, or for a "
+                         f"Redis/Valkey Cluster {CLUSTER_FORM}")
+    cluster = is_cluster_url(url)
+    form = CLUSTER_FORM if cluster else SINGLE_FORM
     try:
         u = urlsplit(url)
-        _ = u.port
+        if cluster:
+            cluster_seeds(url, option)
+        else:
+            _ = u.port
     except ValueError as e:
-        raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r}: {e}") from None
-    if not u.hostname:
-        raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r} has no host; use 'redis://host:port/db'")
+        if str(e).startswith("cxlalloc option"):
+            raise
+        raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r}: {e}; use {form}") from None
+    if not u.netloc.rpartition("@")[2] or (not cluster and not u.hostname):
+        raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r} has no host; use {form}")
     db = u.path.strip("/")
     if db and not db.isdigit():
-        raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r}: the database must be a number "
-                         "('redis://host:port/0')")
-    if db not in ("", "0") and is_cluster_url(url):
+        raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r}: the database must be a number; "
+                         f"use {form}")
+    if db not in ("", "0") and cluster:
         raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r}: a cluster has database 0 only; use "
-                         "'redis+cluster://host:port'")
+                         f"{CLUSTER_FORM}")
+    allowed = url_options_allowed(url)
+    for part in filter(None, u.query.split("&")):
+        name = unquote(part.partition("=")[0])
+        if name not in allowed:
+            raise ValueError(f"cxlalloc option '{option}': {redact_url(url)!r}: unknown query option {name!r}; "
+                             f"allowed: {', '.join(allowed)}")
     return url
-
-
-OWN_URL_OPTIONS = ("prefix", "ttl", "queue", "redis_key_file", "tenant")
 
 
 def split_url_options(url: str):

@@ -341,3 +341,22 @@ def test_a_request_answered_in_one_token_still_stores_its_prompt():
         assert tokens(out) == reference([p], greedy(1))
     c = cb_stats(m)["counters"]
     assert c["stored_blocks"] == 2 and c["store_hit_tokens"] == 2 * PAGE and c["reprefills_avoided"] == 1
+
+
+def test_no_vram_for_kv_runs_on_the_host_tier():
+    """The weights fill device_limit (no VRAM room for KV) and a sector is 1 MiB
+    (page_size 256), so one 2 MiB chunk holds no sector besides the two trash
+    ones: continuous batching still runs, its whole paged cache on the host
+    tier, with transformers' tokens (it used to refuse: "needs at least 3.00 MiB")."""
+    ps = prompts(4, 200, 30)
+    gen = greedy(8)
+    ref = model().generate_batch(ps, generation_config=gen,
+                                 continuous_batching_config=cb_config(page_size=256, num_blocks=64))
+    m = wrap(model(), device_limit=4 * MiB, device_headroom=0, host_limit=64 * MiB)  # weights: the whole 4 MiB
+    out = m.generate_batch(ps, generation_config=gen, continuous_batching_config=cb_config(page_size=256))
+    assert tokens(out) == tokens(ref)
+    cache = cb_stats(m)["cache"]
+    assert cache["block_bytes"] == 4 * MiB // 4 and cache["sector_bytes"] == MiB
+    # one batch's 512 tokens are 2 blocks: the floor of 4 blocks, + 2 trash sectors = 6 MiB, all on the host tier
+    assert cache["num_blocks"] == 4 and cache["cache_bytes"] == 6 * MiB
+    assert cache["kv_device_bytes"] == 0 and cache["kv_host_bytes"] == cache["committed_bytes"] > 0

@@ -32,6 +32,10 @@ def _run(*args, timeout=30):
     (["--size", "64MiB", "--socket", "/tmp/" + "s" * 120], ["'--socket'", "107 bytes"]),
     (["--size", "64MiB", "--metrics-port", "0"], ["'--metrics-port'", "1-65535"]),
     (["--size", "64MiB", "--redis-option", "ssl"], ["'--redis-option'", "KEY=VALUE"]),
+    (["--size", "64MiB", "--tenant", "a:65534:0"], ["'--tenant'", "'a:65534:0': SIZE '0' is not allowed",
+                                                    "allowed: a positive size", "NAME:USERS[:SIZE]"]),
+    (["--size", "64MiB", "--redis", "redis+cluster://127.0.0.1:7000?bogus=1"],
+     ["'--redis'", "unknown query option 'bogus'; allowed: prefix, ttl, queue"]),
 ])
 def test_bad_options_exit_2_naming_the_option(args, words, sockdir):
     if "--socket" not in args:

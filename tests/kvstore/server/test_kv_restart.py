@@ -138,3 +138,44 @@ def test_a_file_that_is_no_pool_file_is_refused_intact_and_two_servers_cannot_sh
                        env=subprocess_env(), cwd=ROOT, timeout=60)
     assert r.returncode == 2 and "in use by another kv-server" in r.stderr, r.stderr
     assert first.proc.poll() is None
+
+
+PIPELINED_WRITER = r"""
+import hashlib, sys, torch
+from cxlalloc.kvstore.client import RemoteBlockStore
+from tests.kvstore.kvutil import key
+st = RemoteBlockStore("unix://" + sys.argv[1], None, name="pipelined-writer")
+assert st._conn.pipelined_commit
+for i in range(int(sys.argv[2])):
+    res = st.reserve("doc", [key(i)], %d, 16)
+    data = hashlib.shake_256(i.to_bytes(8, "little")).digest(%d)
+    res.views[0].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    assert res.commit() == 1  # pipelined: sent, not yet acknowledged
+    if i %% 4 == 3:
+        assert st.flush()  # acknowledged: on file from here
+        print(i, flush=True)
+""" % (BLOCK, BLOCK)
+
+
+def test_pipelined_commits_a_flush_acknowledged_survive_a_killed_server(server_proc, sockdir):
+    """Protocol 3: a commit sent without waiting is acknowledged by the next reply (here flush()'s ping);
+    every acknowledged block survives a SIGKILL of the server, those in flight may or may not, none torn."""
+    pool_file = os.path.join(sockdir, "pool.kvp")
+    sp = server_proc("--size", "32MiB", "--chunk", "1MiB", "--pool-file", pool_file)
+    w = subprocess.Popen([sys.executable, "-c", PIPELINED_WRITER, sp.socket, str(N)], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, env=subprocess_env(), cwd=ROOT, text=True)
+    acked = -1
+    target = random.Random(33).randint(60, 200)
+    while acked < target:
+        line = w.stdout.readline()
+        assert line, "the writer stopped early"
+        acked = int(line)
+    sp.kill()
+    rest = w.communicate(timeout=10)[0].split()
+    acked = int(rest[-1]) if rest else acked
+    assert acked < N - 1, "the kill landed after the writer's last commit: nothing was in flight"
+    sp.start()
+    got = _served(sp.socket, N)
+    # every acknowledged block; besides, at most the ones sent since the last flush (and the one being written)
+    assert set(range(acked + 1)) <= set(got) <= set(range(acked + 6)), (acked, sorted(got)[-6:])
+    assert all(data == _payload(i) for i, data in got.items())

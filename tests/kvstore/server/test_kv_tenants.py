@@ -198,11 +198,28 @@ def test_tenant_options_are_checked():
 
     s = parse_tenant("team-a:0,@0:8MiB")
     assert (s.name, s.uids, s.gids, s.size) == ("team-a", [0], [0], 8 << 20)
-    for bad in ("a", "a:", "bad name:1", "a:1:2:3", "a:no-such-user-xyz"):
+    for bad in ("a", "a:", "a: ", "bad name:1", "a:1:2:3", "a:no-such-user-xyz"):
         with pytest.raises(ValueError, match="--tenant"):
             parse_tenant(bad)
     with pytest.raises(ValueError, match="bound to two tenants"):
         Tenancy([parse_tenant("a:7"), parse_tenant("b:7")])
+    # each error names the option, the value, the field at fault and what it allows (user trial: 'a:65534:0'
+    # was "kv store: the arena size must be > 0 bytes")
+    for bad, field, allowed in (("a:65534:0", "SIZE '0'", "allowed: a positive size"),
+                                ("a:65534:lots", "SIZE 'lots'", "allowed: a positive size"),
+                                ("a:65534:-1", "SIZE '-1'", "allowed: a positive size"),
+                                ("bad name:1", "NAME 'bad name'", "allowed: 1-64 of A-Z a-z 0-9 _ . -"),
+                                ("a:no-such-user-xyz", "USERS names no user 'no-such-user-xyz'", "allowed: user names"),
+                                ("a:1,@no-such-group-xyz", "USERS names no group 'no-such-group-xyz'", "allowed: group"),
+                                ("a:99999999999", "USERS has user id 99999999999", "allowed: 0..4294967294"),
+                                ("a:1:2:3", "has 4 field(s)", "allowed: 2 or 3")):
+        with pytest.raises(ValueError) as e:
+            parse_tenant(bad)
+        text = str(e.value)
+        assert text.startswith(f"cxlalloc option '--tenant': {bad!r}") and field in text and allowed in text, text
+        assert "NAME:USERS[:SIZE]" in text
+    with pytest.raises(ValueError, match="tenant 'a' has SIZE 100 B, under one page"):
+        split_sizes([parse_tenant("a:7:100")], 4 << 20, 4096)
     with pytest.raises(ValueError, match="more than --size"):
         split_sizes([parse_tenant("a:7:8MiB")], 4 << 20, 4096)
     assert split_sizes([parse_tenant("a:7:8MiB"), parse_tenant("b:8"), parse_tenant("c:9")], 32 << 20, 4096) == \

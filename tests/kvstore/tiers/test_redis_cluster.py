@@ -96,6 +96,66 @@ def test_cluster_url_errors_and_one_server_behind_a_cluster_url(redis_server):
         t.close()
 
 
+def _dead_port():
+    import socket
+
+    with socket.socket() as s:  # bound, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_several_seeds_a_dead_first_seed_is_skipped(redis_cluster_up, alloc):
+    """``redis+cluster://h1:p1,h2:p2``: every seed is given to redis-py (``startup_nodes``), so a URL whose
+    first seed is dead reaches the cluster through the next one; in a ``kv_store=`` URL too (user trial)."""
+    live = redis_cluster_up.primaries()[0]
+    url = f"redis+cluster://127.0.0.1:{_dead_port()},127.0.0.1:{live}"
+    t = RedisTier(url, prefix=_prefix(), timeout=1.0)
+    try:
+        keys = _fill(t, 24)
+        assert t.get_many(keys) == [_data(i) for i in range(24)]
+        st = t.stats()
+        assert st["cluster"]["primaries"] == 3 and st["cluster"]["slots_covered"] == 16384
+        assert st["url"] == url and st["kind"] == "redis-cluster"
+    finally:
+        t.close()
+    from cxlalloc.kvstore.open import open_store
+
+    store = open_store(f"redis+cluster://127.0.0.1:{_dead_port()},[::1]:{_dead_port()},127.0.0.1:{live}"
+                       f"?prefix={_prefix()}", alloc(), limit=16 << 20)
+    try:
+        assert store.lower.get_many(keys) == [None] * 24  # another prefix: reached, and nothing of t's
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("url, needle", [
+    ("redis+cluster://127.0.0.1:7000?bogus=1", "unknown query option 'bogus'; allowed: prefix, ttl, queue"),
+    ("redis://127.0.0.1:6379/0?bogus=1&prefix=p", "unknown query option 'bogus'; allowed: prefix, ttl, queue"),
+    ("redis+cluster://127.0.0.1:7000?db=0", "unknown query option 'db'"),  # a cluster has database 0 only
+    ("redis://127.0.0.1:6379/0?ssl_ca_certs=/x", "unknown query option 'ssl_ca_certs'"),  # TLS options: rediss://
+    ("redis+cluster://127.0.0.1:x", "seed '127.0.0.1:x' has port 'x'; allowed: 1..65535; use "
+                                    "'redis+cluster://host:port[,host:port...]'"),
+    ("redis+cluster://127.0.0.1:7000,:7001", "seed ':7001' has no host; use 'redis+cluster://host:port[,host"),
+    ("redis+cluster://127.0.0.1:7000,127.0.0.1:99999", "has port '99999'"),
+    ("redis+cluster://u:secret@127.0.0.1:7000,127.0.0.1:7001/2", "'redis+cluster://u:***@127.0.0.1:7000,127.0.0.1"
+                                                                ":7001/2': a cluster has database 0 only"),
+])
+def test_url_errors_name_the_option_and_the_form_given(url, needle):
+    """Unknown query options are refused naming the option and the allowed ones (one server and cluster URLs:
+    ``?bogus=1`` used to be accepted silently); a bad cluster URL's error shows the cluster form, never the
+    one-server form; a password never appears."""
+    with pytest.raises(ValueError) as e:
+        RedisTier(url, option="kv_store")
+    text = str(e.value)
+    assert text.startswith("cxlalloc option 'kv_store': ") and needle in text, text
+    assert "secret" not in text
+    if "+cluster" in url:
+        assert "redis://host:port/db" not in text, text
+    else:
+        assert "redis+cluster://" not in text, text
+    RedisTier("rediss://127.0.0.1:6390/0?ssl_ca_certs=/x&socket_timeout=2&prefix=p", timeout=0.2).close()  # allowed
+
+
 def test_a_node_down_is_misses_for_its_slots_only_then_its_replica_serves(redis_cluster_up):
     c = redis_cluster_up
     t = RedisTier(c.cluster_url, prefix=_prefix(), timeout=0.5)
