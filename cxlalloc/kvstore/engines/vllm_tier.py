@@ -177,7 +177,9 @@ class CxlallocSecondaryTier(SecondaryTierManager):
         self._tokens = [int(t) * int(offloading_spec.blocks_per_chunk) for t in offloading_spec.tokens_per_block]
         self.slot_bytes = _HDR + self.block_size_bytes + CHECKSUM_BYTES
         self._primary = _chunks(primary_kv_view)
-        self.store = RemoteBlockStore("unix://" + path, None, timeout=timeout, name="vllm-offload")
+        # commit="wait": another vLLM process may look a chunk up right after its cascade, and a store job's
+        # result counts what the server published (a pipelined commit would count what was sent)
+        self.store = RemoteBlockStore("unix://" + path, None, timeout=timeout, name="vllm-offload", commit="wait")
         if not self.store.connected():
             log.error("cxlalloc vLLM tier: no kv-server answers at %s (%s); every lookup is a miss until one "
                       "listens there (start `cxlalloc kv-server --socket %s`)", path,
