@@ -239,7 +239,9 @@ def format_info(info: dict, use_rich: Optional[bool] = None) -> str:
                   f"  kv-server:  {eng['kv_server']}",
                   f"  LMCache config ({eng['lmcache_config_file']}, plugin cxlalloc://):"]
         lines += ["    " + ln for ln in eng["lmcache_yaml"].splitlines()]
-        lines += [f"  vLLM:       {eng['vllm']}", f"  SGLang:     {eng['sglang']}", f"  Dynamo:     {eng['dynamo']}",
+        lines += [f"  vLLM:       {eng['vllm']}",
+                  f"  vLLM's own offloading, cxlalloc tier (no LMCache): {eng['vllm_offload']}",
+                  f"  SGLang:     {eng['sglang']}", f"  Dynamo:     {eng['dynamo']}",
                   "  Dynamo KVBM host tier (G2) on the node, no LMCache:"]
         lines += ["    " + ln for ln in eng["kvbm_g2"]]
     return "\n".join(lines)

@@ -22,7 +22,9 @@
 #   carried, and the machine has no network for pip, nor for vLLM), vllm (the
 #   two-process vLLM + LMCache + cxlalloc:// test of CI, tests/engines, with
 #   LMCache's own GPU connector: scripts/gpu_vllm_step.sh installs vLLM where a
-#   package index is reachable, else says it cannot and skips), cb (continuous batching: a
+#   package index is reachable, else says it cannot and skips), vllm-offload (the same
+#   for vLLM's own KV offloading with cxlalloc's secondary tier, vLLM's own
+#   GPU<->CPU copy; tests/engines/test_vllm_offload_tier.py), cb (continuous batching: a
 #   request stream under a device budget, plain vs wrapped vs wrapped + store;
 #   quick grid), serve (cxlalloc serve vs transformers serve on the GPU, the
 #   chat trace of bench --only serve, --quick: a short load run; skipped where
@@ -123,6 +125,7 @@ STEPS=(
   "reuse|90|$BENCH --only reuse --time-budget \$STEP_BUDGET"
   "lmcache|45|$PY -c 'import lmcache, msgpack' 2>/dev/null || { echo 'lmcache (or msgpack) is not installed on this machine: the plugin step did not run (pip install .[lmcache] from the clone where a network is reachable; the vllm step installs vLLM)'; exit 0; }; $PY -m pytest -m gpu -q -ra -s --timeout=40 -p no:cacheprovider --junitxml=$RES/pytest-lmcache.xml tests/kvstore/engines/test_lmcache_gpu.py"
   "vllm|150|bash scripts/gpu_vllm_step.sh $WORK/engines"
+  "vllm-offload|150|bash scripts/gpu_vllm_step.sh $WORK/engines tests/engines/test_vllm_offload_tier.py"
   "cb|60|$BENCH --only cb --time-budget \$STEP_BUDGET"
   "serve|90|$PY -c 'import fastapi, uvicorn, openai' 2>/dev/null || { echo 'fastapi/uvicorn/openai are not installed on this machine: the serve step did not run (pip install .[serve])'; exit 0; }; $BENCH --only serve --time-budget \$STEP_BUDGET"
   "decode|130|$BENCH --only decode --time-budget \$STEP_BUDGET"

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# The "vllm" step of scripts/gpu_check.sh: the two-process vLLM + LMCache + cxlalloc:// test
-# (tests/engines/test_vllm_lmcache.py) on a GPU, where LMCache's own GPU connector copies the KV (the CPU
-# stand-in of the CI run, tests/engines/lmcache_cpu_connector.py, registers itself on a CPU-only LMCache only).
+# The "vllm" and "vllm-offload" steps of scripts/gpu_check.sh: a two-process vLLM test of tests/engines on a GPU.
+#   vllm:          vLLM + LMCache + cxlalloc:// (tests/engines/test_vllm_lmcache.py), where LMCache's own GPU
+#                  connector copies the KV (the CPU stand-in of the CI run, tests/engines/lmcache_cpu_connector.py,
+#                  registers itself on a CPU-only LMCache only);
+#   vllm-offload:  vLLM's own offloading with cxlalloc's secondary tier (tests/engines/test_vllm_offload_tier.py),
+#                  where vLLM's own GPU<->CPU offloading worker copies the KV (the CI run's stand-in,
+#                  tests/engines/vllm_offload_cpu_worker.py, changes nothing on a CUDA platform).
 #
-#   bash scripts/gpu_vllm_step.sh DIR        DIR: where a venv for vLLM may be made
+#   bash scripts/gpu_vllm_step.sh DIR [TEST]   DIR: where a venv for vLLM may be made;
+#                                              TEST: the test file (default tests/engines/test_vllm_lmcache.py)
 #
 # vLLM and LMCache come from, in order: $CXLALLOC_ENGINES_VENV (a venv that has them), the machine's Python
 # ($PYTHON) when it imports both, or a new venv in DIR (--system-site-packages: the machine's CUDA torch) with
@@ -13,6 +18,7 @@ set -u
 cd "$(dirname "$0")/.." || exit 2
 PY="${PYTHON:-python3}"
 DIR="${1:-${TMPDIR:-/tmp}/cxlalloc_engines}"
+TEST="${2:-tests/engines/test_vllm_lmcache.py}"
 PINS="vllm==0.32.0 lmcache==0.5.6 xxhash==4.1.0 msgpack>=1.0"
 has() { "$1" -c 'import vllm, lmcache' >/dev/null 2>&1; }
 
@@ -38,4 +44,4 @@ fi
 "$VENV/bin/python" -c 'import vllm, lmcache, torch; print("vllm", vllm.__version__, "lmcache", lmcache.__version__,
   "torch", torch.__version__, "cuda", torch.cuda.is_available())' || exit 1
 export CXLALLOC_ENGINES_VENV="$VENV"
-exec "$PY" -m pytest -q -ra -s -p no:cacheprovider --timeout=900 tests/engines/test_vllm_lmcache.py -k share
+exec "$PY" -m pytest -q -ra -s -p no:cacheprovider --timeout=900 "$TEST" -k share

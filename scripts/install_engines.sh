@@ -50,11 +50,12 @@ import importlib.metadata as md
 import torch, vllm, lmcache  # noqa: E401
 import transformers  # noqa: F401  (breaks when a CUDA torchvision is left beside the CPU torch)
 import cxlalloc.kvstore.lmcache_plugin  # noqa: F401  (the repository's cxlalloc, its _C on this torch)
+import cxlalloc.kvstore.engines.vllm_tier  # noqa: F401  (vLLM's offloading tier: vLLM has kv_offload tiering)
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1  # noqa: F401
 pins = ", ".join(f"{p} {md.version(p)}" for p in ("numpy", "protobuf", "grpcio", "opentelemetry-api",
                                                   "prometheus_client"))
 print(f"install_engines: vllm {vllm.__version__}, lmcache {lmcache.__version__}, torch {torch.__version__}; "
-      f"the cxlalloc:// plugin loads; chosen under lmcache's caps: {pins}")
+      f"the cxlalloc:// plugin and vLLM tier load; chosen under lmcache's caps: {pins}")
 PYEOF
 touch "$STAMP"
 echo "install_engines: ready ($DIR -> $VDIR, $(( $(date +%s) - start )) s)"

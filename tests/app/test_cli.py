@@ -257,8 +257,16 @@ def test_info_prints_the_serving_engine_lines_for_this_machines_node():
     assert extra["remote_storage_plugin.cxlalloc.class_name"] == "CxlallocConnectorAdapter"
     assert extra["remote_storage_plugin.cxlalloc.url"] == "cxlalloc:///run/cxlalloc/kv.sock"
     assert '"kv_connector": "LMCacheConnectorV1"' in eng["vllm"]
+    # vLLM's own offloading with cxlalloc's tier: the JSON docs/engines.md prints (the one
+    # tests/engines/test_vllm_offload_tier.py runs vLLM with)
+    from tests.engines.engine_util import docs_offload_config
+
+    head, conf = eng["vllm_offload"].split(" --kv-transfer-config ", 1)
+    assert head == "vllm serve <model>" and conf[0] == conf[-1] == "'"
+    assert json.loads(conf[1:-1]) == docs_offload_config()
     assert eng["kvbm_g2"][1:] == ["export DYN_MEMORY_DISABLE_NUMA=1", f"numactl --membind={node} <your Dynamo worker command>"]
     free = next(n["free_bytes"] for n in info["numa"]["topology"]["nodes"] if n["id"] == node)
     assert eng["kvbm_g2"][0] == f"export DYN_KVBM_CPU_CACHE_GB={max(1, free // 2 // (1 << 30))}"
     text = cli("info", "--libcuda", NO_DRIVER).stdout
     assert f"serving engines, KV on node {node}" in text and "vllm serve <model> --kv-transfer-config" in text
+    assert "CxlallocSecondaryTier" in text

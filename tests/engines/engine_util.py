@@ -42,6 +42,15 @@ def docs_lmcache_yaml() -> str:
     return mine[0]
 
 
+def docs_offload_config() -> dict:
+    """The ``--kv-transfer-config`` JSON of docs/engines.md (section 5c, vLLM's own offloading), parsed."""
+    with open(DOCS) as f:
+        text = f.read()
+    blocks = [b for b in re.findall(r"```json\n(.*?)```", text, flags=re.S) if "CxlallocSecondaryTier" in b]
+    assert len(blocks) == 1, f"docs/engines.md: expected one vLLM offloading JSON block, found {len(blocks)}"
+    return json.loads(blocks[0])
+
+
 def yaml_for_socket(doc_yaml: str, socket_path: str) -> str:
     """The docs' YAML with its kv-server socket (``/run/cxlalloc/kv.sock``) replaced by ``socket_path``: the one
     change a test makes (it cannot own /run/cxlalloc)."""
@@ -77,16 +86,18 @@ def smollm2_safetensors(dst: str) -> str:
 
 
 def plugin_dir(base: str) -> str:
-    """A folder for PYTHONPATH holding an entry point of vLLM's ``vllm.general_plugins`` group (vLLM loads it in
-    every one of its processes) that registers the test-only LMCache CPU connector
-    (tests/engines/lmcache_cpu_connector.py)."""
+    """A folder for PYTHONPATH holding entry points of vLLM's ``vllm.general_plugins`` group (vLLM loads them in
+    every one of its processes) that register the test-only stand-ins for a GPU copy on vLLM's CPU build: the
+    LMCache CPU connector (tests/engines/lmcache_cpu_connector.py) and the worker of vLLM's own offloading
+    (tests/engines/vllm_offload_cpu_worker.py).  Each changes nothing on a GPU."""
     d = os.path.join(base, "vllm-plugin")
     info = os.path.join(d, "cxlalloc_test_lmcache_cpu-0.dist-info")
     os.makedirs(info, exist_ok=True)
     with open(os.path.join(info, "METADATA"), "w") as f:
         f.write("Metadata-Version: 2.1\nName: cxlalloc-test-lmcache-cpu\nVersion: 0\n")
     with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[vllm.general_plugins]\nlmcache_cpu = tests.engines.lmcache_cpu_connector:register\n")
+        f.write("[vllm.general_plugins]\nlmcache_cpu = tests.engines.lmcache_cpu_connector:register\n"
+                "offload_cpu = tests.engines.vllm_offload_cpu_worker:register\n")
     return d
 
 

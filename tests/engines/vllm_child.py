@@ -3,7 +3,8 @@
 ``python -m tests.engines.vllm_child SPEC.json``: SPEC names the model folder,
 the prompts (token ids), ``lmcache`` (true: LMCache's connector with the
 config in ``LMCACHE_CONFIG_FILE``; false: no connector, no prefix cache: the
-reference run), the output file, and optionally ``pause_after`` (an index:
+reference run), ``kv_transfer_config`` (optional: vLLM's ``--kv-transfer-config``
+JSON as a dict, used as given instead of LMCache's), the output file, and optionally ``pause_after`` (an index:
 after that request the child writes ``SPEC.out + '.paused'`` and waits for the
 file ``SPEC.out + '.go'``, so the test can kill the kv-server between two
 requests of a running engine).  Each request runs alone (greedy,
@@ -32,7 +33,11 @@ def main(argv) -> int:
 
     if torch.cuda.is_available():  # scripts/gpu_check.sh: two engines share the card
         kw["gpu_memory_utilization"] = float(os.environ.get("CXLALLOC_ENGINE_GPU_MEMORY", "0.2"))
-    if spec["lmcache"]:
+    if spec.get("kv_transfer_config"):  # vLLM's --kv-transfer-config JSON, as given
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    elif spec["lmcache"]:
         from vllm.config import KVTransferConfig
 
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")

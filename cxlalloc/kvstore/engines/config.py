@@ -8,6 +8,8 @@ lines for the machine it runs on, and docs/engines.md shows the same ones.
   through ``LMCACHE_CONFIG_FILE``.
 * :func:`vllm_kv_transfer_config`: vLLM's ``--kv-transfer-config`` for
   LMCache's connector (``LMCacheConnectorV1``).
+* :func:`vllm_offload_config`: vLLM's ``--kv-transfer-config`` for its own
+  KV offloading (``OffloadingConnector``) with cxlalloc's secondary tier.
 * :func:`kvbm_host_tier_lines`: Dynamo KVBM's host tier (G2) on a NUMA node
   without code: its ``DYN_KVBM_CPU_CACHE_GB`` with KVBM's own NUMA placement
   switched off (``DYN_MEMORY_DISABLE_NUMA=1``, docs/sources.md#dynamo-kvbm)
@@ -70,6 +72,26 @@ def vllm_kv_transfer_config() -> str:
     return json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
 
 
+VLLM_TIER_MODULE = "cxlalloc.kvstore.engines.vllm_tier"
+VLLM_TIER_CLASS = "CxlallocSecondaryTier"
+
+
+def vllm_offload_config(socket_path: str = DEFAULT_SOCKET, cpu_bytes: int = 1 << 30) -> str:
+    """vLLM's ``--kv-transfer-config`` JSON for its own KV offloading with cxlalloc's secondary tier
+    (:mod:`cxlalloc.kvstore.engines.vllm_tier`; docs/engines.md section 5c prints the same, on three lines).
+
+    Args:
+        socket_path: the kv-server's ``--socket``, or a whole ``cxlalloc://`` URL (used as it is).
+        cpu_bytes: vLLM's CPU primary tier per engine (``cpu_bytes_to_use``, bytes; a ``/dev/shm`` region).
+    """
+    url = socket_path if socket_path.startswith("cxlalloc://") else "cxlalloc://" + socket_path
+    return json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {
+                           "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": int(cpu_bytes),
+                           "secondary_tiers": [{"type": VLLM_TIER_CLASS, "module_path": VLLM_TIER_MODULE,
+                                                "url": url}]}})
+
+
 def kvbm_host_tier_lines(node: int, gib: int) -> List[str]:
     """Shell lines that put Dynamo KVBM's host tier (G2, ``gib`` GiB) on NUMA node ``node``.
 
@@ -95,7 +117,8 @@ def engine_lines(node: int, node_free_bytes: Optional[int], socket_path: str = D
             least 1 GiB); None when unknown (G2: 16 GiB).
 
     Returns:
-        ``{"node", "kv_server", "lmcache_config_file", "lmcache_yaml", "vllm", "sglang", "dynamo",
+        ``{"node", "kv_server", "lmcache_config_file", "lmcache_yaml", "vllm", "vllm_offload" (vLLM's own
+        offloading with cxlalloc's tier, no LMCache), "sglang", "dynamo",
         "kvbm_g2": [lines], "status"}`` (strings).
     """
     g2 = max(1, int(node_free_bytes // 2 // (1 << 30))) if node_free_bytes else 16
@@ -106,6 +129,7 @@ def engine_lines(node: int, node_free_bytes: Optional[int], socket_path: str = D
         "lmcache_config_file": cfg,
         "lmcache_yaml": lmcache_yaml(socket_path),
         "vllm": f"LMCACHE_CONFIG_FILE={cfg} vllm serve <model> --kv-transfer-config '{vllm_kv_transfer_config()}'",
+        "vllm_offload": f"vllm serve <model> --kv-transfer-config '{vllm_offload_config(socket_path)}'",
         "sglang": f"LMCACHE_CONFIG_FILE={cfg} python -m sglang.launch_server --model-path <model> --enable-lmcache",
         "dynamo": (f"LMCACHE_CONFIG_FILE={cfg} python -m dynamo.vllm --model <model> "
                    f"--kv-transfer-config '{vllm_kv_transfer_config()}'"),
@@ -114,4 +138,5 @@ def engine_lines(node: int, node_free_bytes: Optional[int], socket_path: str = D
     }
 
 
-__all__ = ["engine_lines", "lmcache_yaml", "vllm_kv_transfer_config", "kvbm_host_tier_lines", "PLUGIN_MODULE", "PLUGIN_CLASS"]
+__all__ = ["engine_lines", "lmcache_yaml", "vllm_kv_transfer_config", "vllm_offload_config", "kvbm_host_tier_lines",
+           "PLUGIN_MODULE", "PLUGIN_CLASS", "VLLM_TIER_MODULE", "VLLM_TIER_CLASS"]

@@ -30,9 +30,9 @@ three distinct event fds signalled on completion, thread-safe):
 
 Each slot holds a 64-byte header (magic ``CXLL2v01``, the 32-byte key, the payload length) then the payload.
 
-Tested against LMCache 0.5.6's own factory and interface on the CPU (tests/kvstore/engines/test_lmcache_l2.py); the
-two-process vLLM test through LMCache's MP server has not run (not yet run with an engine in MP mode, nor
-on a GPU).
+Tested against LMCache 0.5.6's own factory and interface on the CPU (tests/kvstore/engines/test_lmcache_l2.py), and
+with vLLM's CPU build through LMCache's MP server, two vLLM processes sharing a prefix through the pool
+(tests/engines/test_vllm_lmcache_mp.py).  Not yet run on a GPU.
 """
 
 from __future__ import annotations

@@ -1,0 +1,184 @@
+"""vLLM's own KV offloading (``OffloadingConnector`` + ``TieringOffloadingSpec``) with cxlalloc's secondary tier
+(:mod:`cxlalloc.kvstore.engines.vllm_tier`), no LMCache, on vLLM's CPU build and the shipped SmolLM2-135M.
+
+Across processes: a kv-server on a unix socket started here; vLLM process A computes a shared 1,280-token
+prefix, vLLM's CPU primary tier takes its chunks and cascades them into the pool; a new process B finds them
+there on its first request (``num_cached_tokens`` = the prefix, promoted pool -> B's primary tier -> B's KV
+cache) and generates the same tokens as A and as a run with no cache; the server counts each chunk stored once.
+A chunk whose bytes are changed in the pool is a miss for a third process C (checksum on its own copy), which
+recomputes it and still generates the reference tokens.  Then the kv-server is killed under B's running
+engine and every later request completes.  vLLM reads exactly the ``--kv-transfer-config`` JSON of
+docs/engines.md (only its socket path changed).
+
+vLLM's worker half of the offloading copy refuses the CPU platform; the test-only stand-in for that copy is
+tests/engines/vllm_offload_cpu_worker.py (on a GPU, vLLM's own worker runs: scripts/gpu_check.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import pytest
+
+from tests.engines.engine_util import DOCS_SOCKET, Child, docs_offload_config, engines_python, smollm2_safetensors
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+PREFIX_TOKENS = 1280       # 10 vLLM CPU blocks of 128 tokens: 10 offloaded chunks (block_size unset: one block)
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    d = tempfile.mkdtemp(prefix="vot-", dir="/tmp")   # short: a unix socket path holds 107 bytes
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    py = engines_python()
+    venv = os.path.realpath(os.path.dirname(os.path.dirname(py)))
+    return smollm2_safetensors(os.path.join(venv, "cxlalloc-models", "SmolLM2-135M-Instruct-bf16"))
+
+
+def _for_socket(conf: dict, socket_path: str) -> dict:
+    text = json.dumps(conf)
+    assert text.count(DOCS_SOCKET) == 1, "the docs' JSON names the kv-server socket once"
+    return json.loads(text.replace(DOCS_SOCKET, socket_path))
+
+
+def _prompts(model_dir):
+    from transformers import AutoTokenizer
+
+    from cxlalloc_apps.demo import app
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    with open(os.path.join(os.path.dirname(app.__file__), "data", "tide_stations_report.txt")) as f:
+        doc = tok(f.read(), add_special_tokens=False)["input_ids"]
+    assert len(doc) >= PREFIX_TOKENS + 400, len(doc)
+    questions = ["Which station has the highest tide?", "Summarise the report in one sentence.",
+                 "What is the date of the report?", "List two station names.", "What unit are heights in?"]
+    q = [tok("\n\nQuestion: " + s + "\nAnswer:", add_special_tokens=False)["input_ids"] for s in questions]
+    first, second = doc[:PREFIX_TOKENS], doc[400:400 + PREFIX_TOKENS]
+    return [first + q[i] for i in range(3)] + [second + q[i] for i in range(3, 5)]
+
+
+def _pool(sp):
+    return sp.status()["pool"]
+
+
+def _wait_stored(sp, n, timeout=30.0):
+    """The pool's stats once ``stored_blocks`` reaches ``n`` (a cascade finishes on vLLM's copy thread)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        p = _pool(sp)
+        if p["stored_blocks"] >= n or time.monotonic() > deadline:
+            return p
+        time.sleep(0.2)
+
+
+def test_vllm_offloading_shares_a_prefix_through_the_pool(workdir, model_dir):
+    from tests.kvstore.conftest import ServerProcess
+
+    conf = docs_offload_config()
+    extra = conf["kv_connector_extra_config"]
+    assert conf["kv_connector"] == "OffloadingConnector" and extra["spec_name"] == "TieringOffloadingSpec"
+    assert extra["secondary_tiers"][0]["module_path"] == "cxlalloc.kvstore.engines.vllm_tier"
+    prompts = _prompts(model_dir)
+    sp = ServerProcess(os.path.join(workdir, "kv.sock"), ["--size", "128MiB", "--chunk", "8MiB"],
+                       os.path.join(workdir, "server.log")).start()
+    kvt = _for_socket(conf, sp.socket)
+    spec = dict(model=model_dir, max_model_len=2048, max_tokens=MAX_TOKENS)
+    chunks = PREFIX_TOKENS // 128
+    children = []
+    try:
+        ref = Child(workdir, "ref", dict(spec, prompts=prompts))
+        a = Child(workdir, "a", dict(spec, prompts=prompts[:3], kv_transfer_config=kvt))
+        children += [ref, a]
+        ref_out, a_out = ref.result(), a.result()
+        want = [r["tokens"] for r in ref_out["requests"]]
+        assert all(len(t) == MAX_TOKENS for t in want)
+        assert [r["tokens"] for r in a_out["requests"]] == want[:3]
+        # A's later requests of the prefix came from its own CPU primary tier (vLLM's prefix cache is off)
+        assert [r["num_cached_tokens"] for r in a_out["requests"]] == [0, PREFIX_TOKENS, PREFIX_TOKENS], a_out
+        pool_a = _wait_stored(sp, chunks)
+        assert pool_a["stored_blocks"] == chunks, pool_a    # the prefix's chunks, once each
+        assert pool_a["blocks"] == chunks and pool_a["duplicate_blocks"] == 0, pool_a
+
+        # B, a new process: its first request finds the prefix in the pool
+        b = Child(workdir, "b", dict(spec, prompts=prompts, pause_after=2, kv_transfer_config=kvt))
+        children.append(b)
+        b_mid = b.wait_file(b.out + ".paused", 600)
+        pool_b = _pool(sp)
+        got = b_mid["requests"]
+        assert [r["num_cached_tokens"] for r in got] == [PREFIX_TOKENS] * 3, got
+        assert [r["tokens"] for r in got] == want[:3]
+        assert pool_b["stored_blocks"] == chunks and pool_b["duplicate_blocks"] == 0, pool_b  # B stored nothing
+        # by the server's count: B's scheduler looked each chunk up once and its tier's promotion read each once;
+        # B's next two requests found the prefix in its own CPU primary tier
+        assert pool_b["hit_blocks"] - pool_a["hit_blocks"] == 2 * chunks, (pool_a, pool_b)
+        assert pool_b["hit_tokens"] - pool_a["hit_tokens"] == 2 * PREFIX_TOKENS, (pool_a, pool_b)
+
+        # the kv-server dies under B's running engine: B's later requests (another prefix) still complete
+        sp.kill()
+        open(b.out + ".go", "w").close()
+        b_out = b.result()
+        after = b_out["requests"][3:]
+        assert [r["tokens"] for r in after] == want[3:]
+        # the first is computed (the pool is gone); the second finds the first's prefix in B's CPU primary tier
+        assert [r["num_cached_tokens"] for r in after] == [0, PREFIX_TOKENS], after
+        for name, o in (("ref", ref_out), ("A", a_out), ("B", b_out)):
+            print(name, "ttft s", [r["ttft_s"] and round(r["ttft_s"], 3) for r in o["requests"]],
+                  "cached", [r["num_cached_tokens"] for r in o["requests"]])
+        print("pool after A", {k: pool_a[k] for k in ("blocks", "stored_blocks", "duplicate_blocks", "hit_blocks",
+                                                        "hit_tokens")})
+        print("pool after B", {k: pool_b[k] for k in ("blocks", "stored_blocks", "duplicate_blocks", "hit_blocks",
+                                                        "hit_tokens")})
+    finally:
+        for c in children:
+            c.close()
+        sp.stop()
+
+
+def test_the_tier_under_vllms_own_tiering_manager(workdir):
+    """tests/engines/vllm_tier_contract.py in the engine venv: the tier as vLLM's ``TieringOffloadingManager``
+    drives it (two managers = two processes), a chunk changed in the pool, bad parameters, the kv-server killed."""
+    import subprocess
+
+    from tests.engines.engine_util import ROOT, child_env
+    from tests.kvstore.conftest import ServerProcess
+
+    sock = os.path.join(workdir, "kvc.sock")
+    sp = ServerProcess(sock, ["--size", "16MiB", "--chunk", "1MiB"], os.path.join(workdir, "serverc.log")).start()
+    out = os.path.join(workdir, "contract.json")
+    try:
+        r = subprocess.run([engines_python(), "-m", "tests.engines.vllm_tier_contract", sock, out, str(sp.proc.pid)],
+                           cwd=ROOT, env=child_env(workdir), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
+    finally:
+        sp.stop()
+    with open(out) as f:
+        got = json.load(f)
+    print(json.dumps(got, indent=1)[:3000])
+    # A stored 6 chunks once each; B promoted the first 4, byte for byte
+    assert got["store_a"]["stored_chunks"] == 6 and got["store_a"]["store_failures"] == 0, got["store_a"]
+    assert got["fetch_b"] == {"results": ["HIT"] * 4, "equal": [True] * 4}, got["fetch_b"]
+    assert got["tier_b"]["loaded_chunks"] == 4 and got["tier_b"]["corrupt_chunks"] == 0, got["tier_b"]
+    # one byte changed in the pool: that chunk is a miss (never the changed bytes), the next one still loads
+    assert got["fetch_corrupt"] == {"results": ["MISS", "HIT"], "equal_3": True}, got["fetch_corrupt"]
+    assert got["tier_c"]["corrupt_chunks"] == 1 and got["tier_c"]["loaded_chunks"] == 1, got["tier_c"]
+    assert got["after_drop"] == "MISS"
+    # bad parameters: one error each, naming the parameter
+    bad = got["bad_params"]
+    for param, word in (('{"io_threads": 0}', "io_threads"), ('{"colour": "red"}', "colour"),
+                        ('{"url": "redis://x"}', "url"), ('{"locality": "MOON"}', "locality")):
+        assert bad[param] and "TierConfigError" in bad[param] and word in bad[param], (param, bad[param])
+    # the kv-server gone: a miss, and a cascade that failed (counted), never an exception
+    assert got["down_lookup"] == "MISS"
+    assert got["down_store"]["store_failures"] >= 1 and got["down_store"]["stored_chunks"] == 0, got["down_store"]
