@@ -47,6 +47,7 @@ import torch
 from cxlalloc import _C
 from cxlalloc.config import format_bytes, parse_size
 from cxlalloc.kvstore import protocol as P
+from cxlalloc.kvstore.connection import _Broken, _Conn, _Pool, _slot_views
 from cxlalloc.kvstore.handles import ScopedHandle, close_fds
 from cxlalloc.kvstore.local import KVStoreWarning, LocalBlockStore
 from cxlalloc.kvstore.store import AccountedStore, hit_rate
@@ -54,132 +55,6 @@ from cxlalloc.kvstore.store import AccountedStore, hit_rate
 DEFAULT_TIMEOUT_S = 5.0
 _BACKOFF_MIN_S = 0.2
 _BACKOFF_MAX_S = 10.0
-
-
-class _Broken(Exception):
-    """The connection failed (its state is unknown): it is abandoned."""
-
-
-class _Pool:
-    """One server pool mapped into this process."""
-
-    def __init__(self, arena, hello: dict):
-        self.arena = arena
-        self.pool_id = hello["pool_id"]
-        self.tenant = hello.get("tenant")  # the server's binding of this process's credentials (None: single-tenant)
-        self.size = int(hello["size"])
-        self.chunk_bytes = int(hello["chunk_bytes"])
-        self.node = int(hello["node"])
-        self.bytes = torch.from_dlpack(arena.dlpack())
-
-
-class _Conn:
-    def __init__(self, sock: socket.socket, pool: _Pool, hello: dict):
-        self.sock, self.pool, self.hello = sock, pool, hello
-        self.lock = threading.Lock()       # one request/response at a time
-        self._held = threading.Lock()      # outstanding and closed
-        self.outstanding = 0               # open leases + reservations
-        self.broken = False
-        self.closed = False
-        self.served = 0                    # requests answered on it
-        self.timed_out = False             # it broke on a time-out (the server hangs) rather than a reset
-        self.pending = {}                  # pipelined commits sent, not yet acknowledged: res -> blocks sent
-        self.on_commits = None             # called with (outcomes, pending) as a reply acknowledges them
-
-    @property
-    def established(self) -> bool:
-        """It has served requests and broke by a reset or EOF (not a time-out): a restarted server."""
-        return self.served > 0 and not self.timed_out
-
-    def request(self, msg: dict) -> dict:
-        with self.lock:
-            if self.broken:
-                raise _Broken("the connection failed earlier")
-            try:
-                P.send_msg(self.sock, msg)
-                reply, _ = P.recv_msg(self.sock)
-            except (OSError, P.ProtocolError) as e:  # socket.timeout is an OSError
-                self.broken = True
-                self.timed_out = isinstance(e, socket.timeout)
-                self._close_if_idle()
-                raise _Broken(f"{type(e).__name__}: {e}") from None
-            self.served += 1
-            acked = self._acked(reply)
-        if acked is not None and self.on_commits is not None:
-            self.on_commits(*acked)
-        if not reply.get("ok"):
-            raise P.RemoteError(str(reply.get("code", "?")), str(reply.get("error", "")))
-        return reply
-
-    def _acked(self, reply: dict):
-        """The pipelined commits this reply acknowledges (under the request lock): ``(outcomes
-        [[res, published, code], ...], {res: blocks sent} of those, dropped outcomes)`` or None."""
-        outcomes = reply.pop("commits", None)
-        dropped = int(reply.pop("commits_dropped", 0) or 0)
-        if not outcomes and not dropped and not self.pending:
-            return None
-        if not isinstance(outcomes, list):
-            outcomes = []
-        sent = {}
-        for o in outcomes:
-            if isinstance(o, list) and len(o) == 3 and isinstance(o[0], int):
-                sent[o[0]] = self.pending.pop(o[0], 0)
-        if dropped:  # the server kept no outcome for the oldest: they are done, their count is unknown
-            for rid in sorted(self.pending)[:dropped]:
-                sent[rid] = self.pending.pop(rid)
-        return outcomes, sent, dropped
-
-    @property
-    def pipelined_commit(self) -> bool:
-        """The server speaks protocol 3: a commit is sent without waiting for its reply."""
-        return int(self.hello.get("v", 1)) >= 3
-
-    @property
-    def one_way_release(self) -> bool:
-        """The server speaks protocol 2: a lease is released without waiting for a reply."""
-        return int(self.hello.get("v", 1)) >= 2
-
-    def send_one_way(self, msg: dict, pending: int = -1) -> None:
-        """Send a request the server does not answer (protocol 2's ``release``,
-        protocol 3's ``commit``, with ``reply: False``); frames stay in order
-        under the request lock.  ``pending >= 0``: a commit of that many blocks,
-        acknowledged by a later reply."""
-        with self.lock:
-            if self.broken:
-                raise _Broken("the connection failed earlier")
-            try:
-                if pending >= 0:
-                    self.pending[msg["res"]] = pending
-                P.send_msg(self.sock, msg)
-            except (OSError, P.ProtocolError) as e:
-                self.broken = True
-                self._close_if_idle()
-                raise _Broken(f"{type(e).__name__}: {e}") from None
-
-    def hold(self) -> None:
-        with self._held:
-            self.outstanding += 1
-
-    def unhold(self) -> None:
-        with self._held:
-            self.outstanding -= 1
-        if self.broken:
-            self._close_if_idle()
-
-    def _close_if_idle(self) -> None:
-        with self._held:
-            if self.closed or self.outstanding > 0:
-                return
-            self.closed = True
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-    def abandon(self) -> None:
-        """Stop using this connection; it closes once nothing of it is open."""
-        self.broken = True
-        self._close_if_idle()
 
 
 class RemoteLease(ScopedHandle):
@@ -294,38 +169,6 @@ class _Nothing:
 
     def __exit__(self, *exc):
         pass
-
-
-_PAGE = os.sysconf("SC_PAGESIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _slot_views(pool: _Pool, slots: Sequence, nbytes: int, register) -> List[Optional[torch.Tensor]]:
-    """The pool's bytes of each slot (``None`` stays None) as 1-D uint8 views of ``nbytes``, each run of slots
-    one after another (the stride less than a page over ``nbytes``) built by one ``unbind`` (a reservation's slots
-    are mostly consecutive: a fresh chunk's tail, or the LRU's oldest blocks freed in order) and registered once (``register(pool, offset, length)``)."""
-    views: List[Optional[torch.Tensor]] = [None] * len(slots)
-    i, n = 0, len(slots)
-    while i < n:
-        off = slots[i]
-        if off is None:
-            i += 1
-            continue
-        off = int(off)
-        j = i + 1
-        step = int(slots[j]) - off if j < n and slots[j] is not None else 0
-        if nbytes <= step < nbytes + _PAGE:  # slots packed (a slot is nbytes rounded up to a page)
-            while j < n and slots[j] is not None and int(slots[j]) == off + (j - i) * step:
-                j += 1
-        if j - i == 1:
-            register(pool, off, nbytes)
-            views[i] = pool.bytes[off:off + nbytes]
-        else:
-            k = j - i
-            register(pool, off, (k - 1) * step + nbytes)
-            run = pool.bytes[off:off + (k - 1) * step + nbytes].as_strided((k, nbytes), (step, 1))
-            views[i:j] = run.unbind(0)
-        i = j
-    return views
 
 
 class RemoteBlockStore(AccountedStore):

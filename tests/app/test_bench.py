@@ -20,7 +20,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 STEPS = ("env", "wheels", "build", "adapter", "info", "ceilings", "allocation", "pytest-gpu", "hf-per-gpu",
          "hf-multi-gpu", "kvserver", "reuse",
-         "lmcache", "vllm", "cb", "serve", "decode", "plan", "rightsizing", "report", "pack")
+         "lmcache", "vllm", "vllm-offload", "cb", "serve", "decode", "plan", "rightsizing", "report", "pack")
 
 
 def _bench(args, timeout=120):

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-import cxlalloc.kvstore.client as client_mod
+import cxlalloc.kvstore.connection as conn_mod  # the one place that sends and receives
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.client import RemoteBlockStore
 from tests.kvstore.kvutil import RawClient, key
@@ -45,7 +45,7 @@ def test_a_hit_is_one_request_and_one_reply_and_releases_its_pins(kv_server, all
     assert res.commit() == 4
     assert st._conn.hello["v"] == 3 == P.PROTOCOL_VERSION
     counting = _Counting()
-    monkeypatch.setattr(client_mod, "P", counting)
+    monkeypatch.setattr(conn_mod, "P", counting)
     for n in range(20):
         with st.lookup("", keys) as lease:
             assert lease.blocks == 4 and [int(v[0]) for v in lease.views] == [1, 2, 3, 4]
@@ -109,7 +109,7 @@ def test_an_insert_is_one_waited_round_trip_and_the_next_reply_acknowledges_its_
     srv = kv_server()
     st = RemoteBlockStore(srv.url, alloc())
     counting = _Counting()
-    monkeypatch.setattr(client_mod, "P", counting)
+    monkeypatch.setattr(conn_mod, "P", counting)
     for n in range(10):
         keys = [key(100 * n + j) for j in range(4)]
         res = st.reserve("", keys, BLOCK, 16)

@@ -133,25 +133,13 @@ class ClusterRouter:
             if now < self._rc_next_try or self._closed:
                 return None
             try:
-                # every seed of the URL: redis-py tries them in turn (a dead first seed is skipped)
-                from redis.cluster import ClusterNode
-
-                seeds = [ClusterNode(h, p) for h, p in cluster_seeds(self._url)[1:]]
-                self._rc = self._redis.RedisCluster.from_url(first_seed_url(self._url), startup_nodes=seeds,
-                                                             **self._kw)
-                self._rc_backoff = _BACKOFF_MIN_S
-                self._learn_primaries()
+                self._rc, self.standalone = _open_cluster(self._redis, self._url, self._kw)
+                if not self.standalone:
+                    self._rc_backoff = _BACKOFF_MIN_S
+                    self._learn_primaries()
             except (ValueError, TypeError):
                 raise
             except Exception as e:
-                if "cluster" in str(e).lower() and "not enabled" in str(e).lower() or "support disabled" in str(e):
-                    # One server without cluster mode: the same tier, every slot on it.
-                    self._rc = _Standalone(self._redis, first_seed_url(self._url), self._kw)
-                    self.standalone = True
-                    log.warning("cxlalloc kv: %s is one server, not a cluster node (cluster mode not enabled): "
-                                "used as one node (the URL for one server is 'redis://host:port/0')",
-                                self._url.split("@")[-1])
-                    return self._rc
                 self.c["topology_errors"] += 1
                 self.last_error = f"{type(e).__name__}: {e}"
                 self._rc_next_try = now + self._rc_backoff
@@ -498,6 +486,26 @@ class _Standalone:
 
     def close(self) -> None:
         self.node.redis_connection.close()
+
+
+def _open_cluster(redis_mod, url: str, kw: dict):
+    """``(client, standalone)`` for a cluster URL: redis-py's ``RedisCluster`` over every seed of the URL
+    (tried in turn: a dead first seed is skipped), or, for one server without cluster mode, that server as
+    the only node (:class:`_Standalone`, said once).  Raises what connecting raises otherwise."""
+    from redis.cluster import ClusterNode
+
+    seeds = [ClusterNode(h, p) for h, p in cluster_seeds(url)[1:]]
+    try:
+        return redis_mod.RedisCluster.from_url(first_seed_url(url), startup_nodes=seeds, **kw), False
+    except (ValueError, TypeError):
+        raise
+    except Exception as e:
+        if not ("cluster" in str(e).lower() and "not enabled" in str(e).lower() or "support disabled" in str(e)):
+            raise
+    # One server without cluster mode: the same tier, every slot on it.
+    log.warning("cxlalloc kv: %s is one server, not a cluster node (cluster mode not enabled): "
+                "used as one node (the URL for one server is 'redis://host:port/0')", url.split("@")[-1])
+    return _Standalone(redis_mod, first_seed_url(url), kw), True
 
 
 def write_batch(tier, router: ClusterRouter, batch: List[tuple]) -> None:
