@@ -10,7 +10,9 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <vector>
 #include <mutex>
 #include <string>
 
@@ -171,6 +173,48 @@ void release(int64_t id, bool restore) {
     }
     ::mprotect(reinterpret_cast<void*>(lo), hi - lo, PROT_READ | PROT_WRITE);
   }
+}
+
+std::size_t verify() {
+  // Runs of mappings without write permission: [lo, hi), adjacent ones merged.
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> ro;
+  FILE* f = std::fopen("/proc/self/maps", "re");
+  if (f == nullptr) return 0;
+  char line[4096];
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    unsigned long lo = 0, hi = 0;
+    char perms[8] = {0};
+    if (std::sscanf(line, "%lx-%lx %7s", &lo, &hi, perms) != 3) continue;
+    if (perms[1] == 'w') continue;
+    if (!ro.empty() && ro.back().second == lo)
+      ro.back().second = hi;
+    else
+      ro.emplace_back(lo, hi);
+  }
+  std::fclose(f);
+  std::lock_guard<std::mutex> lk(g_mu);
+  std::size_t marked = 0;
+  int n = g_high.load();
+  for (int i = 0; i < n; ++i) {
+    Slot& s = g_slots[i];
+    if (s.state.load() != 1) continue;
+    std::uintptr_t lo = s.lo.load(), hi = s.hi.load();
+    // The run that starts at or before lo (ro is sorted: /proc/self/maps lists mappings in address order).
+    std::size_t a = 0, b = ro.size();
+    while (a < b) {
+      std::size_t m = (a + b) / 2;
+      if (ro[m].first <= lo)
+        a = m + 1;
+      else
+        b = m;
+    }
+    bool ok = a > 0 && ro[a - 1].second >= hi;
+    if (!ok) {
+      s.state.store(2);
+      ++marked;
+    }
+  }
+  return marked;
 }
 
 std::size_t active_ranges() {

@@ -43,6 +43,12 @@ bool handler_installed();
 // chained).  Returns true when it is installed.
 bool install_handler();
 
+// Check every guarded, unwritten range against /proc/self/maps: a range
+// not wholly inside mappings without write permission lost its guard (its
+// address was mapped again, e.g. by a driver) and is marked written, since a
+// write to it since would not have faulted.  Returns how many were marked.
+std::size_t verify();
+
 // Number of guarded ranges and of faults handled since start.
 std::size_t active_ranges();
 std::uint64_t faults_handled();

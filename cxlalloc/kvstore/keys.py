@@ -34,6 +34,7 @@ are digested and learns of any later write from the page fault
 from __future__ import annotations
 
 import bisect
+import ctypes
 import hashlib
 import re
 import json
@@ -252,7 +253,7 @@ def _maps() -> Tuple[List[int], List[int], List[str]]:
 
 
 def _inside(maps, lo: int, hi: int, prot: str) -> bool:
-    """Whether [lo, hi) lies in one run of guardable mappings of protection ``prot`` (``"rw"``/``"r-"``)."""
+    """Whether [lo, hi) lies in one run of guardable mappings of protection ``prot`` (``"rw"``)."""
     if not maps:
         return False
     starts, ends, prots = maps
@@ -267,11 +268,11 @@ class _Guarded:
     the last such page (``edges``, under two pages) share pages with other memory, so they are digested at
     every check instead.  ``storage`` is held so that the guarded memory is never freed while guarded."""
 
-    __slots__ = ("sig", "storage", "base", "digest", "slot", "edges", "edge_digest", "span")
+    __slots__ = ("sig", "storage", "base", "digest", "slot", "edges", "edge_digest")
 
-    def __init__(self, sig, storage, base, digest, slot, edges, edge_digest, span):
+    def __init__(self, sig, storage, base, digest, slot, edges, edge_digest):
         self.sig, self.storage, self.base, self.digest = sig, storage, base, digest
-        self.slot, self.edges, self.edge_digest, self.span = slot, edges, edge_digest, span
+        self.slot, self.edges, self.edge_digest = slot, edges, edge_digest
 
     def release(self, C) -> None:
         if self.slot is not None:
@@ -286,10 +287,13 @@ def _sig(t) -> tuple:
             t.stride(), t.storage_offset(), str(t.device), t._version)
 
 
-def _edge_digest(raw, edges) -> bytes:
+def _edge_digest(edges) -> bytes:
+    """XXH3-128 of the bytes at ``(address, length)`` of each edge (the tensor's memory, kept alive and
+    unmoved: its storage is held and its address is part of the signature checked first)."""
     h = xxhash.xxh3_128()
-    for a, b in edges:
-        h.update(memoryview(raw[a:b].numpy()))
+    for a, n in edges:
+        if n:
+            h.update(ctypes.string_at(a, n))
     return h.digest()
 
 
@@ -378,9 +382,11 @@ class WeightsWatch:
             # Another library replaced the handler: a write since may not have been seen.  Start over.
             self.close()
             C.guard_install_handler()
-        # /proc/self/maps, read once per check: a guarded range must still be read-only (a remap of its
-        # address, e.g. by a driver, gives new pages without the guard, and writes to them would not fault).
-        maps: list = [_maps()] if self._guarded else []
+        if C is not None and self._guarded:
+            # A guarded range must still be read-only (a remap of its address, e.g. by a driver, gives pages
+            # without the guard, and writes to them would not fault): those count as written.
+            C.guard_verify()
+        maps: list = []  # /proc/self/maps, read once per check and only when a tensor is (re)guarded
         out, seen = [], set()
         digested = nbytes = guarded = 0
         for name, t in weight_tensors(self.model):
@@ -390,13 +396,11 @@ class WeightsWatch:
                 continue
             e = self._guarded.get(name)
             sig = _sig(t)
-            if e is not None and e.sig == sig and (e.slot is None or (
-                    not C.guard_written(e.slot) and _inside(maps[0], e.span[0], e.span[1], "r-"))):
-                raw = t.detach().reshape(-1).view(_torch().uint8)
-                if _edge_digest(raw, e.edges) == e.edge_digest:  # unchanged: its bytes are known
+            if e is not None and e.sig == sig and (e.slot is None or not C.guard_written(e.slot)):
+                if _edge_digest(e.edges) == e.edge_digest:  # unchanged: its bytes are known
                     out.append((name, t, e.digest))
                     guarded += 1
-                    nbytes += sum(b - a for a, b in e.edges)
+                    nbytes += sum(n for _, n in e.edges)
                     continue
             if e is not None:
                 e.release(C)
@@ -417,27 +421,26 @@ class WeightsWatch:
         """Guard ``t``'s interior pages (when it can be guarded), then digest it: a write after the guard
         is seen, whether it comes before or during the digest.  ``edges`` None: not guardable (digested
         in full at every check)."""
-        slot = edges = ed = span = None
+        slot = edges = ed = None
         storage = t.untyped_storage()
         base = storage.data_ptr()
         if C is not None and _guardable(t):
             ptr, n = t.data_ptr(), t.numel() * t.element_size()
             ps = C.guard_page_size()
             lo, hi = -(-ptr // ps) * ps, (ptr + n) // ps * ps
-            edges = [(0, n)]  # too small for a whole page: all its bytes at every check
+            edges = [(ptr, n)]  # too small for a whole page: all its bytes at every check
             if hi > lo:
                 if not maps:
                     maps.append(_maps())
                 if _inside(maps[0], lo, hi, "rw"):
                     slot = C.guard_protect(lo, hi - lo)
-                    span = (lo, hi)
-                    edges = [(0, lo - ptr), (hi - ptr, n)]
+                    edges = [(ptr, lo - ptr), (hi, ptr + n - hi)]
                 else:  # e.g. shared memory another process may write: every byte at every check
                     edges = None
         d = _tensor_bytes(t, "full")
         if edges is not None:
-            ed = _edge_digest(t.detach().reshape(-1).view(_torch().uint8), edges)
-        return _Guarded(sig, storage, base, d, slot, edges, ed, span)
+            ed = _edge_digest(edges)
+        return _Guarded(sig, storage, base, d, slot, edges, ed)
 
     def close(self) -> None:
         """Make every guarded page writable again and forget it (``cxlalloc.hf.unwrap`` calls it)."""

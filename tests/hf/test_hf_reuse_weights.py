@@ -200,6 +200,30 @@ def test_guarded_mode_starts_over_when_its_handler_was_replaced():
     g.close()
 
 
+def test_guarded_mode_sees_a_write_after_its_pages_lost_the_guard():
+    """A range made writable behind the guard's back (as a remap of the address by a driver would): the
+    write there does not fault, and the next check still sees it (the ranges are checked read-only in
+    /proc/self/maps at every check)."""
+    import ctypes
+
+    from cxlalloc import _C
+
+    m = _Big()
+    g = K.WeightsWatch(m)
+    f0 = g.fingerprint()
+    ps = _C.guard_page_size()
+    lo, hi = -(-m.a.data_ptr() // ps) * ps, (m.a.data_ptr() + m.a.numel() * 4) // ps * ps
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    assert libc.mprotect(lo, hi - lo, 3) == 0  # PROT_READ | PROT_WRITE
+    faults = _C.guard_stats()[1]
+    GUARDED_WRITES["numpy"](m)
+    assert _C.guard_stats()[1] == faults  # no fault: only the maps check can tell
+    f1 = g.fingerprint()
+    assert f1 != f0 and f1 == K.WeightsWatch(m, "full").fingerprint()
+    g.close()
+
+
 def test_unwrap_makes_the_guarded_pages_writable_again(fresh_sim):
     from cxlalloc import _C
 
