@@ -344,6 +344,7 @@ class WeightsWatch:
         self._fingerprint: Optional[bytes] = None
         self.recomputed = 0  # how many times the fingerprint changed after the first
         self._guarded: Dict[str, _Guarded] = {}
+        self._combined: Tuple[tuple, bytes] = ((), b"")  # the last check's tensor names and digest
         self._lock = threading.Lock()
         # Per check (guarded mode): tensors digested in full, bytes digested, guarded tensors.
         self.last_check = {"digested_tensors": 0, "digested_bytes": 0, "guarded_tensors": 0}
@@ -393,6 +394,7 @@ class WeightsWatch:
             seen.add(name)
             if not t.numel() or t.device.type == "meta":
                 out.append((name, t, b""))
+                digested += 1  # nothing to read, but its shape enters the digest: combine again
                 continue
             e = self._guarded.get(name)
             sig = _sig(t)
@@ -415,7 +417,10 @@ class WeightsWatch:
         for name in [n for n in self._guarded if n not in seen]:
             self._guarded.pop(name).release(C)
         self.last_check = {"digested_tensors": digested, "digested_bytes": nbytes, "guarded_tensors": guarded}
-        return _combine(out)
+        names = tuple(n for n, _, _ in out)
+        if digested or names != self._combined[0]:  # else: the same tensors (signatures checked), same bytes
+            self._combined = (names, _combine(out))
+        return self._combined[1]
 
     def _guard(self, t, sig, C, maps: list) -> _Guarded:
         """Guard ``t``'s interior pages (when it can be guarded), then digest it: a write after the guard
@@ -447,6 +452,7 @@ class WeightsWatch:
         for e in self._guarded.values():
             e.release(self._C)
         self._guarded = {}
+        self._combined = ((), b"")
 
     def __del__(self):
         try:
