@@ -627,6 +627,27 @@ def plot(rec: Dict[str, Any], path: str) -> Optional[str]:
     return path
 
 
+def markdown(rec: Dict[str, Any]) -> str:
+    """The chat and prefix figures of a record as a markdown table (benchmarks/README.md is pasted from it):
+    per ratio its median, IQR and min-max over the rounds, the goal's verdict, the A/A noise floor and the
+    load average before/after.  Empty when the record has neither part measured with method.py."""
+    rows = ["| part | ratio (per round) | median | IQR | min-max | rounds | goal | verdict | A/A noise (IQR) "
+            "| load avg 1m before/after |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rec.get("results", []):
+        c = r.get("comparison")
+        if r.get("part") not in ("chat", "prefix") or not c:
+            continue
+        goal, nf = r["goal"], r["noise_floor_ratio"]
+        load = f"{c['load_before'].get('loadavg_1m')} / {c['load_after'].get('loadavg_1m')}"
+        for name, v in c["ratios"].items():
+            main = name.startswith("wrapped_kv_store/")
+            rows.append(f"| {r['part']} | `{name}` | {'**' if main else ''}{v['median']:.3f}x{'**' if main else ''} "
+                        f"| {v['q1']:.3f}-{v['q3']:.3f} | {v['min']:.3f}-{v['max']:.3f} | {v['n']} "
+                        f"| {'<= ' + str(goal['target']) if main else ''} | {goal['verdict'] if main else ''} "
+                        f"| {nf['q1']:.3f}-{nf['q3']:.3f} | {load} |")
+    return "\n".join(rows) + "\n" if len(rows) > 2 else ""
+
+
 WORKERS = {"lookup": worker_lookup}
 
 

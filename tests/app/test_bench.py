@@ -754,6 +754,11 @@ def test_kvspeed_is_opt_in_and_plots_its_ratios(tmp_path):
     chat = rec["results"][-2]
     assert chat["goal"]["verdict"] == "met" and chat["comparison"]["ratios"]["wrapped_kv_store/" + "by_hand_dynamic_cache"][
         "median"] == 0.9
+    for r in rec["results"][-2:]:
+        r["noise_floor_ratio"] = {"q1": 0.99, "q3": 1.01}
+    table = ks.markdown(rec)
+    assert "| chat | `wrapped_kv_store/by_hand_dynamic_cache` | **0.900x** | 0.900-0.900 |" in table
+    assert table.count("| met |") == 2 and ks.markdown({"results": []}) == ""
     out = ks.plot(rec, str(tmp_path / "kvspeed.png"))
     assert out and os.path.getsize(out) > 10_000
     assert ks.plot({"results": []}, str(tmp_path / "none.png")) is None
