@@ -762,6 +762,7 @@ def test_kvspeed_is_opt_in_and_plots_its_ratios(tmp_path):
     out = ks.plot(rec, str(tmp_path / "kvspeed.png"))
     assert out and os.path.getsize(out) > 10_000
     assert ks.plot({"results": []}, str(tmp_path / "none.png")) is None
+    assert ks.plot({"results": rec["results"][-2:]}, str(tmp_path / "chat-prefix.png"))  # --parts chat,prefix
 
 
 def test_engines_runs_only_when_named_and_says_why_it_skips(tmp_path):
