@@ -124,7 +124,8 @@ bool install_handler() {
 int64_t protect(std::uintptr_t addr, std::size_t len) {
   const std::size_t ps = page_size();
   if (len == 0 || addr % ps != 0 || len % ps != 0)
-    throw Error(ErrorKind::InvalidArgument, "write guard: range " + std::to_string(addr) + "+" + std::to_string(len) + " is not page-aligned");
+    throw Error(ErrorKind::InvalidArgument,
+                "write guard: range " + std::to_string(addr) + "+" + std::to_string(len) + " is not page-aligned");
   if (!install_handler()) throw Error(ErrorKind::Unavailable, "write guard: cannot install the SIGSEGV handler");
   std::lock_guard<std::mutex> lk(g_mu);
   int n = g_high.load();
@@ -135,7 +136,8 @@ int64_t protect(std::uintptr_t addr, std::size_t len) {
       break;
     }
   if (id < 0) {
-    if (n >= kSlots) throw Error(ErrorKind::Unavailable, "write guard: no slot left (" + std::to_string(kSlots) + " ranges guarded)");
+    if (n >= kSlots)
+      throw Error(ErrorKind::Unavailable, "write guard: no slot left (" + std::to_string(kSlots) + " ranges guarded)");
     id = n;
   }
   Slot& s = g_slots[id];

@@ -46,7 +46,8 @@ void bind_kvstore(py::module_& m) {
   m.def("guard_release", &guard::release, py::arg("id"), py::arg("restore"),
         "Forget range id; restore=True makes it writable again when it was not written.");
   m.def("guard_handler_installed", &guard::handler_installed, "Whether the guard's SIGSEGV handler is installed now.");
-  m.def("guard_install_handler", &guard::install_handler, "Install the guard's SIGSEGV handler (chaining the previous).");
+  m.def("guard_install_handler", &guard::install_handler,
+        "Install the guard's SIGSEGV handler (chaining the previous).");
   m.def("guard_verify", &guard::verify,
         "Mark written every guarded range no longer read-only in /proc/self/maps; returns how many.");
   m.def("guard_stats", []() { return py::make_tuple(guard::active_ranges(), guard::faults_handled()); },
