@@ -5,6 +5,7 @@
 #include "alloc/engine.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/write_guard.h"
 #include "kvstore/host_arena.h"
 #include "python/bindings.h"
 #include "python/convert.h"
@@ -36,6 +37,22 @@ py::capsule arena_capsule(std::shared_ptr<kvstore::HostArena> a) {
 }  // namespace
 
 void bind_kvstore(py::module_& m) {
+  // The weights' write guard (common/write_guard.h): used by cxlalloc.kvstore.keys.WeightsWatch.
+  m.def("guard_page_size", &guard::page_size, "The page size in bytes.");
+  m.def("guard_protect", [](std::uintptr_t addr, std::size_t len) { return guard::protect(addr, len); },
+        py::arg("addr"), py::arg("len"),
+        "Make the page-aligned range [addr, addr+len) read-only and watch it for writes; returns its id.");
+  m.def("guard_written", &guard::written, py::arg("id"), "Whether a write faulted into range id since it was guarded.");
+  m.def("guard_release", &guard::release, py::arg("id"), py::arg("restore"),
+        "Forget range id; restore=True makes it writable again when it was not written.");
+  m.def("guard_handler_installed", &guard::handler_installed, "Whether the guard's SIGSEGV handler is installed now.");
+  m.def("guard_install_handler", &guard::install_handler,
+        "Install the guard's SIGSEGV handler (chaining the previous).");
+  m.def("guard_verify", &guard::verify,
+        "Mark written every guarded range no longer read-only in /proc/self/maps; returns how many.");
+  m.def("guard_stats", []() { return py::make_tuple(guard::active_ranges(), guard::faults_handled()); },
+        "(guarded ranges, faults handled).");
+
   py::class_<kvstore::HostArena, std::shared_ptr<kvstore::HostArena>>(
       m, "HostArena",
       "Host memory of the KV reuse store on one NUMA node: bound before first touch, committed as it is written, "

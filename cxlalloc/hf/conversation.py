@@ -53,7 +53,7 @@ class ConversationMixin:
         conv = self._conv
         if conv is None or conv.salt != call.salt:
             return 0
-        if conv.root != self.root(call.salt):  # the weights changed since: never continue it
+        if conv.root != self.root(call.salt, call.fp):  # the weights changed since: never continue it
             self._drop_conversation(conv)
             return 0
         return min(common_prefix(conv.ids, tokens), int(tokens.numel()) - 1)
@@ -109,7 +109,7 @@ class ConversationMixin:
             with self._lock:
                 self.counters["conversation_too_large"] += 1
             return
-        conv = _Conversation(cache, seqs[0, :held].detach().to("cpu", torch.long).clone(), self.root(call.salt),
+        conv = _Conversation(cache, seqs[0, :held].detach().to("cpu", torch.long).clone(), self.root(call.salt, call.fp),
                              call.salt, nbytes)
         with self._lock:
             old, self._conv = self._conv, conv

@@ -41,8 +41,10 @@ What each generation mode reuses and stores:
 * per call: ``generate(..., cache_salt="tenant")`` overrides the namespace and
   ``generate(..., kv_reuse=False)`` turns reuse off for that call.
 
-Correctness: the fingerprint digests every weight byte at each call (no
-in-place update gives a stale hit; :class:`~cxlalloc.kvstore.keys.WeightsWatch`);
+Correctness: the fingerprint covers every weight byte, checked at the start
+and the end of each call (no in-place update gives a stale hit: by default the
+weights' pages are write-guarded and only written tensors are digested again;
+:class:`~cxlalloc.kvstore.keys.WeightsWatch`);
 every loaded block's checksum is checked (``kv_store_verify``), a corrupt one
 is dropped and recomputed (``corrupt_blocks``).  A load that fails (out of memory, a block whose size does not
 match) empties the cache and the call recomputes the whole prompt, counted in
@@ -203,7 +205,7 @@ class PrefixReuse(ConversationMixin):
                          "skipped_calls": 0, "load_failures": 0, "skipped_inputs": 0, "corrupt_blocks": 0,
                          "fingerprint_changes": 0, "fingerprint_ms": 0.0, "conversation_hits": 0,
                          "conversation_hit_tokens": 0, "conversation_kept": 0, "conversation_too_large": 0,
-                         "conversation_dropped": 0, "skipped_state": 0,
+                         "conversation_dropped": 0, "skipped_state": 0, "changed_during_call": 0,
                          "tiers": {t: {"blocks": 0, "tokens": 0, "bytes": 0} for t in store_io.TIERS}}
         self._warned_state = set()
         self._conv: Optional[_Conversation] = None   # the "last conversation" cache (sub-block reuse)
@@ -253,9 +255,10 @@ class PrefixReuse(ConversationMixin):
         self.store.check_block_bytes(self.layout.stored_bytes)
 
     def fingerprint(self) -> bytes:
-        """The model fingerprint, checked at each call (:class:`~cxlalloc.kvstore.keys.WeightsWatch`:
-        by default a digest of every byte of every parameter and buffer, so no in-place update
-        escapes it); counts ``fingerprint_changes`` and ``fingerprint_ms``."""
+        """The model fingerprint, checked at the start and end of each call
+        (:class:`~cxlalloc.kvstore.keys.WeightsWatch`: a digest of every byte of every parameter and
+        buffer, kept by a write guard by default, so no in-place update escapes it); counts
+        ``fingerprint_changes`` and ``fingerprint_ms``."""
         t0 = time.perf_counter()
         # K/V depend on the modules' own state too (PEFT's active adapter, a norm's eps, training mode):
         # its digest joins the weights'.  Under a hook of unknown effect begin() turns the call's reuse off;
@@ -384,6 +387,9 @@ class PrefixReuse(ConversationMixin):
             rec.skipped = "the attention mask is not left padding"
             return
         call.pads = pads
+        # One fingerprint for the whole call: every lookup, the kept conversation and the stored blocks
+        # use it; finish() checks it again before storing (weights changed during the call: nothing kept).
+        call.fp = self.fingerprint()
         conv_hit = 0
         if call.conversation_ok and expand == 1 and not call.beam and pads == [0] and ids.shape[0] == 1:
             conv_hit = self._conversation_hit(call, ids[0])
@@ -415,6 +421,7 @@ class PrefixReuse(ConversationMixin):
         close): a Redis tier's writer thread and connections, a kv-server
         connection.  ``cxlalloc.hf.unwrap(model)`` calls it."""
         self._drop_conversation()
+        self._weights.close()  # the weights' pages writable again (the "guarded" fingerprint)
         if self.store is not self.opts.kv_store:  # open_store made it (a Local/RemoteBlockStore): ours to close
             self.store.close()
 
@@ -437,7 +444,8 @@ class PrefixReuse(ConversationMixin):
         """Look each prompt row up and load the hit (the cache length ``C``
         every row can use) into ``cache`` (:class:`~cxlalloc.hf.store_io.BlockReader`)."""
         layout, bt, rec = self.layout, self.block_tokens, call.record
-        call.fp = self.fingerprint()
+        if call.fp is None:
+            call.fp = self.fingerprint()
         root = self.root(call.salt, call.fp)
         L = int(ids.shape[1])
         leases, hits = [], []
@@ -489,6 +497,13 @@ class PrefixReuse(ConversationMixin):
             self.counters["calls"] += 1
             if rec.skipped:
                 self.counters["skipped_calls"] += 1
+        if call.enabled and not error and call.cache is not None and call.fp is not None \
+                and self.fingerprint() != call.fp:
+            # The weights (or module state) changed while generate() ran: its K/V mix two models.
+            call.enabled = False
+            rec.skipped = "the weights or module state changed during the call (nothing stored or kept)"
+            with self._lock:
+                self.counters["changed_during_call"] += 1
         if call.enabled and not error and call.cache is not None:
             try:
                 self._store_call(call, output)

@@ -23,17 +23,23 @@ the K/V), the dtype and the **weights' identity**: KV computed by other weights
 is a silent wrong answer, so two models that differ only in their weights (a
 fine-tune, a merged LoRA) must never share a block.  Every byte of every
 parameter and buffer enters it (XXH3-128 per tensor, https://xxhash.com), and
-:class:`WeightsWatch` digests them again at each ``generate()``: an in-place
+:class:`WeightsWatch` keeps it right at each ``generate()``.  An in-place
 update through ``.data`` or ``.numpy()`` moves neither the address nor
-torch's version counter, so nothing cheaper can tell that weights changed.
+torch's version counter, so those cannot tell that weights changed; the
+default mode (``"guarded"``) makes the weights' pages read-only after they
+are digested and learns of any later write from the page fault
+(``csrc/common/write_guard.h``), so only written tensors are digested again.
 """
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import hashlib
 import re
 import json
-from typing import List, Optional, Sequence
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import xxhash
@@ -51,8 +57,8 @@ _CONFIG_IGNORED = frozenset({
     "task_specific_params", "problem_type", "tokenizer_class", "prefix", "pad_token_id", "bos_token_id",
     "eos_token_id", "sep_token_id", "decoder_start_token_id",
 })
-WEIGHT_MODES = ("full", "sampled")
-DEFAULT_WEIGHT_MODE = "full"
+WEIGHT_MODES = ("guarded", "full", "sampled")
+DEFAULT_WEIGHT_MODE = "guarded"
 # Sampled weight digest ("sampled" mode's per-call check): per tensor, its
 # first and last _EDGE elements and _POINTS evenly spaced ones.
 _EDGE = 256
@@ -163,6 +169,8 @@ def weights_digest(model, mode: str = DEFAULT_WEIGHT_MODE) -> bytes:
         ValueError: an unknown ``mode``.
     """
     _check_mode(mode)
+    if mode == "guarded":  # the same bytes as "full" (the mode differs in how often they are read)
+        mode = "full"
     h = hashlib.blake2b(digest_size=KEY_BYTES)
     h.update(mode.encode())
     for name, p in weight_tensors(model):
@@ -204,15 +212,116 @@ def model_fingerprint(model, weights: str = DEFAULT_WEIGHT_MODE, digest: Optiona
     return _h(b"model", arch.encode(), model_type.encode(), ",".join(dtypes).encode(), cfg.encode(), digest)
 
 
+def _combine(entries: Sequence[Tuple[str, object, bytes]]) -> bytes:
+    """:func:`weights_digest` ("full") from each tensor's ``(name, tensor, its XXH3-128 or b"")``."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    h.update(b"full")
+    for name, p, d in entries:
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.device.type}\n".encode())
+        h.update(d)
+    return h.digest()
+
+
+# Shared mappings the guard may cover: the simulated driver's memory (csrc/sim/vmm.cpp), which no other
+# process holds.  Other shared memory (torch's share_memory_, /dev/shm, a file) may be written by another
+# process, which no fault here would show; those tensors are digested in full at every check.
+_GUARDABLE_SHARED = ("/memfd:cxlsim-phys",)
+
+
+def _maps() -> Tuple[List[int], List[int], List[str]]:
+    """This process's mappings that the guard may cover, adjacent ones of the same protection merged:
+    sorted starts, ends and ``"rw"``/``"r-"`` (``/proc/self/maps``: private mappings, and shared ones named
+    in ``_GUARDABLE_SHARED``)."""
+    starts: List[int] = []
+    ends: List[int] = []
+    prots: List[str] = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            perms = parts[1]
+            if perms[3] != "p" and (len(parts) < 6 or not parts[5].startswith(_GUARDABLE_SHARED)):
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            prot = perms[:2]
+            if ends and ends[-1] == lo and prots[-1] == prot:
+                ends[-1] = hi
+            else:
+                starts.append(lo)
+                ends.append(hi)
+                prots.append(prot)
+    return starts, ends, prots
+
+
+def _inside(maps, lo: int, hi: int, prot: str) -> bool:
+    """Whether [lo, hi) lies in one run of guardable mappings of protection ``prot`` (``"rw"``)."""
+    if not maps:
+        return False
+    starts, ends, prots = maps
+    i = bisect.bisect_right(starts, lo) - 1
+    return i >= 0 and ends[i] >= hi and prots[i] == prot
+
+
+class _Guarded:
+    """One tensor under the write guard: its digest, what identifies its memory, and its guarded pages.
+
+    The pages wholly inside the tensor's bytes are read-only (``slot``); the bytes before the first and after
+    the last such page (``edges``, under two pages) share pages with other memory, so they are digested at
+    every check instead.  ``storage`` is held so that the guarded memory is never freed while guarded."""
+
+    __slots__ = ("sig", "storage", "base", "digest", "slot", "edges", "edge_digest")
+
+    def __init__(self, sig, storage, base, digest, slot, edges, edge_digest):
+        self.sig, self.storage, self.base, self.digest = sig, storage, base, digest
+        self.slot, self.edges, self.edge_digest = slot, edges, edge_digest
+
+    def release(self, C) -> None:
+        if self.slot is not None:
+            # Make the pages writable again only while they are still this storage's memory.
+            C.guard_release(self.slot, self.storage.data_ptr() == self.base)
+            self.slot = None
+
+
+def _sig(t) -> tuple:
+    """What identifies a tensor's memory and torch-visible changes: address, storage, layout, version."""
+    return (t.data_ptr(), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t.dtype, tuple(t.shape),
+            t.stride(), t.storage_offset(), str(t.device), t._version)
+
+
+def _edge_digest(edges) -> bytes:
+    """XXH3-128 of the bytes at ``(address, length)`` of each edge (the tensor's memory, kept alive and
+    unmoved: its storage is held and its address is part of the signature checked first)."""
+    h = xxhash.xxh3_128()
+    for a, n in edges:
+        if n:
+            h.update(ctypes.string_at(a, n))
+    return h.digest()
+
+
 class WeightsWatch:
     """The model fingerprint kept right across in-place weight updates.
 
-    ``"full"`` (default): every :meth:`fingerprint` call digests every byte of
+    ``"guarded"`` (default): the first call digests every byte (as ``"full"``)
+    and then makes the pages of each CPU tensor read-only
+    (``csrc/common/write_guard.h``).  Any later user-space write into them —
+    ``.data``, ``.numpy()``, ``copy_``, ``load_state_dict``, a merged LoRA,
+    an optimizer step, ctypes — faults once; the handler marks that tensor
+    written and lets the write go on.  A call then digests again only the
+    tensors written, replaced, moved or re-versioned since, plus the few
+    bytes at each tensor's ends that share a page with other memory: a cost
+    set by the number of tensors, not their bytes, while weights do not
+    change.  Tensors it cannot guard are digested in full at every call, as
+    ``"full"``: non-CPU tensors (a GPU's weights: the on-device digest),
+    pinned memory (a device may write it by DMA), shared mappings (another
+    process may write them), non-contiguous ones.  If another SIGSEGV handler
+    replaced the guard's, the next call digests everything again.  What it
+    cannot see (as no check but a full read can): a write by a debugger
+    (``ptrace``); a kernel write (``read(2)`` into the weights) fails with
+    ``EFAULT`` instead while guarded.
+
+    ``"full"``: every :meth:`fingerprint` call digests every byte of
     every parameter and buffer (:func:`weights_digest`), so no update escapes
-    it, whatever alias wrote the bytes (``.data``, ``copy_``, a slice,
-    ``load_state_dict``, a merged LoRA, a dtype or device move).  Cost: one
-    read of the weights per ``generate()`` (measured in
-    docs/huggingface.md).
+    it, whatever wrote the bytes.  Cost: one read of the weights per check
+    (measured in docs/huggingface.md).
 
     ``"sampled"``: the full digest is made at the first call and again
     whenever the cheap per-call check changes: :func:`weights_version`
@@ -220,6 +329,8 @@ class WeightsWatch:
     millisecond, but a write through ``.data`` or ``.numpy()`` confined to
     elements outside the sample goes unseen (a wrong answer), so it is for
     models whose weights never change in place.
+
+    The three give the same fingerprint for the same weights.
 
     Raises:
         ValueError: an unknown ``mode`` (naming ``kv_store_fingerprint``).
@@ -232,11 +343,27 @@ class WeightsWatch:
         self._digest: Optional[bytes] = None
         self._fingerprint: Optional[bytes] = None
         self.recomputed = 0  # how many times the fingerprint changed after the first
+        self._guarded: Dict[str, _Guarded] = {}
+        self._combined: Tuple[tuple, bytes] = ((), b"")  # the last check's tensor names and digest
+        self._lock = threading.Lock()
+        # Per check (guarded mode): tensors digested in full, bytes digested, guarded tensors.
+        self.last_check = {"digested_tensors": 0, "digested_bytes": 0, "guarded_tensors": 0}
+        self._C = None
+        if self.mode == "guarded":
+            try:
+                from cxlalloc import _C
+
+                self._C = _C if _C.guard_install_handler() else None
+            except (ImportError, AttributeError):
+                self._C = None
 
     def fingerprint(self) -> bytes:
         """The current fingerprint (32 bytes)."""
         if self.mode == "full":
             digest = weights_digest(self.model, "full")
+        elif self.mode == "guarded":
+            with self._lock:
+                digest = self._guarded_digest()
         else:
             check = (weights_version(self.model), weights_digest(self.model, "sampled"))
             if check == self._check and self._digest is not None:
@@ -249,6 +376,105 @@ class WeightsWatch:
             self._digest = digest
             self._fingerprint = model_fingerprint(self.model, digest=digest)
         return self._fingerprint
+
+    def _guarded_digest(self) -> bytes:
+        C = self._C
+        if C is not None and not C.guard_handler_installed():
+            # Another library replaced the handler: a write since may not have been seen.  Start over.
+            self.close()
+            C.guard_install_handler()
+        if C is not None and self._guarded:
+            # A guarded range must still be read-only (a remap of its address, e.g. by a driver, gives pages
+            # without the guard, and writes to them would not fault): those count as written.
+            C.guard_verify()
+        maps: list = []  # /proc/self/maps, read once per check and only when a tensor is (re)guarded
+        out, seen = [], set()
+        digested = nbytes = guarded = 0
+        for name, t in weight_tensors(self.model):
+            seen.add(name)
+            if not t.numel() or t.device.type == "meta":
+                out.append((name, t, b""))
+                digested += 1  # nothing to read, but its shape enters the digest: combine again
+                continue
+            e = self._guarded.get(name)
+            sig = _sig(t)
+            if e is not None and e.sig == sig and (e.slot is None or not C.guard_written(e.slot)):
+                if _edge_digest(e.edges) == e.edge_digest:  # unchanged: its bytes are known
+                    out.append((name, t, e.digest))
+                    guarded += 1
+                    nbytes += sum(n for _, n in e.edges)
+                    continue
+            if e is not None:
+                e.release(C)
+                del self._guarded[name]
+            e = self._guard(t, sig, C, maps)
+            digested += 1
+            nbytes += t.numel() * t.element_size()
+            if e.edges is not None:
+                self._guarded[name] = e
+                guarded += 1
+            out.append((name, t, e.digest))
+        for name in [n for n in self._guarded if n not in seen]:
+            self._guarded.pop(name).release(C)
+        self.last_check = {"digested_tensors": digested, "digested_bytes": nbytes, "guarded_tensors": guarded}
+        names = tuple(n for n, _, _ in out)
+        if digested or names != self._combined[0]:  # else: the same tensors (signatures checked), same bytes
+            self._combined = (names, _combine(out))
+        return self._combined[1]
+
+    def _guard(self, t, sig, C, maps: list) -> _Guarded:
+        """Guard ``t``'s interior pages (when it can be guarded), then digest it: a write after the guard
+        is seen, whether it comes before or during the digest.  ``edges`` None: not guardable (digested
+        in full at every check)."""
+        slot = edges = ed = None
+        storage = t.untyped_storage()
+        base = storage.data_ptr()
+        if C is not None and _guardable(t):
+            ptr, n = t.data_ptr(), t.numel() * t.element_size()
+            ps = C.guard_page_size()
+            lo, hi = -(-ptr // ps) * ps, (ptr + n) // ps * ps
+            edges = [(ptr, n)]  # too small for a whole page: all its bytes at every check
+            if hi > lo:
+                if not maps:
+                    maps.append(_maps())
+                if _inside(maps[0], lo, hi, "rw"):
+                    slot = C.guard_protect(lo, hi - lo)
+                    edges = [(ptr, lo - ptr), (hi, ptr + n - hi)]
+                else:  # e.g. shared memory another process may write: every byte at every check
+                    edges = None
+        d = _tensor_bytes(t, "full")
+        if edges is not None:
+            ed = _edge_digest(edges)
+        return _Guarded(sig, storage, base, d, slot, edges, ed)
+
+    def close(self) -> None:
+        """Make every guarded page writable again and forget it (``cxlalloc.hf.unwrap`` calls it)."""
+        for e in self._guarded.values():
+            e.release(self._C)
+        self._guarded = {}
+        self._combined = ((), b"")
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _guardable(t) -> bool:
+    """A contiguous strided CPU tensor in pageable memory (not pinned: a device may write that by DMA)."""
+    if t.device.type != "cpu" or t.layout is not _torch().strided or not t.is_contiguous() or t.is_quantized:
+        return False
+    try:
+        return not t.is_pinned()
+    except Exception:
+        return False
 
 
 def with_state(fingerprint: bytes, state: bytes) -> bytes:

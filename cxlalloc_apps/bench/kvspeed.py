@@ -474,111 +474,160 @@ def _timed_generate(model, **kw):
     return out, (stamp.t - t0) * 1e3
 
 
+CHAT_GOAL = 1.1     # wrapped prefill / by-hand DynamicCache prefill (issue 33)
+PREFIX_GOAL = 1.0   # wrapped hit TTFT / transformers' deepcopy recipe (issue 33)
+
+
+def _rounds(ctx, full: int) -> int:
+    from cxlalloc_apps.bench.method import MIN_ROUNDS
+
+    return MIN_ROUNDS if ctx.quick else full
+
+
 def part_chat(ctx, w, work: str) -> None:
+    """A 20-turn chat per round and arm (new user turns each round, the same for every arm of a round);
+    the sample is the conversation's summed prefill; arms interleaved by cxlalloc_apps/bench/method.py."""
     import torch
     from transformers import DynamicCache
 
     import cxlalloc.hf as hf
+    from cxlalloc_apps.bench import method
 
     base, name = _model()
     vocab = int(base.config.vocab_size)
     turns = 8 if ctx.quick else CHAT_TURNS
-    byhand = base
-    ours = _wrap(base)
-    blocks = _wrap(base, kv_conversation_limit=0)
-    g = torch.Generator().manual_seed(42)
-    user = [torch.randint(3, vocab, (1, CHAT_USER_TOKENS), generator=g) for _ in range(turns)]
-    system = torch.randint(3, vocab, (1, 64), generator=g)
-    arms = {"by_hand_dynamic_cache": byhand, "wrapped_kv_store": ours, "wrapped_blocks_only": blocks}
-    hist = {a: system for a in arms}
-    cache = DynamicCache(config=base.config)
-    ttft = {a: [] for a in arms}
-    hits = {a: [] for a in arms}
-    equal = True
-    kw = dict(max_new_tokens=CHAT_ANSWER_TOKENS, min_new_tokens=CHAT_ANSWER_TOKENS)
-    for t in range(turns):
-        for a, m in arms.items():
-            ids = torch.cat([hist[a], user[t]], 1)
-            if a == "by_hand_dynamic_cache":
+    models = {"by_hand_dynamic_cache": base, "wrapped_kv_store": _wrap(base),
+              "wrapped_blocks_only": _wrap(base, kv_conversation_limit=0),
+              "wrapped_full_fingerprint": _wrap(base, kv_store_fingerprint="full")}
+    calls = {a: 0 for a in models}
+    per_turn = {a: [] for a in models}
+    hits = {a: [] for a in models}
+    finals = {}
+
+    def conversation(arm):
+        k = calls[arm]
+        calls[arm] += 1
+        g = torch.Generator().manual_seed(1000 + k)  # round k: the same turns for every arm
+        hist = torch.randint(3, vocab, (1, 64), generator=g)
+        user = [torch.randint(3, vocab, (1, CHAT_USER_TOKENS), generator=g) for _ in range(turns)]
+        m = models[arm]
+        cache = DynamicCache(config=base.config) if arm == "by_hand_dynamic_cache" else None
+        kw = dict(max_new_tokens=CHAT_ANSWER_TOKENS, min_new_tokens=CHAT_ANSWER_TOKENS)
+        ms_turns, hit_turns = [], []
+        for t in range(turns):
+            ids = torch.cat([hist, user[t]], 1)
+            if cache is not None:
                 out, ms = _timed_generate(m, input_ids=ids, **{hf.cache_kwarg(m): cache}, **kw)
-                hits[a].append(None)
             else:
                 out, ms = _timed_generate(m, input_ids=ids, **kw)
-                hits[a].append(hf.stats(m)["hf"]["reuse"]["last"]["hit_tokens"])
-            ttft[a].append(round(ms, 3))
-            hist[a] = out
-        equal = equal and all(torch.equal(hist["by_hand_dynamic_cache"], hist[a]) for a in arms)
-    tot = {a: sum(v) for a, v in ttft.items()}
-    later = {a: sum(v[1:]) for a, v in ttft.items()}
-    ref = tot["by_hand_dynamic_cache"]
+                hit_turns.append(hf.stats(m)["hf"]["reuse"]["last"]["hit_tokens"])
+            ms_turns.append(round(ms, 3))
+            hist = out
+        per_turn[arm].append(ms_turns)
+        hits[arm].append(hit_turns)
+        finals.setdefault(k, {})[arm] = hist
+        return sum(ms_turns)
+
+    cmp = method.interleave({a: (lambda a=a: conversation(a)) for a in models}, _rounds(ctx, 5), warmup=1)
+    equal = all(torch.equal(f["by_hand_dynamic_cache"], f[a]) for f in finals.values() for a in f)
+    ref = "by_hand_dynamic_cache"
+    ratios = [(a, ref) for a in models if a != ref]
+    g0 = torch.randint(3, vocab, (1, 64 + CHAT_USER_TOKENS), generator=torch.Generator().manual_seed(1))
+    noise = method.noise_floor(lambda: _timed_generate(base, input_ids=g0, max_new_tokens=1)[1])
+    wrapped = cmp.ratio("wrapped_kv_store", ref)
+    timed = {a: v[1:] for a, v in per_turn.items()}  # the warm-up round is not a sample
     w.add({"part": "chat", "model": name, "turns": turns, "user_tokens_per_turn": CHAT_USER_TOKENS,
-           "answer_tokens_per_turn": CHAT_ANSWER_TOKENS, "final_tokens": int(hist["wrapped_kv_store"].shape[1]),
-           "prefill_ms_total": {a: round(v, 1) for a, v in tot.items()},
-           "prefill_ms_turns_2_on": {a: round(v, 1) for a, v in later.items()},
-           "ratio_wrapped_over_by_hand": round(tot["wrapped_kv_store"] / ref, 3),
-           "ratio_wrapped_over_by_hand_turns_2_on": round(later["wrapped_kv_store"] / later["by_hand_dynamic_cache"], 3),
-           "ratio_blocks_only_over_by_hand": round(tot["wrapped_blocks_only"] / ref, 3),
-           "ttft_ms_per_turn": ttft, "hit_tokens_per_turn": hits, "tokens_equal": bool(equal),
-           "conversation_stats": hf.stats(ours)["hf"]["reuse"]["counters"],
-           "method": "one process, the three arms take turn t one after another (same weights, greedy): by hand "
-                     "= the unwrapped model with one transformers DynamicCache passed to every generate(); "
-                     "wrapped = hf.wrap(kv_store=True) (default kv_conversation_limit: the last conversation's "
-                     "cache continues); blocks only = kv_conversation_limit=0; prefill = ms from the generate() "
-                     "call to the first logits (a logits processor stamps it)"})
-    for m in (ours, blocks):
-        hf.unwrap(m)
+           "answer_tokens_per_turn": CHAT_ANSWER_TOKENS, "final_tokens": int(64 + turns * (CHAT_USER_TOKENS
+                                                                                             + CHAT_ANSWER_TOKENS)),
+           "comparison": cmp.as_dict(ratios), "unit": "ms (a conversation's summed prefill)",
+           "prefill_ms_total_median": {a: round(cmp.spread(a).median, 1) for a in models},
+           "ratio_wrapped_over_by_hand": round(wrapped.median, 3),
+           "goal": method.goal_record("chat: wrapped / by-hand DynamicCache prefill", wrapped, CHAT_GOAL),
+           "noise_floor_ratio": noise.as_dict(), "ttft_ms_per_turn": timed, "hit_tokens_per_turn": hits,
+           "tokens_equal": bool(equal),
+           "reuse_counters": hf.stats(models["wrapped_kv_store"])["hf"]["reuse"]["counters"],
+           "method": "each round runs one 20-turn conversation per arm (new user turns each round, the same for "
+                     "every arm of that round), the arms interleaved in rotated order (method.py); by hand = the "
+                     "unwrapped model with one transformers DynamicCache passed to every generate(); wrapped = "
+                     "hf.wrap(kv_store=True) (defaults: the last conversation's cache continues, "
+                     "kv_store_fingerprint='guarded'); blocks only = kv_conversation_limit=0; full fingerprint = "
+                     "kv_store_fingerprint='full'; sample = summed ms from each generate() call to its first "
+                     "logits (a logits processor stamps it); noise floor = an A/A ratio of a 1-token generate()"})
+    for a, m in models.items():
+        if a != ref:
+            hf.unwrap(m)
 
 
 def part_prefix(ctx, w, work: str) -> None:
+    """Hits on a shared 1,024-token document, one new question per round and arm, against transformers'
+    deepcopy recipe; arms interleaved by cxlalloc_apps/bench/method.py."""
     import torch
     from transformers import DynamicCache
 
     import cxlalloc.hf as hf
+    from cxlalloc_apps.bench import method
 
     base, name = _model()
     vocab = int(base.config.vocab_size)
-    repeat = 3 if ctx.quick else 5
+    rounds = _rounds(ctx, 9)
     g = torch.Generator().manual_seed(7)
     doc = torch.randint(3, vocab, (1, PREFIX_TOKENS), generator=g)
-    qs = [torch.randint(3, vocab, (1, QUESTION_TOKENS), generator=g) for _ in range(repeat + 1)]
+    qs = [torch.randint(3, vocab, (1, QUESTION_TOKENS), generator=g) for _ in range(rounds + 2)]
     prefix = DynamicCache(config=base.config)
     with torch.no_grad():
         base(doc, use_cache=True, **{hf.cache_kwarg(base): prefix})
-    ours = _wrap(base)
-    blocks = _wrap(base, kv_conversation_limit=0)
-    for m in (ours, blocks):  # the first request stores the document's blocks
+    wrapped = {"wrapped_kv_store": _wrap(base), "wrapped_blocks_only": _wrap(base, kv_conversation_limit=0),
+               "wrapped_full_fingerprint": _wrap(base, kv_store_fingerprint="full")}
+    for m in wrapped.values():  # the first request stores the document's blocks
         _timed_generate(m, input_ids=torch.cat([doc, qs[0]], 1), max_new_tokens=1)
-    t = {"deepcopy_recipe": [], "wrapped_kv_store": [], "wrapped_blocks_only": [], "recompute": []}
-    hit = {"wrapped_kv_store": [], "wrapped_blocks_only": []}
-    equal = True
-    for q in qs[1:]:
-        ids = torch.cat([doc, q], 1)
-        t0 = time.perf_counter()
+    calls = {a: 0 for a in ("deepcopy_recipe", "recompute", *wrapped)}
+    outs, hit = {}, {a: [] for a in wrapped}
+
+    def request(arm):
+        k = calls[arm]
+        calls[arm] += 1
+        ids = torch.cat([doc, qs[1 + k]], 1)
+        if arm == "deepcopy_recipe":
+            t0 = time.perf_counter()
+            c = copy.deepcopy(prefix)
+            dc_ms = (time.perf_counter() - t0) * 1e3
+            out, ms = _timed_generate(base, input_ids=ids, **{hf.cache_kwarg(base): c}, max_new_tokens=1)
+            ms += dc_ms
+        elif arm == "recompute":
+            out, ms = _timed_generate(base, input_ids=ids, max_new_tokens=1)
+        else:
+            out, ms = _timed_generate(wrapped[arm], input_ids=ids, max_new_tokens=1)
+            hit[arm].append(hf.stats(wrapped[arm])["hf"]["reuse"]["last"]["hit_tokens"])
+        outs.setdefault(k, {})[arm] = out
+        return ms
+
+    cmp = method.interleave({a: (lambda a=a: request(a)) for a in calls}, rounds, warmup=1)
+    equal = all(torch.equal(o["deepcopy_recipe"], o[a]) for o in outs.values() for a in o)
+    ref = "deepcopy_recipe"
+    ratios = [(a, ref) for a in calls if a != ref]
+
+    def recipe_once():
         c = copy.deepcopy(prefix)
-        dc_ms = (time.perf_counter() - t0) * 1e3
-        out_r, ms = _timed_generate(base, input_ids=ids, **{hf.cache_kwarg(base): c}, max_new_tokens=1)
-        t["deepcopy_recipe"].append(dc_ms + ms)
-        for a, m in (("wrapped_kv_store", ours), ("wrapped_blocks_only", blocks)):
-            out, ms = _timed_generate(m, input_ids=ids, max_new_tokens=1)
-            t[a].append(ms)
-            hit[a].append(hf.stats(m)["hf"]["reuse"]["last"]["hit_tokens"])
-            equal = equal and torch.equal(out, out_r)
-        out, ms = _timed_generate(base, input_ids=ids, max_new_tokens=1)
-        t["recompute"].append(ms)
-    med = {a: _median(v) for a, v in t.items()}
+        return _timed_generate(base, input_ids=torch.cat([doc, qs[0]], 1), **{hf.cache_kwarg(base): c},
+                               max_new_tokens=1)[1]
+
+    noise = method.noise_floor(recipe_once)
+    r = cmp.ratio("wrapped_kv_store", ref)
     w.add({"part": "prefix", "model": name, "prefix_tokens": PREFIX_TOKENS, "question_tokens": QUESTION_TOKENS,
-           "repeat": repeat, "ttft_ms_median": {a: round(v, 2) for a, v in med.items()},
-           "ttft_ms": {a: [round(x, 2) for x in v] for a, v in t.items()}, "hit_tokens": hit,
-           "ratio_wrapped_over_recipe": round(med["wrapped_kv_store"] / med["deepcopy_recipe"], 3),
-           "ratio_blocks_only_over_recipe": round(med["wrapped_blocks_only"] / med["deepcopy_recipe"], 3),
-           "tokens_equal": bool(equal),
-           "method": "a 1,024-token document prefilled once into a DynamicCache; per request (document + a new "
-                     "16-token question): recipe = copy.deepcopy of that cache + generate() of the unwrapped model "
+           "comparison": cmp.as_dict(ratios), "unit": "ms (TTFT)",
+           "ttft_ms_median": {a: round(cmp.spread(a).median, 2) for a in calls}, "hit_tokens": hit,
+           "ratio_wrapped_over_recipe": round(r.median, 3),
+           "goal": method.goal_record("prefix hits: wrapped / transformers' deepcopy recipe TTFT", r, PREFIX_GOAL),
+           "noise_floor_ratio": noise.as_dict(), "tokens_equal": bool(equal),
+           "method": "a 1,024-token document prefilled once into a DynamicCache; each round sends one request "
+                     "(document + a new 16-token question) to every arm, interleaved in rotated order "
+                     "(method.py): recipe = copy.deepcopy of that cache + generate() of the unwrapped model "
                      "(time of both); wrapped = hf.wrap(kv_store=True) (the previous request's cache continues, "
                      "cropped to the document); blocks only = kv_conversation_limit=0 (the document's blocks "
-                     "loaded from the in-process store); recompute = the unwrapped model without a cache; "
-                     "TTFT to the first logits, medians, arms alternating per request"})
-    for m in (ours, blocks):
+                     "loaded from the in-process store); full fingerprint = kv_store_fingerprint='full'; "
+                     "recompute = the unwrapped model without a cache; TTFT to the first logits; noise floor = "
+                     "an A/A ratio of the recipe"})
+    for m in wrapped.values():
         hf.unwrap(m)
 
 
@@ -594,7 +643,8 @@ def run(ctx) -> Dict[str, Any]:
               "units": "ms, requests/s, GB/s = 1e9 bytes/s; ratios as named (see each result's method)",
               "goals": {"lookup_1_16_keys": ">= 1.0 (kv-server / redis MGET)",
                         "insert_1MiB": ">= 0.8 (memcpy time / insert time)", "insert_64KiB": ">= 0.6",
-                        "chat": "<= 1.1 (wrapped prefill / by-hand cache prefill)"},
+                        "chat": "<= 1.1 (wrapped prefill / by-hand cache prefill)",
+                        "prefix": "<= 1.0 (wrapped hit TTFT / deepcopy recipe TTFT)"},
               "where": "CPU; the GPU side is cxlalloc's simulated driver (CPU figures, not GPU ones)"}
     w = RecordWriter(ctx.out_dir, new_record("kvspeed", params, True, ctx.argv, ctx.device))
     w.note("CPU run on the machine in 'hardware' (shared with other work): the tiers are cxlalloc's simulated "
@@ -645,7 +695,8 @@ def plot(rec: Dict[str, Any], path: str) -> Optional[str]:
         a.plot([r["clients"] for r in rows], [r["ratio_kvserver_over_redis_python_parser"]["median"] for r in rows],
                ":", color=line[0].get_color(), label=f"{n} keys vs python parser")
     a.axhline(1.0, color="k", ls="--", lw=1)
-    a.set_xscale("log", base=2)
+    if lk:  # a record of other parts only (--parts chat,prefix) has no lookup rows to scale
+        a.set_xscale("log", base=2)
     a.set_xlabel("client processes")
     a.set_ylabel("kv-server / redis MGET (requests/s)")
     a.set_title("lookup (64 KiB blocks; median, IQR)")
@@ -672,31 +723,50 @@ def plot(rec: Dict[str, Any], path: str) -> Optional[str]:
     a.set_ylabel("memcpy time / insert time (median, IQR)")
     a.set_title("insert vs memcpy")
     a.legend(fontsize=7)
-    ch = [r for r in res if r.get("part") == "chat"]
-    a = axes[2]
-    if ch:
-        c = ch[0]
-        for arm, v in c["ttft_ms_per_turn"].items():
-            a.plot(range(1, len(v) + 1), v, "o-", ms=3, label=arm)
-        a.set_xlabel("turn")
-        a.set_ylabel("prefill (ms to first logits)")
-        a.set_title(f"chat: wrapped/by-hand = {c['ratio_wrapped_over_by_hand']}x")
-        a.legend(fontsize=8)
-    px = [r for r in res if r.get("part") == "prefix"]
-    a = axes[3]
-    if px:
-        p = px[0]
-        arms = list(p["ttft_ms_median"])
-        a.bar(range(len(arms)), [p["ttft_ms_median"][k] for k in arms])
-        a.set_xticks(range(len(arms)), [k.replace("_", "\n") for k in arms], fontsize=8)
-        a.set_ylabel("TTFT (ms, median)")
-        a.set_title(f"{p['prefix_tokens']}-token prefix hit")
+    for a, part in ((axes[2], "chat"), (axes[3], "prefix")):
+        rows = [r for r in res if r.get("part") == part and "comparison" in r]
+        if not rows:
+            continue
+        c = rows[0]["comparison"]
+        names = list(c["ratios"])
+        vals = [c["ratios"][k] for k in names]
+        med = [v["median"] for v in vals]
+        lo = [v["median"] - v["q1"] for v in vals]
+        hi = [v["q3"] - v["median"] for v in vals]
+        a.bar(range(len(names)), med, yerr=[lo, hi], capsize=4)
+        a.set_xticks(range(len(names)), [k.split("/")[0].replace("_", "\n") for k in names], fontsize=7)
+        goal = rows[0]["goal"]
+        a.axhline(goal["target"], color="k", ls="--", lw=1)
+        ref = names[0].split("/")[1]
+        a.set_ylabel(f"ratio to {ref} (median, IQR)")
+        a.set_title(f"{part}: {goal['verdict']} (goal <= {goal['target']})")
     sim = rec.get("simulated", False)
     fig.suptitle(("SIMULATION (CPU compute, simulated tiers): " if sim else "") + "KV reuse speed side by side")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def markdown(rec: Dict[str, Any]) -> str:
+    """The chat and prefix figures of a record as a markdown table (benchmarks/README.md is pasted from it):
+    per ratio its median, IQR and min-max over the rounds, the goal's verdict, the A/A noise floor and the
+    load average before/after.  Empty when the record has neither part measured with method.py."""
+    rows = ["| part | ratio (per round) | median | IQR | min-max | rounds | goal | verdict | A/A noise (IQR) "
+            "| load avg 1m before/after |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rec.get("results", []):
+        c = r.get("comparison")
+        if r.get("part") not in ("chat", "prefix") or not c:
+            continue
+        goal, nf = r["goal"], r["noise_floor_ratio"]
+        load = f"{c['load_before'].get('loadavg_1m')} / {c['load_after'].get('loadavg_1m')}"
+        for name, v in c["ratios"].items():
+            main = name.startswith("wrapped_kv_store/")
+            rows.append(f"| {r['part']} | `{name}` | {'**' if main else ''}{v['median']:.3f}x{'**' if main else ''} "
+                        f"| {v['q1']:.3f}-{v['q3']:.3f} | {v['min']:.3f}-{v['max']:.3f} | {v['n']} "
+                        f"| {'<= ' + str(goal['target']) if main else ''} | {goal['verdict'] if main else ''} "
+                        f"| {nf['q1']:.3f}-{nf['q3']:.3f} | {load} |")
+    return "\n".join(rows) + "\n" if len(rows) > 2 else ""
 
 
 WORKERS = {"lookup": worker_lookup}

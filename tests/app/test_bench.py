@@ -740,6 +740,17 @@ def test_cb_bench_records_every_variant_side_by_side(tmp_path, monkeypatch):
     assert (tmp_path / "cb.png").stat().st_size > 0
 
 
+def _kvspeed_compared(part, ref, goal):
+    """A chat/prefix result as kvspeed writes it, from method.interleave over arms with known values
+    (wrapped 0.9x the reference in every round)."""
+    from cxlalloc_apps.bench import method
+
+    cmp = method.interleave({ref: lambda: 10.0, "wrapped_kv_store": lambda: 9.0}, 5)
+    r = cmp.ratio("wrapped_kv_store", ref)
+    return {"part": part, "comparison": cmp.as_dict([("wrapped_kv_store", ref)]),
+            "goal": method.goal_record(part, r, goal)}
+
+
 def test_kvspeed_is_opt_in_and_plots_its_ratios(tmp_path):
     from cxlalloc_apps.bench import kvspeed as ks
 
@@ -755,12 +766,20 @@ def test_kvspeed_is_opt_in_and_plots_its_ratios(tmp_path):
         *({"part": "insert", "block_bytes": b, "ratio_insert_over_memcpy": spread(0.5),
            "ratio_insert_commit_waited_over_memcpy": spread(0.4),
            "ratio_one_per_reservation_over_memcpy": spread(0.1)} for b in (64 << 10, 1 << 20)),
-        {"part": "chat", "ratio_wrapped_over_by_hand": 1.05,
-         "ttft_ms_per_turn": {"by_hand_dynamic_cache": [10, 11], "wrapped_kv_store": [10, 12]}},
-        {"part": "prefix", "prefix_tokens": 1024, "ttft_ms_median": {"deepcopy_recipe": 30, "wrapped_kv_store": 20}}]}
+        *(_kvspeed_compared(part, ref, goal) for part, ref, goal in (
+            ("chat", "by_hand_dynamic_cache", ks.CHAT_GOAL), ("prefix", "deepcopy_recipe", ks.PREFIX_GOAL)))]}
+    chat = rec["results"][-2]
+    assert chat["goal"]["verdict"] == "met" and chat["comparison"]["ratios"]["wrapped_kv_store/" + "by_hand_dynamic_cache"][
+        "median"] == 0.9
+    for r in rec["results"][-2:]:
+        r["noise_floor_ratio"] = {"q1": 0.99, "q3": 1.01}
+    table = ks.markdown(rec)
+    assert "| chat | `wrapped_kv_store/by_hand_dynamic_cache` | **0.900x** | 0.900-0.900 |" in table
+    assert table.count("| met |") == 2 and ks.markdown({"results": []}) == ""
     out = ks.plot(rec, str(tmp_path / "kvspeed.png"))
     assert out and os.path.getsize(out) > 10_000
     assert ks.plot({"results": []}, str(tmp_path / "none.png")) is None
+    assert ks.plot({"results": rec["results"][-2:]}, str(tmp_path / "chat-prefix.png"))  # --parts chat,prefix
 
 
 def test_engines_runs_only_when_named_and_says_why_it_skips(tmp_path):

@@ -98,11 +98,11 @@ def test_a_dtype_move_keys_apart_and_matches_a_fresh_model(fresh_sim):
     assert K.model_fingerprint(ref.to(torch.bfloat16)) == fp_bf16  # and back: the same bytes again
 
 
-def test_sampled_mode_sees_version_and_sampled_changes_but_full_is_the_default(fresh_sim):
+def test_sampled_mode_sees_version_and_sampled_changes_but_guarded_is_the_default(fresh_sim):
     torch.manual_seed(0)
     m = tiny_llama()
-    full, sampled = K.WeightsWatch(m), K.WeightsWatch(m, "sampled")
-    assert full.mode == "full" and K.DEFAULT_WEIGHT_MODE == "full"
+    full, sampled = K.WeightsWatch(m, "full"), K.WeightsWatch(m, "sampled")
+    assert K.WeightsWatch(m).mode == "guarded" and K.DEFAULT_WEIGHT_MODE == "guarded"
     f0, s0 = full.fingerprint(), sampled.fingerprint()
     assert f0 == s0  # both fingerprint every byte; they differ in how often
     with torch.no_grad():
@@ -111,8 +111,155 @@ def test_sampled_mode_sees_version_and_sampled_changes_but_full_is_the_default(f
     f1 = full.fingerprint()
     _one_element(m)  # .data, outside the sample: only "full" sees it (documented)
     assert full.fingerprint() != f1
-    with pytest.raises(ValueError, match="kv_store_fingerprint.*allowed: full, sampled"):
+    with pytest.raises(ValueError, match="kv_store_fingerprint.*allowed: guarded, full, sampled"):
         K.WeightsWatch(m, "partial")
+
+
+class _Big(torch.nn.Module):
+    """Two parameters of many pages each (the guard protects whole pages inside a tensor) and a small one."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.a = torch.nn.Parameter(torch.randn(512, 1024, generator=g))  # 2 MiB
+        self.b = torch.nn.Parameter(torch.randn(300, 700, generator=g))
+        self.c = torch.nn.Parameter(torch.randn(7, generator=g))
+
+
+def _ctypes_write(m):  # a raw write that no torch counter can see
+    import ctypes
+
+    p = m.a
+    ctypes.memset(p.data_ptr() + p.numel() * 2, 0x41, 4)
+
+
+# Writes into the middle of a big tensor (far from its edges, which are digested at every check).
+GUARDED_WRITES = {
+    "data": lambda m: m.a.data.view(-1).__setitem__(262_000, 9.0),
+    "numpy": lambda m: m.a.detach().numpy().reshape(-1).__setitem__(300_001, -4.0),
+    "ctypes": _ctypes_write,
+    "copy": lambda m: torch.no_grad()(lambda: m.b.copy_(torch.zeros_like(m.b)))(),
+    "small": lambda m: m.c.data.add_(1.0),
+    "replace": lambda m: setattr(m, "b", torch.nn.Parameter(m.b.detach().clone().mul_(2))),
+    "load-state-dict": lambda m: m.load_state_dict({k: v * 0.5 for k, v in m.state_dict().items()}),
+}
+
+
+@pytest.mark.parametrize("write", list(GUARDED_WRITES))
+def test_guarded_mode_sees_each_write_and_reads_only_what_changed(write):
+    """The default fingerprint digests no tensor again while nothing wrote one (its cost does not grow with
+    the weights' bytes), sees every write (through the page fault when no torch counter moves: .data,
+    .numpy(), ctypes), and equals the full digest of the same bytes."""
+    from cxlalloc import _C
+
+    m = _Big()
+    g, full = K.WeightsWatch(m), K.WeightsWatch(m, "full")
+    f0 = g.fingerprint()
+    assert f0 == full.fingerprint()
+    assert g.last_check["guarded_tensors"] == 3 and _C.guard_stats()[0] >= 2
+    assert g.fingerprint() == f0
+    assert g.last_check["digested_tensors"] == 0
+    assert g.last_check["digested_bytes"] < 5 * _C.guard_page_size()  # the edges only, not 2.8 MB
+    faults = _C.guard_stats()[1]
+    GUARDED_WRITES[write](m)
+    f1 = g.fingerprint()
+    assert f1 != f0, f"{write}: the change was not seen"
+    assert f1 == full.fingerprint()
+    assert 1 <= g.last_check["digested_tensors"] <= 3
+    if write in ("data", "numpy", "ctypes"):
+        assert _C.guard_stats()[1] == faults + 1  # seen by the fault, one per written tensor
+    assert g.fingerprint() == f1 and g.last_check["digested_tensors"] == 0  # guarded again
+    GUARDED_WRITES["numpy"](m)  # and a second write after the re-guard is seen too
+    assert g.fingerprint() == full.fingerprint()
+    g.close()
+
+
+def test_guarded_mode_starts_over_when_its_handler_was_replaced():
+    """Another library's SIGSEGV handler put in place of the guard's (faulthandler.disable() restores the
+    default): the next check digests every tensor again and puts the handler back; writes are seen after."""
+    import faulthandler
+
+    from cxlalloc import _C
+
+    m = _Big()
+    g = K.WeightsWatch(m)
+    g.fingerprint()
+    was = faulthandler.is_enabled()
+    faulthandler.disable()
+    faulthandler.enable()  # installed after the guard's handler (and chaining to it)
+    if not _C.guard_handler_installed():
+        f = g.fingerprint()
+        assert g.last_check["digested_tensors"] == 3
+        assert _C.guard_handler_installed()
+    else:
+        f = g.fingerprint()
+    GUARDED_WRITES["numpy"](m)
+    assert g.fingerprint() != f and g.fingerprint() == K.WeightsWatch(m, "full").fingerprint()
+    if not was:
+        faulthandler.disable()
+    g.close()
+
+
+def test_guarded_mode_sees_a_write_after_its_pages_lost_the_guard():
+    """A range made writable behind the guard's back (as a remap of the address by a driver would): the
+    write there does not fault, and the next check still sees it (the ranges are checked read-only in
+    /proc/self/maps at every check)."""
+    import ctypes
+
+    from cxlalloc import _C
+
+    m = _Big()
+    g = K.WeightsWatch(m)
+    f0 = g.fingerprint()
+    ps = _C.guard_page_size()
+    lo, hi = -(-m.a.data_ptr() // ps) * ps, (m.a.data_ptr() + m.a.numel() * 4) // ps * ps
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    assert libc.mprotect(lo, hi - lo, 3) == 0  # PROT_READ | PROT_WRITE
+    faults = _C.guard_stats()[1]
+    GUARDED_WRITES["numpy"](m)
+    assert _C.guard_stats()[1] == faults  # no fault: only the maps check can tell
+    f1 = g.fingerprint()
+    assert f1 != f0 and f1 == K.WeightsWatch(m, "full").fingerprint()
+    g.close()
+
+
+def test_unwrap_makes_the_guarded_pages_writable_again(fresh_sim):
+    from cxlalloc import _C
+
+    torch.manual_seed(0)
+    m = tiny_llama(hidden=256)
+    before = _C.guard_stats()[0]
+    wrap(m)
+    gen(m, input_ids=prompt(), **KW)
+    assert _C.guard_stats()[0] > before
+    hf.unwrap(m)
+    assert _C.guard_stats()[0] == before
+
+
+def test_weights_changed_during_a_call_store_nothing(fresh_sim):
+    """A logits processor that changes weights mid-generate(): the answer's later K/V come from other
+    weights than the call's start, so nothing of the call is stored or kept; with the weights put back, the
+    next call hits nothing (without the end-of-call check it hit blocks holding K/V of the changed weights)."""
+    from transformers import LogitsProcessorList
+
+    torch.manual_seed(0)
+    m = tiny_llama()
+    wrap(m)
+    w = m.model.layers[0].self_attn.k_proj.weight
+    saved = w.detach().clone()
+
+    def change(ids, scores):
+        if ids.shape[1] == 41:  # after the prefill: the decode steps run on changed weights
+            w.data.add_(0.5)
+        return scores
+
+    out = gen(m, input_ids=prompt(), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+              logits_processor=LogitsProcessorList([change]))
+    assert hf.stats(m)["hf"]["reuse"]["counters"]["changed_during_call"] == 1
+    w.data.copy_(saved)
+    gen(m, input_ids=out.sequences, **KW)
+    assert last(m)["hit_tokens"] == 0
 
 
 def test_the_on_device_digest_sees_one_word_and_a_swap():
