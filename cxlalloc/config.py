@@ -391,7 +391,13 @@ def _split_env_per_device(option: str, text: str):
     if any(not p for p in parts):
         raise ValueError(f"cxlalloc option '{option}': {text!r} has an empty value; {_per_device_help(option)}")
     if all("=" in p for p in parts):
-        return dict(p.split("=", 1) for p in parts)
+        pairs = [p.split("=", 1) for p in parts]
+        keys = [k.strip() for k, _ in pairs]
+        repeated = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+        if repeated is not None:  # dict() would keep the last value silently
+            raise ValueError(f"cxlalloc option '{option}': {text!r} gives device {repeated!r} twice; "
+                             f"{_per_device_help(option)}")
+        return dict(pairs)
     if any("=" in p for p in parts):
         raise ValueError(f"cxlalloc option '{option}': {text!r} mixes device=value and plain values; "
                          f"{_per_device_help(option)}")
