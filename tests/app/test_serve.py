@@ -262,6 +262,9 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("completions", {"prompt": "hi", "n": 3}, "n"),
     ("completions", {"prompt": "hi", "max_tokens": -2}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/cat.png"}}]}]}, "messages.0.content.0.type"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text"),
     ("chat/completions", b"{not json", "body"),
     ("chat/completions", b"[1, 2]", "body"),
 ])
@@ -289,6 +292,20 @@ def test_bad_request_is_400_naming_the_field_and_the_next_good_one_answers(serve
     with urllib.request.urlopen(ok, timeout=120) as r:
         reply = json.loads(r.read())
     assert reply["choices"][0]["message"]["content"] and reply["usage"]["completion_tokens"] <= 4
+
+
+def test_a_json_body_sent_as_a_form_is_400_naming_the_content_type(served_default):
+    """``curl -d '{...}'`` sends a JSON object as application/x-www-form-urlencoded: the 400 names the
+    Content-Type, not "the body must be a JSON object" (it is one)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{served_default[0]}/v1/chat/completions",
+                                 data=json.dumps(GOOD).encode(),
+                                 headers={"Content-Type": "application/x-www-form-urlencoded"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    err = json.loads(e.value.read())["error"]
+    assert e.value.code == 400 and err["param"] == "body", err
+    assert err["message"] == ("body: the request's Content-Type is 'application/x-www-form-urlencoded'; send the JSON "
+                              "body with Content-Type: application/json"), err
 
 
 def test_openai_client_gets_bad_request_error(served_default):
