@@ -238,8 +238,12 @@ def _parse_kv_store(value: Any, option: str) -> Optional[str]:
     text = str(value).strip()
     if text.lower() in ("0", "false", "off", "no", "none", ""):
         return None
-    if text.lower() in ("1", "true", "on", "yes", "local") or text.startswith(
-            ("unix://", "redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
+    if text.startswith(("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
+        # the whole URL now (host, port, db, query options), not when the store is opened after a model load
+        from cxlalloc.kvstore.tiers.redis_format import check_url  # no torch, no redis connection
+
+        return check_url(text, option)
+    if text.lower() in ("1", "true", "on", "yes", "local") or text.startswith("unix://"):
         return text
     raise ValueError(f"cxlalloc option '{option}': {value!r} is not allowed; use local, unix:///path/kv.sock (a "
                      "cxlalloc kv-server), redis://host:port/db or rediss://... (a Redis tier below a local store), "

@@ -211,6 +211,7 @@ def test_four_concurrent_multi_turn_conversations_streamed_and_not(served):
     (["--drain-timeout", "0"], "--drain-timeout '0' is not allowed; allowed: seconds in (0, 86400]"),
     (["--device-limit", "1B"], "--device-limit"),  # below one segment: the engine's own check, before the load
     (["--host-limit", "1KiB"], "--host-limit"),
+    (["--kv-store", "redis://127.0.0.1:6379/0?bogus=1"], "unknown query option 'bogus'"),  # not after the load
     (["--device", "cuda:99"], "--device 'cuda:99': "),  # no GPU here (or fewer than 100): one line, no traceback
 ])
 def test_bad_options_one_line_exit_2_before_loading(argv, needle):
