@@ -275,6 +275,10 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     drained = status.cancelled["drain"]
+    if len(stopped) > 1 and drained:  # a second signal is uvicorn's force quit: no deadline was waited for
+        print(f"{prog}: stopped by a second {stopped[-1]} (force quit, before --drain-timeout {drain_timeout:g} s): "
+              f"{drained} request(s) still running were cancelled", file=sys.stderr)
+        return EXIT_DRAIN_TIMEOUT
     if stopped and drained:
         print(f"{prog}: stopped by {stopped[0]}: {drained} request(s) still running after --drain-timeout "
               f"{drain_timeout:g} s were cancelled", file=sys.stderr)
