@@ -188,7 +188,7 @@ def test_a_device_map_beyond_the_simulated_gpus(fresh_sim):
     dispatch(m, 2)  # the simulated driver has one GPU (fresh_sim)
     busy = cxlalloc.Allocator(simulate=True, device_limit="8MiB", host_limit="8MiB")
     busy.tensor((1024,), torch.float32)  # something alive: the simulator cannot gain a GPU now
-    with pytest.raises(ValueError, match=r"2 simulated GPUs needs it resized.*free the other"):
+    with pytest.raises(ValueError, match=r"2 simulated GPUs need it to have 2 GPUs \(1 now, .* of VRAM each\).*free the other"):
         hf.wrap(m, device_limit="64MiB", host_limit="64MiB")
     assert not hf.is_wrapped(m)
     del busy
