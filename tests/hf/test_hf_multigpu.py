@@ -172,6 +172,9 @@ def test_per_gpu_options_of_a_bad_shape_are_refused(two_gpus):
         hf.wrap(m, device=1)
     with pytest.raises(ValueError, match="device_limit"):
         hf.wrap(m, device_limit=["8MiB", "lots"])
+    with pytest.raises(ValueError, match=r"^cxlalloc.hf.wrap, GPU cuda:1 of the model's \['cuda:0', 'cuda:1'\]: "
+                                         r"numa_node: node 1023 does not exist"):
+        hf.wrap(m, numa_node=["auto", 1023])  # the GPU whose value is at fault is named
     m.hf_device_map = dict(m.hf_device_map, lm_head="disk")
     with pytest.raises(ValueError, match="CPU or disk offload"):
         hf.wrap(m)
