@@ -238,8 +238,12 @@ def _parse_kv_store(value: Any, option: str) -> Optional[str]:
     text = str(value).strip()
     if text.lower() in ("0", "false", "off", "no", "none", ""):
         return None
-    if text.lower() in ("1", "true", "on", "yes", "local") or text.startswith(
-            ("unix://", "redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
+    if text.startswith(("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
+        # the whole URL now (host, port, db, query options), not when the store is opened after a model load
+        from cxlalloc.kvstore.tiers.redis_format import check_url  # no torch, no redis connection
+
+        return check_url(text, option)
+    if text.lower() in ("1", "true", "on", "yes", "local") or text.startswith("unix://"):
         return text
     raise ValueError(f"cxlalloc option '{option}': {value!r} is not allowed; use local, unix:///path/kv.sock (a "
                      "cxlalloc kv-server), redis://host:port/db or rediss://... (a Redis tier below a local store), "
@@ -391,7 +395,13 @@ def _split_env_per_device(option: str, text: str):
     if any(not p for p in parts):
         raise ValueError(f"cxlalloc option '{option}': {text!r} has an empty value; {_per_device_help(option)}")
     if all("=" in p for p in parts):
-        return dict(p.split("=", 1) for p in parts)
+        pairs = [p.split("=", 1) for p in parts]
+        keys = [k.strip() for k, _ in pairs]
+        repeated = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+        if repeated is not None:  # dict() would keep the last value silently
+            raise ValueError(f"cxlalloc option '{option}': {text!r} gives device {repeated!r} twice; "
+                             f"{_per_device_help(option)}")
+        return dict(pairs)
     if any("=" in p for p in parts):
         raise ValueError(f"cxlalloc option '{option}': {text!r} mixes device=value and plain values; "
                          f"{_per_device_help(option)}")

@@ -75,10 +75,14 @@ def ensure_sim(cfg: Config, devices: int = 1) -> None:
             sim.configure(f"devices={max(have, devices, 1)},vram={vram}")
         except ValueError as e:
             now = format_bytes(_sim_vram) if _sim_vram is not None else "its default"
+            if more:  # the GPU count is what must change (the VRAM may be the same)
+                change = f"{devices} simulated GPUs need it to have {devices} GPUs ({have} now, {now} of VRAM each)"
+            else:
+                change = f"{why} needs it resized to {format_bytes(vram)} ({now} of VRAM now)"
             raise ValueError(
-                f"cxlalloc: the simulated GPU is one per process ({now} of VRAM now) and {why} needs it resized to "
-                f"{format_bytes(vram)}, which is impossible while simulated resources are alive ({e}); free the "
-                "other simulated Allocators/models first, or ask for no more than its current size") from None
+                f"cxlalloc: the simulated driver is one per process and {change}, which is impossible while "
+                f"simulated resources are alive ({e}); free the other simulated Allocators/models first, or ask "
+                "for no more GPUs or VRAM than it has") from None
         _sim_vram = vram
 
 

@@ -136,6 +136,23 @@ def check_listen(prog: str, host: str, port: int) -> None:
             fail(prog, f"--host {host} --port {port}: {addr[0]}:{addr[1]} {what}")
 
 
+def check_device(prog: str, device: str) -> None:
+    """A ``--device`` naming a GPU (``cuda``, ``cuda:N``, ``N``) that torch cannot see exits 2 with one line
+    before the model loads (instead of torch's assertion traceback during the load)."""
+    if device in ("auto", "cpu"):
+        return
+    import torch  # the model load imports it next anyway
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.split(":")[1]) if device.startswith("cuda:") else int(device) if device.isdigit() else 0
+    if count == 0:
+        fail(prog, f"--device {device!r}: no CUDA GPU is visible to torch here; allowed: auto or cpu (the model "
+                   "on the CPU, the tiers simulated)")
+    if index >= count:
+        fail(prog, f"--device {device!r}: {count} CUDA GPU(s) visible; allowed: auto, cpu, cuda, "
+                   f"cuda:0..cuda:{count - 1}")
+
+
 def on_gpu(device: str) -> bool:
     """Whether the model will be on a GPU (``--device cpu``, or ``auto`` with no CUDA GPU: simulation)."""
     import torch  # the model load imports it next anyway
@@ -233,6 +250,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
     opts = parse_options(args, prog)
     model = resolve_model(prog, args.model)
     check_listen(prog, args.host, port)
+    check_device(prog, dev)
     gpu = on_gpu(dev)
     if not gpu:
         check_limits_simulated(prog, opts)
@@ -257,6 +275,10 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     drained = status.cancelled["drain"]
+    if len(stopped) > 1 and drained:  # a second signal is uvicorn's force quit: no deadline was waited for
+        print(f"{prog}: stopped by a second {stopped[-1]} (force quit, before --drain-timeout {drain_timeout:g} s): "
+              f"{drained} request(s) still running were cancelled", file=sys.stderr)
+        return EXIT_DRAIN_TIMEOUT
     if stopped and drained:
         print(f"{prog}: stopped by {stopped[0]}: {drained} request(s) still running after --drain-timeout "
               f"{drain_timeout:g} s were cancelled", file=sys.stderr)

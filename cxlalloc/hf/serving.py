@@ -235,6 +235,16 @@ def request_models():
             if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
                 raise InvalidRequest("response_format", "response_format: only {'type': 'text'} is supported "
                                      f"by this server (got {fmt!r})")
+            # the served model is a causal LM (text only): transformers' handler drops an image/audio/file
+            # part without a word and answers from the rest, so such a part is refused, named
+            for i, message in enumerate(self.messages):
+                for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                    kind = part.get("type")
+                    if kind != "text" or not isinstance(part.get("text"), str):
+                        param = f"messages.{i}.content.{j}" + (".type" if kind != "text" else ".text")
+                        got = kind if kind != "text" else part.get("text")
+                        raise InvalidRequest(param, f"{param}: this server serves a text-only model; a content "
+                                             f"part must be {{'type': 'text', 'text': '...'}} (got {got!r})")
             return self
 
     class CompletionRequest(Sampling):
@@ -406,6 +416,12 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
         async def _unreadable(_request, exc: RequestValidationError):
             # FastAPI's own check of the body (not JSON, not an object): OpenAI's 400 form, not a 422 list
             err = (exc.errors() or [{}])[0]
+            ctype = _request.headers.get("content-type", "")
+            if ctype and ctype.split(";")[0].strip().lower() != "application/json":
+                # FastAPI reads a body as JSON only under a JSON Content-Type (curl -d sends a form's)
+                return JSONResponse(InvalidRequest("body", f"body: the request's Content-Type is {ctype!r}; send "
+                                                   "the JSON body with Content-Type: application/json").body(),
+                                    status_code=400)
             what = {"json_invalid": "is not valid JSON", "dict_type": "must be a JSON object",
                     "missing": "is missing"}.get(err.get("type"), err.get("msg", "is invalid"))
             ctx = (err.get("ctx") or {}).get("error")

@@ -346,6 +346,9 @@ def wrap(model, *, place_weights: Optional[bool] = None, hook: str = "auto", **o
                                      f"{layout.gpus}, but the simulated driver has fewer GPUs ({e}); it gains GPUs "
                                      "only while no simulated allocator is alive: wrap this model first, or free the "
                                      "others") from None
+                if layout.multi:  # which GPU's value is at fault (a per-GPU list or mapping names several)
+                    raise ValueError(f"cxlalloc.hf.wrap, GPU cuda:{g} of the model's {['cuda:%d' % x for x in layout.gpus]}: "
+                                     f"{e}") from None
                 raise
     allocator = allocators[layout.gpus[0]]
 

@@ -211,6 +211,8 @@ def test_four_concurrent_multi_turn_conversations_streamed_and_not(served):
     (["--drain-timeout", "0"], "--drain-timeout '0' is not allowed; allowed: seconds in (0, 86400]"),
     (["--device-limit", "1B"], "--device-limit"),  # below one segment: the engine's own check, before the load
     (["--host-limit", "1KiB"], "--host-limit"),
+    (["--kv-store", "redis://127.0.0.1:6379/0?bogus=1"], "unknown query option 'bogus'"),  # not after the load
+    (["--device", "cuda:99"], "--device 'cuda:99': "),  # no GPU here (or fewer than 100): one line, no traceback
 ])
 def test_bad_options_one_line_exit_2_before_loading(argv, needle):
     env = dict(os.environ, PYTHONPATH=ROOT)
@@ -262,6 +264,9 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("completions", {"prompt": "hi", "n": 3}, "n"),
     ("completions", {"prompt": "hi", "max_tokens": -2}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/cat.png"}}]}]}, "messages.0.content.0.type"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text"),
     ("chat/completions", b"{not json", "body"),
     ("chat/completions", b"[1, 2]", "body"),
 ])
@@ -289,6 +294,20 @@ def test_bad_request_is_400_naming_the_field_and_the_next_good_one_answers(serve
     with urllib.request.urlopen(ok, timeout=120) as r:
         reply = json.loads(r.read())
     assert reply["choices"][0]["message"]["content"] and reply["usage"]["completion_tokens"] <= 4
+
+
+def test_a_json_body_sent_as_a_form_is_400_naming_the_content_type(served_default):
+    """``curl -d '{...}'`` sends a JSON object as application/x-www-form-urlencoded: the 400 names the
+    Content-Type, not "the body must be a JSON object" (it is one)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{served_default[0]}/v1/chat/completions",
+                                 data=json.dumps(GOOD).encode(),
+                                 headers={"Content-Type": "application/x-www-form-urlencoded"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    err = json.loads(e.value.read())["error"]
+    assert e.value.code == 400 and err["param"] == "body", err
+    assert err["message"] == ("body: the request's Content-Type is 'application/x-www-form-urlencoded'; send the JSON "
+                              "body with Content-Type: application/json"), err
 
 
 def test_openai_client_gets_bad_request_error(served_default):

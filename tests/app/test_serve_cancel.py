@@ -226,6 +226,37 @@ def test_every_4xx_is_in_openai_form_and_the_client_raises_with_the_message(serv
     assert _answered_promptly(port, d) < 60
 
 
+def test_a_second_sigint_force_quits_and_says_so_not_the_drain_deadline(tmp_path_factory):
+    """Ctrl-C twice (uvicorn's "CTRL+C to force quit") while a long stream runs under --drain-timeout 60: the
+    server exits 3 at once, and its last line says a second SIGINT cancelled the request, not that a 60 s
+    deadline passed (it said "still running after --drain-timeout 60 s" after one second)."""
+    import openai
+
+    _need_serving()
+    d = _slow_model(tmp_path_factory, "force-quit")
+    path = os.path.join(d, "server.log")
+    proc, port, log = _start([d, "--device", "cpu", "--device-limit", "8MiB", "--host-limit", "256MiB",
+                              "--cb-block-size", "16", "--cb-num-blocks", "160", "--drain-timeout", "60"], path)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+        chunks = iter(client.completions.create(model=d, stream=True, max_tokens=LONG, temperature=0, prompt=PROMPT))
+        next(c for c in chunks if c.choices and c.choices[0].text)
+        t = time.time()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        with pytest.raises(openai.APIError):
+            for _ in chunks:
+                pass
+        assert proc.wait(timeout=30) == 3 and time.time() - t < 30
+    finally:
+        _stop(proc, log)
+    with open(path) as f:
+        last = f.read().strip().splitlines()[-1]
+    assert last.endswith("cxlalloc serve: stopped by a second SIGINT (force quit, before --drain-timeout 60 s): "
+                         "1 request(s) still running were cancelled"), last
+
+
 def test_sigterm_drain_deadline_cancels_a_stuck_request_and_exits_3(server):
     """SIGTERM while a 1,500-token streamed completion runs (tens of seconds): after --drain-timeout 2 s the
     request is cancelled, the stream ends with OpenAI's error event (the ``openai`` client raises APIError

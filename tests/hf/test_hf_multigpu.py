@@ -172,6 +172,9 @@ def test_per_gpu_options_of_a_bad_shape_are_refused(two_gpus):
         hf.wrap(m, device=1)
     with pytest.raises(ValueError, match="device_limit"):
         hf.wrap(m, device_limit=["8MiB", "lots"])
+    with pytest.raises(ValueError, match=r"^cxlalloc.hf.wrap, GPU cuda:1 of the model's \['cuda:0', 'cuda:1'\]: "
+                                         r"numa_node: node 1023 does not exist"):
+        hf.wrap(m, numa_node=["auto", 1023])  # the GPU whose value is at fault is named
     m.hf_device_map = dict(m.hf_device_map, lm_head="disk")
     with pytest.raises(ValueError, match="CPU or disk offload"):
         hf.wrap(m)
@@ -188,7 +191,7 @@ def test_a_device_map_beyond_the_simulated_gpus(fresh_sim):
     dispatch(m, 2)  # the simulated driver has one GPU (fresh_sim)
     busy = cxlalloc.Allocator(simulate=True, device_limit="8MiB", host_limit="8MiB")
     busy.tensor((1024,), torch.float32)  # something alive: the simulator cannot gain a GPU now
-    with pytest.raises(ValueError, match=r"2 simulated GPUs needs it resized.*free the other"):
+    with pytest.raises(ValueError, match=r"2 simulated GPUs need it to have 2 GPUs \(1 now, .* of VRAM each\).*free the other"):
         hf.wrap(m, device_limit="64MiB", host_limit="64MiB")
     assert not hf.is_wrapped(m)
     del busy

@@ -58,6 +58,7 @@ def test_per_gpu_option_forms():
     (dict(kv_device_limit={"1GiB"}), "cxlalloc option 'kv_device_limit': {'1GiB'} is not one value, a list or a "
                                      "mapping"),
     (dict(device_limit="1GiB|", ), "cxlalloc option 'device_limit': '1GiB|' has an empty value"),
+    (dict(device_limit="0=1GiB|0=2GiB"), "cxlalloc option 'device_limit': '0=1GiB|0=2GiB' gives device '0' twice"),
     (dict(device_limit="0=1GiB|2GiB"), "cxlalloc option 'device_limit': '0=1GiB|2GiB' mixes device=value and plain"),
     (dict(device_limit=["1GiB", "2GiB"], device=1), "cxlalloc option 'device': cannot be combined with per-GPU "
                                                     "values of device_limit"),

@@ -375,7 +375,11 @@ def server_from_args(args) -> KVServer:
             raise ValueError(f"cxlalloc option '{given[0]}': given without --redis URL")
     redis = None
     if args.redis:
-        from cxlalloc.kvstore.tiers.redis import RedisTier
+        from cxlalloc.kvstore.tiers.redis import RedisTier, split_url_options
+
+        if "tenant" in split_url_options(args.redis)[1]:  # the server names each block's tenant itself
+            raise ValueError("cxlalloc option '--redis': ?tenant= names an in-process kv_store's values; a kv-server "
+                             "would ignore it (each block carries its own tenant's name: --tenant NAME:USERS[:SIZE])")
 
         redis = RedisTier(args.redis, prefix=args.redis_prefix, ttl=args.redis_ttl,
                           queue_bytes=parse_size(args.redis_queue, "--redis-queue"), timeout=args.redis_timeout,

@@ -107,9 +107,13 @@ def families(st: dict) -> Iterator:
                  (("pinned",), pool["pinned_blocks"])])
     yield counter("lookups", "Lookup requests.", ["tier"], tiers(pool["lookups"], red.get("lookups")))
     yield counter("lookup_blocks", "Blocks looked up.", ["tier"], tiers(pool["lookup_blocks"], red.get("lookup_blocks")))
-    yield counter("hit_blocks", "Blocks found.", ["tier"], tiers(pool["hit_blocks"], red.get("hit_blocks")))
+    # the pool's own finds: a block read through from Redis on a pool miss is the redis tier's hit, not the pool's
+    # (the pool's hit_blocks counts it, since the client is served from the pool afterwards)
+    pool_found = pool["hit_blocks"] - pool.get("redis_hit_blocks", 0)
+    yield counter("hit_blocks", "Blocks found in the tier (pool: not those read through from Redis).", ["tier"],
+                  tiers(pool_found, red.get("hit_blocks")))
     yield gauge("hit_ratio", "Found / looked-up blocks since start.", ["tier"],
-                tiers(pool["hit_rate"], red.get("hit_rate")))
+                tiers(pool_found / pool["lookup_blocks"] if pool["lookup_blocks"] else 0.0, red.get("hit_rate")))
     yield gauge("recent_hit_ratio", "Found / looked-up blocks of the pool over the last rate window "
                 "(cxlalloc_kv_rate_window_seconds).", rows=[((), rates.get("hit_rate"))])
     yield gauge("rate_window_seconds", "Seconds of the window of cxlalloc_kv_recent_hit_ratio.",

@@ -126,7 +126,9 @@ class RedisTier(Tier):
         else:
             key_option = "--redis-key-file" if option == "--redis" else f"{option} ?redis_key_file"
         self._mac_key = read_key_file(key_file, key_option) if key_file else None
-        if "ttl" in ours:
+        ttl_option = "--redis-ttl" if option == "--redis" else f"{option} ttl"
+        if "ttl" in ours:  # the URL's ?ttl= is named as such, not as a flag the user did not give
+            ttl_option = f"{option} ?ttl"
             try:
                 ttl = float(ours["ttl"])
             except ValueError:
@@ -134,9 +136,9 @@ class RedisTier(Tier):
         if "queue" in ours:
             from cxlalloc.config import parse_size
 
-            queue_bytes = parse_size(ours["queue"], "--redis-queue")
+            queue_bytes = parse_size(ours["queue"], f"{option} ?queue")
         if ttl is not None and not (isinstance(ttl, (int, float)) and ttl > 0):
-            raise ValueError(f"cxlalloc option '--redis-ttl': {ttl!r} must be a positive number of seconds")
+            raise ValueError(f"cxlalloc option '{ttl_option}': {ttl!r} must be a positive number of seconds")
         if not (isinstance(queue_bytes, int) and queue_bytes > 0):
             raise ValueError(f"cxlalloc option '--redis-queue': {queue_bytes!r} must be a positive size")
         if not (isinstance(timeout, (int, float)) and timeout > 0):

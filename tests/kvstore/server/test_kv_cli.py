@@ -36,6 +36,12 @@ def _run(*args, timeout=30):
                                                     "allowed: a positive size", "NAME:USERS[:SIZE]"]),
     (["--size", "64MiB", "--redis", "redis+cluster://127.0.0.1:7000?bogus=1"],
      ["'--redis'", "unknown query option 'bogus'; allowed: prefix, ttl, queue"]),
+    # the kv-server names each block's tenant itself: a URL ?tenant= would be ignored, so it is refused
+    (["--size", "64MiB", "--redis", "redis://127.0.0.1:6390/0?tenant=zz"],
+     ["'--redis': ?tenant= names an in-process kv_store's values; a kv-server would ignore it"]),
+    # an option of the URL is named as the URL's, not as a flag that was not given
+    (["--size", "64MiB", "--redis", "redis://127.0.0.1:6390/0?ttl=-5"], ["'--redis ?ttl': -5.0 must be a positive"]),
+    (["--size", "64MiB", "--redis", "redis://127.0.0.1:6390/0?queue=lots"], ["'--redis ?queue'", "not a size"]),
 ])
 def test_bad_options_exit_2_naming_the_option(args, words, sockdir):
     if "--socket" not in args:

@@ -222,6 +222,10 @@ def test_below_the_server_pool_evicted_blocks_come_back_after_a_restart(redis_se
     text = render(srv2.stats())
     assert 'cxlalloc_kv_served_tokens_total{source="remote"} 128.0' in text
     assert 'cxlalloc_kv_served_blocks_total{source="pool"} 8.0' in text
+    # the pool found 8 of the 24 blocks looked up in it (the first 8 were read through from Redis: its hits)
+    assert 'cxlalloc_kv_lookup_blocks_total{tier="pool"} 24.0' in text
+    assert 'cxlalloc_kv_hit_blocks_total{tier="pool"} 8.0' in text and 'cxlalloc_kv_hit_blocks_total{tier="redis"} 8.0' in text
+    assert 'cxlalloc_kv_hit_ratio{tier="pool"} 0.3333333333333333' in text
     st2.close()
 
 
