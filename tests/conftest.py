@@ -5,10 +5,11 @@ Every allocator test runs the real engine against the simulated CUDA driver
 resource: a leak anywhere fails the test that caused it.
 """
 
-import gc
 import os
 
 import pytest
+
+from tests.helpers.gc_util import collect_all
 
 import cxlalloc.engine
 
@@ -62,7 +63,7 @@ def fresh_sim(sim, request):
     what was live before it: a failed earlier test may still hold some)."""
     from cxlalloc import engine
 
-    gc.collect()
+    collect_all()
     sim.clear_faults()
     before = sim.live()
     if _live_total(before) == 0:
@@ -70,7 +71,7 @@ def fresh_sim(sim, request):
         engine._sim_vram = 1 << 30
     yield sim
     sim.clear_faults()
-    gc.collect()
+    collect_all()
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.passed:
         after = sim.live()
@@ -97,7 +98,7 @@ def make_alloc(fresh_sim):
 
     yield make
     made.clear()
-    gc.collect()
+    collect_all()
 
 
 class SimStreams:
@@ -163,11 +164,11 @@ def streams(fresh_sim):
 def machine(fresh_sim):
     """Reconfigure the simulated machine (needs nothing live); restore after."""
     def configure(spec):
-        gc.collect()
+        collect_all()
         fresh_sim.configure(spec)
         cxlalloc.engine._sim_vram = 1 << 30
     yield configure
-    gc.collect()
+    collect_all()
     if sum(fresh_sim.live().values()) == 0:
         fresh_sim.configure("vram=1GiB")
 

@@ -21,7 +21,8 @@ between layers are exercised: scripts/gpu_check.sh runs that on real GPUs).
 from __future__ import annotations
 
 import contextlib
-import gc
+
+from tests.helpers.gc_util import collect_all
 
 from cxlalloc import _sim
 import cxlalloc.engine as engine
@@ -57,14 +58,14 @@ def simulated_gpus(n: int, vram: str = "1GiB"):
     """The simulated driver configured with ``n`` GPUs of ``vram`` each for a
     with-block (nothing simulated may be alive at entry or exit); back to one
     GPU after it."""
-    gc.collect()
+    collect_all()
     sim = _sim.Sim()
     sim.configure(f"devices={n},vram={vram}")
     engine._sim_vram = sim.parse_size(vram)
     try:
         yield sim
     finally:
-        gc.collect()
+        collect_all()
         try:
             sim.configure(f"devices=1,vram={vram}")
         except ValueError:

@@ -5,7 +5,8 @@ before), as ``with sim_gpus(sim, 2): ...``; the single default GPU is
 restored afterwards."""
 
 import contextlib
-import gc
+
+from tests.helpers.gc_util import collect_all
 
 from cxlalloc import engine as _engine
 
@@ -17,5 +18,5 @@ def sim_gpus(sim, n: int, vram: str = "1GiB"):
     try:
         yield sim
     finally:
-        gc.collect()
+        collect_all()
         sim.configure(f"vram={vram}")  # devices back to the default one

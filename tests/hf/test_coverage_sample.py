@@ -8,13 +8,14 @@ cxlalloc warned -- is compared with ``EXPECTED``, one line per architecture:
 when cxlalloc tiers (or warns about) another layer kind, that line changes.
 """
 
-import gc
+
 import importlib.util
 import json
 import os
 from typing import NamedTuple
 
 import pytest
+from tests.helpers.gc_util import collect_all
 from tests.helpers.hf_util import torch  # noqa: F401  (skips without torch/transformers; one intra-op thread)
 
 import cxlalloc.engine
@@ -78,11 +79,11 @@ def matrix_sim(sim):
     """The simulated GPU as the matrix configures it (4 KiB VMM granularity),
     restored to the suite's default afterwards; no simulated resource may
     outlive the sample."""
-    gc.collect()
+    collect_all()
     before = sim.live()
     cm.configure_sim()
     yield sim
-    gc.collect()
+    collect_all()
     after = sim.live()
     leaked = {k: after[k] - before[k] for k in after if after[k] > before[k]}
     sim.configure("vram=1GiB")
