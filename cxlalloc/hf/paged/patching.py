@@ -31,7 +31,10 @@ class _Building(threading.local):
 _TLS = _Building()
 _STOCK_CACHE = tf_classes.PagedAttentionCache  # transformers' class (continuous_api's name is rebound to _paged_cache)
 _patch_lock = threading.Lock()
-_ATTACHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # manager -> CBState
+# The managers attached to (a WeakSet, not a manager -> CBState WeakKeyDictionary: a mapping's values are held strongly
+# from this module, so a model whose manager died in a reference cycle was freed only by a second gc pass; the state
+# is reached through the manager's own patched method instead).
+_ATTACHED: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _paged_cache(*args, **kwargs):
@@ -167,7 +170,7 @@ def _attach(cb: CBState, manager) -> None:
         return bp
 
     manager._create_batch_processor = _create_batch_processor
-    _ATTACHED[manager] = cb
+    _ATTACHED.add(manager)
     with cb.lock:
         cb.counters.managers += 1
 

@@ -10,10 +10,12 @@ so that a later batch loads stored prefixes instead of prefilling them.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
 import warnings
+import weakref
 
 import pytest
 
@@ -380,3 +382,15 @@ def test_no_vram_for_kv_runs_on_the_host_tier():
     # one batch's 512 tokens are 2 blocks: the floor of 4 blocks, + 2 trash sectors = 6 MiB, all on the host tier
     assert cache["num_blocks"] == 4 and cache["cache_bytes"] == 6 * MiB
     assert cache["kv_device_bytes"] == 0 and cache["kv_host_bytes"] == cache["committed_bytes"] > 0
+
+
+def test_a_wrapped_model_is_freed_by_one_gc_pass_after_generate_batch():
+    """Its tiers go back with the model: a manager -> state mapping held from a
+    module kept the model alive until the manager's own cycle was collected, so
+    one ``gc.collect()`` did not free it (it took two; plain transformers: one)."""
+    m = wrap(model())
+    m.generate_batch(prompts(4, 200, 30), generation_config=greedy(8), continuous_batching_config=cb_config())
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None
