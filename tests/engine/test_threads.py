@@ -207,4 +207,8 @@ def test_four_threads_migrating_their_own_blocks_lose_no_stamp():
     assert r.returncode == 0, f"the child died (signal {-r.returncode if r.returncode < 0 else None}): {r.stderr[-2000:]}"
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["lost"] == 0, out
-    assert out["moved"] > 0 and out["refused"] > 0, out  # both paths ran: own segments moved, shared refused
+    # Migrations ran (own segments moved or, where another thread's block shares the segment, refused); which of
+    # the two depends on the schedule (CI once gave moved 0, refused 35,506 in 3 s; locally both run), so each path
+    # has a deterministic test of its own: test_migrate_refuses_a_segment_that_holds_another_threads_live_block and
+    # the single-thread migrate tests (tests/engine/test_extents.py, test_stateful.py).
+    assert out["moved"] + out["refused"] > 0, out
