@@ -256,7 +256,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
         check_limits_simulated(prog, opts)
     print(mode_line(prog, dev, model, gpu), flush=True)
 
-    from cxlalloc.hf.serving import ServeStatus, serve
+    from cxlalloc.hf.serving import serve
+    from cxlalloc.hf.serving_drain import ServeStatus
 
     status = ServeStatus()
 
