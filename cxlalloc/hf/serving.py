@@ -40,11 +40,12 @@ cxlalloc[serve]`` (fastapi, uvicorn, openai).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 from typing import Any, Dict, Iterator, Optional
 
-from cxlalloc.hf.serving_drain import DisconnectMiddleware, ServeStatus
+from cxlalloc.hf.serving_drain import DRAIN_TASK_WAIT_S, FORCE_QUIT_CANCEL, DisconnectMiddleware, ServeStatus
 from cxlalloc.hf.serving_http import header_timeout_protocol
 from cxlalloc.hf.serving_managers import guarded_cb_manager, stoppable_generate_manager
 from cxlalloc.hf.serving_metrics import add_metrics
@@ -139,7 +140,10 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
         drain_timeout: seconds a shutdown (SIGTERM, SIGINT) waits for the
             requests in flight; then they are cancelled (in the continuous-batching
             manager too) and the server stops.  ``status.cancelled["drain"]``
-            counts them.
+            counts them.  Such a force quit (also a second SIGINT: uvicorn's) answers
+            each with OpenAI's error at once, hard-stops the continuous-batching
+            worker and leaves the models loaded: the caller is expected to exit
+            (``cxlalloc serve`` exits 3 within ``EXIT_GRACE_S``).
         status: a :class:`ServeStatus` to fill (cancelled requests, the
             continuous-batching scheduler); a new one when None.
 
@@ -157,6 +161,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
 
     request_models()
     status = status if status is not None else ServeStatus()
+    status.drain_timeout = float(drain_timeout)
     opts = dict(wrap_options or {})
     served = _Served()
     base_manager = model_manager.ModelManager
@@ -175,6 +180,13 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
             with served.lock:
                 served.models[model_id_and_revision] = loaded
             return loaded
+
+        def shutdown(self) -> None:
+            # a force quit (requests cancelled at the drain deadline, or a second SIGINT) ends the process next:
+            # unloading (transformers' gc.collect() and frees, seconds on a loaded machine, the GIL held) would
+            # only delay the exit
+            if status.force_quit is None:
+                super().shutdown()
 
     def check_model(manager, body) -> None:
         forced, requested = manager.force_model, body.get("model")
@@ -245,6 +257,32 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
 
     protocol = header_timeout_protocol(float(header_timeout))
     base_config = uvicorn.Config
+    base_server = uvicorn.Server
+
+    class SignalledServer(base_server):
+        """uvicorn's Server recording the shutdown signals it catches in ``status.signals`` (which one, and a
+        second one: uvicorn's force quit)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            import signal as signal_mod
+
+            with contextlib.suppress(ValueError):
+                status.signals.append(signal_mod.Signals(sig).name)
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None) -> None:
+            await super().shutdown(sockets)
+            if self.force_exit:
+                # uvicorn's force quit (a second SIGINT) leaves the requests running and skips the app's lifespan
+                # shutdown: both would be cancelled at the event loop's end (the lifespan's CancelledError logged
+                # as a traceback).  Cancel the requests here (each ends its answer in OpenAI's error form), then
+                # end the lifespan as a shutdown would.
+                tasks = list(self.server_state.tasks)
+                for t in tasks:
+                    t.cancel(msg=FORCE_QUIT_CANCEL)
+                if tasks:
+                    await asyncio.wait(tasks, timeout=2 * DRAIN_TASK_WAIT_S)
+                await self.lifespan.shutdown()
 
     def config(app, **kwargs):  # transformers' Serve builds uvicorn.Config(app, host=, port=, log_level=)
         # uvicorn's graceful shutdown waits for the requests in flight at most drain_timeout seconds, then cancels
@@ -262,7 +300,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
     base_gen = getattr(serving_utils.GenerateManager, "cxlalloc_base", serving_utils.GenerateManager)
     serving_utils.GenerateManager = stoppable_generate_manager(base_gen, status)
     serving_utils.GenerateManager.cxlalloc_base = base_gen
-    with _swapped(uvicorn, "Config", config), _swapped(model_manager, "ModelManager", TieredModelManager), _swapped(server, "build_server", build_server), \
+    with _swapped(uvicorn, "Config", config), _swapped(uvicorn, "Server", SignalledServer), \
+            _swapped(model_manager, "ModelManager", TieredModelManager), _swapped(server, "build_server", build_server), \
             _swapped(chat_mod, "ChatCompletionHandler", CheckedChat), \
             _swapped(completion_mod, "CompletionHandler", CheckedCompletion):
         running = serve_mod.Serve(force_model=model, continuous_batching=continuous_batching, device=device,
@@ -271,9 +310,11 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
                                   cb_max_batch_tokens=cb.get("max_batch_tokens"), non_blocking=non_blocking)
     if not non_blocking:
         # uvicorn has drained and stopped; transformers' lifespan unloads the models but leaves the continuous
-        # batching worker thread running (only kill_server() stops it), which would keep the process alive
+        # batching worker thread running (only kill_server() stops it), which would keep the process alive.  After a
+        # force quit the worker was stopped already (ServeStatus.force_quitting) and the process exits next:
+        # transformers' stop() would only add its gc.collect() and frees (seconds on a loaded machine)
         state = getattr(running, "_generation_state", None)
-        if state is not None:
+        if state is not None and status.force_quit is None:
             state.shutdown()
     return running
 

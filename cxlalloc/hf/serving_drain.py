@@ -9,11 +9,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 from cxlalloc.hf.serving_requests import InvalidRequest
 
 COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+# how long a request cancelled at the drain deadline is waited for after its error was sent (its handler's own
+# clean-up); the process does not wait for it beyond this
+DRAIN_TASK_WAIT_S = 0.5
+# uvicorn's message when it cancels the requests still running at timeout_graceful_shutdown (uvicorn/server.py)
+UVICORN_DEADLINE_CANCEL = "timeout graceful shutdown exceeded"
+# the message cxlalloc serve cancels them with on uvicorn's force quit (a second SIGINT)
+FORCE_QUIT_CANCEL = "force quit"
 
 
 class ServeStatus:
@@ -28,13 +35,53 @@ class ServeStatus:
             (``cancel_request``: removed from its scheduler, their blocks freed); ``"generate"``, a
             non-streamed ``model.generate()`` stopped at its next token (``--no-continuous-batching``).
         managers: the continuous-batching managers made (normally one).
+        drain_timeout: the server's drain deadline, seconds after the shutdown signal (None: not known).
+        signals: the names of the shutdown signals uvicorn caught (``"SIGTERM"``, ``"SIGINT"``), in order.
+        force_quit: None, or why the server is force-quitting with requests still running: ``"deadline"``
+            (the drain deadline passed) or ``"force"`` (stopped at once: a second SIGINT, uvicorn's force quit).
+        on_force_quit: callables run once, with the reason, when :meth:`force_quitting` is first called
+            (``cxlalloc serve`` bounds its exit with one).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, drain_timeout: Optional[float] = None) -> None:
         self.lock = threading.Lock()
         self.cancelled = {"disconnect": 0, "drain": 0}
         self.engine_cancelled = {"continuous_batching": 0, "generate": 0}
         self.managers: List[Any] = []
+        self.drain_timeout = drain_timeout
+        self.signals: List[str] = []
+        self.force_quit: Optional[str] = None
+        self.on_force_quit: List[Callable[[str], None]] = []
+
+    def force_quitting(self, reason: str) -> None:
+        """The server is force-quitting (``reason``: ``"deadline"`` or ``"force"``) with requests still running:
+        the first call stops every continuous-batching worker at its next step (transformers' hard stop: what
+        it still holds is failed, nothing more is computed for a request whose answer is already ended) and
+        runs :attr:`on_force_quit`; later calls do nothing."""
+        with self.lock:
+            if self.force_quit is not None:
+                return
+            self.force_quit = reason
+            managers = list(self.managers)
+        for m in managers:
+            cb = getattr(m, "_cb", None)
+            if cb is not None:  # transformers 5.24's ContinuousBatchingManager.stop(hard_stop=True), not waited for
+                with contextlib.suppress(Exception):
+                    cb.background_thread_status.request_stop(cb.background_thread_status.HARD_STOP,
+                                                             cb.distributed_helper.global_rank)
+                    cb._wake_up_loop.set()
+        for fn in list(self.on_force_quit):
+            fn(reason)
+
+    def drain_message(self) -> str:
+        """What a request cancelled by the force quit is told (OpenAI's error ``message``)."""
+        n = f" of {self.drain_timeout:g} s" if self.drain_timeout is not None else ""
+        if self.force_quit == "force":
+            sig = self.signals[-1] if self.signals else "signal"
+            why = f"force-quitting on a second {sig}, before its drain deadline{n} (--drain-timeout),"
+        else:
+            why = f"force-quitting after its drain deadline{n} (--drain-timeout)"
+        return f"the server is {why} and this request was still running; retry it on another server"
 
     def count(self, reason: Optional[str] = None, engine: Optional[str] = None) -> None:
         """One more request cancelled for ``reason`` (``"disconnect"``/``"drain"``), or stopped in ``engine``
@@ -54,7 +101,6 @@ class ServeStatus:
             if sched is not None:
                 n += len(sched.active_requests) + len(sched.waiting_requests)
         return n
-
 
 
 class DisconnectMiddleware:
@@ -97,8 +143,11 @@ class DisconnectMiddleware:
             return {"type": "http.disconnect"}
 
         started = [False]
+        ended = [False]  # the middleware ended the response itself: the route's later messages are dropped
 
         async def inner_send(message):
+            if ended[0]:
+                return
             if message["type"] == "http.response.start":
                 started[0] = True
             if message["type"] == "http.response.body" and not message.get("more_body"):
@@ -118,31 +167,40 @@ class DisconnectMiddleware:
             gone.set()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        except asyncio.CancelledError:  # uvicorn cancels the requests still running at the drain deadline
+        except asyncio.CancelledError as e:  # uvicorn cancels the requests still running at the drain deadline
             if holder["reason"] is not None or task.done():
                 raise
             holder["reason"] = "drain"
             self.status.count("drain")
+            # uvicorn cancels with its message at the deadline; on a force quit (a second SIGINT) the server
+            # cancels with FORCE_QUIT_CANCEL (cxlalloc.hf.serving), or the event loop's end without a message
+            deadline = any(UVICORN_DEADLINE_CANCEL in str(a) for a in e.args)
+            self.status.force_quitting("deadline" if deadline else "force")
+            # the answer is ended at once in OpenAI's error form (a 503, or an SSE error event ending the stream),
+            # so the client learns why without waiting for the route's clean-up, and uvicorn logs no traceback
+            ended[0] = True
+            await end_drained(send, started[0], complete[0], self.status.drain_message())
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            # the answer is ended in OpenAI's error form (a 503, or an SSE error event ending the stream), so the
-            # client learns why and uvicorn logs no traceback
-            await end_drained(send, started[0], complete[0])
+            task.add_done_callback(_retrieve)
+            with contextlib.suppress(asyncio.CancelledError):  # the event loop's own end cancels this wait
+                await asyncio.wait({task}, timeout=DRAIN_TASK_WAIT_S)
         finally:
             watcher.cancel()
 
 
-DRAIN_MESSAGE = ("the server is shutting down and this request was still running at its drain deadline "
-                 "(--drain-timeout); retry it on another server")
+def _retrieve(task) -> None:
+    """Done callback of a task nobody awaits to its end: its exception is read (asyncio logs none)."""
+    if not task.cancelled():
+        task.exception()
 
 
-async def end_drained(send, started: bool, complete: bool) -> None:
-    """End a response cancelled at the drain deadline: a 503 in OpenAI's error form if nothing was sent yet,
-    else an SSE ``error`` event closing the stream (the ``openai`` client raises ``APIError`` with it)."""
+async def end_drained(send, started: bool, complete: bool, message: str) -> None:
+    """End a response cancelled by a force quit (``message``: :meth:`ServeStatus.drain_message`): a 503 in
+    OpenAI's error form if nothing was sent yet, else an SSE ``error`` event closing the stream (the ``openai``
+    client raises ``APIError`` with it)."""
     import json
 
-    err = InvalidRequest(None, DRAIN_MESSAGE, status=503, code="server_shutting_down", kind="server_error").body()
+    err = InvalidRequest(None, message, status=503, code="server_shutting_down", kind="server_error").body()
     with contextlib.suppress(Exception):  # the client may be gone too
         if not started:
             data = json.dumps(err).encode()

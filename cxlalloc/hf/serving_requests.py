@@ -114,6 +114,21 @@ def request_models():
             if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
                 raise InvalidRequest("response_format", "response_format: only {'type': 'text'} is supported "
                                      f"by this server (got {fmt!r})")
+            # OpenAI's rule (openai.types.chat.ChatCompletion*MessageParam): content is required on a system,
+            # developer, user and tool message; an assistant message may leave it null or out only when it
+            # carries tool_calls (or the deprecated function_call)
+            for i, message in enumerate(self.messages):
+                if message.content is None:
+                    extra = message.model_extra or {}
+                    if message.role == "assistant" and (extra.get("tool_calls") or extra.get("function_call")):
+                        continue
+                    param = f"messages.{i}.content"
+                    got = "null" if "content" in message.model_fields_set else "missing"
+                    why = ("an assistant message without tool_calls or function_call" if message.role == "assistant"
+                           else f"a {message.role} message")
+                    raise InvalidRequest(param, f"{param}: {why} needs content, a string or a list of text parts "
+                                         f"(got {got}); OpenAI allows a null content only on an assistant message "
+                                         "that carries tool_calls")
             # the served model is a causal LM (text only): transformers' handler drops an image/audio/file
             # part without a word and answers from the rest, so such a part is refused, named
             for i, message in enumerate(self.messages):
