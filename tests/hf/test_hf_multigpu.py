@@ -285,25 +285,83 @@ def test_continuous_batching_on_two_gpus_spills_on_both_gpus_tiers(two_gpus):
     hf.unwrap(m)
 
 
-def test_continuous_batching_on_four_gpus_spills_on_every_gpus_tier(four_gpus):
+def test_continuous_batching_on_four_gpus_keeps_each_gpus_kv_on_its_host_tier(four_gpus):
     m = wide_llama(layers=8)
-    ps = cb_prompts(3, base=200, step=7, seed=1)
+    ps = cb_prompts(3, base=100, step=7, seed=1)
     ref = greedy_tokens(m, ps, 6)
     dm = dispatch(m, 4)
-    assert [dm[f"model.layers.{i}"] for i in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3], dm
+    layers = {g: [i for i in range(8) if dm[f"model.layers.{i}"] == g] for g in range(4)}
+    assert all(layers.values()), dm
     fp = per_gpu_footprint(m)
-    hf.wrap(m, device_limit={g: fp[f"cuda:{g}"] + CHUNK for g in range(4)}, host_limit="64MiB", device_headroom=0)
-    # 3 requests of ~210 tokens: ~40 blocks of 64 KiB (2 layers' pages) on each GPU, above its one chunk of VRAM
+    # Each GPU's budget: its weights alone, so every GPU's paged cache is on its own host tier
+    hf.wrap(m, device_limit={g: fp[f"cuda:{g}"] for g in range(4)}, host_limit="64MiB", device_headroom=0)
     assert generate_batch(m, ps, 6, num_blocks=64) == ref
     s = hf.stats(m)
     cb = s["hf"]["continuous_batching"]
     per = cb["counters"]["per_gpu"]
     assert sorted(per) == [f"cuda:{g}" for g in range(4)]
     for g in range(4):
-        assert per[f"cuda:{g}"] == {"peak_kv_device_bytes": CHUNK, "peak_kv_host_bytes": CHUNK}, per
-        assert s["gpus"][f"cuda:{g}"]["kv"]["peak_host_bytes"] >= CHUNK
-        assert cb["cache"]["gpus"][f"cuda:{g}"]["layers"] == [2 * g, 2 * g + 1]
-    assert cb["counters"]["peak_kv_host_bytes"] == 4 * CHUNK
+        committed = cb["cache"]["gpus"][f"cuda:{g}"]["committed_bytes"]  # all of it on that GPU's host tier
+        assert per[f"cuda:{g}"] == {"peak_kv_device_bytes": 0, "peak_kv_host_bytes": committed}, per
+        assert committed >= CHUNK and s["gpus"][f"cuda:{g}"]["kv"]["peak_host_bytes"] >= committed
+        assert s["gpus"][f"cuda:{g}"]["kv"]["peak_device_bytes"] == 0
+        assert cb["cache"]["gpus"][f"cuda:{g}"]["layers"] == layers[g]
+        assert cb["cache"]["gpus"][f"cuda:{g}"]["block_bytes"] == len(layers[g]) * 2 * 8 * 32 * 4 * CB_PAGE
+    assert cb["counters"]["peak_kv_host_bytes"] == cb["cache"]["committed_bytes"]
+    assert cb["counters"]["peak_kv_device_bytes"] == 0
+    hf.unwrap(m)
+
+
+def test_paged_rows_split_over_gpus_match_the_full_layout():
+    """gpu_parts on its own: a full-layout paged tensor (3 layers, pages of K then V rows) split over 2 GPUs
+    with non-contiguous layers ([0, 2] and [1]): every layer's row w of the full layout's shifted views is row
+    local_rows(w) of its GPU's; whole blocks read and written through StripedBlocks are the full layout's bytes."""
+    from cxlalloc.hf.paged.gpu_parts import GpuPart, StripedBlocks, local_pages, local_rows
+
+    L, P, H, D, blocks = 3, 4, 2, 3, 6
+    R = 2 * L * P  # rows per block
+    full = torch.randn(blocks * R, H, D)
+    page_bytes = 2 * P * H * D * 4
+    parts = []
+    for g, layers in ((0, [0, 2]), (1, [1])):
+        rows = torch.cat([full.view(blocks, L, 2 * P, H, D)[:, i] for i in layers], dim=1).reshape(-1, H, D)
+        t = rows.contiguous().view(-1).view(torch.uint8)
+        parts.append(GpuPart(gpu=g, allocator=None, layers=layers, bytes_per_sector=0, block_bytes=len(layers) *
+                             page_bytes, rows_per_block=2 * len(layers) * P, tensor=t,
+                             copy_view=t.view(-1, len(layers) * page_bytes)))
+    w = torch.tensor([0, 1, P - 1, R, R + 2, 3 * R + P - 1, 5 * R])
+    for part in parts:
+        flat = part.tensor.view(torch.float32).view(-1, H, D)
+        local = local_rows(w, R, part.rows_per_block)
+        for j, layer in enumerate(part.layers):
+            for shift in (2 * P * layer, 2 * P * layer + P):  # the layer's K view, then its V view
+                local_shift = shift - 2 * P * layer + 2 * P * j
+                assert torch.equal(flat[local_shift + local], full[shift + w]), (part.gpu, layer, shift)
+    assert local_pages(torch.tensor([-1, 0, 2 * L, 5 * 2 * L]), 2 * L, 2).tolist() == [-1, 0, 2, 10]
+    sb = StripedBlocks(parts, L, page_bytes, "cpu")
+    ids = torch.tensor([4, 1])
+    got = sb.index_select(0, ids)
+    want = full.view(blocks, -1)[ids].contiguous().view(torch.uint8).view(2, -1)
+    assert torch.equal(got, want)
+    sb.index_copy_(0, torch.tensor([0, 5]), got)  # blocks 4 and 1 copied into blocks 0 and 5
+    assert torch.equal(sb.index_select(0, torch.tensor([0, 5])), want)
+    assert torch.equal(sb.index_select(0, torch.tensor([2, 3])),
+                       full.view(blocks, -1)[2:4].contiguous().view(torch.uint8).view(2, -1))  # the others untouched
+
+
+def test_continuous_batching_on_two_gpus_preempts_into_the_swap_pool(two_gpus):
+    """A cache too small for every request on a model split over 2 GPUs: requests are preempted into the swap pool
+    (whole blocks gathered from both GPUs' extents) and restored (scattered back); tokens unchanged."""
+    m = wide_llama()
+    ps = cb_prompts(3, base=60, step=5, seed=2)
+    ref = greedy_tokens(m, ps, 60)
+    dispatch(m, 2)
+    hf.wrap(m, device_limit=["64MiB", "64MiB"], host_limit="64MiB")
+    assert generate_batch(m, ps, 60, num_blocks=16, cpu_offload_space=4 * MiB / (1 << 30)) == ref
+    cb = hf.stats(m)["hf"]["continuous_batching"]
+    c = cb["counters"]
+    assert cb["swap_pool"]["enabled"] and cb["swap_pool"]["bytes"] == 4 * MiB
+    assert c["preemptions"] > 0 and c["swapped_requests"] == c["preemptions"] and c["reprefilled_requests"] == 0, c
     hf.unwrap(m)
 
 
