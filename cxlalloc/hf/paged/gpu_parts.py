@@ -56,7 +56,7 @@ class GpuPart:
     tensor: Optional[torch.Tensor] = None  # the committed sectors' bytes (uint8)
     copy_view: Optional[torch.Tensor] = None  # tensor as (blocks, block_bytes)
     zeroed: int = 0  # bytes zeroed from the extent's start
-    kv_cap: int = 0
+    kv_cap: Optional[int] = None  # kv_device_limit (None: not set)
     headroom: int = 0
     movable: bool = True
 

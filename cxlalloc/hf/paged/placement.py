@@ -105,7 +105,7 @@ class PlacementMixin:
         s = part.allocator.stats()
         dev, host = s["device"], s["host"]
         dev_room = int(dev.get("limit_bytes", 0)) - int(dev.get("reserved_bytes", 0)) - part.headroom
-        if part.kv_cap:
+        if part.kv_cap is not None:  # kv_device_limit set (0 included: no KV in VRAM)
             dev_room = min(dev_room, part.kv_cap - int(s["kv"]["device_bytes"]))
         host_room = int(host.get("limit_bytes", 0)) - int(host.get("reserved_bytes", 0))
         return max(0, dev_room), max(0, host_room)
@@ -121,7 +121,7 @@ class PlacementMixin:
         block_bytes = part.block_bytes
         info = part.allocator.info()
         kv_cap, headroom = info.get("kv_device_limit"), info.get("device_headroom")
-        part.kv_cap = kv_cap if isinstance(kv_cap, int) and kv_cap > 0 else 0
+        part.kv_cap = kv_cap if isinstance(kv_cap, int) and not isinstance(kv_cap, bool) and kv_cap >= 0 else None
         part.headroom = headroom if isinstance(headroom, int) and headroom > 0 else 0
         part.movable = bool(info.get("demotion_supported", True))
         dev_room, host_room = self._rooms(part)
@@ -153,7 +153,7 @@ class PlacementMixin:
         sectors = target // bps - 2
         if sectors < 1:
             short = [f"the device tier has {format_bytes(dev_room)} for KV (device_limit less what is reserved"
-                     + (", the headroom" if part.headroom else "") + (", kv_device_limit" if part.kv_cap else "")
+                     + (", the headroom" if part.headroom else "") + (", kv_device_limit" if part.kv_cap is not None else "")
                      + ")", f"the host tier {format_bytes(host_room)} free of host_limit"]
             raise ValueError(f"cxlalloc.hf: {where}continuous batching needs at least {format_bytes(3 * bps)} of KV "
                              f"(one sector and two trash sectors) in whole {format_bytes(chunk)} chunks; "
