@@ -25,7 +25,7 @@ Names (``tier`` is ``pool`` or ``redis``; docs/kv-server.md#metrics lists them w
     cxlalloc_kv_refused_reserves_total        cxlalloc_kv_reserve_budget_blocks_total
     cxlalloc_kv_refused_lookups_total         cxlalloc_kv_pin_budget_blocks_total
     cxlalloc_kv_lock_hold_seconds_max         cxlalloc_kv_drop_seconds_max
-    cxlalloc_kv_lock_hold_cpu_seconds_max     cxlalloc_kv_lock_handoffs_total
+    cxlalloc_kv_lock_holds_total              cxlalloc_kv_lock_handoffs_total
     cxlalloc_kv_buffered_peak_bytes           cxlalloc_kv_limit{limit}
     cxlalloc_kv_redis_refused_values_total{reason}  cxlalloc_kv_redis_deadline_expired_total
     cxlalloc_kv_namespace_used_bytes{namespace}  cxlalloc_kv_namespace_quota_bytes{namespace}
@@ -171,8 +171,8 @@ def families(st: dict) -> Iterator:
     yield gauge("lock_hold_seconds_max", "Longest hold of the server's lock by one slice of a request "
                 "(--slice-keys) since start (wall clock: includes the holder being preempted).",
                 rows=[((), _ms(pool.get("lock_hold_ms_max")))])
-    yield gauge("lock_hold_cpu_seconds_max", "Most CPU time the holding thread spent in one hold of the "
-                "server's lock since start.", rows=[((), _ms(pool.get("lock_hold_cpu_ms_max")))])
+    yield counter("lock_holds", "Holds of the server's lock by slices of requests and disconnects.",
+                  rows=[((), pool.get("lock_holds"))])
     yield counter("lock_handoffs", "Releases of the server's lock that handed it straight to a waiting "
                   "client's thread (first come, first served).", rows=[((), pool.get("lock_handoffs"))])
     yield gauge("drop_seconds_max", "Longest hold of the lock while a disconnected client's pins and "

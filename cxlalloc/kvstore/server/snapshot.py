@@ -25,7 +25,6 @@ def snapshot(st):
                    if not o.status_only]
         quotas = dict(st.index.quotas)
         default_quota = st.index.quotas.default
-        hold_cpu_ms = st.holds.cpu_us_max / 1e3
         last_drop = dict(st.last_drop)
     pool = {
         "capacity_bytes": st.size, "mapped_bytes": st.arena.size, "chunk_bytes": st.chunk_bytes,
@@ -35,7 +34,7 @@ def snapshot(st):
         "max_pinned_bytes": st.max_pinned_bytes, "refused_pin_budget": c["refused_pin_budget"],
         "pin_budget_blocks": c["pin_budget_blocks"],
         "drop_ms_max": c["drop_us_max"] / 1e3, "lock_hold_ms_max": c["lock_hold_us_max"] / 1e3,
-        "lock_hold_cpu_ms_max": hold_cpu_ms, "lock_handoffs": st.lock.handoffs, "last_drop": last_drop,
+        "lock_holds": st.holds.holds, "lock_handoffs": st.lock.handoffs, "last_drop": last_drop,
         "blocks": n_entries - writing, "writing_blocks": writing, "pinned_blocks": pinned,
         "lookups": ic["lookups"], "lookup_blocks": ic["lookup_blocks"], "hit_blocks": ic["hit_blocks"],
         "hit_tokens": ic["hit_tokens"], "hit_bytes": c["hit_bytes"], "miss_blocks": ic["miss_blocks"],

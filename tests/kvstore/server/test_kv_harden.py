@@ -255,7 +255,7 @@ def test_one_clients_65536_key_requests_leave_another_served_between_slices_and_
     pool = sp.status()["pool"]
     print(f"probe lookup p99: quiet {_p99(quiet) * 1e3:.2f} ms, beside 65,536-key requests {_p99(busy) * 1e3:.2f} ms "
           f"({len(busy)} lookups, {rounds} attacker rounds, {pool['lock_handoffs']} lock hand-offs); longest lock "
-          f"hold {pool['lock_hold_ms_max']:.2f} ms ({pool['lock_hold_cpu_ms_max']:.2f} ms CPU)")
+          f"hold {pool['lock_hold_ms_max']:.2f} ms of {pool['lock_holds']} holds")
     assert rounds >= 1 and len(busy) >= 10 and pool["lock_handoffs"] >= 1
     # A client holding 65,536 pins and 65,536 reservations disconnects: the lock is held in slices.
     c = RawClient(sp.socket, want_fd=False, name="leaver")
@@ -272,7 +272,7 @@ def test_one_clients_65536_key_requests_leave_another_served_between_slices_and_
     pool = sp.status()["pool"]
     d = pool["last_drop"]
     print(f"disconnect of a 65,536-pin, 65,536-reservation client: {d['holds']} holds of the lock, the longest "
-          f"{d['hold_ms_max']:.2f} ms ({d['hold_cpu_ms_max']:.2f} ms CPU), {d['wall_ms']:.0f} ms in all")
+          f"{d['hold_ms_max']:.2f} ms, {d['wall_ms']:.0f} ms in all")
     assert pool["pinned_blocks"] == 0 and pool["writing_blocks"] == 0
     per_hold = sp.status()["server"]["limits"]["slice_keys"] // 4
     assert d["pins"] == 65536 and d["blocks"] == 65536 and d["holds"] == 2 * 65536 // per_hold
