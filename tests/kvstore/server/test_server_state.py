@@ -191,7 +191,7 @@ def _queue(st, name, fn, waiters):
     return t
 
 
-def test_a_65536_key_lookup_yields_to_another_clients_lookup_between_two_of_its_slices():
+def test_a_4096_key_lookup_yields_to_another_clients_lookup_between_two_of_its_slices():
     # Fair service without a clock: the big lookup (64 slices of 64 keys) and a one-key lookup of another
     # client queue for the lock in that order; the lock is first come, first served and handed over on
     # release, so the small one is served right after the big one's first slice, not after its last.
