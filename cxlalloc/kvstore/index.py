@@ -200,19 +200,27 @@ class BlockIndex(ChunkSlots):
                 del self._lru_ns[e.ns]
 
     # ------------------------------------------------------------ reads
-    def match(self, keys: Sequence[bytes], owner: Hashable, new_lookup: bool = True) -> List[Entry]:
+    def match(self, keys: Sequence[bytes], owner: Hashable, new_lookup: bool = True,
+              budget: Optional[int] = None) -> List[Entry]:
         """The longest prefix of ``keys`` whose blocks are READY, each pinned for
         ``owner`` (unpin with :meth:`unpin`) and marked as used.  ``new_lookup``
         False: ``keys`` continue a lookup already counted (the kv-server
-        matches a long lookup in slices, releasing its lock between them)."""
+        matches a long lookup in slices, releasing its lock between them).
+        ``budget``: slot bytes the prefix may take at most (the kv-server's
+        ``--max-pinned``); it stops before the block that would pass it."""
         self.c.lookups += bool(new_lookup)
         self.c.lookup_blocks += len(keys)
         out = []
         get = self.entries.get
+        left = budget
         for k in keys:
             e = get(k)
-            if e is None or e.state != READY:
+            if e is None or e.writer is not None:
                 break
+            if left is not None:
+                left -= self.slot_size(e.nbytes)
+                if left < 0:
+                    break
             out.append(e)
         if out:
             mine = self._pins.get(owner)

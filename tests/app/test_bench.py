@@ -683,6 +683,25 @@ def test_lmcache_bench_chunk_shapes_have_the_sizes_it_reports():
     assert "lmcache" in meta.OPT_IN
 
 
+def test_kvfair_runs_only_when_named_and_its_record_interleaves_arms_and_plots(tmp_path):
+    from cxlalloc_apps.bench import kvfair
+
+    assert "kvfair" in meta.OPT_IN and "kvfair" not in meta.BENCHMARKS
+    with open(os.path.join(meta.REPO_ROOT, "benchmarks/results/kvfair-cpu-2026-12-03/kvfair.json")) as f:
+        rec = json.load(f)
+    assert meta.validate_record(rec) == []
+    fair = next(r for r in rec["results"] if r["part"] == "fair")
+    assert fair["rounds"] >= 5 and set(fair["p99_ms"]) == set(kvfair.ARMS)
+    assert all(len(v) == fair["rounds"] for v in fair["p99_ms"].values())
+    assert [o[0] for o in fair["orders"][:3]] != [fair["orders"][0][0]] * 3  # rotated, not always one arm first
+    assert {"attacker/quiet", "attacker/control"} <= set(fair["p99_ratio"])
+    disc = next(r for r in rec["results"] if r["part"] == "disconnect")
+    assert all(d["pins"] == 65536 and d["blocks"] == 65536 for d in disc["reps"])
+    out = tmp_path / "kvfair.png"
+    kvfair.plot(rec, str(out))
+    assert out.stat().st_size > 10_000
+
+
 def test_kvscale_runs_only_when_named_and_its_record_plots(tmp_path):
     from cxlalloc_apps.bench import kvscale
 
