@@ -82,12 +82,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import xxhash
 
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.client import DEFAULT_TIMEOUT_S, RemoteBlockStore
 from cxlalloc.kvstore.counters import StoreCounters
-from cxlalloc.kvstore.layout import CHECKSUM_BYTES, block_checksum
+from cxlalloc.kvstore.layout import CHECKSUM_BYTES, block_checksum, copy_verified
 
 try:  # the extra: pip install '.[lmcache]' (from a clone)
     from lmcache.utils import CacheEngineKey
@@ -401,22 +400,11 @@ class CxlallocConnector(RemoteConnector):
         if dst.numel() < meta.length:
             mo.ref_count_down()
             return self._bad("LMCache allocated fewer bytes than the block holds")
-        # Copy, then verify the copy (not the pool, which another client could change between a check and the
-        # copy): a CPU destination is checked in place; a device one through a private host copy.
+        # One read of the pool: copied straight into LMCache's own buffer and verified there (not in the pool,
+        # which another client could change between a check and the copy); a device buffer through one private
+        # host copy
         want = view[-CHECKSUM_BYTES:].numpy().tobytes()
-        src = view[hdr:hdr + meta.length]
-        if dst.device.type == "cpu":
-            dst[:meta.length].copy_(src)
-            body = dst[:meta.length].numpy()
-        else:
-            body = src.clone()
-            dst[:meta.length].copy_(body)
-            body = body.numpy()
-        h = xxhash.xxh3_128()  # block_checksum(sk, header + payload), over the two private copies
-        h.update(bytes(sk))
-        h.update(head)
-        h.update(body)
-        if h.digest() != want:
+        if not copy_verified(dst[:meta.length], view[hdr:hdr + meta.length], sk, head, want):
             mo.ref_count_down()
             corrupt.append(sk)
             self.counters.add("corrupt_blocks")

@@ -54,12 +54,11 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Tuple
 
 import numpy as np
 import torch
-import xxhash
 
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.client import DEFAULT_TIMEOUT_S, RemoteBlockStore
 from cxlalloc.kvstore.counters import StoreCounters
-from cxlalloc.kvstore.layout import CHECKSUM_BYTES, block_checksum
+from cxlalloc.kvstore.layout import CHECKSUM_BYTES, block_checksum, copy_verified
 
 try:
     from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, ReqContext, RequestOffloadingContext,
@@ -331,12 +330,8 @@ class CxlallocSecondaryTier(SecondaryTierManager):
             self._warn_once("bad", "cxlalloc vLLM tier: a stored chunk of another layout or key: a miss")
             return False
         want = view[-CHECKSUM_BYTES:].numpy().tobytes()
-        dst.copy_(view[_HDR:_HDR + n])
-        h = xxhash.xxh3_128()   # block_checksum(sk, header + payload), over this engine's private copies
-        h.update(sk)
-        h.update(head)
-        h.update(memoryview(dst.numpy()))
-        if h.digest() != want:
+        # one read of the pool, into this engine's primary chunk, verified there
+        if not copy_verified(dst, view[_HDR:_HDR + n], sk, head, want):
             corrupt.append(sk)
             self.counters.add("corrupt_chunks")
             self._warn_once("corrupt", "cxlalloc vLLM tier: a chunk whose checksum does not match its bytes "
