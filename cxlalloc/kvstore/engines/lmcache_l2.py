@@ -55,7 +55,9 @@ import torch
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.client import RemoteBlockStore
 from cxlalloc.kvstore.counters import StoreCounters
-from cxlalloc.kvstore.engines.lmcache_plugin import DEFAULT_URL, PluginConfigError, parse_url
+from cxlalloc.kvstore.client import DEFAULT_TIMEOUT_S
+from cxlalloc.kvstore.engines.config import check_params, parse_kv_url
+from cxlalloc.kvstore.engines.lmcache_plugin import DEFAULT_NAMESPACE, DEFAULT_URL, PluginConfigError
 from cxlalloc.kvstore.layout import CHECKSUM_BYTES, block_checksum, copy_verified
 
 try:  # the extra: pip install '.[lmcache]' (from a clone)
@@ -72,7 +74,7 @@ log = logging.getLogger("cxlalloc.kvstore.engines.lmcache_l2")
 MAGIC = b"CXLL2v02"                # 02: slots end in the block checksum trailer (01 slots read as misses)
 _HEAD = struct.Struct("<8s32sQ")   # magic, key, payload bytes
 _HDR = 64                          # payload offset: cache-line aligned copies
-PARAMS = ("url",)
+PARAMS = {"url": (DEFAULT_URL, str, f"e.g. {DEFAULT_URL!r}")}   # adapter_params: name -> (default, checker, what)
 
 
 def _bytes(obj) -> torch.Tensor:
@@ -96,16 +98,10 @@ class CxlallocL2Adapter(L2AdapterInterface):
 
     def __init__(self, params: Optional[dict] = None, l1_memory_desc=None):
         super().__init__()
-        params = dict(params or {})
-        unknown = sorted(set(params) - set(PARAMS))
-        if unknown:
-            raise PluginConfigError(f"cxlalloc L2 adapter: unknown adapter_params {unknown}; allowed: url "
-                                    f"(e.g. {DEFAULT_URL!r})")
-        self.url = params.get("url", DEFAULT_URL)
-        try:
-            path, timeout, self.tenant = parse_url(self.url)
-        except ValueError as e:
-            raise PluginConfigError(str(e)) from None
+        self.url = check_params(dict(params or {}), PARAMS, "cxlalloc L2 adapter", PluginConfigError,
+                                what="adapter_params key")["url"]
+        path, timeout, self.tenant = parse_kv_url(self.url, "cxlalloc L2 adapter", DEFAULT_NAMESPACE,
+                                                  DEFAULT_TIMEOUT_S, PluginConfigError)
         # commit="wait": other processes look a chunk up right after its put (see lmcache_plugin.py)
         self.store = RemoteBlockStore("unix://" + path, None, timeout=timeout, name="lmcache-mp", commit="wait")
         if not self.store.connected():
@@ -123,6 +119,7 @@ class CxlallocL2Adapter(L2AdapterInterface):
         self._io = ThreadPoolExecutor(2, thread_name_prefix="cxlalloc-l2")
         self._closed = False
         self._warned_corrupt = False
+        self._to_discard: Dict[str, set] = {}   # ns -> keys of corrupt chunks still pinned by a lock here
 
     # ------------------------------------------------------------ names
     def names(self, key) -> Tuple[str, bytes]:
@@ -283,6 +280,14 @@ class CxlallocL2Adapter(L2AdapterInterface):
                     to_close.append(lease)
         for lease in to_close:
             lease.close()
+        if to_close:
+            with self._lock:
+                pending, self._to_discard = self._to_discard, {}
+            for ns, sks in pending.items():
+                try:
+                    self.store.discard(ns, sorted(sks))
+                except Exception as e:
+                    log.warning("cxlalloc L2 adapter: discard failed (%s: %s)", type(e).__name__, e)
 
     # ------------------------------------------------------------ load
     def _copy_out(self, view: torch.Tensor, sk: bytes, obj, corrupt: List[bytes]) -> bool:
@@ -306,6 +311,18 @@ class CxlallocL2Adapter(L2AdapterInterface):
             return False
         return True
 
+    def _discard(self, ns: str, corrupt: List[bytes]) -> None:
+        """Have the server drop chunks whose checksum failed here.  The server never drops a pinned chunk, so those
+        this adapter still holds locked are dropped again when their last lock goes (:meth:`submit_unlock`)."""
+        try:
+            dropped = self.store.discard(ns, corrupt)
+        except Exception as e:
+            log.warning("cxlalloc L2 adapter: discard failed (%s: %s)", type(e).__name__, e)
+            return
+        if dropped < len(corrupt):
+            with self._lock:
+                self._to_discard.setdefault(ns, set()).update(corrupt)
+
     def _load(self, keys, objects) -> "Bitmap":
         self.counters.add("loads")
         bits = Bitmap(len(keys))
@@ -327,10 +344,7 @@ class CxlallocL2Adapter(L2AdapterInterface):
                 except Exception as e:
                     log.warning("cxlalloc L2 adapter: load failed (%s: %s); a miss", type(e).__name__, e)
             if corrupt:   # dropped (the server checks again first), so LMCache's recompute stores it anew
-                try:
-                    self.store.discard(ns, corrupt)
-                except Exception as e:
-                    log.warning("cxlalloc L2 adapter: discard failed (%s: %s)", type(e).__name__, e)
+                self._discard(ns, corrupt)
         self.counters.add("loaded_blocks", sum(1 for i in range(len(keys)) if bits.test(i)))
         return bits
 
