@@ -18,8 +18,8 @@ local_cpu_retrieve / cxlalloc_retrieve
     the get, then each memory object copied into a destination tensor (the engine's KV cache's stand-in, where
     LMCache copies a hit next).  ``cxlalloc``: pool -> LMCache's memory object (verified there) -> destination.
 memcpy
-    the same bytes copied once, tensor to tensor: what one copy costs at that moment (the bound of a
-    one-copy path).
+    n distinct chunks of host memory copied once each into the destination, tensor to tensor: what one copy
+    of the same bytes costs at that moment (the bound of a one-copy path).
 
 Method (:mod:`.method`): every round runs every arm once, in an order rotated by the round number, after one
 warm-up round; samples are GB/s (1e9 bytes/s); each ratio is taken per round, then summarised (median, IQR,
@@ -159,10 +159,12 @@ def run(ctx) -> Dict[str, Any]:
                 _store(cxl, ckeys, src)
                 b = n * nbytes
 
+                srcs = [torch.empty_like(src).copy_(src) for _ in range(n)]   # n distinct chunks, as the arms read
+
                 def copies():
                     t0 = time.perf_counter()
-                    for _ in range(n):
-                        dst.copy_(src)
+                    for s in srcs:
+                        dst.copy_(s)
                     return b / (time.perf_counter() - t0) / 1e9
 
                 arms = {"local_cpu_get": lambda: b / _get(local, lkeys) / 1e9,
