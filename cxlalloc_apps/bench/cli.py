@@ -16,7 +16,7 @@ Benchmarks (``--only ceilings,allocation,decode,rightsizing``; default all):
                grid a CPU cannot run is refused, exit status 2)
   rightsizing  GPU: largest batch and tokens/s at a fixed budget (:mod:`.rightsizing`)
 
-Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, ``--only kvscale``, ``--only kvfair``, ``--only cb``, ``--only kvspeed``,
+Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, ``--only lmcache_get``, ``--only kvscale``, ``--only kvfair``, ``--only cb``, ``--only kvspeed``,
 ``--only cluster``, ``--only engines``, ``--only serve``):
 
   reuse        TTFT of a KV prefix hit vs a full prefill as the prefix grows, load
@@ -34,6 +34,9 @@ Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, 
   lmcache      LMCache with cxlalloc:// vs its local CPU backend and its redis://
                connector: store/get GB/s and lookups/s, 256 KiB-16 MiB chunks
                (:mod:`.lmcache`; CPU; needs scripts/install_lmcache.sh)
+  lmcache_get  cxlalloc:// get and retrieve vs LMCache's local CPU backend on the
+               benchmark method (1/4/16 MiB chunks, arms rotated, ratios per round,
+               the goal's verdict) and where a retrieve's time goes (:mod:`.lmcache_get`; CPU)
   cb           continuous batching: a Zipf stream of RAG questions and chats over
                long documents under a device budget below the batch's KV, plain
                vs wrapped vs wrapped + KV store, and the no-spill overhead
