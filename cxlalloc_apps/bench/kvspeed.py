@@ -185,6 +185,33 @@ def markdown(rec: Dict[str, Any]) -> str:
     return "\n".join(rows) + "\n" if len(rows) > 2 else ""
 
 
+
+def insert_markdown(rec: Dict[str, Any]) -> str:
+    """The insert figures of a record as the markdown table of benchmarks/README.md: per block size, each
+    ratio (memcpy time / insert time, per round) as median, IQR and rounds, the goal's verdict, the memcpy
+    arm's A/A noise floor and the load average before/after.  Empty when the record has no insert result."""
+    head = ("| insert (memcpy time / insert time, per round) | pipelined commit (goal) | commit waited | one block per "
+            "reservation | vs memcpy into a pool-sized buffer | CPU time ratio (client + server) | verdict | A/A noise "
+            "floor (memcpy) | load (1 min) |")
+    rows = [head, "|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(d: Dict[str, float]) -> str:
+        return f"**{d['median']:.3f}x** (IQR {d['q1']:.3f}-{d['q3']:.3f}, n={d['n']})"
+
+    for r in rec.get("results", []):
+        if r.get("part") != "insert" or "goal" not in r:
+            continue
+        ms, goal, nf, c = r["ms_per_batch_median"], r["goal"], r["noise_floor_memcpy_aa"], r["comparison"]
+        rows.append(f"| {r['blocks_per_reservation']} x {r['block_bytes'] // KiB} KiB (memcpy {ms['memcpy']:.3f} ms, "
+                    f"insert {ms['insert']:.3f} ms a batch) | {cell(r['ratio_insert_over_memcpy'])} (≥ {goal['target']}) "
+                    f"| {cell(r['ratio_insert_commit_waited_over_memcpy'])} "
+                    f"| {cell(r['ratio_one_per_reservation_over_memcpy'])} | {cell(r['ratio_insert_over_memcpy_cold'])} "
+                    f"| {cell(r['cpu_ratio_insert_over_memcpy'])} | {goal['verdict']} "
+                    f"| {nf['median']:.2f} (IQR {nf['q1']:.2f}-{nf['q3']:.2f}) "
+                    f"| {c['load_before'].get('loadavg_1m')}-{c['load_after'].get('loadavg_1m')} |")
+    return "\n".join(rows) + "\n" if len(rows) > 2 else ""
+
+
 if __name__ == "__main__":
     import sys
 
