@@ -142,6 +142,15 @@ def test_placement_checks_blocks_side_by_side_as_one_run_and_counts_exactly_per_
     pool = st.snapshot()[0]
     assert pool["placement_verified_bytes"] == 9 * BLOCK and pool["placement_unverified_bytes"] == BLOCK
     assert counting.calls == [(first, 2 * BLOCK), (first, BLOCK)]  # the run, then per block (none for pages not there)
+    # the background check (no --strict-placement) of what commits queued: the same runs
+    bg = PlacementVerifier(st, strict=False, page=os.sysconf("SC_PAGESIZE"))
+    st.placement = bg
+    counting.calls.clear()
+    assert _put(st, a, [key(i) for i in range(30, 34)], 5) == 4
+    queued = list(bg._q)
+    assert len(queued) == 4 and st.snapshot()[0]["placement_verified_bytes"] == 9 * BLOCK  # not checked yet
+    bg._verify_ranges(queued)
+    assert counting.calls == [(queued[0][0], 4 * BLOCK)] and st.snapshot()[0]["placement_verified_bytes"] == 13 * BLOCK
 
 
 # ----------------------------------------------------------------- bounded work
