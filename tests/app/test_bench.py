@@ -801,6 +801,20 @@ def test_kvspeed_is_opt_in_and_plots_its_ratios(tmp_path):
     assert ks.plot({"results": rec["results"][-2:]}, str(tmp_path / "chat-prefix.png"))  # --parts chat,prefix
 
 
+def test_kvspeed_insert_table_is_generated_from_the_record():
+    """benchmarks/README.md's insert table is kvspeed.insert_markdown(record): its figures are the record's."""
+    from cxlalloc_apps.bench import kvspeed as ks
+
+    path = os.path.join(ROOT, "benchmarks", "results", "kvspeed-insert-cpu-2026-12-03", "kvspeed.json")
+    with open(path) as f:
+        rec = json.load(f)
+    table = ks.insert_markdown(rec)
+    assert "| 64 x 64 KiB (memcpy 0.497 ms, insert 1.977 ms a batch) | **0.297x** (IQR 0.198-0.316, n=25) (≥ 0.6) |" \
+        in table
+    assert table.count("\n") == 4 and "| missed |" in table and "| within noise |" in table
+    assert ks.insert_markdown({"results": [r for r in rec["results"] if r.get("part") != "insert"]}) == ""
+
+
 def test_engines_runs_only_when_named_and_says_why_it_skips(tmp_path):
     """``bench --only engines`` (vLLM's TTFT, four arms) without the engine venv: a skipped record naming
     scripts/install_engines.sh, never a silent nothing."""
