@@ -16,7 +16,7 @@ demo: setup
 	$(PYTHON) examples/generate.py $(DEMO_ARGS) $(ARGS)
 
 test: setup lint
-	$(PYTHON) -m pytest -q -ra tests $(ARGS)
+	$(PYTHON) -m pytest -q -ra --durations=25 tests $(ARGS)
 
 # The linter (rules in pyproject.toml, [tool.ruff]); `make test` runs it first.
 LINT_PATHS := cxlalloc cxlalloc_apps tests scripts examples

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import operator
 import warnings
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 from cxlalloc.engine import configure, device_options, extent_chunk_message, new_engine
 from cxlalloc.config import TAGS, make_config, parse_size
@@ -72,6 +72,28 @@ def _check_tier(tier: str) -> str:
     if tier not in ("device", "host"):
         raise ValueError(f"cxlalloc: tier {tier!r} is not a tier; allowed: device, host")
     return tier
+
+
+# Keys of Allocator.stats() that name something (a device, a node): listed per GPU in totals, not summed.
+_NAME_KEYS = ("device", "numa_node", "backend", "method")
+
+
+def sum_stats(per_gpu: List[dict]) -> dict:
+    """Totals of several :meth:`cxlalloc.Allocator.stats` dicts: numbers summed
+    (peaks: the sum of each GPU's peak), names (``device``, ``numa_node``,
+    ``backend``, ``method``) listed per GPU, in order."""
+    out = {}
+    for key in per_gpu[0]:
+        vals = [d.get(key) for d in per_gpu]
+        if all(isinstance(v, dict) for v in vals):
+            out[key] = sum_stats(vals)
+        elif key in _NAME_KEYS:
+            out[key] = vals
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            out[key] = sum(vals)
+        else:
+            out[key] = vals[0] if all(v == vals[0] for v in vals) else vals
+    return out
 
 
 class Allocator:

@@ -10,9 +10,11 @@
 #   env, wheels, build, adapter (cxlalloc's torch adapter, JIT), info,
 #   ceilings (the bandwidth probe), allocation, pytest-gpu, hf-per-gpu
 #   (wrap()'s per-GPU code path on this one GPU: accelerate's dispatch onto
-#   cuda:0, per-GPU options as lists of one), hf-multi-gpu (a model dispatched
-#   over two GPUs; runs only where torch.cuda.device_count() > 1; tiny models,
-#   at most 64 MiB of VRAM budget per GPU), kvserver (a
+#   cuda:0, per-GPU options as lists of one; generate() and continuous
+#   batching), hf-multi-gpu (a model dispatched over two GPUs, generate() and
+#   continuous batching with one paged-cache extent per GPU; runs only where
+#   torch.cuda.device_count() > 1; tiny models, at most 64 MiB of VRAM budget
+#   per GPU), kvserver (a
 #   kv-server with a client process on the GPU: pool chunks registered, a hit
 #   loaded into VRAM, identical tokens; under a minute), reuse (TTFT of a
 #   prefix hit vs a full prefill up to 32K tokens on an 8B-shaped model, load
@@ -119,8 +121,8 @@ STEPS=(
   "ceilings|40|$BENCH --only ceilings --time-budget \$STEP_BUDGET"
   "allocation|35|$BENCH --only allocation --time-budget \$STEP_BUDGET"
   "pytest-gpu|170|$PY -m pytest -m gpu -q -ra --timeout=60 -p no:cacheprovider --junitxml=$RES/pytest.xml --ignore=tests/kvstore --ignore=tests/hf/test_hf_multigpu_gpu.py tests; rc=\$?; if [ \$rc -eq 5 ]; then echo 'no GPU-marked tests collected'; exit 0; fi; exit \$rc"
-  "hf-per-gpu|40|$PY -m pytest -m gpu -q -ra --timeout=35 -p no:cacheprovider --junitxml=$RES/pytest-hf-per-gpu.xml tests/hf/test_hf_multigpu_gpu.py -k one_gpu"
-  "hf-multi-gpu|40|n=\$($PY -c 'import torch; print(torch.cuda.device_count())'); if [ \"\$n\" -gt 1 ] 2>/dev/null; then $PY -m pytest -m gpu -q -ra --timeout=35 -p no:cacheprovider --junitxml=$RES/pytest-hf-multi-gpu.xml tests/hf/test_hf_multigpu_gpu.py -k several_gpus; else echo \"torch.cuda.device_count() = \$n: the multi-GPU step runs only with 2 or more GPUs\"; fi"
+  "hf-per-gpu|60|$PY -m pytest -m gpu -q -ra --timeout=35 -p no:cacheprovider --junitxml=$RES/pytest-hf-per-gpu.xml tests/hf/test_hf_multigpu_gpu.py -k one_gpu"
+  "hf-multi-gpu|60|n=\$($PY -c 'import torch; print(torch.cuda.device_count())'); if [ \"\$n\" -gt 1 ] 2>/dev/null; then $PY -m pytest -m gpu -q -ra --timeout=35 -p no:cacheprovider --junitxml=$RES/pytest-hf-multi-gpu.xml tests/hf/test_hf_multigpu_gpu.py -k several_gpus; else echo \"torch.cuda.device_count() = \$n: the multi-GPU step runs only with 2 or more GPUs\"; fi"
   "kvserver|60|$PY -c 'import msgpack' || { echo 'msgpack is missing on this machine: carry its wheel in .whl/ (see the header)'; exit 1; }; $PY -m pytest -m gpu -q -ra --timeout=50 -p no:cacheprovider --junitxml=$RES/pytest-kvserver.xml tests/kvstore/test_kv_gpu.py"
   "reuse|90|$BENCH --only reuse --time-budget \$STEP_BUDGET"
   "lmcache|45|$PY -c 'import lmcache, msgpack' 2>/dev/null || { echo 'lmcache (or msgpack) is not installed on this machine: the plugin step did not run (pip install .[lmcache] from the clone where a network is reachable; the vllm step installs vLLM)'; exit 0; }; $PY -m pytest -m gpu -q -ra -s --timeout=40 -p no:cacheprovider --junitxml=$RES/pytest-lmcache.xml tests/kvstore/engines/test_lmcache_gpu.py"

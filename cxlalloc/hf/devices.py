@@ -29,6 +29,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from cxlalloc.allocator import sum_stats  # noqa: F401  (re-exported: stats summed over GPUs)
+
 class TensorParallelWarning(UserWarning):
     """A model sharded by transformers' tensor-parallel plan (``tp_plan``): its weight shards stay where
     torch.distributed put them (said once per wrap())."""
@@ -49,8 +51,6 @@ def tp_size(model) -> int:
 
 
 PER_GPU_OPTIONS = ("device_limit", "kv_device_limit", "host_limit", "numa_node")
-# Keys of Allocator.stats() that name something (a device, a node): listed per GPU in totals, not summed.
-_NAME_KEYS = ("device", "numa_node", "backend", "method")
 
 
 @dataclasses.dataclass
@@ -229,22 +229,4 @@ def per_gpu_options(options: dict, gpus: List[int]) -> Dict[int, dict]:
         else:
             for g in gpus:
                 out[g][name] = value
-    return out
-
-
-def sum_stats(per_gpu: List[dict]) -> dict:
-    """Totals of several :meth:`cxlalloc.Allocator.stats` dicts: numbers summed
-    (peaks: the sum of each GPU's peak), names (``device``, ``numa_node``,
-    ``backend``, ``method``) listed per GPU, in order."""
-    out = {}
-    for key in per_gpu[0]:
-        vals = [d.get(key) for d in per_gpu]
-        if all(isinstance(v, dict) for v in vals):
-            out[key] = sum_stats(vals)
-        elif key in _NAME_KEYS:
-            out[key] = vals
-        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
-            out[key] = sum(vals)
-        else:
-            out[key] = vals[0] if all(v == vals[0] for v in vals) else vals
     return out

@@ -222,16 +222,31 @@ PARALLEL = ("tp", "pp")
 
 
 def check_gpus(value) -> int:
-    """``--gpus``: a whole number >= 1 (an int, or a string of digits).
+    """``--gpus``: a whole number >= 1: an int, a float with no fraction
+    (``2.0``), or a string of either (``"2"``, ``"2.0"``), as the command line
+    and :func:`plan` both take it.
 
     Raises:
-        ValueError: anything else, naming ``--gpus`` and its allowed values.
+        ValueError: anything else (a fraction, a bool, a non-number, < 1),
+            naming ``--gpus`` and its allowed values.
     """
-    ok = (isinstance(value, int) and not isinstance(value, bool)) or \
-        (isinstance(value, str) and value.strip().isascii() and value.strip().isdigit())
-    if not ok or int(value) < 1:
+    n = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, (float, str)) and not isinstance(value, bool):
+        text = value.strip() if isinstance(value, str) else None
+        if text is not None and text.isascii() and text.isdigit():
+            n = int(text)
+        else:
+            try:
+                f = float(value)
+            except ValueError:
+                f = None
+            if f is not None and math.isfinite(f) and f.is_integer():
+                n = int(f)
+    if n is None or n < 1:
         raise ValueError(f"--gpus takes a whole number of GPUs >= 1 (1, 2, 4, 8, ...), got {value!r}")
-    return int(value)
+    return n
 
 
 def _tp_heads(layout: Layout, g: int) -> Tuple[int, float]:
@@ -374,6 +389,10 @@ def plan(inputs, **options) -> Dict[str, Any]:
     gpus = None if p.gpus is None else check_gpus(p.gpus)
     if p.parallel not in PARALLEL:
         raise ValueError(f"--parallel must be one of {', '.join(PARALLEL)}, got {p.parallel!r}")
+    if gpus is None and p.parallel == "pp":
+        raise ValueError("--parallel pp needs --gpus N (the GPUs the layers are split over, allowed: 1 up to the "
+                         "model's layers); without --gpus the plan picks the smallest of 1, 2, 4, 8 GPUs that holds "
+                         "the weights, with tensor-parallel figures")
     if gpus is not None and from_info is not None and from_info["gpus"] and gpus > from_info["gpus"]:
         raise ValueError(f"--gpus {gpus}: the --info record lists {from_info['gpus']} GPU(s) (allowed: 1.."
                          f"{from_info['gpus']}, or leave out --info)")

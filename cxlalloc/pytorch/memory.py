@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from cxlalloc.allocator import sum_stats
 from cxlalloc.pytorch.devices import current_device
 from cxlalloc.pytorch.modes import mode
 from cxlalloc.pytorch.state import require_enabled
@@ -19,7 +20,12 @@ def stats(device=None) -> dict:
     ``other`` classes per tier, ``spilled_bytes``, ``demoted_bytes``,
     ``promoted_bytes``, ..., ``torch``: the device tier in
     ``torch.cuda.memory_stats()`` keys) plus ``mode``, ``numa_node_reason``
-    and, in scoped mode, ``spill_reserved_bytes``.
+    and, in scoped mode, ``spill_reserved_bytes``.  When cxlalloc serves
+    several GPUs, also ``gpus`` (``{"cuda:i": that GPU's stats}`` for every
+    served GPU whose allocator exists, i.e. that allocated once; ``device``
+    always among them) and ``total`` (their sum:
+    :func:`cxlalloc.allocator.sum_stats`, numbers summed, names such as
+    ``device`` and ``numa_node`` listed per GPU).
 
     Raises:
         RuntimeError: cxlalloc is not enabled.
@@ -35,6 +41,14 @@ def stats(device=None) -> dict:
     out["numa_node_reason"] = st.devices[d].get("node_reason", "")
     if st.mode == "scoped":
         out["spill_reserved_bytes"] = st.spill_reserved.get(d, 0)
+    if len(st.devices) > 1:
+        per = {}
+        for g in sorted(st.devices):
+            a = st.engine.device(d) if g == d else st.engine.existing(g)  # never starts another GPU's allocator
+            if a is not None:
+                per[f"cuda:{g}"] = dict(a.stats())
+        out["gpus"] = per
+        out["total"] = sum_stats(list(per.values()))
     return out
 
 

@@ -16,7 +16,7 @@ Benchmarks (``--only ceilings,allocation,decode,rightsizing``; default all):
                grid a CPU cannot run is refused, exit status 2)
   rightsizing  GPU: largest batch and tokens/s at a fixed budget (:mod:`.rightsizing`)
 
-Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, ``--only kvscale``, ``--only cb``, ``--only kvspeed``,
+Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, ``--only lmcache_get``, ``--only kvscale``, ``--only kvfair``, ``--only cb``, ``--only kvspeed``,
 ``--only cluster``, ``--only engines``, ``--only serve``):
 
   reuse        TTFT of a KV prefix hit vs a full prefill as the prefix grows, load
@@ -27,9 +27,16 @@ Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, 
   kvscale      the kv-server at 10^4/10^5/10^6 blocks: lookup latency, the stall
                a disconnect causes to other clients, index bytes per block
                (:mod:`.kvscale`; CPU)
+  kvfair       fair service: another client's lookup p50/p99 quiet, beside a CPU-only
+               control and beside a client looping 65,536-key requests (arms
+               interleaved, ratios per round), and the lock held by a 65,536-pin
+               client's disconnect (:mod:`.kvfair`; CPU)
   lmcache      LMCache with cxlalloc:// vs its local CPU backend and its redis://
                connector: store/get GB/s and lookups/s, 256 KiB-16 MiB chunks
                (:mod:`.lmcache`; CPU; needs scripts/install_lmcache.sh)
+  lmcache_get  cxlalloc:// get and retrieve vs LMCache's local CPU backend on the
+               benchmark method (1/4/16 MiB chunks, arms rotated, ratios per round,
+               the goal's verdict) and where a retrieve's time goes (:mod:`.lmcache_get`; CPU)
   cb           continuous batching: a Zipf stream of RAG questions and chats over
                long documents under a device budget below the batch's KV, plain
                vs wrapped vs wrapped + KV store, and the no-spill overhead

@@ -1,5 +1,5 @@
 """The processes and helpers the kv-server benchmarks share (:mod:`.kvserver`,
-:mod:`.kvspeed`, :mod:`.kvscale`, :mod:`.lmcache`): a ``cxlalloc kv-server``
+:mod:`.kvspeed_store`, :mod:`.kvscale`, :mod:`.lmcache`): a ``cxlalloc kv-server``
 and a local ``redis-server`` as child processes, a child whose output goes to
 a file, the block keys and contents every client derives, percentiles, and
 running a benchmark's parts in one temporary folder within the time budget.

@@ -47,7 +47,7 @@ from cxlalloc import _C, topology
 
 SCHEMA = "cxlalloc-bench/1"
 BENCHMARKS = ("ceilings", "allocation", "decode", "rightsizing")
-OPT_IN = ("reuse", "kvserver", "lmcache", "kvscale", "cb", "kvspeed", "cluster", "engines", "serve")  # run only when named (--only reuse,kvserver,...): minutes of CPU each
+OPT_IN = ("reuse", "kvserver", "lmcache", "lmcache_get", "kvscale", "kvfair", "cb", "kvspeed", "cluster", "engines", "serve")  # run only when named (--only reuse,kvserver,...): minutes of CPU each
 STATUSES = ("ok", "partial", "skipped", "error")
 REQUIRED_FIELDS = ("schema", "benchmark", "status", "simulated", "date_utc", "duration_s", "command", "argv",
                    "parameters", "hardware", "software", "results", "skipped", "errors", "notes")

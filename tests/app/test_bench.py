@@ -683,6 +683,25 @@ def test_lmcache_bench_chunk_shapes_have_the_sizes_it_reports():
     assert "lmcache" in meta.OPT_IN
 
 
+def test_kvfair_runs_only_when_named_and_its_record_interleaves_arms_and_plots(tmp_path):
+    from cxlalloc_apps.bench import kvfair
+
+    assert "kvfair" in meta.OPT_IN and "kvfair" not in meta.BENCHMARKS
+    with open(os.path.join(meta.REPO_ROOT, "benchmarks/results/kvfair-cpu-2026-12-03/kvfair.json")) as f:
+        rec = json.load(f)
+    assert meta.validate_record(rec) == []
+    fair = next(r for r in rec["results"] if r["part"] == "fair")
+    assert fair["rounds"] >= 5 and set(fair["p99_ms"]) == set(kvfair.ARMS)
+    assert all(len(v) == fair["rounds"] for v in fair["p99_ms"].values())
+    assert [o[0] for o in fair["orders"][:3]] != [fair["orders"][0][0]] * 3  # rotated, not always one arm first
+    assert {"attacker/quiet", "attacker/control"} <= set(fair["p99_ratio"])
+    disc = next(r for r in rec["results"] if r["part"] == "disconnect")
+    assert all(d["pins"] == 65536 and d["blocks"] == 65536 for d in disc["reps"])
+    out = tmp_path / "kvfair.png"
+    kvfair.plot(rec, str(out))
+    assert out.stat().st_size > 10_000
+
+
 def test_kvscale_runs_only_when_named_and_its_record_plots(tmp_path):
     from cxlalloc_apps.bench import kvscale
 
@@ -782,6 +801,20 @@ def test_kvspeed_is_opt_in_and_plots_its_ratios(tmp_path):
     assert ks.plot({"results": rec["results"][-2:]}, str(tmp_path / "chat-prefix.png"))  # --parts chat,prefix
 
 
+def test_kvspeed_insert_table_is_generated_from_the_record():
+    """benchmarks/README.md's insert table is kvspeed.insert_markdown(record): its figures are the record's."""
+    from cxlalloc_apps.bench import kvspeed as ks
+
+    path = os.path.join(ROOT, "benchmarks", "results", "kvspeed-insert-cpu-2026-12-03", "kvspeed.json")
+    with open(path) as f:
+        rec = json.load(f)
+    table = ks.insert_markdown(rec)
+    assert "| 64 x 64 KiB (memcpy 0.497 ms, insert 1.977 ms a batch) | **0.297x** (IQR 0.198-0.316, n=25) (≥ 0.6) |" \
+        in table
+    assert table.count("\n") == 4 and "| missed |" in table and "| within noise |" in table
+    assert ks.insert_markdown({"results": [r for r in rec["results"] if r.get("part") != "insert"]}) == ""
+
+
 def test_engines_runs_only_when_named_and_says_why_it_skips(tmp_path):
     """``bench --only engines`` (vLLM's TTFT, four arms) without the engine venv: a skipped record naming
     scripts/install_engines.sh, never a silent nothing."""
@@ -803,3 +836,34 @@ def test_engines_runs_only_when_named_and_says_why_it_skips(tmp_path):
     assert {r["arm"] for r in reqs} == {"no_cache", "vllm_prefix_cache", "lmcache_local_cpu", "cxlalloc"}
     assert all(r["cached_tokens"] == (0 if r["arm"] == "no_cache" else 1280) for r in reqs)
     assert len({r["round"] for r in reqs}) >= 5
+
+
+def test_lmcache_get_record_table_and_plot_from_per_round_ratios(tmp_path):
+    """bench --only lmcache_get: the README table comes from the method's per-round ratios (a retrieve at half the
+    local CPU backend's rate in every round is 0.5x and misses the 0.8x goal), and the record plots."""
+    from cxlalloc_apps.bench import lmcache_get as lg
+    from cxlalloc_apps.bench.method import Comparison, goal_record
+
+    assert "lmcache_get" in meta.OPT_IN and "lmcache_get" not in meta.BENCHMARKS
+    rows = []
+    for nbytes, fast in ((1 << 20, 1.0), (16 << 20, 2.0)):
+        samples = {"local_cpu_get": [200.0] * 5, "cxlalloc_get": [1.0 * fast] * 5,
+                   "local_cpu_retrieve": [2.0 * fast, 2.0 * fast, 4.0 * fast, 2.0 * fast, 2.0 * fast],
+                   "cxlalloc_retrieve": [1.0 * fast, 1.0 * fast, 2.0 * fast, 1.0 * fast, 1.0 * fast],
+                   "memcpy": [2.0 * fast] * 5}
+        cmp = Comparison(list(lg.ARMS), samples, [list(lg.ARMS)] * 5, "rotate", 1, {"loadavg_1m": 1.5},
+                         {"loadavg_1m": 2.0})
+        stages = {"lookup_rpc": 0.1, "copy_pool_to_memobj": 1.0, "xxh3_of_the_copy": 0.1, "other": 0.3,
+                  "copy_out": 1.0, "get": 1.5, "retrieve": 2.5}
+        rows.append({"kind": "comparison", "chunk_bytes": nbytes, "comparison": cmp.as_dict(lg.RATIOS),
+                     "noise_floor_ratio": {"q1": 0.97, "q3": 1.03},
+                     "goal": goal_record("retrieve", cmp.ratio("cxlalloc_retrieve", "local_cpu_retrieve"), lg.GOAL,
+                                         "higher"),
+                     "breakdown": {**{f"{k}_ms_per_chunk": v for k, v in stages.items()},
+                                   "xxh3_share_of_retrieve": 0.04}})
+    rec = {"parameters": {"lmcache": "0.5.6"}, "results": rows}
+    table = lg.markdown(rec)
+    assert "| 1 MiB | 200.0 / 2.00 | 1.00 / 1.00 | 2.00 | 0.0050x | **0.500x** (0.500-0.500) | missed |" in table
+    assert "| 16 MiB |" in table and "| 4 % | 1.5 / 2.0 |" in table and lg.markdown({"results": []}) == ""
+    out = lg.plot(rec, str(tmp_path / "lmcache_get.png"))
+    assert out and os.path.getsize(out) > 10_000 and lg.plot({"results": []}, str(tmp_path / "x.png")) is None

@@ -220,26 +220,169 @@ def test_options_per_gpu_on_one_device_as_a_list_of_one(fresh_sim):
     hf.unwrap(m)
 
 
-def test_continuous_batching_on_a_spread_model_says_once_it_is_not_tiered(two_gpus):
+CB_PAGE = 16
+
+
+def cb_prompts(n, base=120, step=13, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (base + step * i,), generator=g).tolist() for i in range(n)]
+
+
+def greedy_tokens(model, ps, n):
+    """The unwrapped model's greedy generate(), one prompt at a time: the new tokens of each."""
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               pad_token_id=0)[0, len(p):].tolist() for p in ps]
+
+
+def generate_batch(model, ps, n, **cfg):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+    cfg.setdefault("page_size", CB_PAGE)
+    cfg.setdefault("max_batch_tokens", 256)
+    gcfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    out = model.generate_batch(ps, generation_config=gcfg, continuous_batching_config=ContinuousBatchingConfig(**cfg))
+    return [o.generated_tokens for o in out.values()]
+
+
+def test_continuous_batching_on_two_gpus_spills_on_both_gpus_tiers(two_gpus):
+    """generate_batch on a model whose layers sit on 2 GPUs: one paged-cache extent per GPU (its layers' pages of
+    every block) in that GPU's allocator, spilling to that GPU's host tier; the tokens are the unwrapped model's."""
     from cxlalloc.hf.paged import ContinuousBatchingWarning
 
     m = wide_llama()
+    ps = cb_prompts(4)
+    ref = greedy_tokens(m, ps, 8)
+    dm = dispatch(m, 2)
+    assert [dm[f"model.layers.{i}"] for i in range(4)] == [0, 0, 1, 1], dm
+    fp = per_gpu_footprint(m)
+    # Each GPU's budget: its weights + one chunk of KV; 96 blocks are 6 MiB of KV per GPU (2 layers x 32 KiB pages)
+    hf.wrap(m, device_limit=[fp["cuda:0"] + CHUNK, fp["cuda:1"] + CHUNK], host_limit="64MiB", device_headroom=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ContinuousBatchingWarning)  # tiered on both GPUs: nothing to say
+        assert generate_batch(m, ps, 8, num_blocks=96) == ref
+    s = hf.stats(m)
+    cb = s["hf"]["continuous_batching"]
+    assert cb["tiered"] is True and cb["untiered_reason"] is None
+    cache, c = cb["cache"], cb["counters"]
+    page = 2 * 8 * 32 * 4 * CB_PAGE  # K and V, 8 heads x 32 dims, fp32
+    assert cache["block_bytes"] == 4 * page and cache["num_blocks"] == 96
+    gpus = cache["gpus"]
+    assert sorted(gpus) == ["cuda:0", "cuda:1"]
+    for g, layers in (("cuda:0", [0, 1]), ("cuda:1", [2, 3])):
+        d = gpus[g]
+        assert d["layers"] == layers and d["block_bytes"] == 2 * page
+        # Real bytes per GPU and tier: one chunk of that GPU's VRAM, the rest on that GPU's host tier
+        assert c["per_gpu"][g] == {"peak_kv_device_bytes": CHUNK, "peak_kv_host_bytes": CHUNK}, (g, c["per_gpu"])
+        a = s["gpus"][g]["kv"]
+        assert a["peak_device_bytes"] == CHUNK and a["peak_host_bytes"] >= CHUNK, (g, a)
+    # Totals are the sums over GPUs
+    assert c["peak_kv_device_bytes"] == 2 * CHUNK and c["peak_kv_host_bytes"] == 2 * CHUNK
+    assert cache["kv_device_bytes"] == sum(gpus[g]["kv_device_bytes"] for g in gpus)
+    assert cache["committed_bytes"] == sum(gpus[g]["committed_bytes"] for g in gpus) == c["peak_committed_bytes"]
+    assert c["promoted_bytes"] > 0 and c["placement_failures"] == 0
+    hf.unwrap(m)
+
+
+def test_continuous_batching_on_four_gpus_keeps_each_gpus_kv_on_its_host_tier(four_gpus):
+    m = wide_llama(layers=8)
+    ps = cb_prompts(3, base=100, step=7, seed=1)
+    ref = greedy_tokens(m, ps, 6)
+    dm = dispatch(m, 4)
+    layers = {g: [i for i in range(8) if dm[f"model.layers.{i}"] == g] for g in range(4)}
+    assert all(layers.values()), dm
+    fp = per_gpu_footprint(m)
+    # Each GPU's budget: its weights alone, so every GPU's paged cache is on its own host tier
+    hf.wrap(m, device_limit={g: fp[f"cuda:{g}"] for g in range(4)}, host_limit="64MiB", device_headroom=0)
+    assert generate_batch(m, ps, 6, num_blocks=64) == ref
+    s = hf.stats(m)
+    cb = s["hf"]["continuous_batching"]
+    per = cb["counters"]["per_gpu"]
+    assert sorted(per) == [f"cuda:{g}" for g in range(4)]
+    for g in range(4):
+        committed = cb["cache"]["gpus"][f"cuda:{g}"]["committed_bytes"]  # all of it on that GPU's host tier
+        assert per[f"cuda:{g}"] == {"peak_kv_device_bytes": 0, "peak_kv_host_bytes": committed}, per
+        assert committed >= CHUNK and s["gpus"][f"cuda:{g}"]["kv"]["peak_host_bytes"] >= committed
+        assert s["gpus"][f"cuda:{g}"]["kv"]["peak_device_bytes"] == 0
+        assert cb["cache"]["gpus"][f"cuda:{g}"]["layers"] == layers[g]
+        assert cb["cache"]["gpus"][f"cuda:{g}"]["block_bytes"] == len(layers[g]) * 2 * 8 * 32 * 4 * CB_PAGE
+    assert cb["counters"]["peak_kv_host_bytes"] == cb["cache"]["committed_bytes"]
+    assert cb["counters"]["peak_kv_device_bytes"] == 0
+    hf.unwrap(m)
+
+
+def test_paged_rows_split_over_gpus_match_the_full_layout():
+    """gpu_parts on its own: a full-layout paged tensor (3 layers, pages of K then V rows) split over 2 GPUs
+    with non-contiguous layers ([0, 2] and [1]): every layer's row w of the full layout's shifted views is row
+    local_rows(w) of its GPU's; whole blocks read and written through StripedBlocks are the full layout's bytes."""
+    from cxlalloc.hf.paged.gpu_parts import GpuPart, StripedBlocks, local_pages, local_rows
+
+    L, P, H, D, blocks = 3, 4, 2, 3, 6
+    R = 2 * L * P  # rows per block
+    full = torch.randn(blocks * R, H, D)
+    page_bytes = 2 * P * H * D * 4
+    parts = []
+    for g, layers in ((0, [0, 2]), (1, [1])):
+        rows = torch.cat([full.view(blocks, L, 2 * P, H, D)[:, i] for i in layers], dim=1).reshape(-1, H, D)
+        t = rows.contiguous().view(-1).view(torch.uint8)
+        parts.append(GpuPart(gpu=g, allocator=None, layers=layers, bytes_per_sector=0, block_bytes=len(layers) *
+                             page_bytes, rows_per_block=2 * len(layers) * P, tensor=t,
+                             copy_view=t.view(-1, len(layers) * page_bytes)))
+    w = torch.tensor([0, 1, P - 1, R, R + 2, 3 * R + P - 1, 5 * R])
+    for part in parts:
+        flat = part.tensor.view(torch.float32).view(-1, H, D)
+        local = local_rows(w, R, part.rows_per_block)
+        for j, layer in enumerate(part.layers):
+            for shift in (2 * P * layer, 2 * P * layer + P):  # the layer's K view, then its V view
+                local_shift = shift - 2 * P * layer + 2 * P * j
+                assert torch.equal(flat[local_shift + local], full[shift + w]), (part.gpu, layer, shift)
+    assert local_pages(torch.tensor([-1, 0, 2 * L, 5 * 2 * L]), 2 * L, 2).tolist() == [-1, 0, 2, 10]
+    sb = StripedBlocks(parts, L, page_bytes, "cpu")
+    ids = torch.tensor([4, 1])
+    got = sb.index_select(0, ids)
+    want = full.view(blocks, -1)[ids].contiguous().view(torch.uint8).view(2, -1)
+    assert torch.equal(got, want)
+    sb.index_copy_(0, torch.tensor([0, 5]), got)  # blocks 4 and 1 copied into blocks 0 and 5
+    assert torch.equal(sb.index_select(0, torch.tensor([0, 5])), want)
+    assert torch.equal(sb.index_select(0, torch.tensor([2, 3])),
+                       full.view(blocks, -1)[2:4].contiguous().view(torch.uint8).view(2, -1))  # the others untouched
+
+
+def test_continuous_batching_on_two_gpus_preempts_into_the_swap_pool(two_gpus):
+    """A cache too small for every request on a model split over 2 GPUs: requests are preempted into the swap pool
+    (whole blocks gathered from both GPUs' extents) and restored (scattered back); tokens unchanged."""
+    m = wide_llama()
+    ps = cb_prompts(3, base=60, step=5, seed=2)
+    ref = greedy_tokens(m, ps, 60)
+    dispatch(m, 2)
+    hf.wrap(m, device_limit=["64MiB", "64MiB"], host_limit="64MiB")
+    assert generate_batch(m, ps, 60, num_blocks=16, cpu_offload_space=4 * MiB / (1 << 30)) == ref
+    cb = hf.stats(m)["hf"]["continuous_batching"]
+    c = cb["counters"]
+    assert cb["swap_pool"]["enabled"] and cb["swap_pool"]["bytes"] == 4 * MiB
+    assert c["preemptions"] > 0 and c["swapped_requests"] == c["preemptions"] and c["reprefilled_requests"] == 0, c
+    hf.unwrap(m)
+
+
+def test_continuous_batching_of_a_spread_sliding_window_model_says_once_it_is_not_tiered(two_gpus):
+    from tests.helpers.hf_util import tiny_qwen2_sliding
+
+    from cxlalloc.hf.paged import ContinuousBatchingWarning
+
+    m = tiny_qwen2_sliding()
     dispatch(m, 2)
     hf.wrap(m, device_limit="64MiB", host_limit="64MiB")
-    gcfg = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
     ps = [[5, 6, 7, 8], [9, 10, 11]]
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for _ in range(2):
-            m.generate_batch(ps, generation_config=gcfg,
-                             continuous_batching_config=ContinuousBatchingConfig(page_size=16, num_blocks=16))
+            generate_batch(m, ps, 4, num_blocks=16)
     said = [x for x in w if issubclass(x.category, ContinuousBatchingWarning)]
     assert len(said) == 1 and "spread over GPUs ['cuda:0', 'cuda:1']" in str(said[0].message)
     cb = hf.stats(m)["hf"]["continuous_batching"]
-    assert cb["tiered"] is False and "not yet one per GPU" in cb["untiered_reason"]
+    assert cb["tiered"] is False and "full-attention models only" in cb["untiered_reason"]
+    assert "sliding_attention" in cb["untiered_reason"]
     hf.unwrap(m)
 
 
@@ -279,6 +422,47 @@ def test_store_blocks_are_keyed_independently_of_the_device_map(two_gpus, tmp_pa
         assert run(two, second, refs[1]) == 48  # hit by the 2-GPU model, loaded into both GPUs' layers
         s = hf.stats(two)
         assert all(s["gpus"][gpu]["kv"]["peak_device_bytes"] > 0 for gpu in ("cuda:0", "cuda:1"))
+        hf.unwrap(two)
+        hf.unwrap(one)
+    finally:
+        server.stop(0.5)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_continuous_batching_store_blocks_cross_from_two_gpus_to_one_and_back(two_gpus, tmp_path):
+    """A prefix stored by generate_batch on a model split over 2 GPUs is hit by generate_batch on a 1-GPU wrap of
+    the same weights (a kv-server pool: what two processes share), and the reverse: the stored blocks are in the
+    full layout's bytes whatever the device map (each GPU's pages gathered on store, scattered on load)."""
+    import os
+    import shutil
+    import tempfile
+
+    from cxlalloc.kvstore.server import KVServer
+
+    d = tempfile.mkdtemp(prefix="kvcb-", dir="/tmp")
+    server = KVServer(32 * MiB, 0, os.path.join(d, "kv.sock"), chunk_bytes=4 * MiB).start()
+    try:
+        url = "unix://" + server.socket_path
+        g = torch.Generator().manual_seed(5)
+        first, second = ([torch.randint(3, 256, (49,), generator=g).tolist()] for _ in range(2))  # 3 blocks + 1
+        plain = wide_llama()
+        refs = [greedy_tokens(plain, p, 5) for p in (first, second)]
+        two, one = wide_llama(), wide_llama()  # the same weights (seeded)
+        dispatch(two, 2)
+        hf.wrap(two, device_limit=["64MiB", "64MiB"], host_limit="64MiB", kv_store=url)
+        hf.wrap(one, device_limit="64MiB", host_limit="64MiB", kv_store=url)
+
+        def run(model, ps, ref):
+            assert generate_batch(model, ps, 5, num_blocks=16) == ref
+            return hf.stats(model)["hf"]["continuous_batching"]["counters"]
+
+        assert run(two, first, refs[0])["stored_blocks"] == 3  # stored by the 2-GPU model
+        c = run(one, first, refs[0])
+        assert c["store_hit_tokens"] == 48 and c["store_hit_blocks"] == 3  # hit by the 1-GPU model
+        assert run(one, second, refs[1])["stored_blocks"] >= 3  # stored by the 1-GPU model
+        c = run(two, second, refs[1])
+        assert c["store_hit_tokens"] == 48 and c["reprefills_avoided"] == 1  # loaded into both GPUs' extents
+        assert hf.stats(two)["hf"]["continuous_batching"]["cache"]["gpus"]["cuda:1"]["layers"] == [2, 3]
         hf.unwrap(two)
         hf.unwrap(one)
     finally:

@@ -85,3 +85,67 @@ def test_layers_on_several_gpus():
     hf.unwrap(m)
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def _cb_prompts(n=4, base=200, step=13):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 256, (base + step * i,), generator=g).tolist() for i in range(n)]
+
+
+def _greedy(model, ps, n, device):
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p], device=device), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               pad_token_id=0)[0, len(p):].tolist() for p in ps]
+
+
+def _generate_batch(model, ps, n):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gcfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cfg = ContinuousBatchingConfig(page_size=16, num_blocks=128, max_batch_tokens=256)
+    out = model.generate_batch(ps, generation_config=gcfg, continuous_batching_config=cfg)
+    return [o.generated_tokens for o in out.values()]
+
+
+def test_continuous_batching_per_gpu_path_on_one_gpu():
+    """generate_batch on a model dispatched onto cuda:0, per-GPU options as lists of one: its paged cache past a
+    2 MiB KV budget on the host tier, tokens those of the unwrapped model's greedy generate()."""
+    from accelerate import dispatch_model
+
+    m = dispatch_model(_model(), device_map={"": 0})
+    ps = _cb_prompts()
+    ref = _greedy(m, ps, 8, "cuda:0")
+    hf.wrap(m, device_limit=["64MiB"], kv_device_limit=["2MiB"], host_limit={"cuda:0": "256MiB"})
+    assert _generate_batch(m, ps, 8) == ref
+    cb = hf.stats(m)["hf"]["continuous_batching"]
+    assert cb["tiered"] is True
+    assert cb["counters"]["peak_kv_host_bytes"] > 0 and 0 < cb["counters"]["peak_kv_device_bytes"] <= 2 * MiB
+    hf.unwrap(m)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_continuous_batching_on_several_gpus():
+    """generate_batch on a model dispatched over 2 GPUs: one paged-cache extent per GPU, each spilling to its
+    own host tier past a 2 MiB KV budget; tokens those of the unwrapped model's greedy generate()."""
+    from accelerate import dispatch_model
+
+    from tests.helpers.sim_dispatch import accelerate_device_map
+
+    m = _model()
+    dm = accelerate_device_map(m, 2)
+    m = dispatch_model(m, device_map=dm)
+    ps = _cb_prompts()
+    ref = _greedy(m, ps, 8, "cuda:0")
+    hf.wrap(m, device_limit=["64MiB", "64MiB"], kv_device_limit=["2MiB", "2MiB"], host_limit="256MiB")
+    assert _generate_batch(m, ps, 8) == ref
+    cb = hf.stats(m)["hf"]["continuous_batching"]
+    assert cb["tiered"] is True and sorted(cb["cache"]["gpus"]) == ["cuda:0", "cuda:1"]
+    for g in ("cuda:0", "cuda:1"):
+        peak = cb["counters"]["per_gpu"][g]
+        assert peak["peak_kv_host_bytes"] > 0 and 0 < peak["peak_kv_device_bytes"] <= 2 * MiB, (g, peak)
+    hf.unwrap(m)
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -295,6 +295,37 @@ def test_plan_function_rejects_bad_gpus(gpus):
         plan_fn(resolve_model("llama-3.1-8b"), gpus=gpus)
 
 
+def test_plan_function_takes_gpus_as_the_command_line_does():
+    """gpus=2.0 is 2, as "2" is (and "2.0"): a whole number in any spelling; a fraction is refused either way."""
+    from cxlalloc.plan import plan as plan_fn
+    from cxlalloc.plan.cli import resolve_model
+
+    model = resolve_model("llama-3.1-70b")
+    kw = dict(context=8192, users=4, tpot_slo_ms=None, parallel="pp")
+    two = plan_fn(model, gpus=2, **kw)
+    for spelt in (2.0, "2", "2.0"):
+        r = plan_fn(model, gpus=spelt, **kw)
+        assert r["parallel"] == two["parallel"] and r["per_gpu"] == two["per_gpu"], spelt
+    for bad in (2.5, "2.5", float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"^--gpus takes a whole number of GPUs >= 1 \(1, 2, 4, 8, ...\), got "):
+            plan_fn(model, gpus=bad, **kw)
+    r = plan("--model", "llama-3.1-70b", "--no-records", "--gpus", "2.0", "--parallel", "pp", "--json")
+    assert r.returncode == 0, r.stderr
+
+
+def test_parallel_pp_without_gpus_is_refused_naming_gpus():
+    from cxlalloc.plan import plan as plan_fn
+    from cxlalloc.plan.cli import resolve_model
+
+    p = plan("--model", "llama-3.1-8b", "--no-records", "--parallel", "pp")
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--parallel pp needs --gpus N" in lines[0], p.stderr
+    with pytest.raises(ValueError, match=r"^--parallel pp needs --gpus N"):
+        plan_fn(resolve_model("llama-3.1-8b"), parallel="pp")
+    assert plan("--model", "llama-3.1-8b", "--no-records", "--parallel", "tp").returncode == 0  # the default
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--gpus", "0"], "--gpus takes a whole number of GPUs >= 1 (1, 2, 4, 8, ...), got '0'"),
     (["--gpus=-1"], "--gpus takes a whole number of GPUs >= 1 (1, 2, 4, 8, ...), got '-1'"),

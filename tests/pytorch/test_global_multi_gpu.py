@@ -230,6 +230,25 @@ def test_a_failed_peer_grant_is_an_error_and_a_retry_grants_again(two_gpu_global
         c.cxlalloc_empty_cache()
 
 
+def test_stats_gives_each_gpu_and_the_total(two_gpu_global, streams):
+    c = _capi()
+    s = streams.new()
+    a = c.cxlalloc_malloc(8 * MiB, 0, s)
+    b = c.cxlalloc_malloc(6 * MiB, 1, s)
+    spill = c.cxlalloc_malloc(30 * MiB, 1, s)  # past GPU 1's 32 MiB: on its host tier
+    st = cxlalloc.stats(0)
+    assert sorted(st["gpus"]) == ["cuda:0", "cuda:1"]
+    s0, s1 = st["gpus"]["cuda:0"], st["gpus"]["cuda:1"]
+    assert s0["device"]["allocated_bytes"] == 8 * MiB and s1["device"]["allocated_bytes"] == 6 * MiB
+    total = st["total"]
+    assert total["device"]["allocated_bytes"] == 14 * MiB
+    assert s1["host"]["allocated_bytes"] == 30 * MiB and total["host"]["allocated_bytes"] == 30 * MiB
+    assert total["device"]["limit_bytes"] == 96 * MiB and total["device"]["device"] == [0, 1]
+    assert cxlalloc.stats(1)["total"] == total  # the same total whichever GPU is asked
+    for p, n, g in ((a, 8, 0), (b, 6, 1), (spill, 30, 1)):
+        c.cxlalloc_free(p, n * MiB, g, s)
+
+
 def test_set_device_switches_what_stats_and_the_summary_show(two_gpu_global, streams, monkeypatch):
     import torch
 

@@ -46,15 +46,23 @@ cxlalloc (:class:`CxlPagedAttentionCache`):
   ``torch.empty(..., pin_memory=True)``, sized to exactly the sectors asked
   (rounded up to the extent's chunk).
 
+* **A model spread over GPUs** (accelerate's ``device_map``, pipeline of
+  layers; full attention): one extent per GPU, from that GPU's allocator,
+  holding its layers' pages of every block, so each GPU's blocks take its
+  VRAM budget and spill to its own host tier; transformers' shared row
+  indices are translated per GPU once per batch (:mod:`~cxlalloc.hf.paged.gpu_parts`).
+
 What is not shared is said once (:class:`ContinuousBatchingWarning`): models
 with sliding-window or other non-full-attention layers, where transformers
 turns prefix sharing off (the store is then off too, the cache is still
-tiered), and tensor parallelism (left to transformers, untiered).
+tiered; spread over GPUs, such a model's paged cache is left to
+transformers), and tensor parallelism (left to transformers, untiered).
 
 Modules, by concern: ``patching`` (routing transformers' ``PagedAttentionCache``
 to ours, the manager and batch hooks, :func:`install`), ``cache``
 (:class:`CxlPagedAttentionCache`: sizing, the KV store through
-:mod:`cxlalloc.hf.store_io`), ``placement`` (the per-batch chunk moves; the
+:mod:`cxlalloc.hf.store_io`), ``gpu_parts`` (one extent per GPU of a spread
+model), ``placement`` (the per-batch chunk moves; the
 decision is :mod:`cxlalloc.policy.cb_moves`), ``swap_pool`` (the swap pool on
 the host tier), ``stats`` (:class:`CBState`, counters), ``tf_classes``
 (transformers' classes, or stand-ins where this transformers lacks them).

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from cxlalloc.hf.paged.gpu_parts import GpuPart, StripedBlocks, local_pages, local_rows
 from cxlalloc.hf.paged.placement import PlacementMixin
 from cxlalloc.hf.paged.stats import CBState
 from cxlalloc.hf.paged.tf_classes import CachePool, PagedAttentionCache, compute_block_hash
@@ -64,13 +65,19 @@ class CxlPagedAttentionCache(PlacementMixin, PagedAttentionCache):
         bps = self.bytes_per_sector
         full = next(iter(self.cache_allocators.values()))
         self.model_block_bytes = full.bytes_per_page * config.num_hidden_layers  # page_size tokens, every layer
+        self.parts = self._make_parts(config, full)
+        self.striped = self.parts[0].rows_per_block is not None  # split over GPUs (gpu_parts)
+        self._local: Dict[tuple, tuple] = {}  # (index tensor, GPU) -> (index tensor, its rows on that GPU)
         self.num_sectors = self._plan_sectors(asked_blocks)
-        total = (self.num_sectors + 2) * bps
         t0 = time.perf_counter()
         # Address space for every planned sector now; memory as sectors are handed out (_LowestFirstPool keeps
         # them packed at the start): the two trash sectors now, the rest by grow_to() as the pool reaches them.
-        self.extent = self.allocator.extent(total, tag="kv")
-        self.chunk = self.extent.chunk_bytes
+        # One extent per GPU of the model (one on one GPU), each holding its layers' pages of every block.
+        for part in self.parts:
+            part.extent = part.allocator.extent((self.num_sectors + 2) * part.bytes_per_sector, tag="kv")
+            part.chunk = part.extent.chunk_bytes
+        self.extent = self.parts[0].extent
+        self.chunk = self.parts[0].chunk
         self.pool = _LowestFirstPool(self.num_sectors, len(self.cache_allocators), self)
         self.committed_sectors = -1
         self.grow_to(0)
@@ -91,6 +98,112 @@ class CxlPagedAttentionCache(PlacementMixin, PagedAttentionCache):
         self.open_ms = (time.perf_counter() - t0) * 1e3
         self.page_size = full.tokens_per_page
         self._setup_store(config)
+
+    # ------------------------------------------------------------------ GPUs
+    def _make_parts(self, config, full) -> List[GpuPart]:
+        """One :class:`~cxlalloc.hf.paged.gpu_parts.GpuPart` per GPU of the model: on one GPU the full layout
+        in the wrapped allocator; on several (full attention only, checked by the manager hook) each GPU's
+        layers' pages in that GPU's allocator."""
+        st = self.cb.wrap_state
+        L = config.num_hidden_layers
+        if not st.multi:
+            return [GpuPart(gpu=self.allocator.device, allocator=self.allocator, layers=list(range(L)),
+                            bytes_per_sector=self.bytes_per_sector, block_bytes=self.model_block_bytes)]
+        per_sector = self.bytes_per_sector // full.bytes_per_block  # blocks per sector, the same on every GPU
+        parts = []
+        for g in st.layout.gpus:
+            layers = [i for i in full.layer_indices if st.layout.layer_gpu[i] == g]
+            if not layers:
+                continue
+            block = len(layers) * full.bytes_per_page
+            parts.append(GpuPart(gpu=g, allocator=st.allocators[g], layers=layers, bytes_per_sector=per_sector * block,
+                                 block_bytes=block, rows_per_block=2 * len(layers) * full.tokens_per_page))
+        self._layer_part = {i: p for p in parts for i in p.layers}
+        return parts
+
+    def _install_views(self, ca) -> None:
+        """Point ``ca`` (transformers' full-attention allocator, registered over a meta tensor of the full
+        layout) at the GPUs' extents: each layer's shifted K/V views into its GPU's tensor, the same at page
+        granularity, and whole blocks through :class:`StripedBlocks`."""
+        H, D, P = ca.num_key_value_heads, ca.head_dim, ca.tokens_per_page
+        tokens_views, page_views = {}, {}
+        for part in self.parts:
+            tokens = (part.tensor.numel() // ca.bytes_per_page) * P
+            flat = part.tensor.view(ca.cache_dtype)[:tokens * 2 * H * D].view(tokens * 2, H, D)
+            for j, layer in enumerate(part.layers):
+                k, v = flat[2 * j * P:], flat[(2 * j + 1) * P:]
+                tokens_views[layer] = (k, v)
+                kp, vp = k.view(-1, P, H, D), v.view(-1, P, H, D)
+                n = min(kp.shape[0], vp.shape[0])
+                page_views[layer] = (kp[:n], vp[:n])
+            part.copy_view = part.tensor.view(-1, part.block_bytes)
+        ca._kv_token_views = tokens_views
+        ca._kv_page_views = page_views
+        ca._copy_view = StripedBlocks(self.parts, len(ca.layer_indices), ca.bytes_per_page, self.device)
+        self._local.clear()
+
+    def _local_index(self, index: torch.Tensor, part: GpuPart, rows: bool, ca) -> torch.Tensor:
+        """``index`` (full-layout rows, or a block table in pages) as ``part``'s, on its device; computed once per
+        index tensor and GPU (every layer of a forward shares the batch's index tensors)."""
+        try:
+            version = index._version
+        except RuntimeError:  # an inference tensor: no version counter
+            version = None
+        key = (id(index), index.data_ptr(), tuple(index.shape), version, part.gpu, rows)
+        hit = self._local.get(key)
+        if hit is not None and hit[0] is index:
+            return hit[1]
+        R = ca.block_physical_stride
+        if rows:
+            out = local_rows(index, R, part.rows_per_block)
+        else:
+            P = ca.tokens_per_page
+            out = local_pages(index, R // P, part.rows_per_block // P)
+        out = out.to(part.device)
+        if len(self._local) > 64:
+            self._local.clear()
+        self._local[key] = (index, out)  # holds the index tensor: its id cannot be reused while cached
+        return out
+
+    def update(self, key_states, value_states, layer_idx, kwargs):
+        """transformers' write then read of a layer's K/V; on a model split over GPUs with the batch's indices
+        translated to the layer's GPU (:mod:`cxlalloc.hf.paged.gpu_parts`)."""
+        if self.striped:
+            part = self._layer_part[layer_idx]
+            ca = self.layer_to_allocator[layer_idx]
+            for name in ("read_index", "write_index"):
+                got = kwargs.get(name)
+                if isinstance(got, (list, tuple)) and ca.index < len(got):
+                    got = list(got)
+                    got[ca.index] = self._local_index(got[ca.index], part, True, ca)
+                    kwargs[name] = got
+            table = kwargs.get("block_table")
+            if table is not None:
+                kwargs["block_table"] = self._local_index(table, part, False, ca)
+        return super().update(key_states, value_states, layer_idx, kwargs)
+
+    def _block_out(self, full, block_id: int, dst: torch.Tensor) -> None:
+        """Copy block ``block_id`` into ``dst`` (``(layers, 2, page_size, H, D)``)."""
+        if not self.striped:
+            dst.copy_(self._block_view(full, block_id))
+            return
+        for part, view in self._part_blocks(full, block_id):
+            for a, b, j in part.runs():
+                dst[a:b].copy_(view[j:j + b - a])
+
+    def _block_in(self, full, block_id: int, src: torch.Tensor) -> None:
+        """Copy ``src`` (``(layers, 2, page_size, H, D)``) into block ``block_id``."""
+        if not self.striped:
+            self._block_view(full, block_id).copy_(src)
+            return
+        for part, view in self._part_blocks(full, block_id):
+            for a, b, j in part.runs():
+                view[j:j + b - a].copy_(src[a:b])
+
+    def _part_blocks(self, full, block_id: int):
+        H, D = full.num_key_value_heads, full.head_dim
+        for part in self.parts:
+            yield part, part.copy_view[block_id].view(self.dtype).view(len(part.layers), 2, self.page_size, H, D)
 
     # ------------------------------------------------------------------ the KV store
     def _setup_store(self, config) -> None:
@@ -225,7 +338,7 @@ class CxlPagedAttentionCache(PlacementMixin, PagedAttentionCache):
             if not want:
                 return
             writer.write([k for _, k in want],
-                         lambda n, view: self._store_rows(view, full).copy_(self._block_view(full, table[want[n][0]])),
+                         lambda n, view: self._block_out(full, table[want[n][0]], self._store_rows(view, full)),
                          self.device)
         except Exception:  # storing is best effort: the request's answer does not depend on it
             with self.cb.lock:
@@ -287,7 +400,7 @@ class CxlPagedAttentionCache(PlacementMixin, PagedAttentionCache):
 
             def copy_in():
                 for j, b in enumerate(blocks):
-                    self._block_view(full, b).copy_(self._store_rows(lease.views[have + j], full))
+                    self._block_in(full, b, self._store_rows(lease.views[have + j], full))
                 return extra * self.layout.block_bytes, self.device
 
             try:
@@ -348,8 +461,8 @@ class CxlPagedAttentionCache(PlacementMixin, PagedAttentionCache):
             "block_bytes": int(self.model_block_bytes),
             "sectors": int(self.num_sectors),
             "sector_bytes": int(self.bytes_per_sector),
-            "cache_bytes": int(self.extent.capacity),
-            "committed_bytes": int(self.extent.committed),
+            "cache_bytes": sum(int(p.extent.capacity) for p in self.parts),
+            "committed_bytes": sum(int(p.extent.committed) for p in self.parts),
             "committed_sectors": int(self.committed_sectors),
             "kv_device_bytes": d,
             "kv_host_bytes": h,
@@ -360,7 +473,19 @@ class CxlPagedAttentionCache(PlacementMixin, PagedAttentionCache):
             "store": bool(self.store_on),
             "open_ms": round(self.open_ms, 3),
             "attention_mask_bytes": int(self.mask_bytes),
+            **({"gpus": self._describe_gpus()} if self.striped else {}),
         }
+
+    def _describe_gpus(self) -> Dict[str, dict]:
+        """Per GPU of a model split over GPUs: its layers, block bytes, extent and KV bytes per tier."""
+        out = {}
+        for part in self.parts:
+            d, h = self.part_tier_bytes(part)
+            out[part.name] = {"layers": list(part.layers), "block_bytes": int(part.block_bytes),
+                              "sector_bytes": int(part.bytes_per_sector), "cache_bytes": int(part.extent.capacity),
+                              "committed_bytes": int(part.extent.committed), "kv_device_bytes": d,
+                              "kv_host_bytes": h, "numa_node": part.allocator.stats()["host"].get("numa_node")}
+        return out
 
 
 

@@ -14,6 +14,7 @@ import torch
 from cxlalloc.config import format_bytes
 from cxlalloc.hf.paged import tf_classes
 from cxlalloc.hf.paged.cache import CxlPagedAttentionCache
+from cxlalloc.hf.paged.gpu_parts import split_reason
 from cxlalloc.hf.paged.stats import CBState
 from cxlalloc.hf.paged.swap_pool import host_swap_pool
 
@@ -123,10 +124,14 @@ def _untiered_reason(manager, cb: CBState) -> Optional[str]:
                 "paged cache stays transformers' own")
     st = cb.wrap_state
     if getattr(st, "multi", False):
-        return (f"the model is spread over GPUs {['cuda:%d' % g for g in st.layout.gpus]}, and a paged cache is one "
-                "tensor on one device (transformers' PagedAttentionCache(device=...), whose blocks hold every layer's "
-                "pages; cxlalloc's is one extent of one GPU's allocator, not yet one per GPU); the paged cache stays "
-                "transformers' own (generate() tiers each layer's KV on its GPU)")
+        model = cb.model
+        config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else \
+            model.config
+        why = split_reason(tf_classes.group_layers_by_attn_type(config), st.layout.layer_gpu,
+                           int(config.num_hidden_layers))
+        if why is not None:
+            return (f"the model is spread over GPUs {['cuda:%d' % g for g in st.layout.gpus]} and {why}; the paged "
+                    "cache stays transformers' own (generate() tiers each layer's KV on its GPU)")
     return None
 
 

@@ -52,6 +52,8 @@ class CBCounters:
     # {tier: {"blocks", "tokens", "bytes"}}: prefix tokens reused by where they came from (store_io.TIERS:
     # vram_prefix = blocks already in the paged cache, then the store's host / pool / remote tiers)
     tiers: Dict[str, Dict[str, int]] = dataclasses.field(default_factory=dict)
+    # a model split over GPUs: {"cuda:i": {"peak_kv_device_bytes", "peak_kv_host_bytes"}} (empty on one GPU)
+    per_gpu: Dict[str, Dict[str, int]] = dataclasses.field(default_factory=dict)
 
 
 class CBState:

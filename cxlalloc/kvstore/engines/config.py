@@ -21,9 +21,117 @@ Not yet run with an engine on a GPU.
 from __future__ import annotations
 
 import json
-from typing import List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
 
+from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.protocol import DEFAULT_SOCKET
+
+SCHEME = "cxlalloc://"
+
+# ------------------------------------------------------------------ parameters of the engine plugins
+# One checker for every engine plugin's options (the LMCache plugin's URL, the MP L2 adapter's adapter_params,
+# the vLLM tier's secondary_tiers entry): an unknown name, or a value outside the allowed ones, is one error
+# naming the option and what it allows.
+
+Check = Callable[[Any], Any]
+"""A value checker: returns the value to use, or raises ValueError saying what is allowed."""
+
+
+def int_in(lo: int, hi: int) -> Check:
+    """A checker: an int (not a bool) from ``lo`` to ``hi``."""
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ValueError(f"must be an int from {lo} to {hi}")
+        return v
+    return check
+
+
+def one_of(*choices: str) -> Check:
+    """A checker: one of ``choices`` (case-insensitive), returned as spelled in ``choices``."""
+    def check(v):
+        for c in choices:
+            if str(v).upper() == c.upper():
+                return c
+        raise ValueError(f"must be {' or '.join(choices)}" if len(choices) == 2 else f"must be one of {', '.join(choices)}")
+    return check
+
+
+def positive_seconds(v) -> float:
+    """A checker: a positive number of seconds (a string such as ``"5"`` from a URL is read as a number)."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        f = -1.0
+    if isinstance(v, bool) or not f > 0:
+        raise ValueError("must be a positive number of seconds")
+    return f
+
+
+def namespace_name(v) -> str:
+    """A checker: a namespace name, 1-64 characters without ``/``."""
+    if not isinstance(v, str) or not v or len(v) > 64 or "/" in v:
+        raise ValueError("must be 1-64 characters without '/'")
+    return v
+
+
+def check_params(given: Mapping[str, Any], spec: Mapping[str, Tuple[Any, Check, str]], where: str,
+                 error: Type[Exception] = ValueError, what: str = "parameter") -> Dict[str, Any]:
+    """Check an engine plugin's options against ``spec`` and fill in the defaults.
+
+    Args:
+        given: the options as the engine passed them (name -> value).
+        spec: name -> (default, checker, what it is, said in the "allowed" list); a default of None is used
+            as it is (not checked).
+        where: the plugin, first in every message (``"cxlalloc vLLM tier"``).
+        error: the exception class raised (a ``ValueError`` subclass the engine stops on).
+        what: the kind of option, in the unknown-name message (``"parameter"``, ``"URL option"``).
+
+    Returns:
+        name -> checked value, for every name of ``spec``.
+
+    Raises:
+        error: an unknown name (the message lists the allowed names) or a value its checker refuses (the
+            message names the option, the value and what is allowed).
+    """
+    unknown = sorted(set(given) - set(spec))
+    if unknown:
+        allowed = ", ".join(f"{n} ({desc})" for n, (_, _, desc) in spec.items())
+        raise error(f"{where}: unknown {what}(s) {', '.join(map(str, unknown))}; allowed: {allowed}")
+    out: Dict[str, Any] = {}
+    for name, (default, check, _) in spec.items():
+        v = given.get(name, default)
+        if v is None and default is None:
+            out[name] = None
+            continue
+        try:
+            out[name] = check(v)
+        except ValueError as e:
+            raise error(f"{where}: {name}={v!r} {e}") from None
+    return out
+
+
+def parse_kv_url(url: str, where: str, default_namespace: str, default_timeout_s: float,
+                 error: Type[Exception] = ValueError) -> Tuple[str, float, str]:
+    """``cxlalloc:///path/kv.sock?timeout=S&namespace=NAME`` -> (socket path, timeout s, namespace): the URL of
+    every engine plugin.
+
+    Raises:
+        error: not a ``cxlalloc://`` URL, a bad socket path, an unknown option, a timeout that is not a positive
+            number, a namespace that is empty, longer than 64 characters or contains ``/``.
+    """
+    default_url = SCHEME + DEFAULT_SOCKET
+    if not isinstance(url, str) or not url.startswith(SCHEME):
+        raise error(f"{where}: url={url!r} is not a kv-server URL; use '{default_url}' (the --socket of "
+                    "`cxlalloc kv-server`)")
+    try:
+        path = P.check_socket_path(url[len(SCHEME):].split("?", 1)[0], "cxlalloc:// socket path")
+    except ValueError as e:
+        raise error(f"{where}: url={url!r}: {e}") from None
+    got = check_params(P.url_query(url), {"timeout": (default_timeout_s, positive_seconds, "seconds"),
+                                          "namespace": (default_namespace, namespace_name, "a name")},
+                       where, error, what="URL option")
+    return path, got["timeout"], got["namespace"]
+
 
 PLUGIN_MODULE = "cxlalloc.kvstore.engines.lmcache_plugin"
 PLUGIN_CLASS = "CxlallocConnectorAdapter"
@@ -138,5 +246,5 @@ def engine_lines(node: int, node_free_bytes: Optional[int], socket_path: str = D
     }
 
 
-__all__ = ["engine_lines", "lmcache_yaml", "vllm_kv_transfer_config", "vllm_offload_config", "kvbm_host_tier_lines",
+__all__ = ["check_params", "parse_kv_url", "int_in", "one_of", "positive_seconds", "namespace_name", "engine_lines", "lmcache_yaml", "vllm_kv_transfer_config", "vllm_offload_config", "kvbm_host_tier_lines",
            "PLUGIN_MODULE", "PLUGIN_CLASS", "VLLM_TIER_MODULE", "VLLM_TIER_CLASS"]

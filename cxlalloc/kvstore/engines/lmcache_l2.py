@@ -25,10 +25,16 @@ three distinct event fds signalled on completion, thread-safe):
 * lookup and lock: one kv-server lookup per namespace run; the stored prefix of the keys is pinned on the
   server (the server never evicts a pinned block) until :meth:`submit_unlock` of those keys.  A miss, or a
   kv-server that is down, is a 0 bit.
-* load: copies each block pool -> the caller's memory object (one copy), from the lock's pin when the key is
+* load: copies each block pool -> the caller's memory object (one copy, verified there), from the lock's pin when the key is
   locked, else through a short lookup; a block of another size or key is a 0 bit.
 
-Each slot holds a 64-byte header (magic ``CXLL2v01``, the 32-byte key, the payload length) then the payload.
+Each slot holds a 64-byte header (magic ``CXLL2v02``, the 32-byte key, the payload length), the payload, and
+the block store's 16-byte checksum trailer (XXH3-128 of the key, header and payload: ``block_checksum``), sealed
+over LMCache's own L1 object, never over the pool.  A load copies the payload once, straight into the L1 object
+LMCache hands the adapter, and verifies the trailer over that copy (another client mapping the pool read-write
+could change the pool's bytes between a check there and the copy): a chunk that fails is a 0 bit (LMCache
+recomputes it), counted in ``corrupt_blocks`` and reported to the server, which drops it after its own check.
+Slots of the older format (``CXLL2v01``, no trailer) read as misses.
 
 Tested against LMCache 0.5.6's own factory and interface on the CPU (tests/kvstore/engines/test_lmcache_l2.py), and
 with vLLM's CPU build through LMCache's MP server, two vLLM processes sharing a prefix through the pool
@@ -49,7 +55,10 @@ import torch
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.client import RemoteBlockStore
 from cxlalloc.kvstore.counters import StoreCounters
-from cxlalloc.kvstore.engines.lmcache_plugin import DEFAULT_URL, PluginConfigError, parse_url
+from cxlalloc.kvstore.client import DEFAULT_TIMEOUT_S
+from cxlalloc.kvstore.engines.config import check_params, parse_kv_url
+from cxlalloc.kvstore.engines.lmcache_plugin import DEFAULT_NAMESPACE, DEFAULT_URL, PluginConfigError
+from cxlalloc.kvstore.layout import CHECKSUM_BYTES, block_checksum, copy_verified
 
 try:  # the extra: pip install '.[lmcache]' (from a clone)
     from lmcache.lmcache_native import Bitmap
@@ -62,10 +71,10 @@ except ImportError as _e:  # pragma: no cover - exercised only without the extra
 
 log = logging.getLogger("cxlalloc.kvstore.engines.lmcache_l2")
 
-MAGIC = b"CXLL2v01"
+MAGIC = b"CXLL2v02"                # 02: slots end in the block checksum trailer (01 slots read as misses)
 _HEAD = struct.Struct("<8s32sQ")   # magic, key, payload bytes
 _HDR = 64                          # payload offset: cache-line aligned copies
-PARAMS = ("url",)
+PARAMS = {"url": (DEFAULT_URL, str, f"e.g. {DEFAULT_URL!r}")}   # adapter_params: name -> (default, checker, what)
 
 
 def _bytes(obj) -> torch.Tensor:
@@ -89,16 +98,10 @@ class CxlallocL2Adapter(L2AdapterInterface):
 
     def __init__(self, params: Optional[dict] = None, l1_memory_desc=None):
         super().__init__()
-        params = dict(params or {})
-        unknown = sorted(set(params) - set(PARAMS))
-        if unknown:
-            raise PluginConfigError(f"cxlalloc L2 adapter: unknown adapter_params {unknown}; allowed: url "
-                                    f"(e.g. {DEFAULT_URL!r})")
-        self.url = params.get("url", DEFAULT_URL)
-        try:
-            path, timeout, self.tenant = parse_url(self.url)
-        except ValueError as e:
-            raise PluginConfigError(str(e)) from None
+        self.url = check_params(dict(params or {}), PARAMS, "cxlalloc L2 adapter", PluginConfigError,
+                                what="adapter_params key")["url"]
+        path, timeout, self.tenant = parse_kv_url(self.url, "cxlalloc L2 adapter", DEFAULT_NAMESPACE,
+                                                  DEFAULT_TIMEOUT_S, PluginConfigError)
         # commit="wait": other processes look a chunk up right after its put (see lmcache_plugin.py)
         self.store = RemoteBlockStore("unix://" + path, None, timeout=timeout, name="lmcache-mp", commit="wait")
         if not self.store.connected():
@@ -106,7 +109,7 @@ class CxlallocL2Adapter(L2AdapterInterface):
                       "listens there (start `cxlalloc kv-server --socket %s`)", path,
                       self.store.last_error or "not reachable", path)
         self.counters = StoreCounters(("stores", "stored_blocks", "store_failures", "lookups", "hit_blocks",
-                                       "loads", "loaded_blocks", "bad_blocks"))
+                                       "loads", "loaded_blocks", "bad_blocks", "corrupt_blocks"))
         self._efd = {k: create_event_notifier() for k in ("store", "lookup", "load")}
         self._lock = threading.Lock()
         self._next = 0
@@ -115,6 +118,8 @@ class CxlallocL2Adapter(L2AdapterInterface):
         self._lease_keys: Dict[int, int] = {}              # id(lease) -> keys of it still locked
         self._io = ThreadPoolExecutor(2, thread_name_prefix="cxlalloc-l2")
         self._closed = False
+        self._warned_corrupt = False
+        self._to_discard: Dict[str, set] = {}   # ns -> keys of corrupt chunks still pinned by a lock here
 
     # ------------------------------------------------------------ names
     def names(self, key) -> Tuple[str, bytes]:
@@ -167,7 +172,7 @@ class CxlallocL2Adapter(L2AdapterInterface):
         names = [self.names(k) for k in keys]
         payloads = [_bytes(o) for o in objects]
         for i, (ns, _) in enumerate(names):
-            groups.setdefault((ns, _HDR + payloads[i].numel()), []).append(i)
+            groups.setdefault((ns, _HDR + payloads[i].numel() + CHECKSUM_BYTES), []).append(i)
         written, stored_keys, sizes, ok = 0, [], [], True
         for (ns, nbytes), idx in groups.items():
             try:
@@ -189,8 +194,12 @@ class CxlallocL2Adapter(L2AdapterInterface):
                         continue  # stored already, or no room (every block pinned)
                     head = bytearray(_HDR)
                     _HEAD.pack_into(head, 0, MAGIC, names[i][1], payloads[i].numel())
+                    # sealed over LMCache's own object (host bytes), not the pool's copy of it
+                    body = payloads[i] if payloads[i].device.type == "cpu" else payloads[i].cpu()
+                    trailer = block_checksum(names[i][1], bytes(head), memoryview(body.numpy()))
                     view[:_HDR].copy_(torch.frombuffer(head, dtype=torch.uint8))
-                    view[_HDR:].copy_(payloads[i])
+                    view[_HDR:-CHECKSUM_BYTES].copy_(body)
+                    view[-CHECKSUM_BYTES:].copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
                     filled.append(i)
                 n = res.commit()
             if n == len(filled):
@@ -271,37 +280,71 @@ class CxlallocL2Adapter(L2AdapterInterface):
                     to_close.append(lease)
         for lease in to_close:
             lease.close()
+        if to_close:
+            with self._lock:
+                pending, self._to_discard = self._to_discard, {}
+            for ns, sks in pending.items():
+                try:
+                    self.store.discard(ns, sorted(sks))
+                except Exception as e:
+                    log.warning("cxlalloc L2 adapter: discard failed (%s: %s)", type(e).__name__, e)
 
     # ------------------------------------------------------------ load
-    def _copy_out(self, view: torch.Tensor, sk: bytes, obj) -> bool:
-        magic, key, n = _HEAD.unpack(view[:_HEAD.size].numpy().tobytes())
+    def _copy_out(self, view: torch.Tensor, sk: bytes, obj, corrupt: List[bytes]) -> bool:
+        """Copy one stored block into LMCache's L1 object ``obj`` and verify that copy; False on any mismatch
+        (a checksum that fails appends ``sk`` to ``corrupt``)."""
+        head = view[:_HDR].numpy().tobytes()   # one read of the header: parsed and checksummed from this copy
+        magic, key, n = _HEAD.unpack(head[:_HEAD.size])
         dst = _bytes(obj)
-        if magic != MAGIC or key != sk or n != dst.numel() or _HDR + n > view.numel():
+        if magic != MAGIC or key != sk or n != dst.numel() or view.numel() != _HDR + n + CHECKSUM_BYTES:
             self.counters.add("bad_blocks")
             return False
-        dst.copy_(view[_HDR:_HDR + n])
+        want = view[-CHECKSUM_BYTES:].numpy().tobytes()
+        if not copy_verified(dst, view[_HDR:_HDR + n], sk, head, want):
+            self.counters.add("bad_blocks")
+            self.counters.add("corrupt_blocks")
+            corrupt.append(sk)
+            if not self._warned_corrupt:
+                self._warned_corrupt = True
+                log.warning("cxlalloc L2 adapter: a chunk whose checksum does not match its bytes (changed in the "
+                            "pool): a miss")
+            return False
         return True
+
+    def _discard(self, ns: str, corrupt: List[bytes]) -> None:
+        """Have the server drop chunks whose checksum failed here.  The server never drops a pinned chunk, so those
+        this adapter still holds locked are dropped again when their last lock goes (:meth:`submit_unlock`)."""
+        try:
+            dropped = self.store.discard(ns, corrupt)
+        except Exception as e:
+            log.warning("cxlalloc L2 adapter: discard failed (%s: %s)", type(e).__name__, e)
+            return
+        if dropped < len(corrupt):
+            with self._lock:
+                self._to_discard.setdefault(ns, set()).update(corrupt)
 
     def _load(self, keys, objects) -> "Bitmap":
         self.counters.add("loads")
         bits = Bitmap(len(keys))
         for ns, run in self._runs(keys):
-            missing = []
+            missing, corrupt = [], []
             for i, sk in run:
                 with self._lock:
                     held = self._locks.get((ns, sk))
                     view = held[-1][0].views[held[-1][1]] if held else None
                 if view is None:
                     missing.append((i, sk))
-                elif self._copy_out(view, sk, objects[i]):
+                elif self._copy_out(view, sk, objects[i], corrupt):
                     bits.set(i)
             for i, sk in missing:   # not locked: a short lookup of its own
                 try:
                     with self.store.lookup(ns, [sk]) as lease:
-                        if lease.blocks and self._copy_out(lease.views[0], sk, objects[i]):
+                        if lease.blocks and self._copy_out(lease.views[0], sk, objects[i], corrupt):
                             bits.set(i)
                 except Exception as e:
                     log.warning("cxlalloc L2 adapter: load failed (%s: %s); a miss", type(e).__name__, e)
+            if corrupt:   # dropped (the server checks again first), so LMCache's recompute stores it anew
+                self._discard(ns, corrupt)
         self.counters.add("loaded_blocks", sum(1 for i in range(len(keys)) if bits.test(i)))
         return bits
 

@@ -82,12 +82,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import xxhash
 
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.client import DEFAULT_TIMEOUT_S, RemoteBlockStore
 from cxlalloc.kvstore.counters import StoreCounters
-from cxlalloc.kvstore.layout import CHECKSUM_BYTES, block_checksum
+from cxlalloc.kvstore.engines.config import parse_kv_url
+from cxlalloc.kvstore.layout import CHECKSUM_BYTES, block_checksum, copy_verified
 
 try:  # the extra: pip install '.[lmcache]' (from a clone)
     from lmcache.utils import CacheEngineKey
@@ -130,27 +130,10 @@ def parse_url(url: str) -> Tuple[str, float, str]:
     Raises:
         ValueError: not a cxlalloc:// URL, a bad socket path, an unknown
             option, a timeout that is not a positive number, a namespace that
-            is empty, longer than 64 characters or contains ``/``.
+            is empty, longer than 64 characters or contains ``/``
+            (:func:`cxlalloc.kvstore.engines.config.parse_kv_url`).
     """
-    if not isinstance(url, str) or not url.startswith(SCHEME):
-        raise ValueError(f"cxlalloc LMCache plugin: {url!r} is not a kv-server URL; use "
-                         f"'{DEFAULT_URL}' (the --socket of `cxlalloc kv-server`)")
-    path = P.check_socket_path(url[len(SCHEME):].split("?", 1)[0], "cxlalloc:// socket path")
-    q = P.url_query(url)
-    unknown = sorted(set(q) - set(URL_OPTIONS))
-    if unknown:
-        raise ValueError(f"cxlalloc LMCache plugin: unknown URL option(s) {', '.join(unknown)} in {url!r}; "
-                         "allowed: timeout (seconds), namespace (tenant name)")
-    try:
-        timeout = float(q.get("timeout", DEFAULT_TIMEOUT_S))
-    except ValueError:
-        timeout = -1.0
-    if not timeout > 0:
-        raise ValueError(f"cxlalloc LMCache plugin: timeout={q.get('timeout')!r} must be a positive number of seconds")
-    ns = q.get("namespace", DEFAULT_NAMESPACE)
-    if not ns or len(ns) > 64 or "/" in ns:
-        raise ValueError(f"cxlalloc LMCache plugin: namespace={ns!r} must be 1-64 characters without '/'")
-    return path, timeout, ns
+    return parse_kv_url(url, "cxlalloc LMCache plugin", DEFAULT_NAMESPACE, DEFAULT_TIMEOUT_S)
 
 
 def server_key(key: CacheEngineKey) -> bytes:
@@ -401,22 +384,11 @@ class CxlallocConnector(RemoteConnector):
         if dst.numel() < meta.length:
             mo.ref_count_down()
             return self._bad("LMCache allocated fewer bytes than the block holds")
-        # Copy, then verify the copy (not the pool, which another client could change between a check and the
-        # copy): a CPU destination is checked in place; a device one through a private host copy.
+        # One read of the pool: copied straight into LMCache's own buffer and verified there (not in the pool,
+        # which another client could change between a check and the copy); a device buffer through one private
+        # host copy
         want = view[-CHECKSUM_BYTES:].numpy().tobytes()
-        src = view[hdr:hdr + meta.length]
-        if dst.device.type == "cpu":
-            dst[:meta.length].copy_(src)
-            body = dst[:meta.length].numpy()
-        else:
-            body = src.clone()
-            dst[:meta.length].copy_(body)
-            body = body.numpy()
-        h = xxhash.xxh3_128()  # block_checksum(sk, header + payload), over the two private copies
-        h.update(bytes(sk))
-        h.update(head)
-        h.update(body)
-        if h.digest() != want:
+        if not copy_verified(dst[:meta.length], view[hdr:hdr + meta.length], sk, head, want):
             mo.ref_count_down()
             corrupt.append(sk)
             self.counters.add("corrupt_blocks")

@@ -54,12 +54,12 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Tuple
 
 import numpy as np
 import torch
-import xxhash
 
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.client import DEFAULT_TIMEOUT_S, RemoteBlockStore
 from cxlalloc.kvstore.counters import StoreCounters
-from cxlalloc.kvstore.layout import CHECKSUM_BYTES, block_checksum
+from cxlalloc.kvstore.engines.config import check_params, int_in, one_of, parse_kv_url
+from cxlalloc.kvstore.layout import CHECKSUM_BYTES, block_checksum, copy_verified
 
 try:
     from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, ReqContext, RequestOffloadingContext,
@@ -78,7 +78,9 @@ SCHEME = "cxlalloc://"
 DEFAULT_URL = SCHEME + P.DEFAULT_SOCKET
 DEFAULT_NAMESPACE = "vllm"
 URL_OPTIONS = ("timeout", "namespace")
-PARAMS = ("url", "io_threads", "locality")
+# secondary_tiers keys: name -> (default, checker, what it allows)
+PARAMS = {"url": (DEFAULT_URL, str, "a cxlalloc:// URL"), "io_threads": (2, int_in(1, 16), "copy threads, 1-16"),
+          "locality": ("LOCAL", one_of("LOCAL", "REMOTE"), "LOCAL or REMOTE")}
 MAGIC = b"CXLVLM01"
 _HEAD = struct.Struct("<8s32sQ")   # magic, key, payload bytes
 _HDR = 64                          # payload offset: cache-line aligned copies
@@ -93,31 +95,10 @@ def parse_url(url: str) -> Tuple[str, float, str]:
 
     Raises:
         TierConfigError: not a ``cxlalloc://`` URL, a bad socket path, an unknown option, a timeout that is not
-            a positive number, a namespace that is empty, longer than 64 characters or contains ``/``.
+            a positive number, a namespace that is empty, longer than 64 characters or contains ``/``
+            (:func:`cxlalloc.kvstore.engines.config.parse_kv_url`).
     """
-    if not isinstance(url, str) or not url.startswith(SCHEME):
-        raise TierConfigError(f"cxlalloc vLLM tier: url={url!r} is not a kv-server URL; use '{DEFAULT_URL}' "
-                              "(the --socket of `cxlalloc kv-server`)")
-    try:
-        path = P.check_socket_path(url[len(SCHEME):].split("?", 1)[0], "cxlalloc:// socket path")
-    except ValueError as e:
-        raise TierConfigError(f"cxlalloc vLLM tier: url={url!r}: {e}") from None
-    q = P.url_query(url)
-    unknown = sorted(set(q) - set(URL_OPTIONS))
-    if unknown:
-        raise TierConfigError(f"cxlalloc vLLM tier: unknown URL option(s) {', '.join(unknown)} in {url!r}; "
-                              "allowed: timeout (seconds), namespace (a name)")
-    try:
-        timeout = float(q.get("timeout", DEFAULT_TIMEOUT_S))
-    except ValueError:
-        timeout = -1.0
-    if not timeout > 0:
-        raise TierConfigError(f"cxlalloc vLLM tier: timeout={q.get('timeout')!r} must be a positive number of "
-                              "seconds")
-    ns = q.get("namespace", DEFAULT_NAMESPACE)
-    if not ns or len(ns) > 64 or "/" in ns:
-        raise TierConfigError(f"cxlalloc vLLM tier: namespace={ns!r} must be 1-64 characters without '/'")
-    return path, timeout, ns
+    return parse_kv_url(url, "cxlalloc vLLM tier", DEFAULT_NAMESPACE, DEFAULT_TIMEOUT_S, TierConfigError)
 
 
 def _chunks(view: memoryview) -> torch.Tensor:
@@ -149,22 +130,13 @@ class CxlallocSecondaryTier(SecondaryTierManager):
 
     def __init__(self, offloading_spec: "OffloadingSpec", primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector=None, **params):
-        unknown = sorted(set(params) - set(PARAMS))
-        if unknown:
-            raise TierConfigError(f"cxlalloc vLLM tier: unknown parameter(s) {unknown} in secondary_tiers; "
-                                  f"allowed: {', '.join(PARAMS)}")
+        got = check_params(params, PARAMS, "cxlalloc vLLM tier", TierConfigError)
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type,
                          backpressure_detector=backpressure_detector)
-        self.url = params.get("url", DEFAULT_URL)
+        self.url = got["url"]
         path, timeout, self.tenant = parse_url(self.url)
-        threads = params.get("io_threads", 2)
-        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 16:
-            raise TierConfigError(f"cxlalloc vLLM tier: io_threads={threads!r} must be an int from 1 to 16")
-        loc = params.get("locality", "LOCAL")
-        try:
-            self.locality = Locality(str(loc).upper())
-        except ValueError:
-            raise TierConfigError(f"cxlalloc vLLM tier: locality={loc!r} must be LOCAL or REMOTE") from None
+        threads = got["io_threads"]
+        self.locality = Locality(got["locality"])
         cfg = offloading_spec.config
         parts = [cfg.model.name, cfg.parallel.world_size, cfg.model.dtype, self.block_size_bytes]
         parts += [x for x in (getattr(cfg, "kv_cache_layout", None), "canonical" if cfg.canonical_layout else None)
@@ -331,12 +303,8 @@ class CxlallocSecondaryTier(SecondaryTierManager):
             self._warn_once("bad", "cxlalloc vLLM tier: a stored chunk of another layout or key: a miss")
             return False
         want = view[-CHECKSUM_BYTES:].numpy().tobytes()
-        dst.copy_(view[_HDR:_HDR + n])
-        h = xxhash.xxh3_128()   # block_checksum(sk, header + payload), over this engine's private copies
-        h.update(sk)
-        h.update(head)
-        h.update(memoryview(dst.numpy()))
-        if h.digest() != want:
+        # one read of the pool, into this engine's primary chunk, verified there
+        if not copy_verified(dst, view[_HDR:_HDR + n], sk, head, want):
             corrupt.append(sk)
             self.counters.add("corrupt_chunks")
             self._warn_once("corrupt", "cxlalloc vLLM tier: a chunk whose checksum does not match its bytes "

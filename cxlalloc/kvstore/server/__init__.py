@@ -94,6 +94,9 @@ class KVServer:
         hello_timeout, idle_timeout: seconds to a connection's hello, and between a greeted
             connection's requests (0: for ever), then ``timeout`` and closed.
         max_clients_per_uid: connections of one uid at once (default ``max_clients``).
+        max_pinned: slot bytes of blocks one client may hold pinned at once
+            (``--max-pinned``): an int is bytes, a float in (0, 1] a share of
+            each pool (default ``DEFAULT_MAX_PINNED_FRACTION``, 50 %).
 
     Raises:
         ValueError: a bad size/chunk/mode/group, naming the option.
@@ -112,7 +115,7 @@ class KVServer:
                  pool_file_bytes: Optional[int] = None, shared: Optional[Dict[str, Sequence[str]]] = None,
                  max_items: int = P.DEFAULT_MAX_ITEMS, slice_keys: int = DEFAULT_SLICE_KEYS,
                  hello_timeout: float = DEFAULT_HELLO_TIMEOUT_S, idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
-                 max_clients_per_uid: Optional[int] = None):
+                 max_clients_per_uid: Optional[int] = None, max_pinned=None):
         page = os.sysconf("SC_PAGESIZE")
         if chunk_bytes <= 0 or chunk_bytes % page or chunk_bytes > MAX_CHUNK:
             raise ValueError(f"cxlalloc option '--chunk': {format_bytes(chunk_bytes)} must be a multiple of the page "
@@ -151,10 +154,12 @@ class KVServer:
         for name, tsize in sizes.items():
             tchunk = min(self.chunk_bytes, tsize // page * page)
             reserve = min(max_reserve_bytes, tsize) if max_reserve_bytes else None
+            pinned = (int(max_pinned * tsize) if isinstance(max_pinned, float) else min(int(max_pinned), tsize)) \
+                if max_pinned else None
             st = ServerState(tsize, self.node, tchunk, quotas=quotas, default_quota=default_quota,
                              max_clients=self.max_clients, allow_uids=self.allow_uids,
                              max_reserve_bytes=reserve, tenant=name, slice_keys=slice_keys,
-                             max_clients_per_uid=max_clients_per_uid)
+                             max_clients_per_uid=max_clients_per_uid, max_pinned_bytes=pinned)
             verifier = PlacementVerifier(st, self.strict_placement, page)
             st.placement = verifier
             if redis is not None:
@@ -246,7 +251,8 @@ class KVServer:
                              "hello_timeout_s": self.transport.hello_timeout,
                              "idle_timeout_s": self.transport.idle_timeout,
                              "max_clients_per_uid": self.state.max_clients_per_uid,
-                             "max_clients": self.max_clients, "max_reserve": self.state.max_reserve_bytes},
+                             "max_clients": self.max_clients, "max_reserve": self.state.max_reserve_bytes,
+                             "max_pinned": self.state.max_pinned_bytes},
                   "protocol_errors": c["protocol_errors"], "bad_requests": c["bad_requests"],
                   "corrupt_blocks": c["corrupt_blocks"], "requests": c["requests"],
                   "buffered_peak_bytes": self.transport.buffered_peak,

@@ -169,6 +169,11 @@ def make_parser(prog: str = "cxlalloc kv-server") -> argparse.ArgumentParser:
                    help="bytes one client may hold reserved and not yet committed (blocks rounded up to pages), "
                         "or a share of --size (default 100%%; lower it when clients do not trust each other); keys past it "
                         "get no slot, and a reserve of which none fits is answered 'limit'")
+    p.add_argument("--max-pinned", default="50%", metavar="SIZE",
+                   help="bytes of blocks one client may hold pinned at once (its open leases; blocks rounded up to "
+                        "pages), or a share of --size (default 50%%; 10%% keeps 90%% of the pool for the others); "
+                        "a lookup stops before the block that would pass it (the rest are misses), and one of "
+                        "which no block fits is answered 'limit'")
     p.add_argument("--strict-placement", action="store_true", help="drop blocks whose pages are not on the node")
     p.add_argument("--redis", default=None, metavar="URL", help="a Redis/Valkey tier below the pool: "
                    "redis://[user:password@]host:port/db or rediss://... (TLS); a Redis/Valkey Cluster: "
@@ -268,10 +273,13 @@ def transport_limits(args, size: int) -> dict:
     reserve = int(reserve * size) if isinstance(reserve, float) else int(reserve)
     if reserve < 1:
         raise ValueError(f"cxlalloc option '--max-reserve': {args.max_reserve} must be above 0 bytes")
+    pinned = parse_size_or_fraction(args.max_pinned, "--max-pinned")
+    if not isinstance(pinned, float) and pinned < 1:
+        raise ValueError(f"cxlalloc option '--max-pinned': {args.max_pinned} must be above 0 bytes")
     out.update(frame_timeout=args.frame_timeout, max_objects=args.max_objects, backlog=args.backlog,
                max_items=args.max_items, slice_keys=args.slice_keys, hello_timeout=args.hello_timeout,
                idle_timeout=args.idle_timeout, max_clients_per_uid=args.max_clients_per_uid,
-               max_reserve_bytes=reserve)
+               max_reserve_bytes=reserve, max_pinned=pinned)
     return out
 
 

@@ -23,7 +23,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from typing import List
+from typing import List, Optional
 
 from cxlalloc.config import format_bytes
 from cxlalloc.kvstore.index import Entry
@@ -110,7 +110,7 @@ class PlacementVerifier:
                 batch = list(self._q)
                 self._q.clear()
                 self._verifying = len(batch)
-            self._verify_into([Entry(key=b"", offset=o, nbytes=n, ns="", tokens=0) for o, n in batch], [])
+            self._verify_ranges(batch)
 
     def stop(self) -> None:
         self._stop.set()
@@ -123,6 +123,48 @@ class PlacementVerifier:
             return len(self._q) + self._verifying
 
     def _verify_into(self, entries: List[Entry], keep: List[Entry]) -> None:
+        """Check ``entries`` and append the ones to publish to ``keep`` (:meth:`_verify_ranges`)."""
+        self._verify_ranges([(e.offset, e.nbytes) for e in entries], entries, keep)
+
+    def _verify_ranges(self, ranges: List[tuple], entries: Optional[List[Entry]] = None,
+                       keep: Optional[List[Entry]] = None) -> None:
+        """Check the blocks ``ranges`` (``(offset, nbytes)`` each; ``entries``: their index entries, kept in
+        ``keep`` when published, None for the background check of blocks already published).
+
+        Blocks side by side in the pool (a reservation's slots mostly are) are checked as one run: one
+        ``move_pages`` query of the run; a run whose every page is on the node is counted and kept whole.  A
+        run with a page elsewhere or not yet mapped in this process (a slot's first use) is checked block by
+        block as before, so what is counted, warned about and dropped is exact per block.  (Measured on the
+        2-core Xeon VM: a 64-block batch of 64 KiB blocks cost 1.5-1.9 ms checked block by block, three system
+        calls and the Python around them per block; 0.1-0.2 ms as one run.)"""
+        st = self.state
+        on = 0
+        n = len(ranges)
+        i = 0
+        while i < n:
+            first, size = ranges[i]
+            end, j = first + size, i + 1
+            while j < n and ranges[j][0] == end:
+                end += ranges[j][1]
+                j += 1
+            try:
+                chk = st.arena.verify(first, end - first)
+            except Exception:
+                chk = None
+            if chk is not None and int(chk["on_node"]) == end - first:
+                on += end - first
+                if keep is not None:
+                    keep.extend(entries[i:j])
+            else:
+                run = entries[i:j] if entries is not None else \
+                    [Entry(key=b"", offset=o, nbytes=b, ns="", tokens=0) for o, b in ranges[i:j]]
+                self._verify_blocks(run, keep if keep is not None else [])
+            i = j
+        if on:
+            with st.lock:
+                st.c["placement_verified_bytes"] += on
+
+    def _verify_blocks(self, entries: List[Entry], keep: List[Entry]) -> None:
         st = self.state
         on = off = unpop = dropped = 0
         for e in entries:

@@ -23,7 +23,9 @@ Names (``tier`` is ``pool`` or ``redis``; docs/kv-server.md#metrics lists them w
                                                  hello_timeout, idle_timeout, max_items, max_objects, bad_frame)
     cxlalloc_kv_bad_requests_total            cxlalloc_kv_corrupt_blocks_total
     cxlalloc_kv_refused_reserves_total        cxlalloc_kv_reserve_budget_blocks_total
+    cxlalloc_kv_refused_lookups_total         cxlalloc_kv_pin_budget_blocks_total
     cxlalloc_kv_lock_hold_seconds_max         cxlalloc_kv_drop_seconds_max
+    cxlalloc_kv_lock_holds_total              cxlalloc_kv_lock_handoffs_total
     cxlalloc_kv_buffered_peak_bytes           cxlalloc_kv_limit{limit}
     cxlalloc_kv_redis_refused_values_total{reason}  cxlalloc_kv_redis_deadline_expired_total
     cxlalloc_kv_namespace_used_bytes{namespace}  cxlalloc_kv_namespace_quota_bytes{namespace}
@@ -162,8 +164,17 @@ def families(st: dict) -> Iterator:
                   "budget.", rows=[((), pool.get("refused_reserve_budget"))])
     yield counter("reserve_budget_blocks", "Blocks given no slot because their client's --max-reserve budget "
                   "was spent.", rows=[((), pool.get("reserve_budget_blocks"))])
+    yield counter("refused_lookups", "Lookup requests refused because their client held --max-pinned bytes "
+                  "of blocks pinned already (the client reads a miss).", rows=[((), pool.get("refused_pin_budget"))])
+    yield counter("pin_budget_blocks", "Blocks found by a lookup but not pinned, answered as misses, because "
+                  "their client's --max-pinned budget was spent.", rows=[((), pool.get("pin_budget_blocks"))])
     yield gauge("lock_hold_seconds_max", "Longest hold of the server's lock by one slice of a request "
-                "(--slice-keys) since start.", rows=[((), _ms(pool.get("lock_hold_ms_max")))])
+                "(--slice-keys) since start (wall clock: includes the holder being preempted).",
+                rows=[((), _ms(pool.get("lock_hold_ms_max")))])
+    yield counter("lock_holds", "Holds of the server's lock by slices of requests and disconnects.",
+                  rows=[((), pool.get("lock_holds"))])
+    yield counter("lock_handoffs", "Releases of the server's lock that handed it straight to a waiting "
+                  "client's thread (first come, first served).", rows=[((), pool.get("lock_handoffs"))])
     yield gauge("drop_seconds_max", "Longest hold of the lock while a disconnected client's pins and "
                 "reservations were dropped, since start.", rows=[((), _ms(pool.get("drop_ms_max")))])
     yield gauge("buffered_peak_bytes", "Most bytes of requests received and decoded at once, over every "

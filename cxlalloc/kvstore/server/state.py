@@ -39,16 +39,13 @@ from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.index import BlockIndex, Entry
 from cxlalloc.kvstore.keys import SHARED_TENANT, namespaced_keys
 from cxlalloc.kvstore.layout import verify_stored
+from cxlalloc.kvstore.server.fair import FairLock, HoldRecord
 
 log = logging.getLogger("cxlalloc.kvstore.server")
 
 MAX_LEASES_PER_CLIENT = 4096     # open leases/reservations of one connection
-DEFAULT_SLICE_KEYS = 256         # blocks handled under one hold of the lock (--slice-keys)
-
-
-def _yield() -> None:
-    """Let the other connections' threads run (releases the GIL) between two slices of one request."""
-    time.sleep(0)
+DEFAULT_SLICE_KEYS = 64          # blocks handled under one hold of the lock (--slice-keys)
+DEFAULT_MAX_PINNED_FRACTION = 0.5  # of the pool: slot bytes one client may hold pinned (--max-pinned)
 
 
 class _Quotas(dict):
@@ -83,6 +80,7 @@ class Owner:
         self.status_only = False  # a --status query (hello without the pool fd): not counted as a client
         self.since = time.time()
         self.leases: Dict[int, List[Entry]] = {}
+        self.pinned_bytes = 0     # slot bytes of its leases' blocks (bounded by --max-pinned)
         self.reservations: Dict[int, List[Optional[Entry]]] = {}
         self._next = itertools.count(1)
         self.requests = 0
@@ -113,6 +111,9 @@ class ServerState:
         slice_keys: blocks handled under one hold of the lock (fair service, above).
         max_clients_per_uid: owners of one uid at once (default ``max_clients``;
             the server's own uid, an operator's ``--status``, is not capped).
+        max_pinned_bytes: slot bytes of blocks one owner may hold pinned at once
+            (default ``DEFAULT_MAX_PINNED_FRACTION`` of the pool); a lookup
+            stops before the block that would pass it (the rest are misses).
 
     ``placement`` (``entries -> entries to publish``) and ``tier`` (an object
     with ``evicted(entry)``, ``write_through(entries) -> int`` and
@@ -125,17 +126,22 @@ class ServerState:
                  default_quota: Optional[int] = None, max_clients: int = 256,
                  allow_uids: Optional[Sequence[int]] = None, max_reserve_bytes: Optional[int] = None,
                  tenant: str = "", slice_keys: int = DEFAULT_SLICE_KEYS,
-                 max_clients_per_uid: Optional[int] = None):
+                 max_clients_per_uid: Optional[int] = None, max_pinned_bytes: Optional[int] = None):
         self.tenant = str(tenant)
         self.size, self.node, self.chunk_bytes = int(size), int(node), int(chunk_bytes)
         self.max_clients_per_uid = int(max_clients_per_uid) if max_clients_per_uid else int(max_clients)
         self._per_uid: Dict[int, int] = {}
         self.slice_keys = int(slice_keys)
         self.max_reserve_bytes = int(max_reserve_bytes) if max_reserve_bytes else self.size
+        self.max_pinned_bytes = int(max_pinned_bytes) if max_pinned_bytes else \
+            int(self.size * DEFAULT_MAX_PINNED_FRACTION)
         self.max_clients = int(max_clients)
         self.allow_uids = None if allow_uids is None else set(allow_uids)
         self.pool_id = secrets.token_hex(8)
-        self.lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self.lock = FairLock()       # first come, first served: clients' slices round-robin (fair.py)
+        self.holds = HoldRecord()     # the longest hold of self.lock (wall and CPU time)
+        self.last_drop = {"seq": 0}   # the clean-up of the last client gone with pins or reservations
         self.owners: Dict[int, Owner] = {}
         self.c = {"connections": 0, "refused_full": 0, "refused_denied": 0, "protocol_errors": 0,
                   "refused_too_large": 0, "refused_busy": 0, "refused_timeout": 0, "bad_frames": 0,
@@ -146,7 +152,8 @@ class ServerState:
                   "refused_reserve_budget": 0, "reserve_budget_blocks": 0, "drop_us_max": 0, "corrupt_blocks": 0,
                   "one_way_requests": 0, "one_way_errors": 0, "pipelined_commits": 0, "lock_hold_us_max": 0,
                   "refused_per_uid": 0, "closed_no_hello": 0, "closed_idle": 0, "refused_max_items": 0,
-                  "refused_max_objects": 0}
+                  "refused_max_objects": 0,
+                  "refused_pin_budget": 0, "pin_budget_blocks": 0}
         self.placement = None
         self.tier = None
         self.persist = None   # a PoolFile (--pool-file): committed blocks recorded for the next start
@@ -231,7 +238,7 @@ class ServerState:
                 "numa_method": self.arena.numa_method, "max_keys": P.MAX_KEYS}
 
     def count_request(self, cid: int) -> None:
-        with self.lock:
+        with self._count_lock:  # not the server's lock: a request does not queue for it only to be counted
             self.c["requests"] += 1
         self.owner(cid).requests += 1
 
@@ -239,16 +246,27 @@ class ServerState:
         with self.lock:
             self.c[name] += n
 
-    def _held(self, t0: float) -> None:
-        """Record one hold of the lock that began at ``t0`` (call under the lock)."""
-        us = int((time.perf_counter() - t0) * 1e6)
+    def _held(self, t0) -> int:
+        """Record one hold of the lock that began at ``t0`` (a :meth:`HoldRecord.start` token; call under the
+        lock); returns its wall microseconds."""
+        us = self.holds.stop(t0)
         if us > self.c["lock_hold_us_max"]:
             self.c["lock_hold_us_max"] = us
+        return us
 
     def drop(self, cid: int):
-        """Forget ``cid``: drop its pins, abort its reservations, ``slice_keys``
-        blocks per hold of the lock.  Returns (pins dropped, blocks aborted);
-        (0, 0) for an unknown id."""
+        """Forget ``cid``: drop its pins, abort its reservations, ``slice_keys // 4``
+        blocks per hold of the lock, the lock released (and handed to any waiting
+        client) between holds.  Returns (pins dropped, blocks aborted); (0, 0) for
+        an unknown id.
+
+        Between two slices the client is half released, and consistently so: it is
+        no longer an owner (no request of it is served), its WRITING blocks not yet
+        aborted stay invisible to lookups and are skipped by other reserves as being
+        written, and its pins not yet dropped keep their blocks from eviction; no
+        block is ever half freed.  ``last_drop`` records the clean-up (how many
+        holds of the lock, their median, p99 and longest, wall clock)."""
+        t_start = time.perf_counter()
         with self.lock:
             o = self.owners.pop(cid, None)
             if o is None:
@@ -262,86 +280,142 @@ class ServerState:
             writing = sum(1 for v in o.reservations.values() for e in v if e is not None)
             o.leases.clear()
             o.reservations.clear()
+        walls: List[int] = []  # microseconds of each hold
         done = False
         while not done:
             with self.lock:
-                t0 = time.perf_counter()
+                t0 = HoldRecord.start()
                 done = self.index.drop_owner(o, max(1, self.slice_keys // 4))  # a pin costs more than a lookup
+                us = self._held(t0)
+                walls.append(us)
                 # The longest hold of the lock a disconnect makes other clients wait (stats: drop_ms_max).
-                us = int((time.perf_counter() - t0) * 1e6)
                 self.c["drop_us_max"] = max(self.c["drop_us_max"], us)
-                self._held(t0)
-            if not done:
-                _yield()
+                if done and (pins or writing):  # a client that held nothing (a --status query) is not recorded
+                    walls.sort()
+                    self.last_drop = {"seq": self.last_drop["seq"] + 1, "pins": pins, "blocks": writing,
+                                      "holds": len(walls), "hold_ms_max": walls[-1] / 1e3,
+                                      "hold_ms_p50": walls[len(walls) // 2] / 1e3,
+                                      "hold_ms_p99": walls[min(len(walls) - 1, int(0.99 * len(walls)))] / 1e3,
+                                      "wall_ms": round((time.perf_counter() - t_start) * 1e3, 3)}
         return pins, writing
 
     def _sliced(self, items: Sequence, fn) -> None:
         """``fn(part)`` for each slice of ``slice_keys`` items, each under one hold of the lock."""
         n = self.slice_keys
         for i in range(0, len(items), n):
-            if i:
-                _yield()
-            with self.lock:
-                t0 = time.perf_counter()
+            with self.lock:  # released to the first waiting client: no sleep between slices (fair.py)
+                t0 = HoldRecord.start()
                 fn(items[i:i + n])
                 self._held(t0)
 
     # ------------------------------------------------------------ blocks
     def lookup(self, cid: int, ns: str, keys: Sequence[bytes]) -> dict:
         """The longest stored prefix of ``keys`` in ``ns`` (asking the tier
-        below for the rest), pinned for ``cid`` under a new lease.
+        below for the rest), pinned for ``cid`` under a new lease, up to the
+        client's ``max_pinned_bytes``: the blocks past it are answered as misses
+        (``pin_budget_blocks``).
 
         Returns ``{"lease": id (0: nothing found), "blocks": [[offset, nbytes, tokens], ...],
         "tier_blocks": how many of the blocks (the last ones) the tier below supplied}``.
 
         Raises:
-            protocol.RemoteError: ``limit`` (MAX_LEASES_PER_CLIENT open leases).
+            protocol.RemoteError: ``limit`` (MAX_LEASES_PER_CLIENT open leases, or
+                the client holds ``max_pinned_bytes`` pinned already and the first
+                key is stored: ``refused_pin_budget``).
         """
         o = self.owner(cid)
         ik = self.names(ns, keys)
-        with self.lock:
-            if len(o.leases) >= MAX_LEASES_PER_CLIENT:
-                raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open leases; release some")
         entries: List[Entry] = []
         n = self.slice_keys
+        lid = 0
+        cut = 0
         for i in range(0, max(len(ik), 1), n):
-            if i:
-                _yield()
             part = ik[i:i + n]
-            with self.lock:
-                t0 = time.perf_counter()
-                got = self.index.match(part, o, new_lookup=not i)
+            with self.lock:  # a lookup that fits one slice takes the lock once
+                t0 = HoldRecord.start()
+                if not i and len(o.leases) >= MAX_LEASES_PER_CLIENT:
+                    raise P.RemoteError("limit", f"a client may hold {MAX_LEASES_PER_CLIENT} open leases; release some")
+                room = self.max_pinned_bytes - o.pinned_bytes
+                got = self.index.match(part, o, new_lookup=not i, budget=room)
+                o.pinned_bytes += sum(map(self.index.slot_size, (e.nbytes for e in got)))
+                if len(got) < len(part) and self.index.contains(part[len(got)]):  # stopped by the pin budget
+                    cut = len(ik) - i - len(got)
+                    self.c["pin_budget_blocks"] += cut
+                    if not entries and not got:
+                        self.c["refused_pin_budget"] += 1
+                        self._held(t0)
+                        raise P.RemoteError("limit", f"this client holds {o.pinned_bytes} bytes of blocks pinned; a "
+                                                     f"client may hold {self.max_pinned_bytes} (--max-pinned); "
+                                                     "release some leases")
                 if len(got) < len(part):  # the prefix ends here: the keys after it are misses too
                     rest = len(ik) - i - len(part)
                     self.index.c.lookup_blocks += rest
                     self.index.c.miss_blocks += rest
+                entries += got
+                self.c["hit_bytes"] += sum(e.nbytes for e in got)  # per slice: a sum of 65,536 in one hold is not
+                if len(entries) == len(ik) and entries:  # all found: the lease in the same hold
+                    lid = self._new_lease(o, entries, len(entries))
                 self._held(t0)
-            entries += got
             if len(got) < len(part):
                 break
-        if ns in self.shared and len(entries) < len(ik):
-            entries += _from_writers(self, ns, ik[len(entries):], o)
         below = []
-        if self.tier is not None and len(entries) < len(ik) and not self.tier.down():
-            below = self.tier.read_through(ns, ik[len(entries):], o)
-            entries += below
+        found = len(entries)  # in hit_bytes already
+        if not lid and not cut and len(entries) < len(ik):
+            if ns in self.shared:
+                entries += self._within_budget(o, _from_writers(self, ns, ik[len(entries):], o))
+            if self.tier is not None and len(entries) < len(ik) and not self.tier.down():
+                below = self._within_budget(o, self.tier.read_through(ns, ik[len(entries):], o))
+                entries += below
         if not entries:
             return {"lease": 0, "blocks": []}
-        with self.lock:
-            lid = o.new_id()
-            o.leases[lid] = entries
-            self.c["hit_bytes"] += sum(e.nbytes for e in entries)
+        if not lid:
+            with self.lock:
+                lid = self._new_lease(o, entries, found)
         return {"lease": lid, "blocks": [[e.offset, e.nbytes, e.tokens] for e in entries], "tier_blocks": len(below)}
+
+    def _new_lease(self, o: Owner, entries: List[Entry], counted: int = 0) -> int:
+        """Record ``entries`` (pinned for ``o``) as a new lease of ``o`` (under the lock); returns its id.
+        ``counted``: how many of them (the first) are in ``hit_bytes`` already."""
+        lid = o.new_id()
+        o.leases[lid] = entries
+        self.c["hit_bytes"] += sum(e.nbytes for e in entries[counted:])
+        return lid
+
+    def _within_budget(self, o: Owner, pinned: List[Entry]) -> List[Entry]:
+        """The prefix of ``pinned`` (blocks just pinned for ``o`` by a read-through) within ``o``'s pin
+        budget; the rest are unpinned and counted in ``pin_budget_blocks``."""
+        with self.lock:
+            keep = []
+            for e in pinned:
+                size = self.index.slot_size(e.nbytes)
+                if o.pinned_bytes + size > self.max_pinned_bytes:
+                    break
+                o.pinned_bytes += size
+                keep.append(e)
+            if len(keep) < len(pinned):
+                self.index.unpin(pinned[len(keep):], o)
+                self.c["pin_budget_blocks"] += len(pinned) - len(keep)
+        return keep
+
+    def _unpin(self, o: Owner, part: Sequence[Entry]) -> None:
+        self.index.unpin(part, o)
+        o.pinned_bytes -= sum(map(self.index.slot_size, (e.nbytes for e in part)))
 
     def release(self, cid: int, lease_ids: Sequence[int]) -> int:
         """Unpin the leases ``lease_ids`` of ``cid``; returns how many were open."""
         o = self.owner(cid)
         n = 0
         for lid in lease_ids:
-            with self.lock:
+            with self.lock:  # a lease of one slice is released in one hold
+                t0 = HoldRecord.start()
                 entries = o.leases.pop(lid, None)
+                small = entries is not None and len(entries) <= self.slice_keys
+                if small:
+                    self._unpin(o, entries)
+                self._held(t0)
             if entries is not None:
-                self._sliced(entries, lambda part: self.index.unpin(part, o))
+                if not small:
+                    self._sliced(entries, lambda part: self._unpin(o, part))
                 n += 1
         return n
 
@@ -448,8 +522,8 @@ class ServerState:
         o = self.owner(cid)
         with self.lock:
             entries = o.reservations.pop(rid, None)
-            if entries is not None:
-                self.index.abort([e for e in entries if e is not None], o)
+        if entries is not None:  # in slices: an abort of 65,536 blocks held the lock 0.7 s in one piece
+            self._sliced([e for e in entries if e is not None], lambda part: self.index.abort(part, o))
 
     # ------------------------------------------------------------ stats
     def counters(self) -> dict:
@@ -468,8 +542,10 @@ class ServerState:
         return os.fstat(self.arena.fd).st_blocks * 512
 
     def snapshot(self):
-        """(pool, clients, counters, raw counters) of this state (:func:`_snapshot`)."""
-        return _snapshot(self)
+        """(pool, clients, counters, raw counters) of this state (:func:`.snapshot.snapshot`)."""
+        from cxlalloc.kvstore.server.snapshot import snapshot
+
+        return snapshot(self)
 
     def check(self) -> None:
         """The index invariants (tests)."""
@@ -505,58 +581,3 @@ def _from_writers(st: "ServerState", ns: str, iks: List[bytes], o: Owner) -> Lis
             st.index.publish(live, o)
             return st.index.match([e.key for e in live], o)
     return []
-
-
-def _snapshot(st: "ServerState"):
-    """(pool stats, client list, server counters, rate counters): the
-    ``pool`` and ``clients`` parts of ``KVServer.stats()`` (bytes, counts)."""
-    with st.lock:
-        ic = dict(vars(st.index.c))
-        counters = st.counters()
-        c = dict(st.c)
-        used = st.index.used_bytes
-        n_entries = len(st.index.entries)
-        ns_bytes = {ns: b for ns, b in st.index.ns_bytes.items() if b}
-        writing = st.index.writing_blocks   # running counts: stats never scan the blocks
-        pinned = st.index.pinned_blocks
-        slot_bytes = st.index.slot_bytes
-        per_block = st.index.memory_per_block()
-        clients = [{"id": o.id, "pid": o.pid, "uid": o.uid, "name": o.name, "leases": len(o.leases),
-                    "reservations": len(o.reservations), "requests": o.requests,
-                    "connected_s": round(time.time() - o.since, 1)} for o in st.owners.values()
-                   if not o.status_only]
-        quotas = dict(st.index.quotas)
-        default_quota = st.index.quotas.default
-    pool = {
-        "capacity_bytes": st.size, "mapped_bytes": st.arena.size, "chunk_bytes": st.chunk_bytes,
-        "used_bytes": used, "slot_bytes": slot_bytes, "committed_bytes": st.committed_bytes(),
-        "index_bytes_per_block": round(per_block, 1), "max_reserve_bytes": st.max_reserve_bytes,
-        "refused_reserve_budget": c["refused_reserve_budget"], "reserve_budget_blocks": c["reserve_budget_blocks"],
-        "drop_ms_max": c["drop_us_max"] / 1e3, "lock_hold_ms_max": c["lock_hold_us_max"] / 1e3,
-        "blocks": n_entries - writing, "writing_blocks": writing, "pinned_blocks": pinned,
-        "lookups": ic["lookups"], "lookup_blocks": ic["lookup_blocks"], "hit_blocks": ic["hit_blocks"],
-        "hit_tokens": ic["hit_tokens"], "hit_bytes": c["hit_bytes"], "miss_blocks": ic["miss_blocks"],
-        "hit_rate": ic["hit_blocks"] / ic["lookup_blocks"] if ic["lookup_blocks"] else 0.0,
-        "stored_blocks": ic["stored_blocks"], "stored_bytes": ic["stored_bytes"],
-        "duplicate_blocks": ic["duplicate_blocks"], "evicted_blocks": ic["evicted_blocks"],
-        "evicted_bytes": ic["evicted_bytes"], "dropped_blocks": ic["dropped_blocks"],
-        "aborted_blocks": ic["aborted_blocks"], "dropped_pins": ic["dropped_pins"],
-        "placement_verified_bytes": c["placement_verified_bytes"],
-        "placement_misplaced_bytes": c["placement_misplaced_bytes"],
-        "placement_unverified_bytes": c["placement_unverified_bytes"],
-        "placement_skipped_bytes": c["placement_skipped_bytes"],
-        "misplaced_dropped_blocks": c["misplaced_dropped_blocks"],
-        "redis_hit_blocks": c["redis_hit_blocks"], "redis_hit_bytes": c["redis_hit_bytes"],
-        "redis_put_blocks": c["redis_put_blocks"], "redis_hit_tokens": c["redis_hit_tokens"],
-        # blocks served to clients by where they were found: the pool itself, or read through from the tier below
-        "tiers": {"pool": {"blocks": ic["hit_blocks"] - c["redis_hit_blocks"],
-                           "bytes": c["hit_bytes"] - c["redis_hit_bytes"],
-                           "tokens": ic["hit_tokens"] - c["redis_hit_tokens"]},
-                  "remote": {"blocks": c["redis_hit_blocks"], "bytes": c["redis_hit_bytes"],
-                             "tokens": c["redis_hit_tokens"]}},
-        "namespaces": {ns: {"used_bytes": b, "quota_bytes": quotas.get(ns, default_quota)}
-                       for ns, b in ns_bytes.items()},
-        "quotas": {**quotas, **({"*": default_quota} if default_quota is not None else {})},
-        "pool_file": dict(st.persist.c, path=st.persist.path) if st.persist is not None else None,
-    }
-    return pool, clients, c, counters

@@ -132,6 +132,19 @@ def test_nothing_spilled_places_without_planning_moves(monkeypatch):
     assert c["promoted_bytes"] == c["demoted_bytes"] == 0
 
 
+def test_kv_device_limit_zero_keeps_the_paged_cache_off_vram():
+    """kv_device_limit=0: no KV in VRAM, as generate() keeps it; the per-batch placement promotes nothing
+    (it took 0 for 'no quota' and promoted chunks into VRAM)."""
+    ps = prompts(3, 300, 17)
+    gen = greedy(6)
+    m = wrap(model(), device_limit=32 * MiB, kv_device_limit=0, host_limit=64 * MiB, device_headroom=0)
+    assert tokens(m.generate_batch(ps, generation_config=gen, continuous_batching_config=cb_config())) == \
+        reference(ps, gen)
+    c = cb_stats(m)["counters"]
+    assert c["peak_kv_host_bytes"] > 0 and c["peak_kv_device_bytes"] == 0 and c["promoted_bytes"] == 0, c
+    assert hf.stats(m)["kv"]["peak_device_bytes"] == 0
+
+
 def test_manager_preempts_into_the_host_tier_swap_pool():
     """init_continuous_batching's manager: a cache too small for all requests
     preempts into the swap pool, which lives on the host tier, exactly sized."""

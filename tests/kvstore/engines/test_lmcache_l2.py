@@ -173,3 +173,36 @@ def test_bad_params_stop_the_adapter_at_creation(adapter, sockdir):
                          ({"socket": "/tmp/kv.sock"}, "allowed: url")]:
         with pytest.raises(IrrecoverableException, match=word):
             adapter(os.path.join(sockdir, "x.sock"), params)
+
+
+def test_a_load_verifies_the_bytes_it_copied_into_lmcaches_buffer(adapter, server_proc, monkeypatch):
+    """Issue 29 items 5 and 6 on the MP path: every slot carries the block store's checksum trailer, and a load
+    verifies it over the copy in LMCache's L1 object.  A byte changed in the pool after the header checks and
+    before the copy (layout's test hook) is a 0 bit, never the changed bytes; the chunk is counted and dropped by
+    the server; the chunk beside it loads byte-identical."""
+    import torch
+
+    from cxlalloc.kvstore import layout
+
+    sp = server_proc("--size", "8MiB", "--chunk", "1MiB")
+    a = adapter(sp.socket)
+    keys = [_key(i) for i in range(2)]
+    assert _store(a, keys, [_obj(i) for i in range(2)]).is_successful()
+    assert _lookup(a, keys) == [True, True]
+
+    def flip(src):
+        src[src.numel() // 3] ^= 0x10
+
+    monkeypatch.setattr(layout, "_before_copy", flip)
+    out = _obj()
+    assert _load(a, keys[:1], [out]) == [False]
+    monkeypatch.setattr(layout, "_before_copy", None)
+    outs = [_obj()]
+    assert _load(a, keys[1:], outs) == [True]
+    assert torch.equal(outs[0].raw_data, contents(1, NBYTES))
+    st = a.report_status()
+    assert st["corrupt_blocks"] == 1 and st["loaded_blocks"] == 1
+    a.submit_unlock(keys)
+    assert _lookup(a, keys[:1]) == [False]            # the changed chunk was dropped by the server (at its unlock)
+    assert _lookup(a, keys[1:]) == [True]             # the sound one stays
+    a.submit_unlock(keys[1:])

@@ -403,3 +403,33 @@ def test_a_chunk_changed_in_the_pool_is_a_miss_dropped_and_a_sound_one_cannot_be
         mo.ref_count_down()
     mm.close()
     other.close()
+
+
+def test_get_verifies_the_bytes_it_copied_not_the_pool(engine, kv_server, monkeypatch):
+    """Issue 29 item 6 on the LMCache get path: a byte changed in the pool after every check of the chunk's header
+    and before the copy (layout's test hook runs there, with the pool's source view) is never returned: the get
+    copies the pool once, into LMCache's own memory object, and verifies the checksum over that copy.  A check
+    taken in the pool before the copy would have passed and returned the changed byte."""
+    from cxlalloc.kvstore import layout
+
+    srv = kv_server()
+    eng = engine(_url(srv))
+    keys = [eng.key(i) for i in range(2)]
+    objs = [eng.chunk(i) for i in range(2)]
+    _put(eng, keys, objs)
+    seen = []
+
+    def flip(src):  # another client's write, landing between the checks and the copy
+        seen.append(src.numel())
+        src[src.numel() // 2] ^= 0x01
+
+    monkeypatch.setattr(layout, "_before_copy", flip)
+    assert eng.remote.get_blocking(keys[0]) is None            # a miss, never the changed bytes
+    assert seen == [objs[0].get_size()]                         # the hook ran once, on the chunk's payload
+    s = eng.connector.stats()
+    assert s["corrupt_blocks"] == 1 and s["hit_blocks"] == 0
+    monkeypatch.setattr(layout, "_before_copy", None)
+    good = eng.remote.get_blocking(keys[1])
+    assert same_bytes(good, objs[1])                            # the sound chunk: byte-identical
+    for mo in [good, *objs]:
+        mo.ref_count_down()

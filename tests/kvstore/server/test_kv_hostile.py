@@ -215,7 +215,8 @@ def test_a_one_byte_reserve_is_answered_at_once_with_one_page(server_proc):
     (["--max-items", "10"], "--max-items"), (["--max-buffered", "16MiB"], "--max-buffered"),
     (["--slice-keys", "0"], "--slice-keys"), (["--hello-timeout", "0"], "--hello-timeout"),
     (["--idle-timeout", "-1"], "--idle-timeout"), (["--max-clients-per-uid", "999"], "--max-clients-per-uid"),
-    (["--redis-max-value", "1MiB"], "--redis-max-value")])
+    (["--redis-max-value", "1MiB"], "--redis-max-value"), (["--max-pinned", "0"], "--max-pinned"),
+    (["--max-pinned", "150%"], "--max-pinned")])
 def test_each_limit_is_an_option_and_a_bad_value_names_it(argv, message, capsys):
     from cxlalloc.kvstore.server.cli import main
 

@@ -89,7 +89,7 @@ def test_hardening_counters_are_scraped_from_metrics(kv_server, redis_server, so
     rs = redis_server()
     tier = RedisTier(rs.url, prefix="m:", max_value_bytes=MiB)
     srv = kv_server(redis=tier, hello_timeout=0.5, idle_timeout=1.0, max_items=100, max_objects=50,
-                    max_clients_per_uid=1, max_reserve_bytes=BLOCK, socket_mode=0o666)
+                    max_clients_per_uid=1, max_reserve_bytes=BLOCK, max_pinned=BLOCK, socket_mode=0o666)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -117,6 +117,9 @@ def test_hardening_counters_are_scraped_from_metrics(kv_server, redis_server, so
         r = c.call("reserve", ns="", keys=[key(1), key(2)], nbytes=BLOCK, tokens=16)  # one fits the budget
         c.call("commit", res=r["res"])  # zeros, not a sealed block: a reader finds it corrupt
         assert c.call("reserve", ns="", keys=[key(3)], nbytes=2 * BLOCK, tokens=16)["code"] == "limit"
+        lease = c.call("lookup", ns="", keys=[key(1)])["lease"]  # pins BLOCK: all of its --max-pinned
+        assert c.call("lookup", ns="", keys=[key(1)])["code"] == "limit"
+        c.call("release", leases=[lease])
         assert c.call("discard", ns="", keys=[key(1)])["dropped"] == 1
         rs.client().setrange("m:" + namespaced_key("", key(7)).hex(), 2 * MiB - 1, b"x")  # planted, too large
         assert c.call("lookup", ns="", keys=[key(7)])["ok"]
@@ -140,9 +143,12 @@ def test_hardening_counters_are_scraped_from_metrics(kv_server, redis_server, so
     assert moved(reason("per_uid")) == (1 if os.geteuid() == 0 else 0) and moved(reason("max_clients")) == 0
     assert moved(("cxlalloc_kv_refused_reserves_total", ())) == 1
     assert moved(("cxlalloc_kv_reserve_budget_blocks_total", ())) == 1  # key(2); key(3)'s reserve was refused whole
+    assert moved(("cxlalloc_kv_refused_lookups_total", ())) == 1
+    assert moved(("cxlalloc_kv_pin_budget_blocks_total", ())) == 1
     assert moved(("cxlalloc_kv_corrupt_blocks_total", ())) == 1
     assert moved(("cxlalloc_kv_redis_refused_values_total", (("reason", "too_large"),))) == 1
     assert after[("cxlalloc_kv_lock_hold_seconds_max", ())] > 0
+    assert after[("cxlalloc_kv_limit", (("limit", "max_pinned"),))] == BLOCK
     assert after[("cxlalloc_kv_limit", (("limit", "hello_timeout_s"),))] == 0.5
     assert after[("cxlalloc_kv_buffered_peak_bytes", ())] > 0
     tier.close()

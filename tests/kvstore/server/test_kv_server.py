@@ -13,6 +13,7 @@ import torch
 
 from cxlalloc.kvstore import protocol as P
 from cxlalloc.kvstore.client import RemoteBlockStore
+from cxlalloc.kvstore.local import KVStoreWarning
 from cxlalloc.kvstore.server import KVServer
 from cxlalloc.kvstore.server.cli import format_status, query_status
 from tests.helpers.wait import wait_until
@@ -341,6 +342,26 @@ def test_remote_store_cross_client_bytes_and_chunk_registration(kv_server, alloc
         a.check_block_bytes(8 * MiB)
     a.close()
     b.close()
+
+
+def test_a_client_at_its_max_pinned_reads_a_miss_and_hits_again_once_it_releases(kv_server, alloc):
+    srv = kv_server(max_pinned=2 * BLOCK)
+    a = RemoteBlockStore(srv.url, alloc())
+    keys = [key(i) for i in range(3)]
+    res = a.reserve("", keys, BLOCK, 16)
+    for v in res.views:
+        v.fill_(7)
+    assert res.commit(wait=True) == 3
+    with a.lookup("", keys) as held:
+        assert held.blocks == 2  # cut at the budget: the third is a miss
+        with pytest.warns(KVStoreWarning, match="--max-pinned"), a.lookup("", keys) as refused:
+            assert refused.blocks == 0  # refused 'limit' on the server: a miss here, never an error
+    assert a.stats()["remote_errors"] == 1
+    with a.lookup("", keys[:2]) as again:
+        assert again.blocks == 2 and all(bool((v == 7).all()) for v in again.views)
+    pool = srv.stats()["pool"]
+    assert pool["refused_pin_budget"] == 1 and pool["pin_budget_blocks"] == 1 + 3
+    a.close()
 
 
 def test_remote_reservation_left_unwritten_is_aborted(kv_server, alloc):
