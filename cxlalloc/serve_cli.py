@@ -21,11 +21,13 @@ model on the CPU, the tiers on cxlalloc's simulated driver) or the GPU.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import os
 import signal
 import socket
 import sys
+import threading
 from typing import List, Optional
 
 from cxlalloc.config import make_config
@@ -41,6 +43,10 @@ WRAP_FLAGS = ("device_limit", "host_limit", "kv_device_limit", "numa_node", "bac
 CB_FLAGS = ("block_size", "num_blocks", "max_batch_tokens")
 # exit status when the drain deadline (--drain-timeout) cancelled requests still running at shutdown
 EXIT_DRAIN_TIMEOUT = 3
+# once a force quit starts with requests still running (the drain deadline passed, or a second SIGINT), the
+# process exits within this many seconds: the requests' error answers are sent at once, the continuous-batching
+# worker is stopped, and the interpreter's own teardown (seconds on a loaded machine) is skipped
+EXIT_GRACE_S = 1.0
 
 
 def make_parser(prog: str = "cxlalloc serve") -> argparse.ArgumentParser:
@@ -219,13 +225,24 @@ def parse_options(args, prog: str) -> dict:
     return opts
 
 
+def force_quit_line(prog: str, status) -> str:
+    """The last line of a force quit (``status``: :class:`cxlalloc.hf.serving_drain.ServeStatus`)."""
+    n, timeout = status.cancelled["drain"], status.drain_timeout
+    sigs = status.signals or ["a signal"]
+    if status.force_quit == "force":  # a second signal is uvicorn's force quit: no deadline was waited for
+        return (f"{prog}: stopped by a second {sigs[-1]} (force quit, before --drain-timeout {timeout:g} s): "
+                f"{n} request(s) still running were cancelled")
+    return f"{prog}: stopped by {sigs[0]}: {n} request(s) still running after --drain-timeout {timeout:g} s were cancelled"
+
+
 def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
     """Entry point of ``cxlalloc serve``; blocks until the server exits.
 
     SIGTERM or SIGINT drains: uvicorn stops accepting connections, answers the
     requests in flight, shuts transformers' generation down, and the command
     returns 0; requests still running after ``--drain-timeout`` seconds are
-    cancelled and it returns EXIT_DRAIN_TIMEOUT (3)."""
+    cancelled, and the process exits EXIT_DRAIN_TIMEOUT (3) at most EXIT_GRACE_S after that force quit
+    began (``os._exit``: main does not return then)."""
     args = make_parser(prog).parse_args(argv)
     port = _positive_int(prog, "--port", args.port, 1, 65535)
     if args.log_level.lower() not in LOG_LEVELS:
@@ -256,9 +273,10 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
         check_limits_simulated(prog, opts)
     print(mode_line(prog, dev, model, gpu), flush=True)
 
-    from cxlalloc.hf.serving import ServeStatus, serve
+    from cxlalloc.hf.serving import serve
+    from cxlalloc.hf.serving_drain import ServeStatus
 
-    status = ServeStatus()
+    status = ServeStatus(drain_timeout)
 
     stopped = []
 
@@ -267,6 +285,23 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
 
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
+    exiting = threading.Lock()
+
+    def force_quit_exit() -> None:
+        """The last line, the KV store's bounded flush of queued write-backs (its atexit hook), exit 3 now."""
+        if not exiting.acquire(blocking=False):
+            threading.Event().wait()  # the other thread is exiting the process
+        print(force_quit_line(prog, status), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        atexit._run_exitfuncs()
+        os._exit(EXIT_DRAIN_TIMEOUT)
+
+    def on_force_quit(reason: str) -> None:
+        timer = threading.Timer(EXIT_GRACE_S, force_quit_exit)
+        timer.daemon = True
+        timer.start()
+
+    status.on_force_quit.append(on_force_quit)
     try:
         serve(model, host=args.host, port=port, continuous_batching=args.continuous_batching, wrap_options=opts,
               cb_options=cb, device=dev, log_level=args.log_level.lower(), default_seed=seed,
@@ -274,15 +309,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
     except (RuntimeError, ValueError) as e:
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    drained = status.cancelled["drain"]
-    if len(stopped) > 1 and drained:  # a second signal is uvicorn's force quit: no deadline was waited for
-        print(f"{prog}: stopped by a second {stopped[-1]} (force quit, before --drain-timeout {drain_timeout:g} s): "
-              f"{drained} request(s) still running were cancelled", file=sys.stderr)
-        return EXIT_DRAIN_TIMEOUT
-    if stopped and drained:
-        print(f"{prog}: stopped by {stopped[0]}: {drained} request(s) still running after --drain-timeout "
-              f"{drain_timeout:g} s were cancelled", file=sys.stderr)
-        return EXIT_DRAIN_TIMEOUT
+    if status.force_quit is not None:
+        force_quit_exit()
     if stopped:
         print(f"{prog}: stopped by {stopped[0]} (requests in flight were answered first)", file=sys.stderr)
     return 0

@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, Optional
 
 ROUTES = ("/v1/chat/completions", "/v1/completions")
+METRICS_ROUTE = "/metrics"
 # seconds; TTFT on a CPU simulation runs from ~10 ms to tens of seconds
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -235,7 +236,7 @@ class _StatsCollector:
 
 
 class _StatusCollector:
-    """The server's cancellations and continuous-batching queue (:class:`cxlalloc.hf.serving.ServeStatus`)."""
+    """The server's cancellations and continuous-batching queue (:class:`cxlalloc.hf.serving_drain.ServeStatus`)."""
 
     def __init__(self, status) -> None:
         self.status = status
@@ -262,3 +263,37 @@ class _StatusCollector:
                                    "(running and waiting)")
         queued.add_metric([], float(self.status.cb_requests()))
         yield from (cancelled, cb, queued)
+
+
+def add_metrics(app, served, stats, status=None) -> None:
+    """``GET /metrics`` (:class:`ServeMetrics`) on ``app`` for the models in ``served`` (``.lock``, ``.models``);
+    without prometheus_client, said once on stderr and left out."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        import sys
+
+        print("cxlalloc serve: warning: prometheus_client is not installed; serving without /metrics "
+              "(pip install 'cxlalloc[serve]')", file=sys.stderr)
+        return
+    from fastapi.responses import Response
+
+    def models():
+        with served.lock:
+            return dict(served.models)
+
+    metrics = ServeMetrics(models, stats, status)
+
+    class MetricsMiddleware:
+        def __init__(self, inner):
+            self.inner = metrics.middleware(inner)
+
+        async def __call__(self, scope, receive, send):
+            await self.inner(scope, receive, send)
+
+    app.add_middleware(MetricsMiddleware)
+
+    @app.get(METRICS_ROUTE)
+    def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+

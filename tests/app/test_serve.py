@@ -523,3 +523,30 @@ def test_a_request_that_cannot_fit_the_paged_cache_is_400_and_the_server_goes_on
     r = client.chat.completions.create(messages=[{"role": "user", "content": "rain sun moon"}], **ok)
     assert r.choices[0].message.content is not None and proc.poll() is None
     assert client.completions.create(prompt="rain sun", **ok).choices[0].text is not None
+
+
+def test_a_null_content_is_400_naming_it_except_on_an_assistant_tool_call(served):
+    """User trial: ``{"role": "user", "content": null}`` was answered.  The rule applied is the OpenAI API's (the
+    ``openai`` package's ``openai.types.chat`` message params): ``content`` is required on a system, developer,
+    user and tool message; an assistant message may leave it null only when it carries ``tool_calls`` (or the
+    deprecated ``function_call``).  So a null or missing user content, and a null assistant content without
+    tool_calls, are a 400 naming ``messages.<i>.content``; the assistant tool-call turn is accepted (answered)."""
+    import openai
+
+    port, d, model, tok, proc = served
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    ok = dict(model=d, max_tokens=4, temperature=0)
+    user = {"role": "user", "content": "rain sun moon"}
+    call = {"id": "call_0", "type": "function", "function": {"name": "tide", "arguments": "{}"}}
+    for messages, param, role in (([{"role": "user", "content": None}], "messages.0.content", "a user message"),
+                                  ([{"role": "user"}], "messages.0.content", "a user message"),
+                                  ([user, {"role": "assistant", "content": None}], "messages.1.content",
+                                   "an assistant message without tool_calls or function_call")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(messages=messages, **ok)
+        assert e.value.body["param"] == param, e.value.body
+        assert e.value.body["message"].startswith(f"{param}: {role} needs content"), e.value.body
+    r = client.chat.completions.create(messages=[user, {"role": "assistant", "content": None, "tool_calls": [call]},
+                                                 {"role": "tool", "tool_call_id": "call_0", "content": "low tide"}],
+                                       **ok)
+    assert r.choices[0].message.content is not None and proc.poll() is None

@@ -1,0 +1,172 @@
+"""transformers' generation managers as ``cxlalloc serve`` runs them (:mod:`cxlalloc.hf.serving`): the
+continuous-batching manager with its guards and cancellation (:func:`guarded_cb_manager`), and the
+one-``generate()``-at-a-time manager whose cancelled request stops at its next token
+(:func:`stoppable_generate_manager`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Optional
+
+from cxlalloc.hf.serving_drain import ServeStatus
+from cxlalloc.hf.serving_requests import InvalidRequest
+
+
+def paged_capacity_tokens(stats: dict) -> Optional[int]:
+    """Tokens the model's paged KV cache holds (``num_blocks x page_size`` of its live or last paged cache, from
+    :func:`cxlalloc.hf.stats`), or None before one exists."""
+    cache = ((stats.get("hf") or {}).get("continuous_batching") or {}).get("cache") or {}
+    n, page = cache.get("num_blocks"), cache.get("page_size")
+    return int(n) * int(page) if n and page else None
+
+
+def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
+    """transformers' ``CBGenerateManager`` with two guards (issue 29, item 3: one request used to kill the
+    continuous-batching worker for good, every later request a 503 "CB worker is dead") and cancellation:
+
+    * a request whose prompt plus ``max_tokens`` cannot fit the paged KV cache is refused with a 400 naming
+      the limit (:class:`InvalidRequest`), before it reaches the worker;
+    * a worker that died anyway is replaced by a new one at the next request (logged, counted in
+      ``restarts``); requests in flight when it died get transformers' own error;
+    * a request whose handler is cancelled (its client went away:
+      :class:`cxlalloc.hf.serving_drain.DisconnectMiddleware`; or the drain deadline ran out) is cancelled in transformers' ``ContinuousBatchingManager`` (``cancel_request``: its
+      blocks freed, it leaves the scheduler at the worker's next step) and counted in
+      ``status.engine_cancelled``.
+      transformers 5.24 does this for a streamed request only (its SSE generator's ``streamer.cancel()``);
+      a non-streamed request ran to its end.
+    """
+
+    class GuardedCBManager(base):
+        restarts = 0
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if status is not None:
+                status.managers.append(self)
+
+        def _cancel(self, request_id: str) -> None:
+            """Cancel ``request_id`` in the continuous-batching manager, drop its result handler, count it."""
+            cb = self._cb
+            if cb is None:
+                return
+            cb.cancel_request(request_id)
+            router = getattr(cb, "output_router", None)
+            if router is not None:
+                with router._lock:
+                    router.result_handlers.pop(request_id, None)
+            if status is not None:
+                status.count(engine="continuous_batching")
+
+        def init_cb(self, model, gen_config) -> None:
+            self._model, self._gen_config = model, gen_config
+            super().init_cb(model, gen_config)
+
+        def _check_alive(self, request_id: str) -> None:
+            cb = self._cb
+            if cb is not None and cb.background_thread_status.fatal_error is not None:
+                import logging
+
+                logging.getLogger("cxlalloc.serve").warning(
+                    "cxlalloc serve: the continuous-batching worker died (%s); starting a new one",
+                    cb.background_thread_status.fatal_error)
+                try:
+                    cb.stop(block=False)
+                except Exception:  # the dead worker's own clean-up: nothing more to save
+                    pass
+                self._cb = None
+                type(self).restarts += 1
+                super().init_cb(self._model, self._gen_config)
+            super()._check_alive(request_id)
+
+        def _check_fits(self, model, inputs, gen_config) -> None:
+            cap = paged_capacity_tokens(stats(model))
+            prompt = len(inputs["input_ids"])
+            new = int(gen_config.max_new_tokens or 0)
+            if prompt == 0:  # transformers' worker dies on a request of no token ("cannot reshape ... 0 elements")
+                raise InvalidRequest("messages", "messages: the prompt is empty after the chat template (0 tokens)")
+            ctx = getattr(model.config, "max_position_embeddings", None)  # a transformers config field
+            if isinstance(ctx, int) and prompt + new > ctx:
+                param = "messages" if prompt >= ctx else "max_tokens"
+                raise InvalidRequest(param, f"{param}: the prompt ({prompt} tokens) plus max_tokens ({new}) is "
+                                            f"{prompt + new} tokens, more than the model's context "
+                                            f"(max_position_embeddings {ctx}); shorten the prompt or lower max_tokens")
+            if cap is not None and prompt + new > cap:
+                param = "messages" if prompt >= cap else "max_tokens"
+                raise InvalidRequest(param, f"{param}: the prompt ({prompt} tokens) plus max_tokens ({new}) "
+                                            f"needs {prompt + new} tokens of KV, more than the paged KV cache "
+                                            f"holds ({cap} tokens: --cb-num-blocks x --cb-block-size); shorten "
+                                            "the prompt or lower max_tokens")
+
+        def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
+            self._check_fits(model, inputs, gen_config)
+            queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id,
+                                                         response_parser=response_parser)
+            # transformers' SSE generator calls streamer.cancel() when the response is cancelled; cancel once,
+            # and only a request still running (not one whose last token was already delivered)
+            state = {"ended": False, "cancelled": False}
+            base_end = streamer.end
+
+            def end() -> None:
+                state["ended"] = True
+                base_end()
+
+            def cancel() -> None:
+                if not state["ended"] and not state["cancelled"]:
+                    state["cancelled"] = True
+                    self._cancel(request_id)
+
+            streamer.end, streamer.cancel = end, cancel
+            return queue, streamer
+
+        async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+            self._check_fits(model, inputs, gen_config)
+            try:
+                return await super().generate_non_streaming(model, processor, inputs, gen_config, request_id)
+            except asyncio.CancelledError:  # the client went away, or the drain deadline ran out
+                self._cancel(request_id)
+                raise
+
+    return GuardedCBManager
+
+
+
+def stoppable_generate_manager(base, status: Optional[ServeStatus] = None):
+    """transformers' ``GenerateManager`` (``--no-continuous-batching``: one ``model.generate()`` at a time on
+    an inference thread) whose non-streamed request stops when its handler is cancelled (its client went
+    away, or the drain deadline ran out): a stopping criterion ends the ``generate()`` at its next token, and
+    the inference thread is free for the next request.  transformers 5.24 ran it to its end, then set the
+    result of the cancelled future ("InvalidStateError" logged).  Streamed requests already stop (their
+    streamer raises at the next token)."""
+
+    class StoppableGenerateManager(base):
+        async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+            import torch
+            from transformers import StoppingCriteria, StoppingCriteriaList
+
+            stop = threading.Event()
+
+            class _Cancelled(StoppingCriteria):
+                def __call__(self, input_ids, scores, **kwargs):
+                    return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool,
+                                      device=input_ids.device)
+
+            kwargs = {**inputs, "generation_config": gen_config, "tokenizer": processor,
+                      "stopping_criteria": StoppingCriteriaList([_Cancelled()])}
+            if hasattr(model, "has_talker"):  # as transformers: text only
+                kwargs["generation_mode"] = "text"
+            future = self.async_submit(model.generate, **kwargs)
+            try:
+                sequences = await asyncio.shield(future)  # a cancelled handler leaves the thread's future alone
+            except asyncio.CancelledError:
+                stop.set()
+                if status is not None:
+                    status.count(engine="generate")
+                raise
+            input_len = inputs["input_ids"].shape[-1]
+            generated_ids = sequences[0, input_len:]
+            return processor.decode(generated_ids, skip_special_tokens=True), input_len, generated_ids
+
+    return StoppableGenerateManager
+

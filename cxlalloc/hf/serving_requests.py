@@ -1,0 +1,186 @@
+"""Request validation for ``cxlalloc serve`` (:mod:`cxlalloc.hf.serving`): each ``/v1/chat/completions``
+and ``/v1/completions`` body is checked by a pydantic model (:func:`request_models`) before transformers'
+handler sees it, and every 4xx of the server is put in OpenAI's error form (:class:`InvalidRequest`,
+:func:`openai_error`): ``{"error": {"message", "type", "param", "code"}}``, the field named.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Literal, Optional, Union
+
+
+class InvalidRequest(Exception):
+    """A request body refused before transformers' handler (HTTP 400).
+
+    Attributes:
+        param: the field at fault (``"max_tokens"``, ``"messages"``, ``"messages.0.role"``).
+        message: one line naming the field, the value and what is allowed.
+    """
+
+    def __init__(self, param: Optional[str], message: str, status: int = 400, code: Optional[str] = "invalid_value",
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+        self.status = status
+        self.code = code
+        self.kind = kind
+
+    def body(self) -> dict:
+        """OpenAI's error object (what the ``openai`` client's ``BadRequestError`` reads)."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def openai_error(exc) -> "InvalidRequest":
+    """Starlette's/FastAPI's ``HTTPException`` (transformers' handlers raise it; routing raises 404 and 405; a
+    body that cannot be read raises 400) as :class:`InvalidRequest`, so that every 4xx of the server has
+    OpenAI's error form (``{"error": {"message", "type", "param", "code"}}``) and the ``openai`` client raises
+    its ``BadRequestError``/``NotFoundError``/... with the message, never FastAPI's ``{"detail": ...}``.
+
+    transformers' 422 "Unexpected fields in the request: {...}" becomes OpenAI's 400 for an unknown argument,
+    the field named; a body that is not UTF-8 is a 400 naming ``body``.
+    """
+    status = int(getattr(exc, "status_code", 500))
+    detail = getattr(exc, "detail", None)
+    message = detail if isinstance(detail, str) else str(detail or "")
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, UnicodeDecodeError):
+        return InvalidRequest("body", f"body: the request body is not UTF-8 ({cause.reason} at byte {cause.start}); "
+                                      "send JSON encoded as UTF-8")
+    if status == 400 and message == "There was an error parsing the body":
+        return InvalidRequest("body", f"body: the request body could not be read ({cause or message})")
+    if status == 422 and message.startswith("Unexpected fields in the request: "):
+        fields = message.split(": ", 1)[1]
+        first = fields.strip("{}").split(",")[0].strip().strip("'\"")
+        return InvalidRequest(first, f"{first}: unrecognized request argument (unexpected fields {fields}); "
+                                     "see the OpenAI API reference for the fields of this route",
+                              code="unknown_parameter")
+    code = {404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "request_too_large",
+            415: "unsupported_media_type"}.get(status, "invalid_request")
+    return InvalidRequest(None, message or f"HTTP {status}", status=status, code=code)
+
+
+_MODELS: Dict[str, Any] = {}
+
+
+def request_models():
+    """The pydantic models of the request bodies checked here: ``(ChatRequest, CompletionRequest)``.
+
+    Built on first use (pydantic comes with the ``serve`` extra).  Only the
+    fields whose values matter are declared; any other field is left to
+    transformers' own check (it refuses a name outside OpenAI's schema with a
+    422).  Ranges are what transformers' generation accepts (``top_p`` in
+    (0, 1], ``frequency_penalty`` in (-1, 2]: it becomes
+    ``repetition_penalty = 1 + frequency_penalty``, which must be > 0).  Fields
+    transformers' server ignores (``n``, ``logprobs``, ``presence_penalty``,
+    ``best_of``, ``echo``, ...) accept only their default value.
+    """
+    if _MODELS:
+        return _MODELS["chat"], _MODELS["completion"]
+    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+    Number = Union[StrictInt, float]
+
+    class Message(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        role: Literal["system", "developer", "user", "assistant", "tool"]
+        content: Union[StrictStr, List[dict], None] = None
+
+    class Sampling(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        model: Optional[StrictStr] = None
+        max_tokens: Optional[StrictInt] = Field(None, gt=0)
+        temperature: Optional[Number] = Field(None, ge=0, le=2)
+        top_p: Optional[Number] = Field(None, gt=0, le=1)
+        frequency_penalty: Optional[Number] = Field(None, gt=-1, le=2)
+        seed: Optional[StrictInt] = None
+        stream: Optional[StrictBool] = None
+        stop: Union[StrictStr, List[StrictStr], None] = None
+        # ignored by transformers' server: only the default is honest
+        n: Optional[StrictInt] = Field(None, ge=1, le=1, description="one choice per request")
+        presence_penalty: Optional[Number] = Field(None, ge=0, le=0, description="not supported: 0 only")
+        user: Optional[StrictStr] = None
+
+    class ChatRequest(Sampling):
+        messages: List[Message] = Field(min_length=1)
+        max_completion_tokens: Optional[StrictInt] = Field(None, gt=0)
+        logprobs: Optional[Literal[False]] = None
+        top_logprobs: Optional[Literal[0]] = None
+        logit_bias: Optional[Dict[str, Number]] = None
+
+        @model_validator(mode="after")
+        def _format(self):
+            fmt = (self.model_extra or {}).get("response_format")
+            if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+                raise InvalidRequest("response_format", "response_format: only {'type': 'text'} is supported "
+                                     f"by this server (got {fmt!r})")
+            # OpenAI's rule (openai.types.chat.ChatCompletion*MessageParam): content is required on a system,
+            # developer, user and tool message; an assistant message may leave it null or out only when it
+            # carries tool_calls (or the deprecated function_call)
+            for i, message in enumerate(self.messages):
+                if message.content is None:
+                    extra = message.model_extra or {}
+                    if message.role == "assistant" and (extra.get("tool_calls") or extra.get("function_call")):
+                        continue
+                    param = f"messages.{i}.content"
+                    got = "null" if "content" in message.model_fields_set else "missing"
+                    why = ("an assistant message without tool_calls or function_call" if message.role == "assistant"
+                           else f"a {message.role} message")
+                    raise InvalidRequest(param, f"{param}: {why} needs content, a string or a list of text parts "
+                                         f"(got {got}); OpenAI allows a null content only on an assistant message "
+                                         "that carries tool_calls")
+            # the served model is a causal LM (text only): transformers' handler drops an image/audio/file
+            # part without a word and answers from the rest, so such a part is refused, named
+            for i, message in enumerate(self.messages):
+                for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                    kind = part.get("type")
+                    if kind != "text" or not isinstance(part.get("text"), str):
+                        param = f"messages.{i}.content.{j}" + (".type" if kind != "text" else ".text")
+                        got = kind if kind != "text" else part.get("text")
+                        raise InvalidRequest(param, f"{param}: this server serves a text-only model; a content "
+                                             f"part must be {{'type': 'text', 'text': '...'}} (got {got!r})")
+            return self
+
+    class CompletionRequest(Sampling):
+        prompt: StrictStr = Field(min_length=1)  # an empty prompt killed transformers' batching worker
+        best_of: Optional[StrictInt] = Field(None, ge=1, le=1)
+        echo: Optional[Literal[False]] = None
+        logprobs: Optional[Literal[0]] = None
+        suffix: Optional[StrictStr] = None
+
+    _MODELS.update(chat=ChatRequest, completion=CompletionRequest)
+    return ChatRequest, CompletionRequest
+
+
+def validate_request(kind: str, body: Any) -> None:
+    """Check a request body against :func:`request_models` (``kind``: ``"chat"`` or ``"completion"``).
+
+    Raises:
+        InvalidRequest: the first field at fault, named, with its value and the
+            allowed range (``"max_tokens: must be greater than 0 (got -1)"``).
+    """
+    from pydantic import ValidationError
+
+    chat, completion = request_models()
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", f"the request body must be a JSON object (got {type(body).__name__})")
+    try:
+        (chat if kind == "chat" else completion).model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        # a validator raising InvalidRequest arrives wrapped
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, InvalidRequest):
+            raise cause from None
+        loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-", "union["))]
+        param = ".".join(loc) or "body"
+        msg = err["msg"][0].lower() + err["msg"][1:]
+        got = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
+        hint = {"n": "; this server returns one choice per request", "best_of": "; one completion per request",
+                "presence_penalty": "; presence_penalty is not supported (frequency_penalty is)",
+                "logprobs": "; log probabilities are not returned by this server",
+                "top_logprobs": "; log probabilities are not returned by this server",
+                "frequency_penalty": " (it becomes repetition_penalty = 1 + frequency_penalty)"}.get(loc[0] if loc
+                                                                                                   else "", "")
+        raise InvalidRequest(param, f"{param}: {msg}{got}{hint}") from None
+
