@@ -34,8 +34,8 @@ Things transformers' server does not do are done here:
 transformers 5.24's layout (``transformers/cli/serve.py``,
 ``transformers/cli/serving/model_manager.py``, ``server.py``;
 docs/sources.md#transformers-serving) is required; an older transformers gets a
-one-line error naming what is missing.  Needs the serving extra: ``pip install
-cxlalloc[serve]`` (fastapi, uvicorn, openai).
+one-line error naming what is missing.  Needs cxlalloc's ``serve`` extra (fastapi, uvicorn, openai;
+:func:`cxlalloc.extras.install_hint` names its packages).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import contextlib
 import threading
 from typing import Any, Dict, Iterator, Optional
 
+from cxlalloc.extras import install_hint
 from cxlalloc.hf.serving_drain import DRAIN_TASK_WAIT_S, FORCE_QUIT_CANCEL, DisconnectMiddleware, ServeStatus
 from cxlalloc.hf.serving_http import header_timeout_protocol
 from cxlalloc.hf.serving_managers import guarded_cb_manager, stoppable_generate_manager
@@ -73,7 +74,7 @@ def serving_modules():
 
     if not is_serve_available():
         raise RuntimeError("cxlalloc serve: the serving dependencies are missing (fastapi, uvicorn, openai, pydantic); "
-                           "pip install 'cxlalloc[serve]'")
+                           + install_hint("serve"))
     return serve_mod, model_manager, server
 
 

@@ -26,6 +26,8 @@ import json
 import time
 from typing import Any, Callable, Dict, Iterable, Optional
 
+from cxlalloc.extras import install_hint
+
 ROUTES = ("/v1/chat/completions", "/v1/completions")
 METRICS_ROUTE = "/metrics"
 # seconds; TTFT on a CPU simulation runs from ~10 ms to tens of seconds
@@ -274,7 +276,7 @@ def add_metrics(app, served, stats, status=None) -> None:
         import sys
 
         print("cxlalloc serve: warning: prometheus_client is not installed; serving without /metrics "
-              "(pip install 'cxlalloc[serve]')", file=sys.stderr)
+              f"({install_hint('serve')})", file=sys.stderr)
         return
     from fastapi.responses import Response
 

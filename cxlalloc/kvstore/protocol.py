@@ -120,8 +120,8 @@ def _msgpack():
     try:
         import msgpack
     except ImportError as e:  # pragma: no cover - msgpack is a dependency of the kvserver extra
-        raise ImportError("cxlalloc kv-server protocol needs msgpack: pip install 'cxlalloc[kvserver]' "
-                          "(or pip install msgpack)") from e
+        from cxlalloc.extras import install_hint
+        raise ImportError(f"cxlalloc kv-server protocol needs msgpack: {install_hint('kvserver')}") from e
     return msgpack
 
 

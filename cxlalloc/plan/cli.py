@@ -160,8 +160,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc plan") -> int:
         try:
             import matplotlib  # noqa: F401  (checked before the plan is computed)
         except ImportError:
-            fail(prog, "--plot needs matplotlib: install the 'bench' extra: pip install 'cxlalloc[bench]' "
-                 "(or leave out --plot)")
+            from cxlalloc.extras import install_hint
+            fail(prog, f"--plot needs matplotlib: {install_hint('bench')}; or leave out --plot")
     records = [] if args.no_records else (args.records or ([DEFAULT_RECORDS] if os.path.isdir(DEFAULT_RECORDS) else []))
     try:
         info = None

@@ -18,6 +18,7 @@ from typing import Optional
 
 import cxlalloc
 from cxlalloc.config import format_bytes, parse_size_or_fraction
+from cxlalloc.extras import install_hint
 from cxlalloc_apps.demo import geometry
 
 MiB = 1 << 20
@@ -29,12 +30,12 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LIMIT_FLAGS = {"device_limit": "--device-limit", "host_limit": "--host-limit", "kv_device_limit": "--kv-device-limit"}
 
 # What the demo imports beyond `pip install cxlalloc`, and where it comes from
-# (setup.py's extras_require; torch is no extra: its build depends on the machine).
+# (setup.py's extras_require, named by cxlalloc.extras; torch is no extra: its build depends on the machine).
 NEEDED = (("torch", "torch (pip install torch; without a GPU the CPU build: pip install torch --index-url "
                     "https://download.pytorch.org/whl/cpu)"),
-          ("transformers", "the 'hf' extra: pip install 'cxlalloc[hf]'"),
-          ("gguf", "the 'hf' extra: pip install 'cxlalloc[hf]'"),
-          ("msgpack", "the 'hf' extra: pip install 'cxlalloc[hf]'"))
+          ("transformers", install_hint("hf")),
+          ("gguf", install_hint("hf")),
+          ("msgpack", install_hint("hf")))
 
 
 def find_smollm2() -> Optional[str]:

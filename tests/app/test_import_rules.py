@@ -61,7 +61,7 @@ PUBLIC = ("cxlalloc", "cxlalloc.hf", "cxlalloc.kvstore")
 # The private pieces the apps still use (CONTRIBUTING.md, "Import directions").
 APP_PRIVATE_ALLOWED = ("cxlalloc._C", "cxlalloc.config", "cxlalloc.topology", "cxlalloc.kvstore.client",
                        "cxlalloc.kvstore.protocol", "cxlalloc.kvstore.server.cli", "cxlalloc.kvstore.tiers.redis",
-                       "cxlalloc.hf.reuse", "cxlalloc.cli_usage",
+                       "cxlalloc.hf.reuse", "cxlalloc.cli_usage", "cxlalloc.extras",
                        "cxlalloc.kvstore.engines.lmcache_plugin")
 
 

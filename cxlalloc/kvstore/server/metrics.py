@@ -60,8 +60,8 @@ def _prom():
         import prometheus_client  # noqa: F401
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     except ImportError as e:
-        raise ImportError("kv-server metrics need prometheus_client: pip install 'cxlalloc[kvserver]' "
-                          "(or pip install prometheus_client)") from e
+        from cxlalloc.extras import install_hint
+        raise ImportError(f"kv-server metrics need prometheus_client: {install_hint('kvserver')}") from e
     return CounterMetricFamily, GaugeMetricFamily
 
 

@@ -148,8 +148,8 @@ class RedisTier(Tier):
             from redis.backoff import NoBackoff
             from redis.retry import Retry
         except ImportError as e:
-            raise ImportError("the Redis tier needs redis-py: pip install 'cxlalloc[kvserver]' (or pip install redis)"
-                              ) from e
+            from cxlalloc.extras import install_hint
+            raise ImportError(f"the Redis tier needs redis-py: {install_hint('kvserver')}") from e
         self._redis_mod = redis
         self.url = redact_url(url)
         self.prefix = str(prefix)

@@ -1,0 +1,33 @@
+"""Install hints name an extra's packages (cxlalloc is installed from a clone,
+not from PyPI: ``pip install 'cxlalloc[hf]'`` cannot work for a user)."""
+
+import ast
+import os
+
+from cxlalloc.extras import extra_packages, install_hint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _setup_extras():
+    """setup.py's ``extras_require`` literal (the one list of the extras)."""
+    with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    kw = next(k for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords if k.arg == "extras_require")
+    return ast.literal_eval(kw.value)
+
+
+def test_each_extra_lists_exactly_setup_pys_packages():
+    extras = _setup_extras()
+    assert {"hf", "serve", "kvserver", "bench"} <= set(extras)
+    for name, reqs in extras.items():
+        assert [r.replace(" ", "") for r in extra_packages(name)] == [r.replace(" ", "") for r in reqs], name
+
+
+def test_the_hint_names_packages_and_the_clone_never_a_package_index_cxlalloc():
+    hint = install_hint("serve")
+    assert "pip install 'transformers>=5.24' 'fastapi>=0.115'" in hint and "openai" in hint
+    assert "pip install --no-build-isolation '.[serve]' in the clone" in hint
+    assert "cxlalloc[" not in hint
+    assert install_hint("no-such-extra") == ("install the 'no-such-extra' extra: "
+                                             "pip install --no-build-isolation '.[no-such-extra]' in the clone")
