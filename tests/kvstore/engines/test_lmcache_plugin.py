@@ -341,7 +341,9 @@ def test_a_full_pool_or_an_oversized_chunk_is_a_miss(engine, kv_server):
     assert not eng.remote.contains(eng.key(1))
     assert eng.connector.stats()["put_skipped"] == 1 and eng.remote.put_failed_count == 0
 
-    srv = kv_server(size=256 * 1024, chunk=64 * 1024)                      # room for a few chunks only
+    # room for a few chunks only; one client may pin all of it (the default --max-pinned, half the pool, would
+    # refuse the filling lookups below before the pool is full)
+    srv = kv_server(size=256 * 1024, chunk=64 * 1024, max_pinned=1.0)
     eng2 = engine(_url(srv))
     keys = [eng2.key(i) for i in range(8)]
     _put(eng2, keys[:2], [mo, mo])
