@@ -62,6 +62,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from cxlalloc_apps.bench import method
 from cxlalloc_apps.bench.meta import REPO_ROOT, RecordWriter, new_record
+from cxlalloc_apps.bench.model import save_chat_llama
 
 MiB = 1 << 20
 WEIGHT_SEGMENT = 4 * MiB  # the model's weights fill one 4 MiB device segment of the wrapped model
@@ -69,7 +70,6 @@ STOP_TIMEOUT_S = 15.0  # a server's graceful shutdown, then SIGKILL
 SERVER_THREADS = 1  # torch intra-op threads of every server (OMP_NUM_THREADS)
 ARMS = ("plain", "plain_same_blocks", "cxlalloc")
 RATIOS = (("cxlalloc", "plain"), ("cxlalloc", "plain_same_blocks"))
-SPECIAL = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>")
 
 
 @dataclasses.dataclass
@@ -106,29 +106,11 @@ def block_bytes(cfg: Dict[str, Any], page: int) -> int:
 def make_model_dir(path: str, vocab_words: int = 1000) -> Dict[str, Any]:
     """Save the benchmark's tiny Llama (4 layers, hidden 128, 4 KV heads x 32, fp32, random weights, seed 0) with
     a word-level tokenizer (words ``w0``..``w{vocab_words-1}``; one word = one token) and a ChatML-like template
-    into ``path``; returns the model's config as a dict."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    words = [f"w{i}" for i in range(vocab_words)]
-    vocab = {w: i for i, w in enumerate(list(SPECIAL) + ["user", "assistant", "system"] + words)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>", bos_token="<|im_start|>",
-                                  eos_token="<|im_end|>")
-    tok.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=4, head_dim=32, vocab_size=len(vocab), max_position_embeddings=4096,
-                      pad_token_id=0, bos_token_id=2, eos_token_id=3)
-    model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.do_sample = False
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return cfg.to_dict()
+    into ``path`` (:func:`.model.save_chat_llama`); returns the model's config as a dict."""
+    model, _ = save_chat_llama(path, [f"w{i}" for i in range(vocab_words)], hidden_size=128, intermediate_size=256,
+                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                               max_position_embeddings=4096)
+    return model.config.to_dict()
 
 
 def _free_port() -> int:
