@@ -373,48 +373,38 @@ def run(ctx) -> Dict[str, Any]:
                    for a, s in servers.items()}
         models = {a: c.models.list().data[0].id for a, c in clients.items()}
         text = TraceText(t)
-        orders = method.round_orders(ARMS, t.warmup + t.rounds)
-        load_before = method.machine_load()
+        loop = method.Rounds(ARMS, t.rounds, warmup=t.warmup, deadline=ctx.deadline, skip=wr.skip)
         samples: Dict[str, Dict[str, List[float]]] = {m: {a: [] for a in ARMS} for m, _ in METRICS}
         replies: Dict[str, List[Dict[Tuple[int, int], str]]] = {a: [] for a in ARMS}
-        for r, seq in enumerate(orders):
-            timed = r >= t.warmup
-            for arm in seq:
-                if ctx.deadline.expired():
-                    wr.skip(f"{arm} round {r}", "time budget")
-                    continue
-                ctx.log(f"bench serve: round {r + 1}/{len(orders)}{'' if timed else ' (warm-up)'}: {arm}")
-                before = servers[arm].stats()
-                res = replay(clients[arm], models[arm], text, t)
-                row = summarize(res, t.window_s)
-                row.update(arm=arm, round=r - t.warmup, warmup=not timed, order=seq, load=method.machine_load(),
-                           errors=res["errors"][:5])
-                if arm == "cxlalloc":
-                    row["cxlalloc"] = _counter_delta(before, servers[arm].stats())
-                if not timed:
-                    continue
-                for m, _ in METRICS:
-                    samples[m][arm].append(row[m])
-                replies[arm].append({(q["sid"], q["turn"]): q["reply"] for q in res["requests"]})
-                wr.add(dict(row, kind="round", status="ok" if not res["errors"] else "errors",
-                            method="one closed-loop replay of the trace against a long-lived server"))
-        load_after = method.machine_load()
+        for turn in loop:
+            arm = turn.arm
+            ctx.log(f"bench serve: {turn.label()}")
+            before = servers[arm].stats()
+            res = replay(clients[arm], models[arm], text, t)
+            row = summarize(res, t.window_s)
+            row.update(arm=arm, round=turn.timed_round, warmup=not turn.timed, order=turn.order,
+                       load=method.machine_load(), errors=res["errors"][:5])
+            if arm == "cxlalloc":
+                row["cxlalloc"] = _counter_delta(before, servers[arm].stats())
+            if not turn.timed:
+                continue
+            for m, _ in METRICS:
+                samples[m][arm].append(row[m])
+            replies[arm].append({(q["sid"], q["turn"]): q["reply"] for q in res["requests"]})
+            wr.add(dict(row, kind="round", status="ok" if not res["errors"] else "errors",
+                        method="one closed-loop replay of the trace against a long-lived server"))
+        load_before, load_after = loop.load_before, loop.load_after
         n = min(len(v) for v in samples["sessions_per_min"].values())
         if n == 0:
             wr.error("serve", "no timed round completed")
             return wr.finish()
-        timed_orders = [o for o in orders[t.warmup:]][:n]
         summary: Dict[str, Any] = {"metrics": {}, "goals": [], "rounds": n}
         for m, better in METRICS:
-            cmp = method.Comparison(list(ARMS), {a: v[:n] for a, v in samples[m].items()}, timed_orders, "rotate",
-                                    t.warmup, load_before, load_after)
-            d = cmp.as_dict(RATIOS)
+            d = loop.comparison(samples[m]).as_dict(RATIOS)
             d["better"] = better
             summary["metrics"][m] = d
         for name, m, goal, better in GOALS:
-            cmp_ratio = method.Spread.of(method.Comparison(list(ARMS), {a: v[:n] for a, v in samples[m].items()},
-                                                           timed_orders, "rotate", t.warmup).ratios("cxlalloc",
-                                                                                                     "plain"))
+            cmp_ratio = loop.comparison(samples[m]).ratio("cxlalloc", "plain")
             summary["goals"].append(method.goal_record(name, cmp_ratio, goal, better))
         summary["replies"] = {}
         for base in ("plain", "plain_same_blocks"):
