@@ -672,8 +672,11 @@ def test_report_writes_the_cpu_section_from_the_kv_reuse_records(tmp_path):
     assert text.startswith("intro\n") and "<!-- bench-cpu:end -->\n\nfooter\n" in text and "\nold\n" not in text
     cpu = text.split("<!-- bench-cpu:start -->")[1].split("<!-- bench-cpu:end -->")[0]
     assert "**Simulation/CPU**" in cpu
-    assert "| TTFT recompute | 477 ms | 909 ms | 1,801 ms | 4,094 ms |" in cpu
-    assert "| TTFT hit | 97 ms | 115 ms | 130 ms | 173 ms |" in cpu
+    # the reuse record of 2026-12-03 (method.py): medians with their IQR, per-round speed-ups, the load
+    assert ("| TTFT recompute | 6,252 ms (4,140-6,546) | 8,724 ms (5,842-8,916) | 7,164 ms (6,070-9,183) | "
+            "11,400 ms (11,014-12,207) |") in cpu
+    assert "| TTFT hit | 1,570 ms (1,289-2,468) | 2,562 ms (2,232-2,574) | 1,267 ms (1,255-2,090) |" in cpu
+    assert "| 4.8x (IQR 3.9-5.7; bound 505x) |" in cpu and "load average (1 min) 5.1-7.9 on 2 CPUs" in cpu
     assert "**0.070 s** with the hit vs **1.016 s** recomputing (14.5x)" in cpu
     assert "| kill -9 of 1 of 4 writers mid-insert | 11,064 committed blocks logged, 0 missing, 0 torn" in cpu
     assert "<!-- bench-cpu:start -->" not in plain.read_text()
