@@ -27,7 +27,7 @@ document + a ``question_tokens`` question, all arriving at once) and ``chats``
 two-turn conversations (turn 2 = turn 1's prompt + its reply + a new
 question, submitted when turn 1 finishes).  Greedy, ``new_tokens`` each.
 
-Method (:mod:`.method`): one warm-up round (discarded), then ``ROUNDS`` (9) timed
+Method (:mod:`.method`, its arm loop ``Rounds``): one warm-up round (discarded), then ``ROUNDS`` (9) timed
 rounds; each round runs every arm once, in an order rotated by the round number,
 so that load on a shared machine and order effects fall on every arm; every
 ratio is taken per round and summarised as median, IQR and range, with the
@@ -427,34 +427,28 @@ def run(ctx) -> Dict[str, Any]:
             for name, budget, wrapped, store, probe_docs, nb in ARMS}
     names = list(plan)
     warmup = 0 if ctx.quick else WARMUP_ROUNDS
-    orders = method.round_orders(names, warmup + rounds)
+    loop = method.Rounds(names, rounds, warmup=warmup, deadline=ctx.deadline, skip=wr.skip)
     per: Dict[str, List[dict]] = {}
-    load_before = method.machine_load()
-    for r, seq in enumerate(orders):
-        timed = r >= warmup
-        for name in seq:
-            budget, wrapped, store, probe_docs, num_blocks = plan[name]
-            if ctx.deadline.expired():
-                wr.skip(f"{name} round {r}", "time budget")
-                continue
-            ctx.log(f"bench cb: round {r + 1}/{len(orders)}{'' if timed else ' (warm-up)'}: {name} "
-                    f"({budget} blocks of device budget)")
-            # the restart probe runs once per arm (first timed round): it is not part of the throughput
-            probe_now = probe_docs and timed and name not in per
-            try:
-                row = _variant(name, w, budget, docs, reqs, gen, wrapped=wrapped, store=store, probe_docs=probe_now,
-                               num_blocks=num_blocks, device=device)
-            except Exception as e:
-                wr.error(f"{name} round {r}", e)
-                continue
-            if not timed:
-                continue
-            row.update(load=method.machine_load(), order=seq)
-            per.setdefault(name, []).append(row)
-            wr.add(dict({k: v for k, v in row.items() if k != "tokens"}, kind="round", round=r - warmup,
-                        status="ok", method="one ContinuousBatchingManager per arm and round, the same seeded "
-                        "request stream; arms in an order rotated per round"))
-    load_after = method.machine_load()
+    for turn in loop:
+        name = turn.arm
+        budget, wrapped, store, probe_docs, num_blocks = plan[name]
+        ctx.log(f"bench cb: {turn.label()} ({budget} blocks of device budget)")
+        # the restart probe runs once per arm (first timed round): it is not part of the throughput
+        probe_now = probe_docs and turn.timed and name not in per
+        try:
+            row = _variant(name, w, budget, docs, reqs, gen, wrapped=wrapped, store=store, probe_docs=probe_now,
+                           num_blocks=num_blocks, device=device)
+        except Exception as e:
+            wr.error(f"{name} round {turn.round}", e)
+            continue
+        if not turn.timed:
+            continue
+        row.update(load=method.machine_load(), order=turn.order)
+        per.setdefault(name, []).append(row)
+        wr.add(dict({k: v for k, v in row.items() if k != "tokens"}, kind="round", round=turn.timed_round,
+                    status="ok", method="one ContinuousBatchingManager per arm and round, the same seeded "
+                    "request stream; arms in an order rotated per round"))
+    load_before, load_after = loop.load_before, loop.load_after
     summary: Dict[str, Any] = {"variants": {}}
     ref = {"plain": per.get("plain", [{}])[0].get("tokens"), "no-spill": per.get("plain no-spill", [{}])[0].get(
         "tokens")}
@@ -467,11 +461,9 @@ def run(ctx) -> Dict[str, Any]:
                     "rounds"))
     n = min((len(v) for v in per.values()), default=0)
     if per and n and len(per) == len(names):
-        timed_orders = orders[warmup:warmup + n]
         cmps = {}
         for key in ("tokens_per_s", "tokens_per_cpu_s", "ttft_p50_ms", "ttft_p99_ms", "max_in_flight"):
-            c = method.Comparison(names, {a: [row[key] for row in per[a][:n]] for a in names}, timed_orders,
-                                  "rotate", warmup, load_before, load_after)
+            c = loop.comparison({a: [row[key] for row in per[a]] for a in names})
             cmps[key] = c
             summary.setdefault("comparison", {})[key] = c.as_dict(RATIOS)
         tps = cmps["tokens_per_s"]

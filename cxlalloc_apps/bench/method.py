@@ -18,6 +18,10 @@ bias into the ratio; one sample per cell has no spread; a ratio of minima pairs 
   goal's side, *missed* when the whole range is on the other side, *within noise* when the range straddles
   the goal.
 
+``interleave`` runs arms that are plain callables; a benchmark whose arm is more (a server replayed against, a
+model built per round, a row recorded per run) iterates ``Rounds`` instead: the same rotated plan, warm-up and
+load record, one loop for every such benchmark.
+
 The module is pure Python with an injectable clock so that its own test (``tests/app/test_bench_method.py``)
 checks it on a synthetic pair of arms with a known ratio and an order penalty.
 """
@@ -30,7 +34,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 MIN_ROUNDS = 5
 """Fewest timed rounds a comparison may report (issue 33: ">= 5 rounds")."""
@@ -194,6 +198,82 @@ def interleave(arms: Mapping[str, Callable[[], Optional[float]]], rounds: int = 
             if r >= warmup:
                 samples[a].append(float(dt if v is None else v))
     return Comparison(names, samples, plan[warmup:], order, warmup, before, machine_load())
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One arm's run in one round of :class:`Rounds`: ``round`` counts from 0 over every round, the ``warmup``
+    rounds first; ``order`` is that round's order of the arms; ``total`` the number of rounds, warm-up
+    included."""
+
+    arm: str
+    round: int
+    warmup: int
+    order: List[str]
+    total: int
+
+    @property
+    def timed(self) -> bool:
+        """False in a warm-up round (run it, then discard what it measured)."""
+        return self.round >= self.warmup
+
+    @property
+    def timed_round(self) -> int:
+        """The round's number among the timed rounds (negative in warm-up)."""
+        return self.round - self.warmup
+
+    def label(self) -> str:
+        """``"round 2/6: plain"`` (``" (warm-up)"`` after the count in a warm-up round), for progress lines."""
+        return f"round {self.round + 1}/{self.total}{'' if self.timed else ' (warm-up)'}: {self.arm}"
+
+
+class Rounds:
+    """The arm loop: ``for turn in Rounds(arms, rounds, warmup=1)`` yields a :class:`Turn` for every arm of every
+    round, ``warmup`` rounds first, each round's arms in the order :func:`round_orders` gives (rotated by the
+    round number, or shuffled); the caller runs ``turn.arm`` and keeps what it measured when ``turn.timed``.
+
+    The machine's load is read into ``load_before`` when the loop starts and ``load_after`` when it ends.  With
+    a ``deadline`` (an object whose ``expired()`` is true once the time budget is spent), every turn after it
+    expires is not yielded but passed to ``skip(part, reason)`` as ``("ARM round R", "time budget")``.
+
+    ``rounds`` are timed rounds; fewer than :data:`MIN_ROUNDS` is allowed here (a ``--quick`` smoke run), and
+    the caller says such a run is not a figure.  Raises ValueError for a negative ``warmup``, for no arms or for
+    an unknown ``order``."""
+
+    def __init__(self, arms: Sequence[str], rounds: int, *, warmup: int = 1, order: str = "rotate", seed: int = 0,
+                 deadline=None, skip: Optional[Callable[[str, str], None]] = None):
+        if warmup < 0:
+            raise ValueError(f"warmup={warmup}: must be >= 0")
+        self.arms = list(arms)
+        if not self.arms:
+            raise ValueError("Rounds needs at least one arm")
+        self.warmup = warmup
+        self.order = order
+        self.orders = round_orders(self.arms, warmup + rounds, order, seed)
+        self.deadline = deadline
+        self.skip = skip
+        self.load_before: Dict[str, float] = {}
+        self.load_after: Dict[str, float] = {}
+
+    def __iter__(self) -> Iterator[Turn]:
+        self.load_before = machine_load()
+        for r, seq in enumerate(self.orders):
+            for arm in seq:
+                if self.deadline is not None and self.deadline.expired():
+                    if self.skip is not None:
+                        self.skip(f"{arm} round {r}", "time budget")
+                    continue
+                yield Turn(arm, r, self.warmup, seq, len(self.orders))
+        self.load_after = machine_load()
+
+    def comparison(self, samples: Mapping[str, Sequence[float]]) -> Comparison:
+        """A :class:`Comparison` of ``samples`` (arm -> its timed rounds' values, in order; every arm of the loop):
+        each arm's list cut to the shortest one's length ``n``, with the orders of the first ``n`` timed rounds
+        and the loads of the loop.  Raises KeyError for an arm without samples."""
+        n = min(len(samples[a]) for a in self.arms)
+        return Comparison(self.arms, {a: list(samples[a][:n]) for a in self.arms},
+                          self.orders[self.warmup:self.warmup + n], self.order, self.warmup, self.load_before,
+                          self.load_after)
 
 
 def noise_floor(fn: Callable[[], Optional[float]], rounds: int = MIN_ROUNDS, *, warmup: int = 1,

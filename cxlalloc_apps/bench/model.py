@@ -1,5 +1,5 @@
-"""Llama-shaped models with random weights, their byte counts, and the
-link-bound ceiling model.
+"""Llama-shaped models with random weights, their byte counts, the
+link-bound ceiling model, and a saved tiny chat Llama for the servers.
 
 Shapes follow the public Llama 3.2 1B / 3B and Llama 3.1 8B configurations
 (hidden size, layers, heads, KV heads, head dim, MLP width), with a 32,000
@@ -26,7 +26,7 @@ tokens/s sit below it; the gap is what overheads and placement cost.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -123,6 +123,48 @@ def build_model(shape: Shape, device: str = "cuda", dtype=None, seed: int = 0, m
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None  # never stop early: every run decodes the same number of tokens
     return model
+
+
+CHAT_SPECIAL = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>")
+"""The special tokens of :func:`save_chat_llama`'s tokenizer, ids 0-3 (pad, unknown, begin, end of a turn)."""
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+"""The ChatML-like chat template of :func:`save_chat_llama`'s tokenizer (words separated by spaces)."""
+
+
+def save_chat_llama(path: str, words: Sequence[str], *, newline: bool = False, **config):
+    """Save a tiny Llama (random weights after ``torch.manual_seed(0)``, fp32) with a word-level tokenizer and a
+    chat template into ``path`` (``save_pretrained``; nothing downloaded), for ``transformers serve`` and
+    ``cxlalloc serve``.
+
+    The vocabulary: :data:`CHAT_SPECIAL` (ids 0-3), then ``"\\n"`` if ``newline``, then ``user``, ``assistant``,
+    ``system``, then ``words`` in order.  Word-level: one whitespace-separated word is one token, and every token
+    decodes to a whole word, so streamed text and decoded tokens compare exactly; a word not in the vocabulary is
+    ``<unk>``.  ``config``: ``LlamaConfig`` fields (sizes, ``max_position_embeddings``...); ``vocab_size`` and the
+    pad/bos/eos ids are set here.  The model's generation config is greedy.
+
+    Returns ``(model, tokenizer)``: the ``LlamaForCausalLM`` saved (training mode, as built) and its
+    ``PreTrainedTokenizerFast``."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(list(CHAT_SPECIAL) + (["\n"] if newline else [])
+                                        + ["user", "assistant", "system"] + list(words))}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>", bos_token="<|im_start|>",
+                                  eos_token="<|im_end|>")
+    tok.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config, vocab_size=len(vocab), pad_token_id=0, bos_token_id=2,
+                                         eos_token_id=3))
+    model.generation_config.do_sample = False
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model, tok
 
 
 def ceiling_tokens_per_s(batch: int, weight_bytes: int, kv_bytes: int, host_fraction: float,

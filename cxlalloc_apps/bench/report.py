@@ -262,15 +262,35 @@ def cpu_section(latest: Dict[str, Dict[str, Any]]) -> str:
         pts = sorted((x for x in r["results"] if x.get("kind") == "ttft" and x.get("status") == "ok"),
                      key=lambda x: x["prefix_tokens"])
         prm = r.get("parameters", {})
+        if "rounds" in prm:  # the benchmark method (method.py): spreads, per-round ratios, load
+            how = (f"arms interleaved in a rotated order, {prm.get('warmup_rounds')} warm-up + {prm['rounds']} timed "
+                   "rounds, median (IQR); the speed-up is the median (IQR) of the per-round ratios")
+            loads = [x[k]["loadavg_1m"] for x in pts for k in ("load_before", "load_after") if x.get(k)]
+            if loads:
+                how += f"; load average (1 min) {min(loads):.1f}-{max(loads):.1f} on {pts[0]['load_before']['cpus']} CPUs"
+        else:
+            how = f"medians of {prm.get('repeat')} (recompute and hit alternating)"
+
+        def ms(x, key):
+            sp = x.get(key + "_spread_ms")
+            iqr = f" ({sp['q1']:,.0f}-{sp['q3']:,.0f})" if sp else ""
+            return f"{x[key + '_ms']:,.0f} ms{iqr}"
+
+        def speed(x):
+            sp, bound = x.get("speedup_spread"), x.get("bound_speedup", 0)
+            if not sp:
+                return f"{x['speedup']:.1f}x ({bound:,.0f}x)"
+            return f"{x['speedup']:.1f}x (IQR {sp['q1']:.1f}-{sp['q3']:.1f}; bound {bound:,.0f}x)"
+
         lines += ["#### KV reuse: TTFT of a prefix hit vs recomputing it (`bench --only reuse`)", "",
                   f"Run: {_cpu_run_line(r)}. Model {prm.get('model')}, a {prm.get('question_tokens')}-token question "
-                  f"after the prefix, medians of {prm.get('repeat')} (recompute and hit alternating).", "",
+                  f"after the prefix, {how}.", "",
                   "| prefix tokens | " + " | ".join(f"{x['prefix_tokens']:,}" for x in pts) + " |",
                   "|---|" + "---|" * len(pts),
-                  "| TTFT recompute | " + " | ".join(f"{x['recompute_ttft_ms']:,.0f} ms" for x in pts) + " |",
-                  "| TTFT hit | " + " | ".join(f"{x['hit_ttft_ms']:,.0f} ms" for x in pts) + " |",
+                  "| TTFT recompute | " + " | ".join(ms(x, "recompute_ttft") for x in pts) + " |",
+                  "| TTFT hit | " + " | ".join(ms(x, "hit_ttft") for x in pts) + " |",
                   "| speed-up (bound: prefill / (prefix bytes / copy GB/s)) | "
-                  + " | ".join(f"{x['speedup']:.1f}x ({x.get('bound_speedup', 0):,.0f}x)" for x in pts) + " |",
+                  + " | ".join(speed(x) for x in pts) + " |",
                   "| KV loaded, load rate | " + " | ".join(f"{_mib(x['bytes_loaded'])}, {x['load_gbps']:.1f} GB/s"
                                                        for x in pts) + " |", ""]
     k = latest.get("kvserver")

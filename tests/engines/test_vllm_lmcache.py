@@ -17,126 +17,70 @@ scripts/gpu_check.sh).
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import pytest
 import yaml
 
-from tests.engines.engine_util import (Child, docs_lmcache_yaml, engines_python, smollm2_safetensors,
-                                       yaml_for_socket)
+from tests.engines.engine_util import (MAX_TOKENS, PREFIX_TOKENS, child_spec, docs_lmcache_yaml, engines_python,
+                                       pool, print_runs, tide_prompts, yaml_for_socket)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-PREFIX_TOKENS = 1280       # 5 LMCache chunks of 256 (the docs' chunk_size); 10 vLLM CPU blocks of 128
-MAX_TOKENS = 12
-CHUNK = 256
+CHUNK = 256                # the docs' chunk_size: the prefix is 5 LMCache chunks
 
 
-@pytest.fixture(scope="module")
-def workdir():
-    d = tempfile.mkdtemp(prefix="vlt-", dir="/tmp")   # short: a unix socket path holds 107 bytes
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    py = engines_python()
-    # beside the cached engine venv: converted once per venv (about a minute on 2 cores)
-    venv = os.path.realpath(os.path.dirname(os.path.dirname(py)))
-    return smollm2_safetensors(os.path.join(venv, "cxlalloc-models", "SmolLM2-135M-Instruct-bf16"))
-
-
-def _prompts(model_dir):
-    """Token ids: 3 prompts sharing one 1,280-token prefix (the demo's document), then 2 of another prefix."""
-    from transformers import AutoTokenizer
-
-    from cxlalloc_apps.demo import app
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    with open(os.path.join(os.path.dirname(app.__file__), "data", "tide_stations_report.txt")) as f:
-        doc = tok(f.read(), add_special_tokens=False)["input_ids"]
-    assert len(doc) >= PREFIX_TOKENS + 400, len(doc)
-    questions = ["Which station has the highest tide?", "Summarise the report in one sentence.",
-                 "What is the date of the report?", "List two station names.", "What unit are heights in?"]
-    q = [tok("\n\nQuestion: " + s + "\nAnswer:", add_special_tokens=False)["input_ids"] for s in questions]
-    first, second = doc[:PREFIX_TOKENS], doc[400:400 + PREFIX_TOKENS]  # another prefix: other chunk hashes
-    return [first + q[i] for i in range(3)] + [second + q[i] for i in range(3, 5)]
-
-
-def _pool(sp):
-    return sp.status()["pool"]
-
-
-def test_vllm_processes_share_a_prefix_through_the_pool(workdir, model_dir):
-    from tests.kvstore.conftest import ServerProcess
-
-    prompts = _prompts(model_dir)
-    sp = ServerProcess(os.path.join(workdir, "kv.sock"), ["--size", "128MiB", "--chunk", "8MiB"],
-                       os.path.join(workdir, "server.log")).start()
+def test_vllm_processes_share_a_prefix_through_the_pool(workdir, model_dir, kv_server, start_child):
+    prompts = tide_prompts(model_dir)
+    sp = kv_server
     doc_yaml = docs_lmcache_yaml()
     cfg_path = os.path.join(workdir, "lmcache.yaml")
     with open(cfg_path, "w") as f:
         f.write(yaml_for_socket(doc_yaml, sp.socket))
     cfg = yaml.safe_load(open(cfg_path))
     assert cfg["pre_caching_hash_algorithm"] == "sha256_cbor" and cfg["chunk_size"] == CHUNK
-    spec = dict(model=model_dir, max_model_len=2048, max_tokens=MAX_TOKENS)
-    children = []
-    try:
-        # the reference (no connector, no prefix cache) and A (stores the shared prefix into the pool), side by side
-        ref = Child(workdir, "ref", dict(spec, prompts=prompts))
-        a = Child(workdir, "a", dict(spec, prompts=prompts[:3]), cfg_path)
-        children += [ref, a]
-        ref_out, a_out = ref.result(), a.result()
-        want = [r["tokens"] for r in ref_out["requests"]]
-        assert all(len(t) == MAX_TOKENS for t in want)
-        assert [r["tokens"] for r in a_out["requests"]] == want[:3]
-        pool_a = _pool(sp)
-        chunks = PREFIX_TOKENS // CHUNK
-        assert pool_a["stored_blocks"] == chunks, pool_a   # the prefix's chunks, once each (no full chunk beyond it)
-        assert pool_a["blocks"] == chunks and pool_a["duplicate_blocks"] == 0, pool_a
+    spec = child_spec(model_dir)
+    # the reference (no connector, no prefix cache) and A (stores the shared prefix into the pool), side by side
+    ref = start_child("ref", dict(spec, prompts=prompts))
+    a = start_child("a", dict(spec, prompts=prompts[:3]), cfg_path)
+    ref_out, a_out = ref.result(), a.result()
+    want = [r["tokens"] for r in ref_out["requests"]]
+    assert all(len(t) == MAX_TOKENS for t in want)
+    assert [r["tokens"] for r in a_out["requests"]] == want[:3]
+    pool_a = pool(sp)
+    chunks = PREFIX_TOKENS // CHUNK
+    assert pool_a["stored_blocks"] == chunks, pool_a   # the prefix's chunks, once each (no full chunk beyond it)
+    assert pool_a["blocks"] == chunks and pool_a["duplicate_blocks"] == 0, pool_a
 
-        # B, a new process: its first request finds the prefix in the pool
-        b = Child(workdir, "b", dict(spec, prompts=prompts, pause_after=2), cfg_path)
-        children.append(b)
-        b_mid = b.wait_file(b.out + ".paused", 600)
-        pool_b = _pool(sp)
-        got = b_mid["requests"]
-        assert got[0]["num_cached_tokens"] == PREFIX_TOKENS, got[0]
-        assert [r["num_cached_tokens"] for r in got] == [PREFIX_TOKENS] * 3, got
-        assert [r["tokens"] for r in got] == want[:3]
-        assert pool_b["stored_blocks"] == chunks and pool_b["duplicate_blocks"] == 0, pool_b  # B stored nothing new
-        # what B got from the pool, by the server's count: its first request's prefix, looked up once (LMCache's
-        # scheduler) and read once (its worker); its next two found the prefix in LMCache's local CPU tier
-        assert pool_b["hit_blocks"] - pool_a["hit_blocks"] == 2 * chunks, (pool_a, pool_b)
-        assert pool_b["hit_tokens"] - pool_a["hit_tokens"] == 2 * PREFIX_TOKENS, (pool_a, pool_b)
+    # B, a new process: its first request finds the prefix in the pool
+    b = start_child("b", dict(spec, prompts=prompts, pause_after=2), cfg_path)
+    b_mid = b.wait_file(b.out + ".paused", 600)
+    pool_b = pool(sp)
+    got = b_mid["requests"]
+    assert got[0]["num_cached_tokens"] == PREFIX_TOKENS, got[0]
+    assert [r["num_cached_tokens"] for r in got] == [PREFIX_TOKENS] * 3, got
+    assert [r["tokens"] for r in got] == want[:3]
+    assert pool_b["stored_blocks"] == chunks and pool_b["duplicate_blocks"] == 0, pool_b  # B stored nothing new
+    # what B got from the pool, by the server's count: its first request's prefix, looked up once (LMCache's
+    # scheduler) and read once (its worker); its next two found the prefix in LMCache's local CPU tier
+    assert pool_b["hit_blocks"] - pool_a["hit_blocks"] == 2 * chunks, (pool_a, pool_b)
+    assert pool_b["hit_tokens"] - pool_a["hit_tokens"] == 2 * PREFIX_TOKENS, (pool_a, pool_b)
 
-        # the kv-server dies under B's running engine: B's later requests (another prefix) still complete
-        sp.kill()
-        open(b.out + ".go", "w").close()
-        b_out = b.result()
-        after = b_out["requests"][3:]
-        assert [r["tokens"] for r in after] == want[3:]
-        # the first is computed (the pool is gone); the second finds the first's prefix in LMCache's local CPU
-        # tier: the dead pool did not switch LMCache off
-        assert [r["num_cached_tokens"] for r in after] == [0, PREFIX_TOKENS], after
-        print("\npool after A", {k: pool_a[k] for k in ("blocks", "stored_blocks", "duplicate_blocks", "lookups",
-                                                        "lookup_blocks", "hit_blocks", "hit_tokens", "miss_blocks")})
-        print("pool after B", {k: pool_b[k] for k in ("blocks", "stored_blocks", "duplicate_blocks", "lookups",
-                                                       "lookup_blocks", "hit_blocks", "hit_tokens", "miss_blocks")})
-        for name, o in (("ref", ref_out), ("A", a_out), ("B", b_out)):
-            print(name, "ttft s", [r["ttft_s"] and round(r["ttft_s"], 3) for r in o["requests"]],
-                  "cached", [r["num_cached_tokens"] for r in o["requests"]])
-        print("wall s: ref", [round(r["wall_s"], 2) for r in ref_out["requests"]],
-              "A", [round(r["wall_s"], 2) for r in a_out["requests"]],
-              "B", [round(r["wall_s"], 2) for r in b_out["requests"]],
-              "starts", round(ref_out["start_s"], 1), round(a_out["start_s"], 1), round(b_out["start_s"], 1))
-    finally:
-        for c in children:
-            c.close()
-        sp.stop()
+    # the kv-server dies under B's running engine: B's later requests (another prefix) still complete
+    sp.kill()
+    open(b.out + ".go", "w").close()
+    b_out = b.result()
+    after = b_out["requests"][3:]
+    assert [r["tokens"] for r in after] == want[3:]
+    # the first is computed (the pool is gone); the second finds the first's prefix in LMCache's local CPU
+    # tier: the dead pool did not switch LMCache off
+    assert [r["num_cached_tokens"] for r in after] == [0, PREFIX_TOKENS], after
+    print_runs({"ref": ref_out, "A": a_out, "B": b_out}, {"A": pool_a, "B": pool_b},
+               ("blocks", "stored_blocks", "duplicate_blocks", "lookups", "lookup_blocks", "hit_blocks",
+                "hit_tokens", "miss_blocks"))
+    print("wall s: ref", [round(r["wall_s"], 2) for r in ref_out["requests"]],
+          "A", [round(r["wall_s"], 2) for r in a_out["requests"]],
+          "B", [round(r["wall_s"], 2) for r in b_out["requests"]],
+          "starts", round(ref_out["start_s"], 1), round(a_out["start_s"], 1), round(b_out["start_s"], 1))
 
 
 def test_the_docs_install_line_resolves_in_vllms_environment(workdir):

@@ -18,38 +18,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 
 import pytest
 
-from tests.engines.engine_util import DOCS, DOCS_SOCKET, ROOT, Child, engines_python, smollm2_safetensors
-from tests.engines.test_vllm_lmcache import _prompts
+from tests.engines.engine_util import (DOCS, DOCS_SOCKET, MAX_TOKENS, PREFIX_TOKENS, ROOT, child_spec,
+                                       engines_python, pool, print_runs, tide_prompts, wait_stored)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-PREFIX_TOKENS = 1280       # 5 LMCache chunks of 256
-CHUNK = 256
-MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def workdir():
-    d = tempfile.mkdtemp(prefix="vmp-", dir="/tmp")
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    py = engines_python()
-    venv = os.path.realpath(os.path.dirname(os.path.dirname(py)))
-    return smollm2_safetensors(os.path.join(venv, "cxlalloc-models", "SmolLM2-135M-Instruct-bf16"))
+CHUNK = 256                # the docs' --chunk-size: the prefix is 5 LMCache chunks
 
 
 def _docs_section() -> str:
@@ -125,16 +106,26 @@ class MPServer:
         self._log.close()
 
 
-def _pool(sp):
-    return sp.status()["pool"]
+@pytest.fixture
+def start_mp_server(workdir):
+    """``start_mp_server(name, args)``: an :class:`MPServer` in ``workdir``, ready; stopped after the test."""
+    servers = []
+
+    def start(name: str, args) -> MPServer:
+        s = MPServer(workdir, name, args)
+        servers.append(s)
+        s.wait_ready()
+        return s
+
+    yield start
+    for s in servers:
+        s.stop()
 
 
-def test_vllm_through_lmcache_mp_finds_a_prefix_in_the_pool_after_a_server_restart(workdir, model_dir):
-    from tests.kvstore.conftest import ServerProcess
-
-    prompts = _prompts(model_dir)
-    sp = ServerProcess(os.path.join(workdir, "kv.sock"), ["--size", "128MiB", "--chunk", "8MiB"],
-                       os.path.join(workdir, "server.log")).start()
+def test_vllm_through_lmcache_mp_finds_a_prefix_in_the_pool_after_a_server_restart(model_dir, kv_server,
+                                                                                    start_mp_server, start_child):
+    prompts = tide_prompts(model_dir)
+    sp = kv_server
     port = _free_port()
     args = docs_mp_server_args(docs_l2_json(sp.socket), port, _free_port())
     assert "--supported-transfer-mode" in args and args[args.index("--chunk-size") + 1] == str(CHUNK), args
@@ -142,49 +133,29 @@ def test_vllm_through_lmcache_mp_finds_a_prefix_in_the_pool_after_a_server_resta
     assert kvt["kv_connector"] == "LMCacheMPConnector"
     assert kvt["kv_connector_extra_config"] == {"lmcache.mp.port": 5555}   # LMCache's default port; this test's own
     kvt["kv_connector_extra_config"] = {"lmcache.mp.port": port}
-    spec = dict(model=model_dir, max_model_len=2048, max_tokens=MAX_TOKENS)
+    spec = child_spec(model_dir)
     chunks = PREFIX_TOKENS // CHUNK
-    children, servers = [], []
-    try:
-        mp1 = MPServer(workdir, "mp1", args)
-        servers.append(mp1)
-        mp1.wait_ready()
-        ref = Child(workdir, "ref", dict(spec, prompts=prompts[:3]))
-        a = Child(workdir, "a", dict(spec, prompts=prompts[:3], kv_transfer_config=kvt))
-        children += [ref, a]
-        ref_out, a_out = ref.result(), a.result()
-        want = [r["tokens"] for r in ref_out["requests"]]
-        assert all(len(t) == MAX_TOKENS for t in want)
-        assert [r["tokens"] for r in a_out["requests"]] == want
-        assert [r["num_cached_tokens"] for r in a_out["requests"]] == [0, PREFIX_TOKENS, PREFIX_TOKENS], a_out
-        deadline = time.monotonic() + 30   # L2 writes are asynchronous
-        while _pool(sp)["stored_blocks"] < chunks and time.monotonic() < deadline:
-            time.sleep(0.2)
-        pool_a = _pool(sp)
-        assert pool_a["stored_blocks"] == chunks and pool_a["duplicate_blocks"] == 0, (pool_a, mp1.log())
+    mp1 = start_mp_server("mp1", args)
+    ref = start_child("ref", dict(spec, prompts=prompts[:3]))
+    a = start_child("a", dict(spec, prompts=prompts[:3], kv_transfer_config=kvt))
+    ref_out, a_out = ref.result(), a.result()
+    want = [r["tokens"] for r in ref_out["requests"]]
+    assert all(len(t) == MAX_TOKENS for t in want)
+    assert [r["tokens"] for r in a_out["requests"]] == want
+    assert [r["num_cached_tokens"] for r in a_out["requests"]] == [0, PREFIX_TOKENS, PREFIX_TOKENS], a_out
+    pool_a = wait_stored(sp, chunks)   # L2 writes are asynchronous
+    assert pool_a["stored_blocks"] == chunks and pool_a["duplicate_blocks"] == 0, (pool_a, mp1.log())
 
-        # a new MP server (an empty L1) and a new vLLM process: the prefix comes from L2, the pool
-        mp1.stop()
-        mp2 = MPServer(workdir, "mp2", args)
-        servers.append(mp2)
-        mp2.wait_ready()
-        b = Child(workdir, "b", dict(spec, prompts=prompts[:3], kv_transfer_config=kvt))
-        children.append(b)
-        b_out = b.result()
-        pool_b = _pool(sp)
-        assert [r["num_cached_tokens"] for r in b_out["requests"]] == [PREFIX_TOKENS] * 3, (b_out, mp2.log())
-        assert [r["tokens"] for r in b_out["requests"]] == want
-        assert pool_b["stored_blocks"] == chunks and pool_b["duplicate_blocks"] == 0, pool_b
-        # B's first request read the prefix's chunks from the pool (LMCache's lookup-and-lock, then its load)
-        assert pool_b["hit_blocks"] - pool_a["hit_blocks"] >= chunks, (pool_a, pool_b)
-        for name, o in (("ref", ref_out), ("A", a_out), ("B", b_out)):
-            print(name, "ttft s", [r["ttft_s"] and round(r["ttft_s"], 3) for r in o["requests"]],
-                  "cached", [r["num_cached_tokens"] for r in o["requests"]])
-        print("pool after A", {k: pool_a[k] for k in ("blocks", "stored_blocks", "duplicate_blocks", "hit_blocks")})
-        print("pool after B", {k: pool_b[k] for k in ("blocks", "stored_blocks", "duplicate_blocks", "hit_blocks")})
-    finally:
-        for c in children:
-            c.close()
-        for s in servers:
-            s.stop()
-        sp.stop()
+    # a new MP server (an empty L1) and a new vLLM process: the prefix comes from L2, the pool
+    mp1.stop()
+    mp2 = start_mp_server("mp2", args)
+    b = start_child("b", dict(spec, prompts=prompts[:3], kv_transfer_config=kvt))
+    b_out = b.result()
+    pool_b = pool(sp)
+    assert [r["num_cached_tokens"] for r in b_out["requests"]] == [PREFIX_TOKENS] * 3, (b_out, mp2.log())
+    assert [r["tokens"] for r in b_out["requests"]] == want
+    assert pool_b["stored_blocks"] == chunks and pool_b["duplicate_blocks"] == 0, pool_b
+    # B's first request read the prefix's chunks from the pool (LMCache's lookup-and-lock, then its load)
+    assert pool_b["hit_blocks"] - pool_a["hit_blocks"] >= chunks, (pool_a, pool_b)
+    print_runs({"ref": ref_out, "A": a_out, "B": b_out}, {"A": pool_a, "B": pool_b},
+               ("blocks", "stored_blocks", "duplicate_blocks", "hit_blocks"))

@@ -18,33 +18,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-import time
+import subprocess
 
 import pytest
 
-from tests.engines.engine_util import DOCS_SOCKET, Child, docs_offload_config, engines_python, smollm2_safetensors
+from tests.engines.engine_util import (DOCS_SOCKET, MAX_TOKENS, PREFIX_TOKENS, ROOT, child_env, child_spec,
+                                       docs_offload_config, engines_python, pool, print_runs, start_kv_server,
+                                       tide_prompts, wait_stored)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-PREFIX_TOKENS = 1280       # 10 vLLM CPU blocks of 128 tokens: 10 offloaded chunks (block_size unset: one block)
-MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def workdir():
-    d = tempfile.mkdtemp(prefix="vot-", dir="/tmp")   # short: a unix socket path holds 107 bytes
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    py = engines_python()
-    venv = os.path.realpath(os.path.dirname(os.path.dirname(py)))
-    return smollm2_safetensors(os.path.join(venv, "cxlalloc-models", "SmolLM2-135M-Instruct-bf16"))
+BLOCK = 128                # vLLM CPU block: the prefix is 10 offloaded chunks (block_size unset: one block each)
 
 
 def _for_socket(conf: dict, socket_path: str) -> dict:
@@ -53,113 +37,62 @@ def _for_socket(conf: dict, socket_path: str) -> dict:
     return json.loads(text.replace(DOCS_SOCKET, socket_path))
 
 
-def _prompts(model_dir):
-    from transformers import AutoTokenizer
-
-    from cxlalloc_apps.demo import app
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    with open(os.path.join(os.path.dirname(app.__file__), "data", "tide_stations_report.txt")) as f:
-        doc = tok(f.read(), add_special_tokens=False)["input_ids"]
-    assert len(doc) >= PREFIX_TOKENS + 400, len(doc)
-    questions = ["Which station has the highest tide?", "Summarise the report in one sentence.",
-                 "What is the date of the report?", "List two station names.", "What unit are heights in?"]
-    q = [tok("\n\nQuestion: " + s + "\nAnswer:", add_special_tokens=False)["input_ids"] for s in questions]
-    first, second = doc[:PREFIX_TOKENS], doc[400:400 + PREFIX_TOKENS]
-    return [first + q[i] for i in range(3)] + [second + q[i] for i in range(3, 5)]
-
-
-def _pool(sp):
-    return sp.status()["pool"]
-
-
-def _wait_stored(sp, n, timeout=30.0):
-    """The pool's stats once ``stored_blocks`` reaches ``n`` (a cascade finishes on vLLM's copy thread)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        p = _pool(sp)
-        if p["stored_blocks"] >= n or time.monotonic() > deadline:
-            return p
-        time.sleep(0.2)
-
-
-def test_vllm_offloading_shares_a_prefix_through_the_pool(workdir, model_dir):
-    from tests.kvstore.conftest import ServerProcess
-
+def test_vllm_offloading_shares_a_prefix_through_the_pool(model_dir, kv_server, start_child):
     conf = docs_offload_config()
     extra = conf["kv_connector_extra_config"]
     assert conf["kv_connector"] == "OffloadingConnector" and extra["spec_name"] == "TieringOffloadingSpec"
     assert extra["secondary_tiers"][0]["module_path"] == "cxlalloc.kvstore.engines.vllm_tier"
-    prompts = _prompts(model_dir)
-    sp = ServerProcess(os.path.join(workdir, "kv.sock"), ["--size", "128MiB", "--chunk", "8MiB"],
-                       os.path.join(workdir, "server.log")).start()
+    prompts = tide_prompts(model_dir)
+    sp = kv_server
     kvt = _for_socket(conf, sp.socket)
-    spec = dict(model=model_dir, max_model_len=2048, max_tokens=MAX_TOKENS)
-    chunks = PREFIX_TOKENS // 128
-    children = []
-    try:
-        ref = Child(workdir, "ref", dict(spec, prompts=prompts))
-        a = Child(workdir, "a", dict(spec, prompts=prompts[:3], kv_transfer_config=kvt))
-        children += [ref, a]
-        ref_out, a_out = ref.result(), a.result()
-        want = [r["tokens"] for r in ref_out["requests"]]
-        assert all(len(t) == MAX_TOKENS for t in want)
-        assert [r["tokens"] for r in a_out["requests"]] == want[:3]
-        # A's later requests of the prefix came from its own CPU primary tier (vLLM's prefix cache is off)
-        assert [r["num_cached_tokens"] for r in a_out["requests"]] == [0, PREFIX_TOKENS, PREFIX_TOKENS], a_out
-        pool_a = _wait_stored(sp, chunks)
-        assert pool_a["stored_blocks"] == chunks, pool_a    # the prefix's chunks, once each
-        assert pool_a["blocks"] == chunks and pool_a["duplicate_blocks"] == 0, pool_a
+    spec = child_spec(model_dir)
+    chunks = PREFIX_TOKENS // BLOCK
+    ref = start_child("ref", dict(spec, prompts=prompts))
+    a = start_child("a", dict(spec, prompts=prompts[:3], kv_transfer_config=kvt))
+    ref_out, a_out = ref.result(), a.result()
+    want = [r["tokens"] for r in ref_out["requests"]]
+    assert all(len(t) == MAX_TOKENS for t in want)
+    assert [r["tokens"] for r in a_out["requests"]] == want[:3]
+    # A's later requests of the prefix came from its own CPU primary tier (vLLM's prefix cache is off)
+    assert [r["num_cached_tokens"] for r in a_out["requests"]] == [0, PREFIX_TOKENS, PREFIX_TOKENS], a_out
+    pool_a = wait_stored(sp, chunks)   # a cascade finishes on vLLM's copy thread
+    assert pool_a["stored_blocks"] == chunks, pool_a    # the prefix's chunks, once each
+    assert pool_a["blocks"] == chunks and pool_a["duplicate_blocks"] == 0, pool_a
 
-        # B, a new process: its first request finds the prefix in the pool
-        b = Child(workdir, "b", dict(spec, prompts=prompts, pause_after=2, kv_transfer_config=kvt))
-        children.append(b)
-        b_mid = b.wait_file(b.out + ".paused", 600)
-        pool_b = _pool(sp)
-        got = b_mid["requests"]
-        assert [r["num_cached_tokens"] for r in got] == [PREFIX_TOKENS] * 3, got
-        assert [r["tokens"] for r in got] == want[:3]
-        assert pool_b["stored_blocks"] == chunks and pool_b["duplicate_blocks"] == 0, pool_b  # B stored nothing
-        # by the server's count: B's scheduler looked each chunk up once and its tier's promotion read each once;
-        # B's next two requests found the prefix in its own CPU primary tier
-        assert pool_b["hit_blocks"] - pool_a["hit_blocks"] == 2 * chunks, (pool_a, pool_b)
-        assert pool_b["hit_tokens"] - pool_a["hit_tokens"] == 2 * PREFIX_TOKENS, (pool_a, pool_b)
+    # B, a new process: its first request finds the prefix in the pool
+    b = start_child("b", dict(spec, prompts=prompts, pause_after=2, kv_transfer_config=kvt))
+    b_mid = b.wait_file(b.out + ".paused", 600)
+    pool_b = pool(sp)
+    got = b_mid["requests"]
+    assert [r["num_cached_tokens"] for r in got] == [PREFIX_TOKENS] * 3, got
+    assert [r["tokens"] for r in got] == want[:3]
+    assert pool_b["stored_blocks"] == chunks and pool_b["duplicate_blocks"] == 0, pool_b  # B stored nothing
+    # by the server's count: B's scheduler looked each chunk up once and its tier's promotion read each once;
+    # B's next two requests found the prefix in its own CPU primary tier
+    assert pool_b["hit_blocks"] - pool_a["hit_blocks"] == 2 * chunks, (pool_a, pool_b)
+    assert pool_b["hit_tokens"] - pool_a["hit_tokens"] == 2 * PREFIX_TOKENS, (pool_a, pool_b)
 
-        # the kv-server dies under B's running engine: B's later requests (another prefix) still complete
-        sp.kill()
-        open(b.out + ".go", "w").close()
-        b_out = b.result()
-        after = b_out["requests"][3:]
-        assert [r["tokens"] for r in after] == want[3:]
-        # the first is computed (the pool is gone); the second finds the first's prefix in B's CPU primary tier
-        assert [r["num_cached_tokens"] for r in after] == [0, PREFIX_TOKENS], after
-        for name, o in (("ref", ref_out), ("A", a_out), ("B", b_out)):
-            print(name, "ttft s", [r["ttft_s"] and round(r["ttft_s"], 3) for r in o["requests"]],
-                  "cached", [r["num_cached_tokens"] for r in o["requests"]])
-        print("pool after A", {k: pool_a[k] for k in ("blocks", "stored_blocks", "duplicate_blocks", "hit_blocks",
-                                                        "hit_tokens")})
-        print("pool after B", {k: pool_b[k] for k in ("blocks", "stored_blocks", "duplicate_blocks", "hit_blocks",
-                                                        "hit_tokens")})
-    finally:
-        for c in children:
-            c.close()
-        sp.stop()
+    # the kv-server dies under B's running engine: B's later requests (another prefix) still complete
+    sp.kill()
+    open(b.out + ".go", "w").close()
+    b_out = b.result()
+    after = b_out["requests"][3:]
+    assert [r["tokens"] for r in after] == want[3:]
+    # the first is computed (the pool is gone); the second finds the first's prefix in B's CPU primary tier
+    assert [r["num_cached_tokens"] for r in after] == [0, PREFIX_TOKENS], after
+    print_runs({"ref": ref_out, "A": a_out, "B": b_out}, {"A": pool_a, "B": pool_b},
+               ("blocks", "stored_blocks", "duplicate_blocks", "hit_blocks", "hit_tokens"))
 
 
 def test_the_tier_under_vllms_own_tiering_manager(workdir):
     """tests/engines/vllm_tier_contract.py in the engine venv: the tier as vLLM's ``TieringOffloadingManager``
     drives it (two managers = two processes), a chunk changed in the pool, bad parameters, the kv-server killed."""
-    import subprocess
-
-    from tests.engines.engine_util import ROOT, child_env
-    from tests.kvstore.conftest import ServerProcess
-
-    sock = os.path.join(workdir, "kvc.sock")
-    sp = ServerProcess(sock, ["--size", "16MiB", "--chunk", "1MiB"], os.path.join(workdir, "serverc.log")).start()
+    sp = start_kv_server(workdir, "kvc", size="16MiB", chunk="1MiB")
     out = os.path.join(workdir, "contract.json")
     try:
-        r = subprocess.run([engines_python(), "-m", "tests.engines.vllm_tier_contract", sock, out, str(sp.proc.pid)],
-                           cwd=ROOT, env=child_env(workdir), capture_output=True, text=True, timeout=300)
+        r = subprocess.run([engines_python(), "-m", "tests.engines.vllm_tier_contract", sp.socket, out,
+                            str(sp.proc.pid)], cwd=ROOT, env=child_env(workdir), capture_output=True, text=True,
+                           timeout=300)
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
     finally:
         sp.stop()

@@ -5,6 +5,7 @@ pinned away).  Each test states the figure it measures."""
 from __future__ import annotations
 
 from tests.kvstore.kvutil import RawClient, key
+from tests.kvstore.server.hostile_util import PeakRss, raw_hello, rss
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -77,54 +78,6 @@ def test_one_client_pins_up_to_max_pinned_then_is_refused_and_anothers_capacity_
     honest.close()
 
 
-def rss(pid: int) -> int:
-    """Resident bytes of ``pid`` (VmRSS)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
-class PeakRss:
-    """Samples a process's VmRSS every 5 ms in a thread; ``peak`` is the most seen (bytes)."""
-
-    def __init__(self, pid: int):
-        import threading
-
-        self.pid, self.peak = pid, rss(pid)
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss(self.pid))
-            self._stop.wait(0.005)
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join(2)
-        self.peak = max(self.peak, rss(self.pid))
-
-
-def _raw_hello(path: str):
-    import os
-    import socket
-
-    from cxlalloc.kvstore import protocol as P
-
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(20)
-    s.connect(path)
-    P.send_msg(s, {"op": "hello", "v": P.PROTOCOL_VERSION, "pid": os.getpid(), "want_fd": False, "name": "x"})
-    assert P.recv_msg(s)[0]["ok"]
-    return s
-
-
 def test_a_frame_of_short_strings_and_64_frames_of_8_mib_stay_within_the_stated_rss_bound(server_proc):
     import struct
     import threading
@@ -139,7 +92,7 @@ def test_a_frame_of_short_strings_and_64_frames_of_8_mib_stay_within_the_stated_
     body = P._msgpack().packb({"op": "lookup", "ns": "", "keys": [["ab"] * (P.MAX_KEYS + 16)] * 42})
     assert len(body) < 8 << 20
     with PeakRss(pid) as peak:
-        s = _raw_hello(sp.socket)
+        s = raw_hello(sp.socket, timeout=20)
         s.sendall(struct.pack("!I", len(body)) + body)
         r = P.recv_msg(s)[0]
         s.close()
@@ -157,7 +110,7 @@ def test_a_frame_of_short_strings_and_64_frames_of_8_mib_stay_within_the_stated_
 
     def one():
         try:
-            c = _raw_hello(sp.socket)
+            c = raw_hello(sp.socket, timeout=20)
             c.sendall(frame)
             got = P.recv_msg(c)[0]
             code = "ok" if got.get("ok") else got["code"]

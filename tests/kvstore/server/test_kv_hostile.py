@@ -9,84 +9,16 @@ from __future__ import annotations
 
 import socket
 import struct
-import threading
 import time
 
 import pytest
 
 from tests.kvstore.kvutil import RawClient, key
+from tests.kvstore.server.hostile_util import Probe, hello, raw, reply_of, rss
 
 MiB = 1 << 20
 ARGS = ["--size", "64MiB", "--chunk", "4MiB", "--frame-timeout", "2", "--max-frame", "8MiB",
         "--max-buffered", "24MiB", "--log-level", "error"]
-
-
-def rss(pid: int) -> int:
-    """Resident bytes of ``pid`` (VmRSS)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
-class Probe:
-    """A normal client doing lookups in a loop; records the slowest answer (s)."""
-
-    def __init__(self, path: str):
-        self.c = RawClient(path, want_fd=False, name="probe")
-        self.worst = 0.0
-        self.n = 0
-        self.errors = []
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            t0 = time.monotonic()
-            try:
-                r = self.c.call("lookup", ns="", keys=[key(1)])
-                if not r.get("ok"):
-                    self.errors.append(r)
-            except Exception as e:  # a timeout is what the attacks must not cause
-                self.errors.append(repr(e))
-                return
-            self.worst = max(self.worst, time.monotonic() - t0)
-            self.n += 1
-            time.sleep(0.02)
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join(5)
-        self.c.close()
-
-    def check(self):
-        assert not self.errors, self.errors
-        assert self.n > 10 and self.worst < 1.0, (self.n, self.worst)
-
-
-def raw(path: str, timeout: float = 5.0) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
-    s.connect(path)
-    return s
-
-
-def hello(s):
-    from cxlalloc.kvstore import protocol as P
-
-    P.send_msg(s, {"op": "hello", "v": P.PROTOCOL_VERSION, "pid": 0, "want_fd": False, "name": "x"})
-    return P.recv_msg(s)[0]
-
-
-def reply_of(s):
-    from cxlalloc.kvstore import protocol as P
-
-    return P.recv_msg(s)[0]
 
 
 def test_300_connections_and_a_refused_trickler_never_stall_a_served_client(server_proc):

@@ -32,6 +32,26 @@ for i in range(int(sys.argv[2])):
 """ % (BLOCK, BLOCK, BLOCK)
 
 
+def _kill_while_writing(sp, writer: str, seed: int) -> int:
+    """Runs ``writer`` (a ``python -c`` script: the server's socket and N as arguments, it prints each block index
+    once its commit is acknowledged) against ``sp``, SIGKILLs the server once the writer has acknowledged a block
+    index drawn from [60, 200] by ``random.Random(seed)``, and returns the last index the writer acknowledged
+    (read after the kill too).  Asserts a commit was still in flight when the kill landed."""
+    w = subprocess.Popen([sys.executable, "-c", writer, sp.socket, str(N)], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, env=subprocess_env(), cwd=ROOT, text=True)
+    acked = -1
+    target = random.Random(seed).randint(60, 200)
+    while acked < target:
+        line = w.stdout.readline()
+        assert line, "the writer stopped early"
+        acked = int(line)
+    sp.kill()  # SIGKILL while the writer is committing
+    rest = w.communicate(timeout=10)[0].split()  # what it had acknowledged that we had not read yet
+    acked = int(rest[-1]) if rest else acked
+    assert acked < N - 1, "the kill landed after the writer's last commit: nothing was in flight"
+    return acked
+
+
 def _payload(i):
     return hashlib.shake_256(i.to_bytes(8, "little")).digest(BLOCK)
 
@@ -56,18 +76,7 @@ def test_a_server_killed_mid_commit_restarts_serving_only_committed_blocks_byte_
     pool_file = os.path.join(sockdir, "pool.kvp")
     args = ("--size", "32MiB", "--chunk", "1MiB", "--pool-file", pool_file)
     sp = server_proc(*args)
-    w = subprocess.Popen([sys.executable, "-c", WRITER, sp.socket, str(N)], stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, env=subprocess_env(), cwd=ROOT, text=True)
-    acked = -1
-    target = random.Random(31).randint(60, 200)
-    while acked < target:
-        line = w.stdout.readline()
-        assert line, "the writer stopped early"
-        acked = int(line)
-    sp.kill()  # SIGKILL while the writer is committing
-    rest = w.communicate(timeout=10)[0].split()  # what it had acknowledged that we had not read yet
-    acked = int(rest[-1]) if rest else acked
-    assert acked < N - 1, "the kill landed after the writer's last commit: nothing was in flight"
+    acked = _kill_while_writing(sp, WRITER, seed=31)
     sp.start()
     got = _served(sp.socket, N)
     # every acknowledged commit survives; at most the one in flight besides; nothing torn or foreign
@@ -162,18 +171,7 @@ def test_pipelined_commits_a_flush_acknowledged_survive_a_killed_server(server_p
     every acknowledged block survives a SIGKILL of the server, those in flight may or may not, none torn."""
     pool_file = os.path.join(sockdir, "pool.kvp")
     sp = server_proc("--size", "32MiB", "--chunk", "1MiB", "--pool-file", pool_file)
-    w = subprocess.Popen([sys.executable, "-c", PIPELINED_WRITER, sp.socket, str(N)], stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, env=subprocess_env(), cwd=ROOT, text=True)
-    acked = -1
-    target = random.Random(33).randint(60, 200)
-    while acked < target:
-        line = w.stdout.readline()
-        assert line, "the writer stopped early"
-        acked = int(line)
-    sp.kill()
-    rest = w.communicate(timeout=10)[0].split()
-    acked = int(rest[-1]) if rest else acked
-    assert acked < N - 1, "the kill landed after the writer's last commit: nothing was in flight"
+    acked = _kill_while_writing(sp, PIPELINED_WRITER, seed=33)
     sp.start()
     got = _served(sp.socket, N)
     # every acknowledged block; besides, at most the ones sent since the last flush (and the one being written)
