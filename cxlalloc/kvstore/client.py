@@ -244,7 +244,8 @@ class RemoteBlockStore(AccountedStore):
         super().__init__(("lookups", "lookup_blocks", "hit_blocks", "reserves", "reserved_blocks",
                                        "committed_blocks", "pipelined_commits", "commit_shortfall_blocks",
                                        "unacknowledged_commits", "server_errors", "timeouts", "remote_errors", "reconnects",
-                                       "server_restarts", "skipped_down", "fallback_lookups", "register_failures"))
+                                       "server_restarts", "skipped_down", "fallback_lookups", "register_failures",
+                                       "pin_budget_misses"))
         self._get_conn()  # connect now if the server is up (a warning if not)
 
     # ------------------------------------------------------------ connection
@@ -420,6 +421,12 @@ class RemoteBlockStore(AccountedStore):
                     continue
                 return self._fallback_lookup(ns, keys)
         blocks = reply.get("blocks") or []
+        if reply.get("budget_cut"):
+            self._count("pin_budget_misses", int(reply["budget_cut"]))
+            self._warn_once("pin_budget", f"cxlalloc kv store: the kv-server answered {int(reply['budget_cut'])} "
+                                          f"stored blocks as misses: this client's pinned blocks reached the "
+                                          "server's --max-pinned (default half the pool); release leases sooner "
+                                          "or start the server with a larger --max-pinned")
         if not blocks:
             c.unhold()
             return _Nothing()

@@ -27,7 +27,6 @@ disconnect
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -36,7 +35,7 @@ import threading
 import time
 from typing import Any, Dict, List
 
-from cxlalloc_apps.bench.kvprocs import _env, _Server
+from cxlalloc_apps.bench.kvprocs import _env, _Server, raw_client
 from cxlalloc_apps.bench.method import MIN_ROUNDS, Spread, goal_record, interleave, machine_load
 
 MAX_KEYS = 65536
@@ -52,25 +51,7 @@ def _key(i: int, tag: bytes) -> bytes:
 
 def _client(path: str, name: str):
     """(socket, call) of a raw-protocol client (no pool mapping); ``call`` raises on an error reply."""
-    import socket
-
-    from cxlalloc.kvstore import protocol as P
-
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(120)
-    s.connect(path)
-    P.send_msg(s, {"op": "hello", "v": P.PROTOCOL_VERSION, "pid": os.getpid(), "want_fd": False, "name": name})
-    r, _ = P.recv_msg(s)
-    if not r.get("ok"):
-        raise RuntimeError(f"hello: {r}")
-
-    def call(op, **kw):
-        P.send_msg(s, dict(op=op, **kw))
-        r, _ = P.recv_msg(s)
-        if not r.get("ok"):
-            raise RuntimeError(f"{op}: {r}")
-        return r
-    return s, call
+    return raw_client(path, name, timeout=120)
 
 
 # ----------------------------------------------------------------- the worker (its own process)

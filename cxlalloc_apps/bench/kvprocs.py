@@ -204,3 +204,27 @@ def run_parts(ctx, w, parts: Dict[str, Any], label: str, only=None) -> None:
                 w.error(name, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def raw_client(path: str, name: str, timeout: float = 120.0):
+    """(socket, call) of a raw-protocol kv-server client on the unix socket
+    ``path`` (hello without the pool's fd: no mapping); ``call(op, **fields)``
+    returns the reply dict and raises RuntimeError on an error reply (as the
+    hello does).  ``timeout``: seconds per send/receive."""
+    from cxlalloc.kvstore import protocol as P
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(path)
+    P.send_msg(s, {"op": "hello", "v": P.PROTOCOL_VERSION, "pid": os.getpid(), "want_fd": False, "name": name})
+    r, _ = P.recv_msg(s)
+    if not r.get("ok"):
+        raise RuntimeError(f"hello: {r}")
+
+    def call(op, **kw):
+        P.send_msg(s, dict(op=op, **kw))
+        r, _ = P.recv_msg(s)
+        if not r.get("ok"):
+            raise RuntimeError(f"{op}: {r}")
+        return r
+    return s, call

@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import socket
 import tempfile
 import time
 from typing import Any, Dict
 
-from cxlalloc_apps.bench.kvprocs import _median, _pct, _Server, block_key
+from cxlalloc_apps.bench.kvprocs import _median, _pct, _Server, block_key, raw_client
 
 # ----------------------------------------------------------------- scale: costs at 10^4..10^6 blocks
 SCALE_SIZES = (10_000, 100_000, 1_000_000)
@@ -29,21 +28,8 @@ def _rss(pid: int) -> int:
 
 
 def _raw(path: str, name: str):
-    from cxlalloc.kvstore import protocol as P
-
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(600)  # a commit of 16,384 blocks on a loaded 2-core machine: seconds, not minutes
-    s.connect(path)
-    P.send_msg(s, {"op": "hello", "v": P.PROTOCOL_VERSION, "pid": os.getpid(), "want_fd": False, "name": name})
-    P.recv_msg(s)
-
-    def call(op, **kw):
-        P.send_msg(s, dict(op=op, **kw))
-        r, _ = P.recv_msg(s)
-        if not r.get("ok"):
-            raise RuntimeError(f"{op}: {r}")
-        return r
-    return s, call
+    # a commit of 16,384 blocks on a loaded 2-core machine: seconds, not minutes
+    return raw_client(path, name, timeout=600)
 
 
 class _ScanEntry:

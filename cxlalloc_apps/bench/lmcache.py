@@ -79,6 +79,21 @@ def lmcache_site() -> Optional[str]:
     return site if os.path.isdir(site) else None
 
 
+def open_record(ctx, name: str, params: Dict[str, Any]):
+    """(RecordWriter, None) for benchmark ``name`` with lmcache imported (its version in the parameters), or
+    (writer, the finished "skipped" result) when lmcache cannot be imported; the LMCache benchmarks share it."""
+    from cxlalloc_apps.bench.meta import RecordWriter, new_record
+
+    w = RecordWriter(ctx.out_dir, new_record(name, params, False, ctx.argv, ctx.device))
+    try:
+        version = _import_lmcache()
+    except Exception as e:
+        return w, w.finish_skipped("all", f"lmcache is not importable ({type(e).__name__}: {e}); "
+                                          "install it with scripts/install_lmcache.sh")
+    w.record["parameters"]["lmcache"] = version
+    return w, None
+
+
 def _import_lmcache() -> str:
     site = lmcache_site()
     if site and site not in sys.path:
@@ -155,7 +170,7 @@ def _server_args(nbytes: int, n: int) -> List[str]:
     chunk = (chunk + page - 1) // page * page
     per = chunk // slot
     size = -(-n // per) * chunk
-    return ["--size", str(size), "--chunk", str(chunk)]
+    return ["--size", str(size), "--chunk", str(chunk), "--max-pinned", "100%"]  # a get pins the whole round
 
 
 def _store(eng: _Engine, keys, src) -> float:
@@ -214,7 +229,6 @@ def _lookups(eng: _Engine, keys, seconds: float) -> Dict[str, float]:
 
 def run(ctx) -> Dict[str, Any]:
     from cxlalloc_apps.bench.kvprocs import _Redis, _Server
-    from cxlalloc_apps.bench.meta import RecordWriter, new_record
 
     quick = ctx.quick
     total = (32 if quick else 64) * MiB          # bytes stored per size and backend, per repeat
@@ -224,13 +238,9 @@ def run(ctx) -> Dict[str, Any]:
               "chunk_tokens": TOKENS, "dtype": "bfloat16", "lookup_seconds": lookup_s,
               "lookup_prefix_chunks": LOOKUP_PREFIX, "quick": quick,
               "units": "GB/s = 1e9 bytes/s; lookups/s", "where": "CPU host memory; no GPU, no CXL device"}
-    w = RecordWriter(ctx.out_dir, new_record("lmcache", params, False, ctx.argv, ctx.device))
-    try:
-        version = _import_lmcache()
-    except Exception as e:
-        return w.finish_skipped("all", f"lmcache is not importable ({type(e).__name__}: {e}); "
-                                       "install it with scripts/install_lmcache.sh")
-    w.record["parameters"]["lmcache"] = version
+    w, skipped = open_record(ctx, "lmcache", params)
+    if skipped is not None:
+        return skipped
     import torch
 
     torch.set_num_threads(1)  # one copy thread per path: the same for all three

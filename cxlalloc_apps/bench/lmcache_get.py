@@ -117,8 +117,7 @@ def _breakdown(eng, keys, dst, nbytes: int, passes: int = 3) -> Dict[str, float]
 
 def run(ctx) -> Dict[str, Any]:
     from cxlalloc_apps.bench.kvprocs import _Server
-    from cxlalloc_apps.bench.lmcache import TOKENS, _Engine, _get, _import_lmcache, _server_args, _store
-    from cxlalloc_apps.bench.meta import RecordWriter, new_record
+    from cxlalloc_apps.bench.lmcache import TOKENS, _Engine, _get, _server_args, _store, open_record
     from cxlalloc_apps.bench.method import MIN_ROUNDS, describe, goal_record, interleave, noise_floor
 
     quick = ctx.quick
@@ -128,13 +127,9 @@ def run(ctx) -> Dict[str, Any]:
               "warmup_rounds": 1, "chunk_tokens": TOKENS, "dtype": "bfloat16", "quick": quick, "goal": GOAL,
               "units": "GB/s = 1e9 bytes/s", "where": "CPU host memory; no GPU, no CXL device",
               "method": describe("rotate", rounds, 1)}
-    w = RecordWriter(ctx.out_dir, new_record("lmcache_get", params, False, ctx.argv, ctx.device))
-    try:
-        version = _import_lmcache()
-    except Exception as e:
-        return w.finish_skipped("all", f"lmcache is not importable ({type(e).__name__}: {e}); "
-                                       "install it with scripts/install_lmcache.sh")
-    w.record["parameters"]["lmcache"] = version
+    w, skipped = open_record(ctx, "lmcache_get", params)
+    if skipped is not None:
+        return skipped
     import torch
 
     torch.set_num_threads(1)  # one copy thread for every arm

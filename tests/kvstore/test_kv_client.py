@@ -144,3 +144,24 @@ def test_views_are_cpu_uint8_of_the_block_size(kv_server, alloc):
     assert v.dtype == torch.uint8 and v.device.type == "cpu" and v.numel() == BLOCK
     res.abort()
     st.close()
+
+
+def test_a_lookup_cut_by_the_pin_budget_is_said_once_and_counted(kv_server, alloc):
+    # --max-pinned 256 KiB = 4 blocks of 64 KiB: a lookup of 8 stored blocks gets 4, the other 4 are misses the
+    # client is told about (budget_cut), warned of once (naming --max-pinned) and counts; before, silent misses
+    srv = kv_server(max_pinned=256 * 1024)
+    st = RemoteBlockStore(srv.url, alloc())
+    keys = [key(i) for i in range(8)]
+    assert _store(st, keys) == 8
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        lease = st.lookup("", keys)
+        assert lease.blocks == 4
+        lease.close()
+        lease = st.lookup("", keys)
+        lease.close()
+    said = [str(x.message) for x in w if issubclass(x.category, KVStoreWarning) and "--max-pinned" in str(x.message)]
+    assert len(said) == 1 and "answered 4 stored blocks as misses" in said[0], said
+    assert st.counters.snapshot()["pin_budget_misses"] == 8
+    assert srv.stats()["pool"]["pin_budget_blocks"] == 8
+    st.close()

@@ -171,7 +171,8 @@ class ServerState(ClientsMixin):
         (``pin_budget_blocks``).
 
         Returns ``{"lease": id (0: nothing found), "blocks": [[offset, nbytes, tokens], ...],
-        "tier_blocks": how many of the blocks (the last ones) the tier below supplied}``.
+        "tier_blocks": how many of the blocks (the last ones) the tier below supplied,
+        "budget_cut": keys answered as misses by the pin budget (only when > 0)}``.
 
         Raises:
             protocol.RemoteError: ``limit`` (MAX_LEASES_PER_CLIENT open leases, or
@@ -226,7 +227,10 @@ class ServerState(ClientsMixin):
         if not lid:
             with self.lock:
                 lid = self._new_lease(o, entries, found)
-        return {"lease": lid, "blocks": [[e.offset, e.nbytes, e.tokens] for e in entries], "tier_blocks": len(below)}
+        out = {"lease": lid, "blocks": [[e.offset, e.nbytes, e.tokens] for e in entries], "tier_blocks": len(below)}
+        if cut:  # said to the client (it warns once): stored blocks answered as misses by its pin budget
+            out["budget_cut"] = cut
+        return out
 
     def _new_lease(self, o: Owner, entries: List[Entry], counted: int = 0) -> int:
         """Record ``entries`` (pinned for ``o``) as a new lease of ``o`` (under the lock); returns its id.
