@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 
@@ -205,7 +206,9 @@ class Child:
             json.dump(spec, f)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([engines_python(), "-m", "tests.engines.vllm_child", self.spec_path], cwd=ROOT,
-                                     env=child_env(base, lmcache_config), stdout=self._log, stderr=subprocess.STDOUT)
+                                     env=child_env(base, lmcache_config), stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # its own process group: vLLM's EngineCore and workers
+                                                              # go with it (_kill), never left orphaned on a timeout
 
     def log(self, n: int = 6000) -> str:
         with open(self.log_path, "rb") as f:
@@ -227,14 +230,26 @@ class Child:
         try:
             rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self._kill()
             raise AssertionError(f"vLLM child did not finish in {timeout} s:\n{self.log()}")
         assert rc == 0, f"vLLM child exited with {rc}:\n{self.log()}"
         with open(self.out) as f:
             return json.load(f)
 
+    def _kill(self) -> None:
+        """SIGKILL the child's whole process group (vLLM's EngineCore and worker processes included)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is gone already
+            pass
+        self.proc.wait(10)
+
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+            self._kill()
+        else:  # the child exited: anything it left in its group goes too
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self._log.close()
