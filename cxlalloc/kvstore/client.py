@@ -214,14 +214,12 @@ class RemoteBlockStore(AccountedStore):
                              "acknowledged by the next reply), wait (every commit waits for its reply)")
         self.pipeline_commits = commit == "pipelined"
         if timeout is None:
-            try:
-                timeout = float(q.get("timeout", DEFAULT_TIMEOUT_S))
-            except ValueError:
-                timeout = -1.0
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"cxlalloc option 'kv_store': timeout={q.get('timeout', timeout)!r} must be a positive "
-                             "number of seconds")
-        self.timeout = float(timeout)
+            timeout = q.get("timeout", DEFAULT_TIMEOUT_S)
+        try:
+            self.timeout = P.check_seconds(timeout, "kv_store")
+        except ValueError:
+            raise ValueError(f"cxlalloc option 'kv_store': timeout={timeout!r} must be a finite number of seconds in "
+                             f"(0, {P.MAX_TIMEOUT_S:g}]") from None
         if fallback is None and q.get("fallback"):
             fallback = parse_size(q["fallback"], "kv_store fallback")
         self.allocator = allocator

@@ -126,6 +126,12 @@ def test_bad_urls_name_the_option(alloc):
         RemoteBlockStore("unix:///tmp/x.sock?frob=1", a)
     with pytest.raises(ValueError, match="timeout"):
         RemoteBlockStore("unix:///tmp/x.sock?timeout=-3", a)
+    # inf and values past time_t were accepted, then every request failed with OverflowError as 'server down'
+    for bad in ("inf", "1e12", "nan", "abc"):
+        with pytest.raises(ValueError, match=r"'kv_store': timeout='.*' must be a finite number of seconds in \(0, 1e\+09\]"):
+            RemoteBlockStore(f"unix:///tmp/x.sock?timeout={bad}", a)
+    with pytest.raises(ValueError, match="finite number of seconds"):
+        RemoteBlockStore("unix:///tmp/x.sock", a, timeout=float("inf"))
     with pytest.raises(ValueError, match="fallback"):
         RemoteBlockStore("unix:///tmp/x.sock?fallback=lots", a)
     from cxlalloc.kvstore.open import open_store

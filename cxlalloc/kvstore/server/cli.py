@@ -249,10 +249,8 @@ def transport_limits(args, size: int) -> dict:
     if not P.MAX_KEYS <= args.max_items <= 1 << 24:
         raise ValueError(f"cxlalloc option '--max-items': {args.max_items} must be in [{P.MAX_KEYS}, {1 << 24}] "
                          f"(a request carries up to {P.MAX_KEYS} keys)")
-    if not args.hello_timeout > 0:
-        raise ValueError(f"cxlalloc option '--hello-timeout': {args.hello_timeout} must be > 0 seconds")
-    if not args.idle_timeout >= 0:
-        raise ValueError(f"cxlalloc option '--idle-timeout': {args.idle_timeout} must be >= 0 seconds (0: none)")
+    P.check_seconds(args.hello_timeout, "--hello-timeout")
+    P.check_seconds(args.idle_timeout, "--idle-timeout", allow_zero=True)
     if args.max_clients_per_uid is not None and not 1 <= args.max_clients_per_uid <= args.max_clients:
         raise ValueError(f"cxlalloc option '--max-clients-per-uid': {args.max_clients_per_uid} must be in "
                          f"[1, --max-clients {args.max_clients}]")
@@ -263,8 +261,7 @@ def transport_limits(args, size: int) -> dict:
         raise ValueError(f"cxlalloc option '--max-buffered': {args.max_buffered} must be at least {need} bytes "
                          f"(one --max-frame {args.max_frame} request and what it decodes to at --max-items "
                          f"{args.max_items})")
-    if not args.frame_timeout > 0:
-        raise ValueError(f"cxlalloc option '--frame-timeout': {args.frame_timeout} must be > 0 seconds")
+    P.check_seconds(args.frame_timeout, "--frame-timeout")
     if args.max_objects < 4:
         raise ValueError(f"cxlalloc option '--max-objects': {args.max_objects} must be at least 4")
     if args.backlog < 1:
@@ -527,8 +524,10 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc kv-server") -> 
         return 0
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         parser.error(f"cxlalloc option '--metrics-port': {args.metrics_port} is not a port (1-65535)")
-    if not args.metrics_interval > 0:
-        parser.error(f"cxlalloc option '--metrics-interval': {args.metrics_interval} must be > 0 seconds")
+    try:
+        P.check_seconds(args.metrics_interval, "--metrics-interval")
+    except ValueError as e:
+        parser.error(str(e))
     try:
         server = server_from_args(args)
         _return_large_buffers_to_the_kernel()
