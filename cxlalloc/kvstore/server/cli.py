@@ -266,11 +266,11 @@ def transport_limits(args, size: int) -> dict:
         raise ValueError(f"cxlalloc option '--max-objects': {args.max_objects} must be at least 4")
     if args.backlog < 1:
         raise ValueError(f"cxlalloc option '--backlog': {args.backlog} must be at least 1")
-    reserve = parse_size_or_fraction(args.max_reserve, "--max-reserve")
+    reserve = parse_size_or_fraction(args.max_reserve, "--max-reserve", of="the pool")
     reserve = int(reserve * size) if isinstance(reserve, float) else int(reserve)
     if reserve < 1:
         raise ValueError(f"cxlalloc option '--max-reserve': {args.max_reserve} must be above 0 bytes")
-    pinned = parse_size_or_fraction(args.max_pinned, "--max-pinned")
+    pinned = parse_size_or_fraction(args.max_pinned, "--max-pinned", of="the pool")
     if not isinstance(pinned, float) and pinned < 1:
         raise ValueError(f"cxlalloc option '--max-pinned': {args.max_pinned} must be above 0 bytes")
     out.update(frame_timeout=args.frame_timeout, max_objects=args.max_objects, backlog=args.backlog,
@@ -320,7 +320,7 @@ def server_from_args(args) -> KVServer:
         raise ValueError("cxlalloc option '--size': required (the pool's bytes, e.g. --size 64GiB, or a share of the "
                          "node's memory, e.g. --size 50%)")
     node, reason = choose_node(args.numa_node)
-    size = parse_size_or_fraction(args.size, "--size")
+    size = parse_size_or_fraction(args.size, "--size", of="the node's memory")
     if isinstance(size, float):
         size = int(size * node_total_bytes(node))
     if size < 1:

@@ -241,6 +241,22 @@ def test_a_timeout_that_is_no_finite_number_of_seconds_is_refused(option, value,
     assert e.value.code == 2 and f"'{option}'" in err and "finite number of seconds in" in err, err
 
 
+@pytest.mark.parametrize("option, value, of", [("--max-pinned", "lots", "the pool"), ("--max-reserve", "0%", "the pool"),
+                                                ("--size", "150%", "the node's memory")])
+def test_a_share_option_says_what_its_fraction_is_of(option, value, of, capsys):
+    """--max-pinned/--max-reserve are shares of the pool, --size of the node's memory: never 'a fraction of VRAM'."""
+    from cxlalloc.kvstore.server.cli import main
+
+    argv = ["--size", "64MiB", "--chunk", "4MiB", "--socket", "/tmp/kvt-never.sock"]
+    argv = [a for a in argv if a not in ("--size", "64MiB")] + ["--size", value] if option == "--size" else \
+        argv + [option, value]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"'{option}'" in err and f"a fraction of {of}: a float in (0, 1]" in err, err
+    assert "VRAM" not in err
+
+
 def test_the_server_object_refuses_a_timeout_past_time_t():
     from cxlalloc.kvstore.server import KVServer
 
