@@ -266,13 +266,20 @@ def transport_limits(args, size: int) -> dict:
         raise ValueError(f"cxlalloc option '--max-objects': {args.max_objects} must be at least 4")
     if args.backlog < 1:
         raise ValueError(f"cxlalloc option '--backlog': {args.backlog} must be at least 1")
+    # A slot and a pin take at least one page (slots are page multiples): a budget below one page would refuse every
+    # reserve / every hit, with a refusal telling the client to release what it does not hold.
+    page = os.sysconf("SC_PAGESIZE")
     reserve = parse_size_or_fraction(args.max_reserve, "--max-reserve", of="the pool")
     reserve = int(reserve * size) if isinstance(reserve, float) else int(reserve)
-    if reserve < 1:
-        raise ValueError(f"cxlalloc option '--max-reserve': {args.max_reserve} must be above 0 bytes")
+    if reserve < page:
+        raise ValueError(f"cxlalloc option '--max-reserve': {args.max_reserve} ({reserve} bytes) must be at least one "
+                         f"page ({page} bytes: a slot takes whole pages), as a size or a share of the pool such as 10%")
     pinned = parse_size_or_fraction(args.max_pinned, "--max-pinned", of="the pool")
-    if not isinstance(pinned, float) and pinned < 1:
-        raise ValueError(f"cxlalloc option '--max-pinned': {args.max_pinned} must be above 0 bytes")
+    if int(pinned * size if isinstance(pinned, float) else pinned) < page:
+        raise ValueError(f"cxlalloc option '--max-pinned': {args.max_pinned} "
+                         f"({int(pinned * size if isinstance(pinned, float) else pinned)} bytes) must be at least one "
+                         f"page ({page} bytes: a pinned block takes whole pages, so less refuses every hit), as a size "
+                         "or a share of the pool such as 10%")
     out.update(frame_timeout=args.frame_timeout, max_objects=args.max_objects, backlog=args.backlog,
                max_items=args.max_items, slice_keys=args.slice_keys, hello_timeout=args.hello_timeout,
                idle_timeout=args.idle_timeout, max_clients_per_uid=args.max_clients_per_uid,

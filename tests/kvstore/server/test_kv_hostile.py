@@ -257,6 +257,20 @@ def test_a_share_option_says_what_its_fraction_is_of(option, value, of, capsys):
     assert "VRAM" not in err
 
 
+@pytest.mark.parametrize("option, value", [("--max-pinned", "1"), ("--max-pinned", "4095"), ("--max-reserve", "100"),
+                                           ("--max-pinned", "0.001%")])
+@pytest.mark.timeout(60)  # a regression starts a server that never returns
+def test_a_pin_or_reserve_budget_below_one_page_is_refused(option, value, capsys):
+    """--max-pinned 1 used to start a server that refused every hit ('this client holds 0 bytes pinned; a client may
+    hold 1; release some leases'): a pin takes a whole page."""
+    from cxlalloc.kvstore.server.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--size", "64MiB", "--chunk", "4MiB", "--socket", "/tmp/kvt-never.sock", option, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"'{option}'" in err and "must be at least one page (4096 bytes" in err, err
+
+
 def test_the_server_object_refuses_a_timeout_past_time_t():
     from cxlalloc.kvstore.server import KVServer
 
