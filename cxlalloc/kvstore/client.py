@@ -254,8 +254,9 @@ class RemoteBlockStore(AccountedStore):
             self._warned.add(what)
             warnings.warn(msg, KVStoreWarning, stacklevel=4)
 
-    def _failed(self, exc: BaseException, conn: Optional[_Conn] = None) -> None:
-        """A request failed: count it; a broken connection puts the server 'down' for the backoff."""
+    def _failed(self, exc: BaseException, conn: Optional[_Conn] = None, warn: bool = True) -> None:
+        """A request failed: count it; a broken connection puts the server 'down' for the backoff.  ``warn``
+        False: the caller dials again at once (the 'not available' warning waits for that try to fail)."""
         # A _Broken already names the OS error it wraps; its own name means nothing to a user.
         text = str(exc) if isinstance(exc, _Broken) else f"{type(exc).__name__}: {exc}"
         if isinstance(exc, P.RemoteError):
@@ -277,6 +278,8 @@ class RemoteBlockStore(AccountedStore):
                 self._conn = None
                 self._down_until = time.monotonic() + self._backoff
                 self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
+        if not warn:
+            return
         self._warn_once("down", f"cxlalloc kv store: the kv-server at {self.path} is not available ({text}); "
                                 "generating without it (prompts are recomputed"
                                 + (", the local fallback tier is used" if self.fallback is not None else "")
@@ -409,10 +412,11 @@ class RemoteBlockStore(AccountedStore):
                 break
             except (_Broken, P.RemoteError) as e:
                 c.unhold()
-                self._failed(e, c if isinstance(e, _Broken) else None)
+                retry = isinstance(e, _Broken) and attempt == 0 and c.established
+                self._failed(e, c if isinstance(e, _Broken) else None, warn=not retry)
                 if not isinstance(e, _Broken):
                     return _Nothing()
-                if attempt == 0 and c.established:
+                if retry:
                     with self._lock:
                         self._down_until = 0.0
                     continue

@@ -150,3 +150,25 @@ def test_views_are_cpu_uint8_of_the_block_size(kv_server, alloc):
     assert v.dtype == torch.uint8 and v.device.type == "cpu" and v.numel() == BLOCK
     res.abort()
     st.close()
+
+
+def test_a_connection_closed_for_idleness_before_its_first_request_is_dialled_again(kv_server, alloc):
+    """A store connects when it is made (at wrap()), often long before its first lookup: a server with
+    --idle-timeout closes that greeted, never-used connection.  Its first lookup used to miss (no second dial:
+    'established' counted requests, not the hello), put the server 'down' for the backoff and warn 'not
+    available'; now it dials once more, hits, and says nothing."""
+    srv = kv_server(idle_timeout=0.5)
+    a = alloc()
+    writer = RemoteBlockStore(srv.url, a)
+    assert _store(writer, [key(1), key(2)]) == 2
+    writer.close()
+    st = RemoteBlockStore(srv.url, a)  # greeted, no request yet
+    assert st.connected()
+    assert wait_until(lambda: srv.stats()["server"]["closed_idle"] >= 1, timeout=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KVStoreWarning)  # nothing to say: the server is there
+        lease = st.lookup("", [key(1), key(2)])
+        assert lease.blocks == 2
+        lease.close()
+    assert st.counters["reconnects"] == 1 and st.counters["skipped_down"] == 0
+    st.close()
