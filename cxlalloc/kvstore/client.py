@@ -262,7 +262,9 @@ class RemoteBlockStore(AccountedStore):
         if isinstance(exc, P.RemoteError):
             self._count("remote_errors")
             self._warn_once("remote:" + exc.code, f"cxlalloc kv store: the kv-server at {self.path} refused a "
-                                                  f"request ({exc.code}: {exc}); continuing without it")
+                                                  f"request ({exc.code}: {exc}); that request counts as a miss (nothing "
+                                                  "stored or loaded by it), later requests still go to the server "
+                                                  "(said once per code)")
             return
         self._count("server_errors")
         if "timed out" in text or "timeout" in text.lower():

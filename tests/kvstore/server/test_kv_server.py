@@ -422,4 +422,5 @@ def test_a_block_larger_than_max_pinned_is_refused_with_what_would_help(kv_serve
         with a.lookup("", [key(1)]) as refused:
             assert refused.blocks == 0  # a miss, never an error
     assert "release some leases" not in str(w[0].message)
+    assert "later requests still go to the server" in str(w[0].message)  # not 'continuing without it': it does not
     a.close()
