@@ -103,16 +103,17 @@ def parse_size(value: Any, option: str) -> int:
     raise ValueError(f"cxlalloc option '{option}': {value!r} is not a size; use {SIZE_HELP}")
 
 
-def parse_size_or_fraction(value: Any, option: str) -> Union[int, float]:
+def parse_size_or_fraction(value: Any, option: str, of: str = "VRAM") -> Union[int, float]:
     """Parse a size (-> int bytes) or a fraction (-> float in (0, 1]).
 
     Fractions: a float in (0, 1] or a percentage string ``"50%"``.  An int is
-    always bytes (so ``1`` means one byte, ``1.0`` means 100%).
+    always bytes (so ``1`` means one byte, ``1.0`` means 100%).  ``of`` names
+    what a fraction is of, in the error (``"VRAM"``, ``"the pool"``, ...).
 
     Raises:
         ValueError: naming ``option`` and the accepted forms.
     """
-    help_ = f"{SIZE_HELP}, or a fraction of VRAM: a float in (0, 1] or a percentage like '50%'"
+    help_ = f"{SIZE_HELP}, or a fraction of {of}: a float in (0, 1] or a percentage like '50%'"
     if isinstance(value, float):
         if 0.0 < value <= 1.0:
             return value
@@ -135,7 +136,7 @@ def parse_size_or_fraction(value: Any, option: str) -> Union[int, float]:
         except ValueError:
             f = None
         if f is not None and "." in value:
-            return parse_size_or_fraction(f, option)
+            return parse_size_or_fraction(f, option, of)
     try:
         return parse_size(value, option)
     except ValueError as e:

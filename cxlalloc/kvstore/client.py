@@ -214,14 +214,12 @@ class RemoteBlockStore(AccountedStore):
                              "acknowledged by the next reply), wait (every commit waits for its reply)")
         self.pipeline_commits = commit == "pipelined"
         if timeout is None:
-            try:
-                timeout = float(q.get("timeout", DEFAULT_TIMEOUT_S))
-            except ValueError:
-                timeout = -1.0
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"cxlalloc option 'kv_store': timeout={q.get('timeout', timeout)!r} must be a positive "
-                             "number of seconds")
-        self.timeout = float(timeout)
+            timeout = q.get("timeout", DEFAULT_TIMEOUT_S)
+        try:
+            self.timeout = P.check_seconds(timeout, "kv_store")
+        except ValueError:
+            raise ValueError(f"cxlalloc option 'kv_store': timeout={timeout!r} must be a finite number of seconds in "
+                             f"(0, {P.MAX_TIMEOUT_S:g}]") from None
         if fallback is None and q.get("fallback"):
             fallback = parse_size(q["fallback"], "kv_store fallback")
         self.allocator = allocator
@@ -257,14 +255,17 @@ class RemoteBlockStore(AccountedStore):
             self._warned.add(what)
             warnings.warn(msg, KVStoreWarning, stacklevel=4)
 
-    def _failed(self, exc: BaseException, conn: Optional[_Conn] = None) -> None:
-        """A request failed: count it; a broken connection puts the server 'down' for the backoff."""
+    def _failed(self, exc: BaseException, conn: Optional[_Conn] = None, warn: bool = True) -> None:
+        """A request failed: count it; a broken connection puts the server 'down' for the backoff.  ``warn``
+        False: the caller dials again at once (the 'not available' warning waits for that try to fail)."""
         # A _Broken already names the OS error it wraps; its own name means nothing to a user.
         text = str(exc) if isinstance(exc, _Broken) else f"{type(exc).__name__}: {exc}"
         if isinstance(exc, P.RemoteError):
             self._count("remote_errors")
             self._warn_once("remote:" + exc.code, f"cxlalloc kv store: the kv-server at {self.path} refused a "
-                                                  f"request ({exc.code}: {exc}); continuing without it")
+                                                  f"request ({exc.code}: {exc}); that request counts as a miss (nothing "
+                                                  "stored or loaded by it), later requests still go to the server "
+                                                  "(said once per code)")
             return
         self._count("server_errors")
         if "timed out" in text or "timeout" in text.lower():
@@ -280,6 +281,8 @@ class RemoteBlockStore(AccountedStore):
                 self._conn = None
                 self._down_until = time.monotonic() + self._backoff
                 self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
+        if not warn:
+            return
         self._warn_once("down", f"cxlalloc kv store: the kv-server at {self.path} is not available ({text}); "
                                 "generating without it (prompts are recomputed"
                                 + (", the local fallback tier is used" if self.fallback is not None else "")
@@ -412,10 +415,11 @@ class RemoteBlockStore(AccountedStore):
                 break
             except (_Broken, P.RemoteError) as e:
                 c.unhold()
-                self._failed(e, c if isinstance(e, _Broken) else None)
+                retry = isinstance(e, _Broken) and attempt == 0 and c.established
+                self._failed(e, c if isinstance(e, _Broken) else None, warn=not retry)
                 if not isinstance(e, _Broken):
                     return _Nothing()
-                if attempt == 0 and c.established:
+                if retry:
                     with self._lock:
                         self._down_until = 0.0
                     continue

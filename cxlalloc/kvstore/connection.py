@@ -51,8 +51,10 @@ class _Conn:
 
     @property
     def established(self) -> bool:
-        """It has served requests and broke by a reset or EOF (not a time-out): a restarted server."""
-        return self.served > 0 and not self.timed_out
+        """It was greeted (its hello answered: a _Conn exists only then) and broke by a reset or EOF, not a
+        time-out: a restarted server, or one that closed it for idleness (``--idle-timeout``), even before its
+        first request (a store connects when it is made, often long before its first lookup)."""
+        return not self.timed_out
 
     def request(self, msg: dict) -> dict:
         with self.lock:

@@ -68,7 +68,7 @@ def resolve_limit(limit, host_limit_bytes: int) -> int:
     if limit is None:
         value = DEFAULT_LIMIT_FRACTION
     else:
-        value = parse_size_or_fraction(limit, "kv_store_limit")
+        value = parse_size_or_fraction(limit, "kv_store_limit", of="the host tier")
     if isinstance(value, float):
         if host_limit_bytes <= 0:
             raise ValueError("cxlalloc option 'kv_store_limit': a fraction of the host tier needs a host tier, but "

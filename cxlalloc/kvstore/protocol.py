@@ -375,6 +375,28 @@ def peer_credentials(sock: socket.socket) -> Tuple[int, int, int]:
     return struct.unpack("3i", creds)
 
 
+MAX_TIMEOUT_S = 1e9                # the longest timeout in seconds (~31 years): socket.settimeout and
+                                   # threading waits overflow time_t near 9.2e9 s, and inf is no number of seconds
+
+
+def check_seconds(value, option: str, allow_zero: bool = False) -> float:
+    """``value`` as a timeout in seconds: a finite number in (0, MAX_TIMEOUT_S] ([0, ...] with ``allow_zero``).
+
+    Raises:
+        ValueError: naming ``option`` and the allowed range (NaN, inf, negative, zero when not allowed,
+            above MAX_TIMEOUT_S, not a number).
+    """
+    try:
+        s = float(value)
+    except (TypeError, ValueError):
+        s = float("nan")
+    low_ok = s >= 0 if allow_zero else s > 0
+    if not (low_ok and s <= MAX_TIMEOUT_S):  # also false for NaN; inf is above MAX_TIMEOUT_S
+        allowed = f"[0, {MAX_TIMEOUT_S:g}] seconds (0: none)" if allow_zero else f"(0, {MAX_TIMEOUT_S:g}] seconds"
+        raise ValueError(f"cxlalloc option '{option}': {value!r} must be a finite number of seconds in {allowed}")
+    return s
+
+
 def socket_path_from_url(url: str, option: str = "kv_store") -> str:
     """The socket path of ``unix:///path/kv.sock`` (or ``unix://relative/kv.sock``).
 

@@ -301,7 +301,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
             reuse_opts = parse_reuse_options({k: v for k, v in opts.items() if v is not None})
             make_config(kv_store=args.kv_store)  # the spec's form (local, unix://, redis://), before the load
             if args.kv_store_limit is not None:
-                parse_size_or_fraction(args.kv_store_limit, "kv_store_limit")
+                parse_size_or_fraction(args.kv_store_limit, "kv_store_limit", of="the host tier")
         except ValueError as e:
             flag = next((f"--{k.replace('_', '-')}" for k in opts if f"'{k}'" in str(e)), "--reuse")
             parser.error(f"{flag}: {e}")

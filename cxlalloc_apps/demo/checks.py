@@ -81,7 +81,7 @@ def _check_store_holds_a_block(parser: argparse.ArgumentParser, args, tokens: in
     fraction of the host tier is checked by the store when it opens."""
     if args.kv_store != "local" or args.kv_store_limit is None:
         return
-    limit = parse_size_or_fraction(args.kv_store_limit, "kv_store_limit")
+    limit = parse_size_or_fraction(args.kv_store_limit, "kv_store_limit", of="the host tier")
     if isinstance(limit, float):
         return
     path = args.model or find_smollm2()

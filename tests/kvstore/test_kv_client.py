@@ -126,6 +126,12 @@ def test_bad_urls_name_the_option(alloc):
         RemoteBlockStore("unix:///tmp/x.sock?frob=1", a)
     with pytest.raises(ValueError, match="timeout"):
         RemoteBlockStore("unix:///tmp/x.sock?timeout=-3", a)
+    # inf and values past time_t were accepted, then every request failed with OverflowError as 'server down'
+    for bad in ("inf", "1e12", "nan", "abc"):
+        with pytest.raises(ValueError, match=r"'kv_store': timeout='.*' must be a finite number of seconds in \(0, 1e\+09\]"):
+            RemoteBlockStore(f"unix:///tmp/x.sock?timeout={bad}", a)
+    with pytest.raises(ValueError, match="finite number of seconds"):
+        RemoteBlockStore("unix:///tmp/x.sock", a, timeout=float("inf"))
     with pytest.raises(ValueError, match="fallback"):
         RemoteBlockStore("unix:///tmp/x.sock?fallback=lots", a)
     from cxlalloc.kvstore.open import open_store
@@ -164,4 +170,26 @@ def test_a_lookup_cut_by_the_pin_budget_is_said_once_and_counted(kv_server, allo
     assert len(said) == 1 and "answered 4 stored blocks as misses" in said[0], said
     assert st.counters.snapshot()["pin_budget_misses"] == 8
     assert srv.stats()["pool"]["pin_budget_blocks"] == 8
+    st.close()
+
+
+def test_a_connection_closed_for_idleness_before_its_first_request_is_dialled_again(kv_server, alloc):
+    """A store connects when it is made (at wrap()), often long before its first lookup: a server with
+    --idle-timeout closes that greeted, never-used connection.  Its first lookup used to miss (no second dial:
+    'established' counted requests, not the hello), put the server 'down' for the backoff and warn 'not
+    available'; now it dials once more, hits, and says nothing."""
+    srv = kv_server(idle_timeout=0.5)
+    a = alloc()
+    writer = RemoteBlockStore(srv.url, a)
+    assert _store(writer, [key(1), key(2)]) == 2
+    writer.close()
+    st = RemoteBlockStore(srv.url, a)  # greeted, no request yet
+    assert st.connected()
+    assert wait_until(lambda: srv.stats()["server"]["closed_idle"] >= 1, timeout=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KVStoreWarning)  # nothing to say: the server is there
+        lease = st.lookup("", [key(1), key(2)])
+        assert lease.blocks == 2
+        lease.close()
+    assert st.counters["reconnects"] == 1 and st.counters["skipped_down"] == 0
     st.close()

@@ -249,10 +249,8 @@ def transport_limits(args, size: int) -> dict:
     if not P.MAX_KEYS <= args.max_items <= 1 << 24:
         raise ValueError(f"cxlalloc option '--max-items': {args.max_items} must be in [{P.MAX_KEYS}, {1 << 24}] "
                          f"(a request carries up to {P.MAX_KEYS} keys)")
-    if not args.hello_timeout > 0:
-        raise ValueError(f"cxlalloc option '--hello-timeout': {args.hello_timeout} must be > 0 seconds")
-    if not args.idle_timeout >= 0:
-        raise ValueError(f"cxlalloc option '--idle-timeout': {args.idle_timeout} must be >= 0 seconds (0: none)")
+    P.check_seconds(args.hello_timeout, "--hello-timeout")
+    P.check_seconds(args.idle_timeout, "--idle-timeout", allow_zero=True)
     if args.max_clients_per_uid is not None and not 1 <= args.max_clients_per_uid <= args.max_clients:
         raise ValueError(f"cxlalloc option '--max-clients-per-uid': {args.max_clients_per_uid} must be in "
                          f"[1, --max-clients {args.max_clients}]")
@@ -263,19 +261,25 @@ def transport_limits(args, size: int) -> dict:
         raise ValueError(f"cxlalloc option '--max-buffered': {args.max_buffered} must be at least {need} bytes "
                          f"(one --max-frame {args.max_frame} request and what it decodes to at --max-items "
                          f"{args.max_items})")
-    if not args.frame_timeout > 0:
-        raise ValueError(f"cxlalloc option '--frame-timeout': {args.frame_timeout} must be > 0 seconds")
+    P.check_seconds(args.frame_timeout, "--frame-timeout")
     if args.max_objects < 4:
         raise ValueError(f"cxlalloc option '--max-objects': {args.max_objects} must be at least 4")
     if args.backlog < 1:
         raise ValueError(f"cxlalloc option '--backlog': {args.backlog} must be at least 1")
-    reserve = parse_size_or_fraction(args.max_reserve, "--max-reserve")
+    # A slot and a pin take at least one page (slots are page multiples): a budget below one page would refuse every
+    # reserve / every hit, with a refusal telling the client to release what it does not hold.
+    page = os.sysconf("SC_PAGESIZE")
+    reserve = parse_size_or_fraction(args.max_reserve, "--max-reserve", of="the pool")
     reserve = int(reserve * size) if isinstance(reserve, float) else int(reserve)
-    if reserve < 1:
-        raise ValueError(f"cxlalloc option '--max-reserve': {args.max_reserve} must be above 0 bytes")
-    pinned = parse_size_or_fraction(args.max_pinned, "--max-pinned")
-    if not isinstance(pinned, float) and pinned < 1:
-        raise ValueError(f"cxlalloc option '--max-pinned': {args.max_pinned} must be above 0 bytes")
+    if reserve < page:
+        raise ValueError(f"cxlalloc option '--max-reserve': {args.max_reserve} ({reserve} bytes) must be at least one "
+                         f"page ({page} bytes: a slot takes whole pages), as a size or a share of the pool such as 10%")
+    pinned = parse_size_or_fraction(args.max_pinned, "--max-pinned", of="the pool")
+    if int(pinned * size if isinstance(pinned, float) else pinned) < page:
+        raise ValueError(f"cxlalloc option '--max-pinned': {args.max_pinned} "
+                         f"({int(pinned * size if isinstance(pinned, float) else pinned)} bytes) must be at least one "
+                         f"page ({page} bytes: a pinned block takes whole pages, so less refuses every hit), as a size "
+                         "or a share of the pool such as 10%")
     out.update(frame_timeout=args.frame_timeout, max_objects=args.max_objects, backlog=args.backlog,
                max_items=args.max_items, slice_keys=args.slice_keys, hello_timeout=args.hello_timeout,
                idle_timeout=args.idle_timeout, max_clients_per_uid=args.max_clients_per_uid,
@@ -323,7 +327,7 @@ def server_from_args(args) -> KVServer:
         raise ValueError("cxlalloc option '--size': required (the pool's bytes, e.g. --size 64GiB, or a share of the "
                          "node's memory, e.g. --size 50%)")
     node, reason = choose_node(args.numa_node)
-    size = parse_size_or_fraction(args.size, "--size")
+    size = parse_size_or_fraction(args.size, "--size", of="the node's memory")
     if isinstance(size, float):
         size = int(size * node_total_bytes(node))
     if size < 1:
@@ -527,8 +531,10 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc kv-server") -> 
         return 0
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         parser.error(f"cxlalloc option '--metrics-port': {args.metrics_port} is not a port (1-65535)")
-    if not args.metrics_interval > 0:
-        parser.error(f"cxlalloc option '--metrics-interval': {args.metrics_interval} must be > 0 seconds")
+    try:
+        P.check_seconds(args.metrics_interval, "--metrics-interval")
+    except ValueError as e:
+        parser.error(str(e))
     try:
         server = server_from_args(args)
         _return_large_buffers_to_the_kernel()

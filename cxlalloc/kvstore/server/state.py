@@ -200,6 +200,12 @@ class ServerState(ClientsMixin):
                     if not entries and not got:
                         self.c["refused_pin_budget"] += 1
                         self._held(t0)
+                        need = self.index.slot_size(self.index.entries[part[0]].nbytes)
+                        if need > self.max_pinned_bytes:  # no lease to release would make room: say what would
+                            raise P.RemoteError("limit", f"a stored block takes {need} bytes, more than a client may "
+                                                         f"hold pinned ({self.max_pinned_bytes}, --max-pinned): no "
+                                                         "client can ever load it; raise --max-pinned above the "
+                                                         "block size or store smaller blocks")
                         raise P.RemoteError("limit", f"this client holds {o.pinned_bytes} bytes of blocks pinned; a "
                                                      f"client may hold {self.max_pinned_bytes} (--max-pinned); "
                                                      "release some leases")

@@ -53,6 +53,7 @@ import traceback
 from typing import Callable, Dict, List, Optional
 
 from cxlalloc.kvstore import protocol as P
+from cxlalloc.kvstore.protocol import check_seconds
 from cxlalloc.kvstore.server.state import Owner, ServerState, log
 from cxlalloc.kvstore.server.tenants import Tenancy
 
@@ -174,12 +175,14 @@ class Transport:
         self.states: Dict[str, ServerState] = dict(state) if isinstance(state, dict) else {"": state}
         self.tenancy = tenancy if tenancy is not None else Tenancy()
         self.state = next(iter(self.states.values()))  # the first tenant's: refusals of unbound peers count here
-        self.hello_timeout, self.idle_timeout = float(hello_timeout), float(idle_timeout)
+        self.hello_timeout = check_seconds(hello_timeout, "hello_timeout")
+        self.idle_timeout = check_seconds(idle_timeout, "idle_timeout", allow_zero=True)
         self.max_items = int(max_items)
         self.socket_path, self.socket_mode, self.gid = socket_path, socket_mode, gid
         self.io_timeout = float(io_timeout)
         self.max_frame, self.max_buffered = int(max_frame), int(max_buffered)
-        self.frame_timeout, self.max_objects, self.backlog = float(frame_timeout), int(max_objects), int(backlog)
+        self.frame_timeout = check_seconds(frame_timeout, "frame_timeout")
+        self.max_objects, self.backlog = int(max_objects), int(backlog)
         self._buffered = 0                  # bytes of partly received frames now (all connections)
         self._buffered_lock = threading.Condition()
         self.buffered_peak = 0              # the most bytes charged at once (stats: buffered_peak_bytes)

@@ -65,6 +65,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from cxlalloc.kvstore.keys import REDIS_PREFIX, check_tenant, redis_key
+from cxlalloc.kvstore.protocol import MAX_TIMEOUT_S, check_seconds
 from cxlalloc.kvstore.tiers import Tier
 from cxlalloc.kvstore.tiers.redis_format import (_HEADER, HEADER_BYTES, MAC_BYTES, _length, cache_config_warnings,  # noqa: F401
                                                   check_url, pack_value, read_key_file, redact_url, split_url_options, unpack_value,
@@ -141,8 +142,10 @@ class RedisTier(Tier):
             raise ValueError(f"cxlalloc option '{ttl_option}': {ttl!r} must be a positive number of seconds")
         if not (isinstance(queue_bytes, int) and queue_bytes > 0):
             raise ValueError(f"cxlalloc option '--redis-queue': {queue_bytes!r} must be a positive size")
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"cxlalloc option '--redis-timeout': {timeout!r} must be a positive number of seconds")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+            raise ValueError(f"cxlalloc option '--redis-timeout': {timeout!r} must be a finite number of seconds in "
+                             f"(0, {MAX_TIMEOUT_S:g}]")
+        timeout = check_seconds(timeout, "--redis-timeout")
         try:
             import redis
             from redis.backoff import NoBackoff

@@ -155,3 +155,57 @@ def test_each_limit_is_an_option_and_a_bad_value_names_it(argv, message, capsys)
     with pytest.raises(SystemExit) as e:
         main(["--size", "64MiB", "--chunk", "4MiB", "--socket", "/tmp/kvt-never.sock", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--hello-timeout", "--idle-timeout", "--frame-timeout", "--metrics-interval",
+                                    "--redis-timeout"])
+@pytest.mark.parametrize("value", ["inf", "1e10", "nan"])
+@pytest.mark.timeout(60)  # a regression starts a server that never returns
+def test_a_timeout_that_is_no_finite_number_of_seconds_is_refused(option, value, capsys):
+    """inf (and 1e10 s, past time_t) used to start a server whose every connection thread died with OverflowError
+    in socket.settimeout (no client could attach, not even --status); now: one line naming the option, exit 2."""
+    from cxlalloc.kvstore.server.cli import main
+
+    extra = ["--redis", "redis://127.0.0.1:1/0"] if option == "--redis-timeout" else []
+    with pytest.raises(SystemExit) as e:
+        main(["--size", "64MiB", "--chunk", "4MiB", "--socket", "/tmp/kvt-never.sock", *extra, option, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"'{option}'" in err and "finite number of seconds in" in err, err
+
+
+@pytest.mark.parametrize("option, value, of", [("--max-pinned", "lots", "the pool"), ("--max-reserve", "0%", "the pool"),
+                                                ("--size", "150%", "the node's memory")])
+def test_a_share_option_says_what_its_fraction_is_of(option, value, of, capsys):
+    """--max-pinned/--max-reserve are shares of the pool, --size of the node's memory: never 'a fraction of VRAM'."""
+    from cxlalloc.kvstore.server.cli import main
+
+    argv = ["--size", "64MiB", "--chunk", "4MiB", "--socket", "/tmp/kvt-never.sock"]
+    argv = [a for a in argv if a not in ("--size", "64MiB")] + ["--size", value] if option == "--size" else \
+        argv + [option, value]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"'{option}'" in err and f"a fraction of {of}: a float in (0, 1]" in err, err
+    assert "VRAM" not in err
+
+
+@pytest.mark.parametrize("option, value", [("--max-pinned", "1"), ("--max-pinned", "4095"), ("--max-reserve", "100"),
+                                           ("--max-pinned", "0.001%")])
+@pytest.mark.timeout(60)  # a regression starts a server that never returns
+def test_a_pin_or_reserve_budget_below_one_page_is_refused(option, value, capsys):
+    """--max-pinned 1 used to start a server that refused every hit ('this client holds 0 bytes pinned; a client may
+    hold 1; release some leases'): a pin takes a whole page."""
+    from cxlalloc.kvstore.server.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--size", "64MiB", "--chunk", "4MiB", "--socket", "/tmp/kvt-never.sock", option, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"'{option}'" in err and "must be at least one page (4096 bytes" in err, err
+
+
+def test_the_server_object_refuses_a_timeout_past_time_t():
+    from cxlalloc.kvstore.server import KVServer
+
+    for kw in (dict(idle_timeout=float("inf")), dict(hello_timeout=1e10), dict(frame_timeout=float("nan"))):
+        with pytest.raises(ValueError, match=f"'{next(iter(kw))}'.*finite number of seconds"):
+            KVServer(8 * MiB, 0, "/tmp/kvt-never.sock", chunk_bytes=4 * MiB, **kw)

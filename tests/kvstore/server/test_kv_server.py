@@ -406,3 +406,21 @@ def test_status_text_and_metrics(kv_server, tmp_path):
     ex.stop()  # first: a write in flight has its temporary file until the rename
     assert not [f for f in os.listdir(tmp_path) if f != "kv.prom"]  # atomic: no temporary left behind
     c.close()
+
+
+def test_a_block_larger_than_max_pinned_is_refused_with_what_would_help(kv_server, alloc):
+    """A block that alone passes --max-pinned can never be loaded by anyone: the refusal said 'this client holds 0
+    bytes pinned ... release some leases'; it names the block's size and --max-pinned instead."""
+    srv = kv_server(max_pinned=BLOCK // 2)
+    a = RemoteBlockStore(srv.url, alloc())
+    res = a.reserve("", [key(1)], BLOCK, 16)
+    for v in res.views:
+        v.fill_(3)
+    assert res.commit(wait=True) == 1
+    with pytest.warns(KVStoreWarning, match=rf"a stored block takes {BLOCK} bytes, more than a client may hold pinned "
+                                            rf"\({BLOCK // 2}, --max-pinned\).*raise --max-pinned") as w:
+        with a.lookup("", [key(1)]) as refused:
+            assert refused.blocks == 0  # a miss, never an error
+    assert "release some leases" not in str(w[0].message)
+    assert "later requests still go to the server" in str(w[0].message)  # not 'continuing without it': it does not
+    a.close()
