@@ -468,25 +468,35 @@ class RemoteBlockStore(AccountedStore):
         """
         keys = list(keys)
         self._count("reserves")
-        c = self._get_conn()
-        if c is None:
-            if self.fallback is not None:
-                return self.fallback.reserve(ns, keys, nbytes, tokens)
-            return _Nothing(len(keys))
-        self.check_block_bytes(nbytes)
-        c.hold()
-        try:
-            reply = c.request({"op": "reserve", "ns": ns, "keys": keys, "nbytes": int(nbytes), "tokens": int(tokens)})
-        except _Broken as e:
-            c.unhold()
-            self._failed(e, c)
-            return _Nothing(len(keys))
-        except P.RemoteError as e:
-            c.unhold()
-            if e.code == "too_large":
-                raise ValueError(f"cxlalloc option 'kv_store': {e}") from None
-            self._failed(e)
-            return _Nothing(len(keys))
+        # As lookup(): a connection that worked and is found broken (a restarted server, or one closed by
+        # --idle-timeout while the model was idle) is dialled once more at once, so that insert is not lost.
+        for attempt in (0, 1):
+            c = self._get_conn()
+            if c is None:
+                if self.fallback is not None:
+                    return self.fallback.reserve(ns, keys, nbytes, tokens)
+                return _Nothing(len(keys))
+            self.check_block_bytes(nbytes)
+            c.hold()
+            try:
+                reply = c.request({"op": "reserve", "ns": ns, "keys": keys, "nbytes": int(nbytes),
+                                   "tokens": int(tokens)})
+                break
+            except _Broken as e:
+                c.unhold()
+                retry = attempt == 0 and c.established
+                self._failed(e, c, warn=not retry)
+                if retry:
+                    with self._lock:
+                        self._down_until = 0.0
+                    continue
+                return _Nothing(len(keys))
+            except P.RemoteError as e:
+                c.unhold()
+                if e.code == "too_large":
+                    raise ValueError(f"cxlalloc option 'kv_store': {e}") from None
+                self._failed(e)
+                return _Nothing(len(keys))
         rid = int(reply.get("res") or 0)
         slots = reply.get("slots") or []
         if not rid:

@@ -193,3 +193,20 @@ def test_a_connection_closed_for_idleness_before_its_first_request_is_dialled_ag
         lease.close()
     assert st.counters["reconnects"] == 1 and st.counters["skipped_down"] == 0
     st.close()
+
+
+def test_an_insert_after_an_idle_close_dials_again_and_is_stored(kv_server, alloc):
+    """The same for reserve(): the first insert after --idle-timeout closed the store's connection used to be
+    lost (no second dial) and the server marked down; now it dials once more and the blocks are stored."""
+    srv = kv_server(idle_timeout=0.5)
+    st = RemoteBlockStore(srv.url, alloc())
+    assert st.connected()
+    assert wait_until(lambda: srv.stats()["server"]["closed_idle"] >= 1, timeout=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KVStoreWarning)
+        assert _store(st, [key(7), key(8)]) == 2
+    # the commit is pipelined (protocol 3): the server publishes the blocks when it reads the frame
+    assert wait_until(lambda: srv.stats()["pool"]["blocks"] == 2, timeout=10), srv.stats()["pool"]
+    assert st.counters["reconnects"] == 1 and st.counters["skipped_down"] == 0
+    st.close()
+
