@@ -205,7 +205,9 @@ setup(
     # are stored, so another algorithm or version must never be picked up silently
     install_requires=["numpy", "xxhash==4.1.0"],
     extras_require={
-        "hf": ["transformers>=5.0", "accelerate", "gguf", "msgpack>=1.0"],
+        # transformers: the releases tested (5.25 renamed the serving manager cxlalloc serve patches and changed LFM2's
+        # cache; scripts/bootstrap.sh pins 5.24.0)
+        "hf": ["transformers>=5.0,<5.25", "accelerate", "gguf", "msgpack>=1.0"],
         # cxlalloc kv-server (msgpack: the protocol, also for its clients; redis: the Redis/Valkey tier;
         # prometheus_client: --metrics-port/--metrics-file; rich: --status tables)
         "kvserver": ["msgpack>=1.0", "redis>=5.0", "prometheus_client>=0.17", "rich"],
@@ -216,7 +218,7 @@ setup(
         # hiredis: redis-py's C parser, as users run redis-py (the kvspeed lookup baseline; issue 33)
         "bench": ["matplotlib", "rich", "tqdm", "redis>=5.0", "hiredis>=3.0"],
         # cxlalloc serve: transformers' OpenAI-compatible server (transformers[serving] without accelerate's pin)
-        "serve": ["transformers>=5.24", "fastapi>=0.115", "uvicorn>=0.30", "openai>=1.98", "prometheus_client>=0.17"],
+        "serve": ["transformers>=5.24,<5.25", "fastapi>=0.115", "uvicorn>=0.30", "openai>=1.98", "prometheus_client>=0.17"],
         # peft: the adapter-state tests (tests/hf/test_hf_reuse_state.py) run against the real package
         "test": ["pytest", "pytest-timeout", "msgpack>=1.0", "redis>=5.0", "prometheus_client>=0.17", "peft==0.21.2"],
         # building the torch adapter at run time (global mode)

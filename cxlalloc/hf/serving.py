@@ -70,6 +70,15 @@ def serving_modules():
     except ImportError as e:
         raise RuntimeError(f"cxlalloc serve: transformers' serving code could not be imported ({e}); it needs "
                            "transformers 5.24 (transformers.cli.serving)") from e
+    from transformers.cli.serving import utils as serving_utils
+
+    missing = [n for n in ("CBGenerateManager", "GenerateManager") if not hasattr(serving_utils, n)]
+    if missing:  # 5.25 renamed them (CBGenerateRunner, ...): the managers cxlalloc serve wraps are not there
+        import transformers
+
+        raise RuntimeError(f"cxlalloc serve: transformers {transformers.__version__} has no "
+                           f"transformers.cli.serving.utils.{missing[0]}, which cxlalloc serve wraps; it is tested "
+                           "with transformers 5.24 (pip install 'transformers==5.24.0')")
     from transformers.utils.import_utils import is_serve_available
 
     if not is_serve_available():
