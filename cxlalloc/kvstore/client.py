@@ -426,11 +426,7 @@ class RemoteBlockStore(AccountedStore):
                 return self._fallback_lookup(ns, keys)
         blocks = reply.get("blocks") or []
         if reply.get("budget_cut"):
-            self._count("pin_budget_misses", int(reply["budget_cut"]))
-            self._warn_once("pin_budget", f"cxlalloc kv store: the kv-server answered {int(reply['budget_cut'])} "
-                                          f"stored blocks as misses: this client's pinned blocks reached the "
-                                          "server's --max-pinned (default half the pool); release leases sooner "
-                                          "or start the server with a larger --max-pinned")
+            _say_budget_cut(self, int(reply["budget_cut"]))
         if not blocks:
             c.unhold()
             return _Nothing()
@@ -545,27 +541,7 @@ class RemoteBlockStore(AccountedStore):
         ``server_restarts``, ``bytes_loaded``, ``load_GBps``, ...), ``server``
         (the server's full stats, None while away), ``fallback`` (its stats).
         """
-        c = self.counters.snapshot()
-        srv = self.server_stats()
-        pool = self._pool
-        c.update(kind=self.kind, url=self.url, connected=self.connected(), last_error=self.last_error,
-                 simulated=self.simulated, pool_id=pool.pool_id if pool else None, node=pool.node if pool else None,
-                 tenant=pool.tenant if pool else None,
-                 chunk_bytes=pool.chunk_bytes if pool else None)
-        if pool is not None:
-            a = pool.arena.stats()
-            c["registered_bytes"] = a["registered_bytes"]
-            c["register_failures"] += a["register_failures"]
-        else:
-            c["registered_bytes"] = 0
-        sp = (srv or {}).get("pool") or {}
-        c.update(capacity_bytes=sp.get("capacity_bytes"), used_bytes=sp.get("used_bytes"), blocks=sp.get("blocks"),
-                 stored_blocks=sp.get("stored_blocks"), evicted_blocks=sp.get("evicted_blocks"),
-                 hit_rate=sp.get("hit_rate"), client_hit_rate=hit_rate(c["hit_blocks"], c["lookup_blocks"]))
-        c["server"] = srv
-        if self.fallback is not None:
-            c["fallback"] = self.fallback.stats()
-        return c
+        return _stats_of(self)
 
     def close(self) -> None:
         """Stop using the server (the connection closes once no lease or reservation is open);
@@ -581,3 +557,36 @@ class RemoteBlockStore(AccountedStore):
         pool = self._pool
         where = f"pool {pool.pool_id}, {format_bytes(pool.size)} on node {pool.node}" if pool else "not connected"
         return f"<cxlalloc RemoteBlockStore {self.path}: {where}>"
+
+
+def _stats_of(st: "RemoteBlockStore") -> dict:
+    """:meth:`RemoteBlockStore.stats` (kept out of the class: one job per piece)."""
+    c = st.counters.snapshot()
+    srv = st.server_stats()
+    pool = st._pool
+    c.update(kind=st.kind, url=st.url, connected=st.connected(), last_error=st.last_error,
+             simulated=st.simulated, pool_id=pool.pool_id if pool else None, node=pool.node if pool else None,
+             tenant=pool.tenant if pool else None,
+             chunk_bytes=pool.chunk_bytes if pool else None)
+    if pool is not None:
+        a = pool.arena.stats()
+        c["registered_bytes"] = a["registered_bytes"]
+        c["register_failures"] += a["register_failures"]
+    else:
+        c["registered_bytes"] = 0
+    sp = (srv or {}).get("pool") or {}
+    c.update(capacity_bytes=sp.get("capacity_bytes"), used_bytes=sp.get("used_bytes"), blocks=sp.get("blocks"),
+             stored_blocks=sp.get("stored_blocks"), evicted_blocks=sp.get("evicted_blocks"),
+             hit_rate=sp.get("hit_rate"), client_hit_rate=hit_rate(c["hit_blocks"], c["lookup_blocks"]))
+    c["server"] = srv
+    if st.fallback is not None:
+        c["fallback"] = st.fallback.stats()
+    return c
+
+
+def _say_budget_cut(st: "RemoteBlockStore", cut: int) -> None:
+    """The server answered ``cut`` stored blocks of a lookup as misses (its ``--max-pinned``): count, warn once."""
+    st._count("pin_budget_misses", cut)
+    st._warn_once("pin_budget", f"cxlalloc kv store: the kv-server answered {cut} stored blocks as misses: this "
+                                "client's pinned blocks reached the server's --max-pinned (default half the pool); "
+                                "release leases sooner or start the server with a larger --max-pinned")
