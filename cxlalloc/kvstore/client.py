@@ -387,6 +387,37 @@ class RemoteBlockStore(AccountedStore):
         return not c.pending
 
     # ------------------------------------------------------------ blocks
+    def _held_request(self, msg: dict, before=None, passes: Sequence[str] = ()):
+        """Send ``msg`` on the connection, held for the lease/reservation its reply opens: ``(conn, reply)``.
+        A connection that worked and is found broken (most often a restarted server, or one closed by
+        --idle-timeout while the model was idle) is dialled once more at once (one try, no backoff), so the
+        request is not lost; a server really away then counts as down.  ``before()`` runs once connected.
+        Nothing held: ``(None, "away")`` (no connection), ``"failed"`` (broken: counted, warned once) or
+        ``"refused"`` (counted, warned once per code); a refusal whose code is in ``passes`` is raised."""
+        for last in (False, True):
+            c = self._get_conn()
+            if c is None:
+                return None, "away"
+            if before is not None:
+                before()
+            c.hold()  # before the request: the connection must not close while its pins/slots are in use
+            try:
+                return c, c.request(msg)
+            except _Broken as e:
+                c.unhold()
+                retry = not last and c.established
+                self._failed(e, c, warn=not retry)
+                if not retry:
+                    return None, "failed"
+                with self._lock:
+                    self._down_until = 0.0
+            except P.RemoteError as e:
+                c.unhold()
+                if e.code in passes:
+                    raise
+                self._failed(e)
+                return None, "refused"
+
     def _register(self, pool: _Pool, off: int, n: int) -> None:
         try:
             pool.arena.ensure_registered(off, n)
@@ -402,28 +433,9 @@ class RemoteBlockStore(AccountedStore):
         self._count("lookup_blocks", len(keys))
         if not keys:
             return _Nothing()
-        # A connection that worked and is found broken now most often means a restarted server: the first call
-        # after the restart dials it again at once (one try, no backoff) instead of missing what it (or its
-        # Redis tier) holds; a server that is really away then counts as down as before.
-        for attempt in (0, 1):
-            c = self._get_conn()
-            if c is None:
-                return self._fallback_lookup(ns, keys)
-            c.hold()  # before the request: the connection must not close while its pins are in use
-            try:
-                reply = c.request({"op": "lookup", "ns": ns, "keys": keys})
-                break
-            except (_Broken, P.RemoteError) as e:
-                c.unhold()
-                retry = isinstance(e, _Broken) and attempt == 0 and c.established
-                self._failed(e, c if isinstance(e, _Broken) else None, warn=not retry)
-                if not isinstance(e, _Broken):
-                    return _Nothing()
-                if retry:
-                    with self._lock:
-                        self._down_until = 0.0
-                    continue
-                return self._fallback_lookup(ns, keys)
+        c, reply = self._held_request({"op": "lookup", "ns": ns, "keys": keys})
+        if c is None:
+            return _Nothing() if reply == "refused" else self._fallback_lookup(ns, keys)
         blocks = reply.get("blocks") or []
         if reply.get("budget_cut"):
             _say_budget_cut(self, int(reply["budget_cut"]))
@@ -464,35 +476,16 @@ class RemoteBlockStore(AccountedStore):
         """
         keys = list(keys)
         self._count("reserves")
-        # As lookup(): a connection that worked and is found broken (a restarted server, or one closed by
-        # --idle-timeout while the model was idle) is dialled once more at once, so that insert is not lost.
-        for attempt in (0, 1):
-            c = self._get_conn()
-            if c is None:
-                if self.fallback is not None:
-                    return self.fallback.reserve(ns, keys, nbytes, tokens)
-                return _Nothing(len(keys))
-            self.check_block_bytes(nbytes)
-            c.hold()
-            try:
-                reply = c.request({"op": "reserve", "ns": ns, "keys": keys, "nbytes": int(nbytes),
-                                   "tokens": int(tokens)})
-                break
-            except _Broken as e:
-                c.unhold()
-                retry = attempt == 0 and c.established
-                self._failed(e, c, warn=not retry)
-                if retry:
-                    with self._lock:
-                        self._down_until = 0.0
-                    continue
-                return _Nothing(len(keys))
-            except P.RemoteError as e:
-                c.unhold()
-                if e.code == "too_large":
-                    raise ValueError(f"cxlalloc option 'kv_store': {e}") from None
-                self._failed(e)
-                return _Nothing(len(keys))
+        try:
+            c, reply = self._held_request({"op": "reserve", "ns": ns, "keys": keys, "nbytes": int(nbytes),
+                                           "tokens": int(tokens)},
+                                          before=lambda: self.check_block_bytes(nbytes), passes=("too_large",))
+        except P.RemoteError as e:
+            raise ValueError(f"cxlalloc option 'kv_store': {e}") from None
+        if c is None:
+            if reply == "away" and self.fallback is not None:
+                return self.fallback.reserve(ns, keys, nbytes, tokens)
+            return _Nothing(len(keys))
         rid = int(reply.get("res") or 0)
         slots = reply.get("slots") or []
         if not rid:
