@@ -397,7 +397,10 @@ class PrefixReuse(ConversationMixin):
         if conv_hit and conv_hit >= (L - 1) // bt * bt:  # no block lookup can beat it
             return self._continue_conversation(call, ids[0], conv_hit, max_cache_len)
         try:
-            self._load(call, cache, ids, pads, expand)
+            # conv_hit as the floor: stored blocks that cannot cover more than the kept conversation are not
+            # copied in (they would be thrown away below; in a chat that was every turn whose new tokens
+            # crossed a block boundary: a whole-prefix copy per turn, measured +0.12 s a turn on SmolLM2).
+            self._load(call, cache, ids, pads, expand, floor=conv_hit)
         except Exception as exc:  # never a wrong token: recompute the whole prompt
             cache.reset()
             rec.fallback = f"{type(exc).__name__}: {exc}"
@@ -440,9 +443,11 @@ class PrefixReuse(ConversationMixin):
                 return None
         return pads
 
-    def _load(self, call: _Call, cache: CxlCache, ids: torch.Tensor, pads: List[int], expand: int) -> None:
+    def _load(self, call: _Call, cache: CxlCache, ids: torch.Tensor, pads: List[int], expand: int,
+              floor: int = 0) -> None:
         """Look each prompt row up and load the hit (the cache length ``C``
-        every row can use) into ``cache`` (:class:`~cxlalloc.hf.store_io.BlockReader`)."""
+        every row can use) into ``cache`` (:class:`~cxlalloc.hf.store_io.BlockReader`); nothing is
+        copied when ``C`` is at most ``floor`` tokens (what the kept conversation already holds)."""
         layout, bt, rec = self.layout, self.block_tokens, call.record
         if call.fp is None:
             call.fp = self.fingerprint()
@@ -457,7 +462,7 @@ class PrefixReuse(ConversationMixin):
                 hits.append(good * bt)
             rec.row_hit_tokens = list(hits)
             C = min(min(p + h for p, h in zip(pads, hits)), L - 1)
-            if C <= 0 or not any(min(h, C - p) > 0 for p, h in zip(pads, hits)):
+            if C <= max(0, floor) or not any(min(h, C - p) > 0 for p, h in zip(pads, hits)):
                 return
 
             def copy_in():

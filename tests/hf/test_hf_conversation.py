@@ -106,3 +106,22 @@ def test_the_limit_bounds_what_is_kept_and_zero_turns_it_off(fresh_sim):
     assert not rec["conversation"] and rec["hit_tokens"] == 32  # whole blocks from the store only
     with pytest.raises(ValueError, match="kv_conversation_limit"):
         wrap(tiny_llama(), kv_conversation_limit="lots")
+
+
+def test_a_turn_crossing_a_block_boundary_copies_nothing_from_the_store(fresh_sim):
+    """A new turn of more than a block's tokens makes a stored-block lookup worth trying, but the blocks the
+    previous turns stored never cover more than the kept conversation: nothing may be copied in from the store
+    only to be thrown away (it was, every such turn: a whole-prefix copy a turn, issue 33's chat overhead)."""
+    ref, m = tiny_llama(), tiny_llama()
+    wrap(m)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    turn = ids(2 * BT + 3, seed=3)
+    for t in range(4):
+        out = plain(m, input_ids=turn, **kw)
+        rec, store = reuse(m)["last"], reuse(m)["store"]
+        assert torch.equal(out, plain(ref, input_ids=turn, **kw)), f"turn {t}: tokens differ from a recompute"
+        if t:
+            assert rec["conversation"] and rec["hit_tokens"] == turn.shape[1] - BT - 2
+        assert store["bytes_loaded"] == 0 and store["loads"] == 0, (t, store)
+        turn = torch.cat([out, ids(BT + 1, seed=20 + t)], 1)
+    assert reuse(m)["counters"]["conversation_hits"] == 3
