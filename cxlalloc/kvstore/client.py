@@ -42,133 +42,18 @@ import time
 import warnings
 from typing import List, Optional, Sequence
 
-import torch
-
 from cxlalloc import _C
 from cxlalloc.config import format_bytes, parse_size
 from cxlalloc.kvstore import protocol as P
-from cxlalloc.kvstore.connection import _Broken, _Conn, _Pool, _slot_views
-from cxlalloc.kvstore.handles import ScopedHandle, close_fds
+from cxlalloc.kvstore.connection import _Broken, _Conn, _Pool, _slot_views  # noqa: F401 (tests import it from here)
+from cxlalloc.kvstore.handles import close_fds
 from cxlalloc.kvstore.local import KVStoreWarning, LocalBlockStore
+from cxlalloc.kvstore.remote_handles import PendingReservation, RemoteLease, RemoteReservation, _Nothing
 from cxlalloc.kvstore.store import AccountedStore, hit_rate
 
 DEFAULT_TIMEOUT_S = 5.0
 _BACKOFF_MIN_S = 0.2
 _BACKOFF_MAX_S = 10.0
-
-
-class RemoteLease(ScopedHandle):
-    """Blocks found on the server, pinned there until :meth:`close`."""
-
-    def __init__(self, store, conn: Optional[_Conn], lease_id: int, views: List[torch.Tensor], from_tier: int = 0):
-        self._store, self._conn, self._id, self.views = store, conn, lease_id, views
-        # Where the blocks came from, in order: the server's pool, then the tier below it (read through).
-        self.tiers = [("pool", len(views) - from_tier), ("remote", from_tier)]
-
-    @property
-    def blocks(self) -> int:
-        return len(self.views)
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        self.views = []
-        if conn is None:
-            return
-        try:
-            if conn.broken:
-                pass  # closing the connection (unhold) drops the pins
-            elif conn.one_way_release:  # one round trip per hit: the release is not waited for
-                conn.send_one_way({"op": "release", "leases": [self._id], "reply": False})
-            else:
-                conn.request({"op": "release", "leases": [self._id]})
-        except (_Broken, P.RemoteError) as e:
-            self._store._failed(e, conn)
-        finally:
-            conn.unhold()
-
-    _release = close
-
-
-class RemoteReservation(ScopedHandle):
-    """Slots in the server's pool: write ``views[i]`` (None = skip), then :meth:`commit`."""
-
-    def __init__(self, store, conn: Optional[_Conn], res_id: int, views: List[Optional[torch.Tensor]]):
-        self._store, self._conn, self._id, self.views = store, conn, res_id, views
-
-    @property
-    def slots(self) -> int:
-        return sum(1 for v in self.views if v is not None)
-
-    def _finish(self, op: str, wait: bool = True) -> int:
-        conn, self._conn = self._conn, None
-        if conn is None:
-            return 0
-        try:
-            if conn.broken:
-                return 0
-            if not wait:
-                n = self.slots
-                conn.send_one_way({"op": op, "res": self._id, "reply": False}, pending=n)
-                self._store._count("pipelined_commits")
-                return n
-            reply = conn.request({"op": op, "res": self._id})
-            return int(reply.get("published", 0))
-        except (_Broken, P.RemoteError) as e:
-            self._store._failed(e, conn)
-            return 0
-        finally:
-            conn.unhold()
-
-    def commit(self, wait: Optional[bool] = None) -> int:
-        """Publish the written blocks to every client (write every view first).
-
-        Waited (``wait=True``, or a server older than protocol 3, or the
-        store's ``commit="wait"``): returns how many became visible (0 when
-        the server went away: nothing half-written is ever visible).
-        Pipelined (the default against a protocol-3 server): the commit is
-        sent without waiting for its reply and the slots sent are returned;
-        the server publishes them before it reads this connection's next
-        request, and the next reply acknowledges them (``committed_blocks``
-        counts what it published; a failure is counted and warned about
-        then, :meth:`RemoteBlockStore.flush` waits for them).  Either way a
-        block becomes visible only after its bytes were written, and a
-        connection that closes before the commit arrives aborts it."""
-        conn = self._conn
-        if wait is None:
-            wait = not (conn is not None and conn.pipelined_commit and self._store.pipeline_commits)
-        n = self._finish("commit", wait)
-        if wait:
-            self._store._count("committed_blocks", n)
-        return n
-
-    def abort(self) -> None:
-        self._finish("abort")
-
-    _release = abort
-
-
-class _Nothing:
-    """An empty lease / a reservation with no slots."""
-
-    def __init__(self, n: int = 0):
-        self.views = [None] * n
-        self.blocks = 0
-        self.slots = 0
-
-    def close(self):
-        pass
-
-    def commit(self):
-        return 0
-
-    def abort(self):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
 
 
 class RemoteBlockStore(AccountedStore):
@@ -462,45 +347,39 @@ class RemoteBlockStore(AccountedStore):
         Raises:
             ValueError: a block larger than one chunk of the server (naming its ``--chunk``).
         """
-        keys = list(keys)
         self._count("reserves")
-        # As lookup(): a connection that worked and is found broken (a restarted server, or one closed by
-        # --idle-timeout while the model was idle) is dialled once more at once, so that insert is not lost.
-        for attempt in (0, 1):
-            c = self._get_conn()
-            if c is None:
-                if self.fallback is not None:
-                    return self.fallback.reserve(ns, keys, nbytes, tokens)
-                return _Nothing(len(keys))
-            self.check_block_bytes(nbytes)
-            c.hold()
-            try:
-                reply = c.request({"op": "reserve", "ns": ns, "keys": keys, "nbytes": int(nbytes),
-                                   "tokens": int(tokens)})
-                break
-            except _Broken as e:
-                c.unhold()
-                retry = attempt == 0 and c.established
-                self._failed(e, c, warn=not retry)
-                if retry:
-                    with self._lock:
-                        self._down_until = 0.0
-                    continue
-                return _Nothing(len(keys))
-            except P.RemoteError as e:
-                c.unhold()
-                if e.code == "too_large":
-                    raise ValueError(f"cxlalloc option 'kv_store': {e}") from None
-                self._failed(e)
-                return _Nothing(len(keys))
-        rid = int(reply.get("res") or 0)
-        slots = reply.get("slots") or []
-        if not rid:
-            c.unhold()
-            return _Nothing(len(keys))
-        views = _slot_views(c.pool, slots, int(nbytes), self._register)
-        self._count("reserved_blocks", sum(1 for v in views if v is not None))
-        return RemoteReservation(self, c, rid, views)
+        return self._reserve(ns, list(keys), nbytes, tokens)
+
+    def reserve_ahead(self, ns: str, keys: Sequence[bytes], nbytes: int, tokens: int) -> PendingReservation:
+        """:meth:`reserve` without waiting: the request is sent now and its reply read by
+        :meth:`PendingReservation.result`, so the server reserves the next batch while this process
+        copies the current one (no round trip on the copy's path).  Any protocol version: the server
+        answers in order.  The slots are for keys not stored *when the server handles it*: a key of an
+        earlier reservation still uncommitted then gets no slot.  A pending reservation closed without
+        ``result()`` is aborted (its slots freed).
+
+        Raises:
+            ValueError: a block larger than one chunk of the server (naming its ``--chunk``).
+        """
+        self._count("reserves")
+        return self._reserve(ns, list(keys), nbytes, tokens, ahead=True)
+
+    def _reserve(self, ns: str, keys: List[bytes], nbytes: int, tokens: int, ahead: bool = False,
+                 retry: bool = True):
+        args = (ns, keys, nbytes, tokens)
+        c = self._get_conn()
+        if c is None:
+            res = self.fallback.reserve(ns, keys, nbytes, tokens) if self.fallback is not None else _Nothing(len(keys))
+            return PendingReservation(None, None, None, res) if ahead else res
+        self.check_block_bytes(nbytes)
+        c.hold()
+        msg = {"op": "reserve", "ns": ns, "keys": keys, "nbytes": int(nbytes), "tokens": int(tokens)}
+        if not ahead:
+            return _reserve_reply(self, c, args, lambda: c.request(msg), retry)
+        try:
+            return PendingReservation(c, c.send_deferred(msg), lambda get: _reserve_reply(self, c, args, get, retry))
+        except _Broken as e:
+            return PendingReservation(None, None, None, _reserve_reply(self, c, args, _raiser(e), retry))
 
     def check_block_bytes(self, nbytes: int) -> None:
         """Raise ValueError naming ``kv_store`` if a block of ``nbytes`` can never fit
@@ -557,6 +436,45 @@ class RemoteBlockStore(AccountedStore):
         pool = self._pool
         where = f"pool {pool.pool_id}, {format_bytes(pool.size)} on node {pool.node}" if pool else "not connected"
         return f"<cxlalloc RemoteBlockStore {self.path}: {where}>"
+
+
+def _reserve_reply(st: "RemoteBlockStore", c: _Conn, args: tuple, get_reply, retry: bool = True):
+    """The reservation a reserve request sent on ``c`` (held) got; ``get_reply()`` reads the reply (kept out
+    of :class:`RemoteBlockStore`: one job per piece).  As lookup(): a connection that worked and is found broken (a restarted server, or one closed by
+    --idle-timeout while the model was idle) is dialled once more at once, so that insert is not lost."""
+    ns, keys, nbytes, tokens = args
+    try:
+        reply = get_reply()
+    except _Broken as e:
+        c.unhold()
+        again = retry and c.established
+        st._failed(e, c, warn=not again)
+        if not again:
+            return _Nothing(len(keys))
+        with st._lock:
+            st._down_until = 0.0
+        return st._reserve(ns, keys, nbytes, tokens, retry=False)
+    except P.RemoteError as e:
+        c.unhold()
+        if e.code == "too_large":
+            raise ValueError(f"cxlalloc option 'kv_store': {e}") from None
+        st._failed(e)
+        return _Nothing(len(keys))
+    rid = int(reply.get("res") or 0)
+    slots = reply.get("slots") or []
+    if not rid:
+        c.unhold()
+        return _Nothing(len(keys))
+    res = RemoteReservation(st, c, rid, c.pool, [None if o is None else int(o) for o in slots], int(nbytes))
+    st._count("reserved_blocks", res.slots)
+    return res
+
+
+def _raiser(exc: BaseException):
+    """A reply reader that raises ``exc`` (a request whose send already failed)."""
+    def read():
+        raise exc
+    return read
 
 
 def _stats_of(st: "RemoteBlockStore") -> dict:
