@@ -131,3 +131,23 @@ def test_write_copies_any_source_bit_exactly_and_refuses_a_wrong_size(kv_server,
         res.write([base[0][:-1]])
     res.abort()
     st.close()
+
+
+def test_a_reservation_asked_ahead_on_a_connection_the_server_closed_dials_again(kv_server, alloc):
+    """The connection closed by --idle-timeout before the reserve went out: result() reads a closed socket,
+    dials once more (as reserve() does) and returns slots on the new connection; nothing is lost or warned."""
+    import warnings
+
+    from cxlalloc.kvstore.local import KVStoreWarning
+    from tests.helpers.wait import wait_until
+
+    srv = kv_server(idle_timeout=0.5)
+    st = RemoteBlockStore(srv.url, alloc())
+    assert wait_until(lambda: srv.stats()["server"]["closed_idle"] >= 1, timeout=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KVStoreWarning)
+        res = st.reserve_ahead("", [key(40), key(41)], BLOCK, 16).result()
+        assert res.slots == 2
+        assert res.write(_blocks(2, 5)) == 2 and res.commit(wait=True) == 2
+    assert st.counters["reconnects"] == 1 and srv.stats()["pool"]["blocks"] == 2
+    st.close()
