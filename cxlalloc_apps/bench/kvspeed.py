@@ -129,7 +129,7 @@ def plot(rec: Dict[str, Any], path: str) -> Optional[str]:
             ("ratio_insert_reserve_waited_over_memcpy", "reserve waited + copy_ (before)"),
             ("ratio_insert_commit_waited_over_memcpy", "batched, commit waited"),
             ("ratio_one_per_reservation_over_memcpy", "one per reservation"),
-            ("cpu_ratio_insert_over_memcpy", "pipelined, in CPU time")]
+            ("cpu_ratio_insert_over_memcpy", "reserve ahead, in CPU time" if ahead else "pipelined, in CPU time")]
     width = 0.8 / len(arms)
     for k, (field, label) in enumerate(arms):
         rows = [r[field] for r in ins if isinstance(r.get(field), dict)]
