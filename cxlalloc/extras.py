@@ -38,8 +38,9 @@ def extra_packages(extra: str) -> List[str]:
 
 def install_hint(extra: str) -> str:
     """A one-line install instruction for cxlalloc's extra ``extra``:
-    ``"install the 'hf' extra: pip install 'transformers>=5.0' accelerate gguf 'msgpack>=1.0'
-    (or pip install --no-build-isolation '.[hf]' in the clone)"``."""
+    ``"install the 'hf' extra: pip install 'transformers<5.25,>=5.0' accelerate gguf 'msgpack>=1.0'
+    (or pip install --no-build-isolation '.[hf]' in the clone)"`` (each requirement as the installed
+    metadata writes it: a specifier set in its sorted order)."""
     pkgs = extra_packages(extra)
     clone = _FROM_CLONE.format(extra=extra)
     if not pkgs:

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional
 import torch
 
 from cxlalloc.allocator import sum_stats  # noqa: F401  (re-exported: stats summed over GPUs)
+from cxlalloc.config import make_config
 
 class TensorParallelWarning(UserWarning):
     """A model sharded by transformers' tensor-parallel plan (``tp_plan``): its weight shards stay where
@@ -194,6 +195,17 @@ def _key_gpu(key, gpus: List[int], name: str, forms: str) -> int:
     return gpu
 
 
+def _gpu_value(name: str, value, gpu: int, gpus: List[int]):
+    """``value``, GPU ``gpu``'s own value of option ``name``, checked as the option checks it, so that an error
+    says which GPU's value is at fault (wrap()'s later check of all options would name the option only)."""
+    try:
+        make_config(**{name: value})
+    except ValueError as e:
+        raise ValueError(f"cxlalloc.hf.wrap, GPU cuda:{gpu} of the model's {['cuda:%d' % g for g in gpus]}: {e}") \
+            from None
+    return value
+
+
 def per_gpu_options(options: dict, gpus: List[int]) -> Dict[int, dict]:
     """``{gpu: options}``: ``options`` with every :data:`PER_GPU_OPTIONS` value
     resolved for each GPU of ``gpus`` (a value left out of a mapping is left out
@@ -201,7 +213,9 @@ def per_gpu_options(options: dict, gpus: List[int]) -> Dict[int, dict]:
 
     Raises:
         ValueError: a list of another length than ``gpus``, a mapping key that is
-            not one of ``gpus`` (naming the option and the allowed forms).
+            not one of ``gpus`` (naming the option and the allowed forms); a bad
+            value in a list or mapping (naming the GPU, the option and its
+            allowed values).
     """
     out = {g: {k: v for k, v in options.items() if k not in PER_GPU_OPTIONS} for g in gpus}
     for name in PER_GPU_OPTIONS:
@@ -216,7 +230,7 @@ def per_gpu_options(options: dict, gpus: List[int]) -> Dict[int, dict]:
                 raise ValueError(f"cxlalloc.hf.wrap option '{name}': a list of {len(value)} value(s) for a model on "
                                  f"{len(gpus)} GPU(s); {forms}")
             for g, v in zip(gpus, value):
-                out[g][name] = v
+                out[g][name] = _gpu_value(name, v, g, gpus)
         elif isinstance(value, dict):
             seen = {}
             for k, v in value.items():
@@ -225,7 +239,7 @@ def per_gpu_options(options: dict, gpus: List[int]) -> Dict[int, dict]:
                     raise ValueError(f"cxlalloc.hf.wrap option '{name}': GPU {g} is given twice ({seen[g]!r} and "
                                      f"{k!r}); {forms}")
                 seen[g] = k
-                out[g][name] = v
+                out[g][name] = _gpu_value(name, v, g, gpus)
         else:
             for g in gpus:
                 out[g][name] = value

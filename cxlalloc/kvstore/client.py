@@ -272,6 +272,37 @@ class RemoteBlockStore(AccountedStore):
         return not c.pending
 
     # ------------------------------------------------------------ blocks
+    def _held_request(self, msg: dict, before=None, passes: Sequence[str] = ()):
+        """Send ``msg`` on the connection, held for the lease/reservation its reply opens: ``(conn, reply)``.
+        A connection that worked and is found broken (most often a restarted server, or one closed by
+        --idle-timeout while the model was idle) is dialled once more at once (one try, no backoff), so the
+        request is not lost; a server really away then counts as down.  ``before()`` runs once connected.
+        Nothing held: ``(None, "away")`` (no connection), ``"failed"`` (broken: counted, warned once) or
+        ``"refused"`` (counted, warned once per code); a refusal whose code is in ``passes`` is raised."""
+        for last in (False, True):
+            c = self._get_conn()
+            if c is None:
+                return None, "away"
+            if before is not None:
+                before()
+            c.hold()  # before the request: the connection must not close while its pins/slots are in use
+            try:
+                return c, c.request(msg)
+            except _Broken as e:
+                c.unhold()
+                retry = not last and c.established
+                self._failed(e, c, warn=not retry)
+                if not retry:
+                    return None, "failed"
+                with self._lock:
+                    self._down_until = 0.0
+            except P.RemoteError as e:
+                c.unhold()
+                if e.code in passes:
+                    raise
+                self._failed(e)
+                return None, "refused"
+
     def _register(self, pool: _Pool, off: int, n: int) -> None:
         try:
             pool.arena.ensure_registered(off, n)
@@ -287,28 +318,9 @@ class RemoteBlockStore(AccountedStore):
         self._count("lookup_blocks", len(keys))
         if not keys:
             return _Nothing()
-        # A connection that worked and is found broken now most often means a restarted server: the first call
-        # after the restart dials it again at once (one try, no backoff) instead of missing what it (or its
-        # Redis tier) holds; a server that is really away then counts as down as before.
-        for attempt in (0, 1):
-            c = self._get_conn()
-            if c is None:
-                return self._fallback_lookup(ns, keys)
-            c.hold()  # before the request: the connection must not close while its pins are in use
-            try:
-                reply = c.request({"op": "lookup", "ns": ns, "keys": keys})
-                break
-            except (_Broken, P.RemoteError) as e:
-                c.unhold()
-                retry = isinstance(e, _Broken) and attempt == 0 and c.established
-                self._failed(e, c if isinstance(e, _Broken) else None, warn=not retry)
-                if not isinstance(e, _Broken):
-                    return _Nothing()
-                if retry:
-                    with self._lock:
-                        self._down_until = 0.0
-                    continue
-                return self._fallback_lookup(ns, keys)
+        c, reply = self._held_request({"op": "lookup", "ns": ns, "keys": keys})
+        if c is None:
+            return _Nothing() if reply == "refused" else self._fallback_lookup(ns, keys)
         blocks = reply.get("blocks") or []
         if reply.get("budget_cut"):
             _say_budget_cut(self, int(reply["budget_cut"]))
@@ -348,38 +360,43 @@ class RemoteBlockStore(AccountedStore):
             ValueError: a block larger than one chunk of the server (naming its ``--chunk``).
         """
         self._count("reserves")
-        return self._reserve(ns, list(keys), nbytes, tokens)
+        return self._reserve_now(ns, list(keys), nbytes, tokens)
+
+    def _reserve_now(self, ns: str, keys: List[bytes], nbytes: int, tokens: int):
+        try:
+            c, reply = self._held_request({"op": "reserve", "ns": ns, "keys": keys, "nbytes": int(nbytes),
+                                           "tokens": int(tokens)},
+                                          before=lambda: self.check_block_bytes(nbytes), passes=("too_large",))
+        except P.RemoteError as e:
+            raise ValueError(f"cxlalloc option 'kv_store': {e}") from None
+        if c is None:
+            if reply == "away" and self.fallback is not None:
+                return self.fallback.reserve(ns, keys, nbytes, tokens)
+            return _Nothing(len(keys))
+        return _reservation(self, c, reply, len(keys), nbytes)
 
     def reserve_ahead(self, ns: str, keys: Sequence[bytes], nbytes: int, tokens: int) -> PendingReservation:
-        """:meth:`reserve` without waiting: the request is sent now and its reply read by
-        :meth:`PendingReservation.result`, so the server reserves the next batch while this process
-        copies the current one (no round trip on the copy's path).  Any protocol version: the server
-        answers in order.  The slots are for keys not stored *when the server handles it*: a key of an
-        earlier reservation still uncommitted then gets no slot.  A pending reservation closed without
-        ``result()`` is aborted (its slots freed).
+        """:meth:`reserve` sent now, its reply read by :meth:`PendingReservation.result`: the server reserves
+        the next batch while this process copies the current one (docs/kv-server.md, "Reserving ahead").
+        Slots are for keys not stored when the server handles it; closed without ``result()``: aborted.
 
         Raises:
             ValueError: a block larger than one chunk of the server (naming its ``--chunk``).
         """
+        keys = list(keys)
         self._count("reserves")
-        return self._reserve(ns, list(keys), nbytes, tokens, ahead=True)
-
-    def _reserve(self, ns: str, keys: List[bytes], nbytes: int, tokens: int, ahead: bool = False,
-                 retry: bool = True):
-        args = (ns, keys, nbytes, tokens)
         c = self._get_conn()
-        if c is None:
-            res = self.fallback.reserve(ns, keys, nbytes, tokens) if self.fallback is not None else _Nothing(len(keys))
-            return PendingReservation(None, None, None, res) if ahead else res
-        self.check_block_bytes(nbytes)
-        c.hold()
-        msg = {"op": "reserve", "ns": ns, "keys": keys, "nbytes": int(nbytes), "tokens": int(tokens)}
-        if not ahead:
-            return _reserve_reply(self, c, args, lambda: c.request(msg), retry)
-        try:
-            return PendingReservation(c, c.send_deferred(msg), lambda get: _reserve_reply(self, c, args, get, retry))
-        except _Broken as e:
-            return PendingReservation(None, None, None, _reserve_reply(self, c, args, _raiser(e), retry))
+        if c is not None:
+            self.check_block_bytes(nbytes)
+            c.hold()
+            try:
+                d = c.send_deferred({"op": "reserve", "ns": ns, "keys": keys, "nbytes": int(nbytes),
+                                     "tokens": int(tokens)})
+                return PendingReservation(c, d, lambda read: _reserve_reply(self, c, read, ns, keys, nbytes, tokens))
+            except _Broken as e:
+                return PendingReservation(None, None, None,
+                                          _reserve_reply(self, c, _raiser(e), ns, keys, nbytes, tokens))
+        return PendingReservation(None, None, None, self._reserve_now(ns, keys, nbytes, tokens))
 
     def check_block_bytes(self, nbytes: int) -> None:
         """Raise ValueError naming ``kv_store`` if a block of ``nbytes`` can never fit
@@ -438,36 +455,41 @@ class RemoteBlockStore(AccountedStore):
         return f"<cxlalloc RemoteBlockStore {self.path}: {where}>"
 
 
-def _reserve_reply(st: "RemoteBlockStore", c: _Conn, args: tuple, get_reply, retry: bool = True):
-    """The reservation a reserve request sent on ``c`` (held) got; ``get_reply()`` reads the reply (kept out
-    of :class:`RemoteBlockStore`: one job per piece).  As lookup(): a connection that worked and is found broken (a restarted server, or one closed by
-    --idle-timeout while the model was idle) is dialled once more at once, so that insert is not lost."""
-    ns, keys, nbytes, tokens = args
+def _reservation(st: "RemoteBlockStore", c: _Conn, reply: dict, n: int, nbytes: int):
+    """The reservation a reserve's reply on ``c`` (held) opens, or an empty one of ``n`` keys (unheld)."""
+    rid = int(reply.get("res") or 0)
+    if not rid:
+        c.unhold()
+        return _Nothing(n)
+    slots = reply.get("slots") or []
+    res = RemoteReservation(st, c, rid, c.pool, [None if o is None else int(o) for o in slots], int(nbytes))
+    st._count("reserved_blocks", res.slots)
+    return res
+
+
+def _reserve_reply(st: "RemoteBlockStore", c: _Conn, read, ns: str, keys: List[bytes], nbytes: int, tokens: int):
+    """The reservation of a reserve sent ahead on ``c`` (held): ``read()`` reads its reply (kept out of
+    :class:`RemoteBlockStore`: one job per piece).  As ``_held_request``: a connection that worked and is
+    found broken (a restarted server, or one closed by --idle-timeout) is dialled once more at once and the
+    reserve sent again there, so the insert is not lost; a refusal is counted and warned once per code."""
     try:
-        reply = get_reply()
+        reply = read()
     except _Broken as e:
         c.unhold()
-        again = retry and c.established
+        again = c.established
         st._failed(e, c, warn=not again)
         if not again:
             return _Nothing(len(keys))
         with st._lock:
             st._down_until = 0.0
-        return st._reserve(ns, keys, nbytes, tokens, retry=False)
+        return st._reserve_now(ns, keys, nbytes, tokens)
     except P.RemoteError as e:
         c.unhold()
         if e.code == "too_large":
             raise ValueError(f"cxlalloc option 'kv_store': {e}") from None
         st._failed(e)
         return _Nothing(len(keys))
-    rid = int(reply.get("res") or 0)
-    slots = reply.get("slots") or []
-    if not rid:
-        c.unhold()
-        return _Nothing(len(keys))
-    res = RemoteReservation(st, c, rid, c.pool, [None if o is None else int(o) for o in slots], int(nbytes))
-    st._count("reserved_blocks", res.slots)
-    return res
+    return _reservation(st, c, reply, len(keys), nbytes)
 
 
 def _raiser(exc: BaseException):

@@ -20,7 +20,7 @@ from typing import List, Optional
 from cxlalloc.cli_usage import OneLineParser as _Parser, fail
 from cxlalloc.plan import hardware
 from cxlalloc.plan.layout import DTYPE_BYTES, PRESETS_DIR, presets
-from cxlalloc.plan.planner import PARALLEL, PlanInputs, check_gpus, plan
+from cxlalloc.plan.planner import PARALLEL, PlanInputs, check_whole, plan
 
 DEFAULT_RECORDS = os.path.join("benchmarks", "results")
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 1 << 10, "mib": 1 << 20,
@@ -41,12 +41,12 @@ def size(option: str):
     return parse
 
 
-def _positive(option: str, kind=float, lo=0.0, hi=None):
+def _positive(option: str, lo=0.0, hi=None):
     def parse(text: str):
         try:
-            v = kind(text)
+            v = float(text)
         except ValueError:
-            raise ValueError(f"{option} takes a {'whole ' if kind is int else ''}number, got {text!r}") from None
+            raise ValueError(f"{option} takes a number, got {text!r}") from None
         if v <= lo or (hi is not None and v > hi):
             raise ValueError(f"{option} must be > {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
                              + f", got {text!r}")
@@ -65,11 +65,12 @@ def _share(text: str) -> float:
     return v
 
 
-def _gpus(text: str) -> int:
-    return check_gpus(text)
-
-
-_gpus.__name__ = "--gpus"
+def _whole(option: str):
+    """An argparse type: a whole number >= 1 (:func:`cxlalloc.plan.planner.check_whole`, as plan() takes it)."""
+    def parse(text: str) -> int:
+        return check_whole(text, option)
+    parse.__name__ = option
+    return parse
 
 
 def _slo(text: str):
@@ -98,9 +99,9 @@ def make_parser(prog: str = "cxlalloc plan") -> argparse.ArgumentParser:
                 "with and without it.  Formulas and sources: docs/planning.md.")
     p.add_argument("--model", required=True, metavar="DIR|CONFIG|PRESET",
                    help=f"a model directory or config.json (read as JSON), or a preset: {', '.join(presets())}")
-    p.add_argument("--context", type=_positive("--context", int, 0), default=32768,
+    p.add_argument("--context", type=_whole("--context"), default=32768,
                    help="tokens per sequence, prompt + generated (default 32768)")
-    p.add_argument("--users", type=_positive("--users", int, 0), default=64,
+    p.add_argument("--users", type=_whole("--users"), default=64,
                    help="concurrent sequences to serve (default 64)")
     p.add_argument("--weight-dtype", choices=dtypes, default="bf16", help="weight element type (default bf16)")
     p.add_argument("--kv-dtype", choices=dtypes, default=None, help="KV element type (default: the weights')")
@@ -125,7 +126,7 @@ def make_parser(prog: str = "cxlalloc plan") -> argparse.ArgumentParser:
                    help="VRAM per GPU left to activations (default max(2GiB, 10%% of VRAM))")
     p.add_argument("--tpot-slo-ms", type=_slo, default=50.0,
                    help="decode step target in ms, or 'none' for capacity only (default 50)")
-    p.add_argument("--mfu", type=_positive("--mfu", float, 0.0, 1.0), default=0.4,
+    p.add_argument("--mfu", type=_positive("--mfu", 0.0, 1.0), default=0.4,
                    help="prefill's share of the dense peak, (0, 1] (default 0.4)")
     p.add_argument("--weight-bytes", type=size("--weight-bytes"), default=None,
                    help="the checkpoint's weight bytes (default: parameters from the config x --weight-dtype)")
@@ -133,7 +134,7 @@ def make_parser(prog: str = "cxlalloc plan") -> argparse.ArgumentParser:
                    help=f"bench records (files or folders) whose measured ceilings replace datasheet rates "
                         f"(default: {DEFAULT_RECORDS} if present)")
     p.add_argument("--no-records", action="store_true", help="use datasheet figures only")
-    p.add_argument("--gpus", type=_gpus, default=None, metavar="N",
+    p.add_argument("--gpus", type=_whole("--gpus"), default=None, metavar="N",
                    help="GPUs per model copy, with per-GPU figures (weights, KV, host/CXL bytes, node, link); "
                         "default: the smallest of 1, 2, 4, 8 that holds the weights")
     p.add_argument("--parallel", choices=PARALLEL, default="tp",

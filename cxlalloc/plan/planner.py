@@ -221,19 +221,27 @@ class StagedModel(PlanModel):
 PARALLEL = ("tp", "pp")
 
 
-def check_gpus(value) -> int:
-    """``--gpus``: a whole number >= 1: an int, a float with no fraction
-    (``2.0``), or a string of either (``"2"``, ``"2.0"``), as the command line
-    and :func:`plan` both take it.
+# What each whole-number option of `cxlalloc plan` / plan() allows (said in the error).
+WHOLE = {"--context": "of tokens >= 1 (prompt + generated)", "--users": "of sequences >= 1",
+         "--gpus": "of GPUs >= 1 (1, 2, 4, 8, ...)", "chunk_bytes": "of bytes >= 1 (the engine's extent chunk, 2 MiB)",
+         "curve_contexts": "of tokens >= 1 in each entry", "curve_users": "of sequences >= 1 in each entry"}
+
+
+def check_whole(value, option: str, allowed: str = "") -> int:
+    """A whole number >= 1 for ``option``: an int, a float with no fraction
+    (``2.0``), or a string of either (``"2"``, ``"2.0"``, ``"1e3"``), as the
+    command line and :func:`plan` both take it.
 
     Raises:
         ValueError: anything else (a fraction, a bool, a non-number, < 1),
-            naming ``--gpus`` and its allowed values.
+            naming ``option`` and its allowed values (``allowed``, default
+            :data:`WHOLE`'s line for ``option``).
     """
+    allowed = allowed or WHOLE.get(option, ">= 1")
     n = None
     if isinstance(value, int) and not isinstance(value, bool):
         n = value
-    elif isinstance(value, (float, str)) and not isinstance(value, bool):
+    elif isinstance(value, (float, str)):
         text = value.strip() if isinstance(value, str) else None
         if text is not None and text.isascii() and text.isdigit():
             n = int(text)
@@ -245,8 +253,18 @@ def check_gpus(value) -> int:
             if f is not None and math.isfinite(f) and f.is_integer():
                 n = int(f)
     if n is None or n < 1:
-        raise ValueError(f"--gpus takes a whole number of GPUs >= 1 (1, 2, 4, 8, ...), got {value!r}")
+        raise ValueError(f"{option} takes a whole number {allowed}, got {value!r}")
     return n
+
+
+def check_gpus(value) -> int:
+    """``--gpus``: a whole number >= 1 (:func:`check_whole`).
+
+    Raises:
+        ValueError: a fraction, a bool, a non-number, < 1, naming ``--gpus``
+            and its allowed values.
+    """
+    return check_whole(value, "--gpus")
 
 
 def _tp_heads(layout: Layout, g: int) -> Tuple[int, float]:
@@ -272,9 +290,9 @@ def _tp_heads(layout: Layout, g: int) -> Tuple[int, float]:
                      f"or use --parallel pp")
 
 
-def _check(name: str, value, lo=None, hi=None, integer=False):
+def _check(name: str, value, lo=None, hi=None):
     try:
-        v = int(value) if integer else float(value)
+        v = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a number, got {value!r}") from None
     if (lo is not None and v < lo) or (hi is not None and v > hi):
@@ -372,8 +390,11 @@ def plan(inputs, **options) -> Dict[str, Any]:
         FileNotFoundError: no config at ``model``.
     """
     p = replace(inputs, **options) if isinstance(inputs, PlanInputs) else PlanInputs(inputs, **options)
-    context = _check("--context", p.context, 1, integer=True)
-    users = _check("--users", p.users, 1, integer=True)
+    context = check_whole(p.context, "--context")
+    users = check_whole(p.users, "--users")
+    chunk = check_whole(p.chunk_bytes, "chunk_bytes")
+    curve_contexts = [check_whole(c, "curve_contexts") for c in (p.curve_contexts or ())]
+    curve_users = [check_whole(u, "curve_users") for u in (p.curve_users or ())]
     reuse = _check("--reuse", p.reuse, 0.0, 1.0)
     mfu = _check("--mfu", p.mfu, 0.01, 1.0)
     from_info = hardware.from_info(p.info) if p.info is not None else None
@@ -433,14 +454,14 @@ def plan(inputs, **options) -> Dict[str, Any]:
     head = float(p.headroom_bytes) if p.headroom_bytes is not None else default_headroom(hbm)
     W = float(p.weight_bytes) if p.weight_bytes else layout.params * we
     if gpus is not None and p.parallel == "pp":
-        m = StagedModel(layout, W, ke, hbm, bw, read, tflops, mfu, head, host_bytes, int(p.chunk_bytes), gpus)
+        m = StagedModel(layout, W, ke, hbm, bw, read, tflops, mfu, head, host_bytes, chunk, gpus)
     else:
-        m = PlanModel(layout, W, ke, hbm, bw, read, tflops, mfu, head, host_bytes, int(p.chunk_bytes), kv_scale)
+        m = PlanModel(layout, W, ke, hbm, bw, read, tflops, mfu, head, host_bytes, chunk, kv_scale)
     if gpus is not None:
         g = gpus
         if m.max_users(context, g, True, None) == 0:
             auto = next((n for n in GROUPS if PlanModel(layout, W, ke, hbm, bw, read, tflops, mfu, head, host_bytes,
-                                                        int(p.chunk_bytes)).max_users(context, n, True, None)), None)
+                                                        chunk).max_users(context, n, True, None)), None)
             raise ValueError(f"--gpus {g} ({p.parallel}): the weights ({W / 1e9:.1f} GB) and one sequence of {context} "
                              f"tokens do not fit {g} {preset.name} GPU(s) (VRAM {hbm / 1e9:.0f} GB, headroom "
                              f"{head / 1e9:.1f} GB, host/CXL {host_bytes / 1e9:.0f} GB per GPU)"
@@ -493,7 +514,7 @@ def plan(inputs, **options) -> Dict[str, Any]:
                   "params_source": layout.params_source, "notes": layout.notes},
         "inputs": {"context": context, "users": users, "weight_dtype": p.weight_dtype, "kv_dtype": p.kv_dtype or p.weight_dtype,
                    "reuse": reuse, "gpu": preset.key, "host_bytes_per_gpu": host_bytes, "tpot_slo_ms": tpot_slo_ms,
-                   "mfu": mfu, "chunk_bytes": int(p.chunk_bytes)},
+                   "mfu": mfu, "chunk_bytes": chunk},
         "hardware": {"gpu": preset.name, "hbm_bytes": hbm, "hbm_source": hbm_src, "hbm_gbps": bw, "hbm_gbps_source": bw_src,
                      "bf16_tflops": tflops, "link_gbps": link, "link_source": link_src, "host_node_gbps": node_gbps,
                      "host_node_source": node_src, "host_read_gbps": read,
@@ -501,7 +522,7 @@ def plan(inputs, **options) -> Dict[str, Any]:
         "kv": {"bytes_per_token": per_tok, "per_sequence_live_bytes": seq_live,
                "sliding_windows": sorted({la.window for la in layout.layers if la.kind in SLIDING_KINDS}),
                "state_bytes_per_sequence": st, "target_cache_bytes": kv_target,
-               "target_cache_bytes_by_store": cache_bytes(layout, users, context, ke, chunk=int(p.chunk_bytes))},
+               "target_cache_bytes_by_store": cache_bytes(layout, users, context, ke, chunk=chunk)},
         "vram": {"per_gpu_bytes": hbm, "weights_per_gpu": W / g, "headroom_per_gpu": head,
                  "kv_per_gpu": sum(x["kv_vram_bytes"] for x in per) / g, "kv_room_per_gpu": m.budget(g) / g,
                  "state_per_gpu": u_op * m.state / g},
@@ -559,8 +580,8 @@ def plan(inputs, **options) -> Dict[str, Any]:
                                      f"datasheet rates")
     if st is None:
         record["assumptions"].append("stateful layers whose state size the config does not give: not counted")
-    cc = list(p.curve_contexts or [c for c in (4096, 8192, 16384, 32768, 65536, 131072)])
-    cu = list(p.curve_users or [2 ** i for i in range(11)])  # 1 .. 1024 sequences per model copy
+    cc = curve_contexts or [4096, 8192, 16384, 32768, 65536, 131072]
+    cu = curve_users or [2 ** i for i in range(11)]  # 1 .. 1024 sequences per model copy
     record["curves"] = {
         "contexts": cc,
         "sequences_per_group_vram_only": [m.max_users(c, g, False, slo) for c in cc],

@@ -49,16 +49,11 @@ def _key(i: int, tag: bytes) -> bytes:
     return hashlib.blake2b(tag + i.to_bytes(8, "little"), digest_size=32).digest()
 
 
-def _client(path: str, name: str):
-    """(socket, call) of a raw-protocol client (no pool mapping); ``call`` raises on an error reply."""
-    return raw_client(path, name, timeout=120)
-
-
 # ----------------------------------------------------------------- the worker (its own process)
 def _worker_main(path: str) -> int:
     """Commands on stdin, one JSON line each: ``{"op": "attack"|"spin", "s": seconds}``; answers ``started``
     when it begins, then ``{"rounds": n, "cpu_s": s}`` when done."""
-    sock, call = _client(path, "attacker")
+    sock, call = raw_client(path, "attacker")
     keys = [_key(i, b"hog") for i in range(MAX_KEYS)]
     fresh = [_key(i, b"fresh") for i in range(MAX_KEYS)]
     for line in sys.stdin:
@@ -89,7 +84,7 @@ def _worker_main(path: str) -> int:
 # ----------------------------------------------------------------- the parent
 class _Probe:
     def __init__(self, path: str):
-        self.sock, self.call = _client(path, "probe")
+        self.sock, self.call = raw_client(path, "probe")
         r = self.call("reserve", ns="p", keys=[_key(1, b"probe")], nbytes=4096, tokens=16)
         if r["res"]:  # 0: stored by an earlier probe already
             self.call("commit", res=r["res"])
@@ -122,7 +117,7 @@ def part_fair(ctx, w, srv: _Server, seconds: float, rounds: int) -> None:
     worker = subprocess.Popen([sys.executable, "-m", "cxlalloc_apps.bench.kvfair", "--worker", srv.socket],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
     # The attacker's 65,536 blocks, stored once (1-byte blocks: one page each).
-    _, fill = _client(srv.socket, "filler")
+    _, fill = raw_client(srv.socket, "filler")
     keys = [_key(i, b"hog") for i in range(MAX_KEYS)]
     r = fill("reserve", ns="h", keys=keys, nbytes=1, tokens=1)
     if fill("commit", res=r["res"])["published"] != MAX_KEYS:
@@ -193,7 +188,7 @@ def part_disconnect(ctx, w, srv: _Server, reps: int) -> None:
     keys = [_key(i, b"hog") for i in range(MAX_KEYS)]
     rows = []
     for rep in range(reps):
-        sock, call = _client(srv.socket, f"leaver{rep}")
+        sock, call = raw_client(srv.socket, f"leaver{rep}")
         got = call("lookup", ns="h", keys=keys)
         r = call("reserve", ns="h", keys=[_key(i, b"leave%d" % rep) for i in range(MAX_KEYS)], nbytes=1, tokens=1)
         held = len(got["blocks"]), sum(s is not None for s in r["slots"])

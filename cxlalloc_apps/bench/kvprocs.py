@@ -206,6 +206,18 @@ def run_parts(ctx, w, parts: Dict[str, Any], label: str, only=None) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def worker_main(workers: Dict[str, Any], argv: List[str]) -> None:
+    """A bench module's worker process, ``python -m MODULE --worker ROLE PARAMS_JSON``: runs
+    ``workers[ROLE](params)``, prints its result as one JSON line and exits at once (``os._exit``: the
+    interpreter's teardown takes seconds with torch loaded).  Returns (doing nothing) when ``argv`` is not a
+    worker's command line."""
+    if len(argv) != 4 or argv[1] != "--worker":
+        return
+    out = workers[argv[2]](json.loads(argv[3]))
+    print(json.dumps(out), flush=True)
+    os._exit(0)
+
+
 def raw_client(path: str, name: str, timeout: float = 120.0):
     """(socket, call) of a raw-protocol kv-server client on the unix socket
     ``path`` (hello without the pool's fd: no mapping); ``call(op, **fields)``

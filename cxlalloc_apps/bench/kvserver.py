@@ -50,7 +50,7 @@ import time
 from typing import Any, Dict
 
 from cxlalloc_apps.bench.kvprocs import (MiB, _chosen, _last_json, _Logged, _median, _pct, _Redis,
-                                      _Server, block_key, pattern, run_parts)
+                                      _Server, block_key, pattern, run_parts, worker_main)
 
 
 # ----------------------------------------------------------------- the workers' processes
@@ -581,15 +581,8 @@ def run(ctx) -> Dict[str, Any]:
     return w.finish()
 
 
-def _worker_main(role: str, params: str) -> int:
-    out = WORKERS[role](json.loads(params))
-    print(json.dumps(out), flush=True)
-    os._exit(0)  # skip the interpreter's teardown (seconds with torch loaded)
-
-
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        sys.exit(_worker_main(sys.argv[2], sys.argv[3]))
+    worker_main(WORKERS, sys.argv)
     from cxlalloc_apps.bench.cli import main
 
     sys.exit(main(["--only", "kvserver"] + sys.argv[1:]))

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from cxlalloc_apps.bench.kvprocs import REPO, _env, _last_json, _Redis, _Server, block_key, pattern
+from cxlalloc_apps.bench.kvprocs import REPO, _env, _last_json, _Redis, _Server, block_key, pattern, worker_main
 from cxlalloc_apps.bench.method import MIN_ROUNDS, Comparison, goal_record, machine_load, round_orders
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -384,13 +384,6 @@ def part_insert(ctx, w, work: str) -> None:
 WORKERS = {"lookup": worker_lookup}
 
 
-def _worker_main(role: str, params: str) -> int:
-    out = WORKERS[role](json.loads(params))
-    print(json.dumps(out), flush=True)
-    os._exit(0)  # skip the interpreter's teardown (seconds with torch loaded)
-
-
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        sys.exit(_worker_main(sys.argv[2], sys.argv[3]))
+    worker_main(WORKERS, sys.argv)
     sys.exit(f"usage: python -m cxlalloc_apps.bench.kvspeed_store --worker ROLE PARAMS_JSON (roles: {', '.join(WORKERS)})")

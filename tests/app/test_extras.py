@@ -39,3 +39,17 @@ def test_the_hint_names_packages_and_the_clone_never_a_package_index_cxlalloc():
     assert "cxlalloc[" not in hint
     assert install_hint("no-such-extra") == ("install the 'no-such-extra' extra: "
                                              "pip install --no-build-isolation '.[no-such-extra]' in the clone")
+
+
+def test_the_docstrings_example_is_what_setup_pys_hf_extra_renders(monkeypatch):
+    """install_hint's example is setup.py's 'hf' extra as the installed metadata writes it (packaging's
+    Requirement: "transformers>=5.0,<5.25" is "transformers<5.25,>=5.0"); independent of the metadata
+    installed here, which may predate setup.py's last change."""
+    from packaging.requirements import Requirement
+
+    import cxlalloc.extras as extras
+
+    example = re.search(r'``"(.*?)"``', extras.install_hint.__doc__, re.S).group(1)
+    rendered = [str(Requirement(r)) for r in _setup_extras()["hf"]]
+    monkeypatch.setattr(extras, "extra_packages", lambda extra: rendered if extra == "hf" else [])
+    assert " ".join(example.split()) == extras.install_hint("hf")

@@ -147,6 +147,24 @@ def wait_stored(sp, n: int, timeout: float = 30.0) -> dict:
         time.sleep(0.2)
 
 
+def check_b_then_the_server_dies(sp, b, pool_a: dict, pool_b: dict, want: list, chunks: int) -> dict:
+    """The second half of a two-process test, the same for every engine: child ``b`` (paused after its third
+    request, which shared A's prefix) read that prefix from the pool once, by the server's count (``pool_a`` /
+    ``pool_b``: snapshots after A and at B's pause; ``chunks`` blocks looked up and read: 2 x ``chunks`` blocks,
+    2 x PREFIX_TOKENS tokens); then the kv-server ``sp`` is killed under B's running engine and B's later
+    requests (another prefix) still complete with the reference's tokens ``want``: the first computed, the
+    second finding the first's prefix in the engine's own CPU tier.  Returns B's :meth:`Child.result`."""
+    assert pool_b["hit_blocks"] - pool_a["hit_blocks"] == 2 * chunks, (pool_a, pool_b)
+    assert pool_b["hit_tokens"] - pool_a["hit_tokens"] == 2 * PREFIX_TOKENS, (pool_a, pool_b)
+    sp.kill()
+    open(b.out + ".go", "w").close()
+    b_out = b.result()
+    after = b_out["requests"][3:]
+    assert [r["tokens"] for r in after] == want[3:]
+    assert [r["num_cached_tokens"] for r in after] == [0, PREFIX_TOKENS], after
+    return b_out
+
+
 def print_runs(runs: dict, pools: dict, keys) -> None:
     """Prints (shown with ``-s``) each child's time to first token and cached tokens per request (``runs``: name ->
     :meth:`Child.result`), and the pool counters ``keys`` of each snapshot in ``pools`` (name -> :func:`pool`)."""

@@ -170,8 +170,13 @@ def test_per_gpu_options_of_a_bad_shape_are_refused(two_gpus):
         hf.wrap(m, numa_node={0: 0, "cuda:0": 0})
     with pytest.raises(ValueError, match="option 'device': the model is spread over GPUs"):
         hf.wrap(m, device=1)
-    with pytest.raises(ValueError, match="device_limit"):
+    # A bad value in a list or mapping names the GPU whose value it is, the option and its allowed values.
+    with pytest.raises(ValueError, match=r"^cxlalloc.hf.wrap, GPU cuda:1 of the model's \['cuda:0', 'cuda:1'\]: "
+                                         r"cxlalloc option 'device_limit': 'lots' is not a size or fraction; use bytes"):
         hf.wrap(m, device_limit=["8MiB", "lots"])
+    with pytest.raises(ValueError, match=r"^cxlalloc.hf.wrap, GPU cuda:1 of the model's \['cuda:0', 'cuda:1'\]: "
+                                         r"cxlalloc option 'kv_device_limit': 'nonsense' is not a size or fraction"):
+        hf.wrap(m, device_limit="64MiB", kv_device_limit={0: "1MiB", "cuda:1": "nonsense"})
     with pytest.raises(ValueError, match=r"^cxlalloc.hf.wrap, GPU cuda:1 of the model's \['cuda:0', 'cuda:1'\]: "
                                          r"numa_node: node 1023 does not exist"):
         hf.wrap(m, numa_node=["auto", 1023])  # the GPU whose value is at fault is named
@@ -218,6 +223,14 @@ def test_options_per_gpu_on_one_device_as_a_list_of_one(fresh_sim):
     with pytest.raises(ValueError, match="already wrapped"):
         hf.wrap(m, device_limit=["32MiB"])
     hf.unwrap(m)
+    # A per-GPU value for a GPU the model does not use is refused, never ignored; a bad one names its GPU.
+    with pytest.raises(ValueError, match=r"option 'kv_device_limit': key 1 is not one of the model's GPUs "
+                                         r"\['cuda:0'\]; allowed: one value for every GPU"):
+        hf.wrap(m, device_limit="64MiB", kv_device_limit={1: "1GiB"})
+    with pytest.raises(ValueError, match=r"^cxlalloc.hf.wrap, GPU cuda:0 of the model's \['cuda:0'\]: cxlalloc "
+                                         r"option 'host_limit': 'nonsense' is not a size"):
+        hf.wrap(m, device_limit="64MiB", host_limit=["nonsense"])
+    assert not hf.is_wrapped(m)
 
 
 CB_PAGE = 16

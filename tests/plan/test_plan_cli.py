@@ -72,7 +72,9 @@ def test_model_directory_and_measured_record(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["--gpu", "a100"], "--gpu: invalid choice: 'a100' (choose from 'b200', 'h100', 'h200', 'l40s')"),
     (["--reuse", "1.5"], "--reuse takes a share in [0, 1], got '1.5'"),
-    (["--context", "0"], "--context must be > 0, got '0'"),
+    (["--context", "0"], "--context takes a whole number of tokens >= 1 (prompt + generated), got '0'"),
+    (["--context", "1.5"], "--context takes a whole number of tokens >= 1 (prompt + generated), got '1.5'"),
+    (["--users", "2.5"], "--users takes a whole number of sequences >= 1, got '2.5'"),
     (["--host-bytes", "12XB"], "--host-bytes takes a size such as 512GB"),
     (["--host-node", "optane"], "--host-node must be one of dram, cxl-x8, cxl-x16 or a bandwidth in GB/s"),
     (["--kv-dtype", "fp6"], "--kv-dtype: invalid choice: 'fp6'"),
@@ -311,6 +313,33 @@ def test_plan_function_takes_gpus_as_the_command_line_does():
             plan_fn(model, gpus=bad, **kw)
     r = plan("--model", "llama-3.1-70b", "--no-records", "--gpus", "2.0", "--parallel", "pp", "--json")
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("option,bad,needle", [
+    ("context", 1.5, "--context takes a whole number of tokens >= 1 (prompt + generated), got 1.5"),
+    ("context", "1.5", "--context takes a whole number of tokens >= 1 (prompt + generated), got '1.5'"),
+    ("users", 63.9, "--users takes a whole number of sequences >= 1, got 63.9"),
+    ("users", True, "--users takes a whole number of sequences >= 1, got True"),
+    ("chunk_bytes", 2097152.5, "chunk_bytes takes a whole number of bytes >= 1 (the engine's extent chunk, 2 MiB), "
+                               "got 2097152.5"),
+    ("curve_contexts", [4096, 8192.5], "curve_contexts takes a whole number of tokens >= 1 in each entry, got 8192.5"),
+    ("curve_users", [1, 0], "curve_users takes a whole number of sequences >= 1 in each entry, got 0"),
+])
+def test_plan_function_refuses_a_fraction_of_every_whole_number_option(option, bad, needle):
+    """plan(context=1.5) used to plan for 1 token (int() truncated it): every whole-number field is checked as
+    --gpus is, and a whole number in any spelling (2.0, "2") still counts."""
+    from cxlalloc.plan import plan as plan_fn
+    from cxlalloc.plan.cli import resolve_model
+
+    model = resolve_model("llama-3.1-8b")
+    with pytest.raises(ValueError) as e:
+        plan_fn(model, records=(), **{option: bad})
+    assert str(e.value) == needle
+    same = plan_fn(model, context=8192.0, users="16", chunk_bytes=float(2 << 20), curve_contexts=["4096", 8192.0],
+                   curve_users=[1.0, 2])
+    assert same["inputs"]["context"] == 8192 and same["inputs"]["users"] == 16
+    assert same["curves"]["contexts"] == [4096, 8192] and same["curves"]["users"] == [1, 2]
+    assert same["kv"] == plan_fn(model, context=8192, users=16, curve_contexts=[4096, 8192], curve_users=[1, 2])["kv"]
 
 
 def test_parallel_pp_without_gpus_is_refused_naming_gpus():

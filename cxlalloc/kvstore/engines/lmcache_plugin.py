@@ -106,7 +106,6 @@ SCHEME = "cxlalloc://"
 PLUGIN_TYPE = "cxlalloc"
 DEFAULT_URL = SCHEME + P.DEFAULT_SOCKET
 DEFAULT_NAMESPACE = "lmcache"
-URL_OPTIONS = ("timeout", "namespace")
 MAGIC = b"CXLLMC02"               # 02: chunks end in the block checksum trailer (01 chunks read as misses)
 _HEAD = struct.Struct("<8s32sI")   # magic, key, RemoteMetadata bytes
 _ALIGN = 64                        # payload offset in a slot: cache-line aligned copies

@@ -77,7 +77,6 @@ log = logging.getLogger("cxlalloc.kvstore.engines.vllm_tier")
 SCHEME = "cxlalloc://"
 DEFAULT_URL = SCHEME + P.DEFAULT_SOCKET
 DEFAULT_NAMESPACE = "vllm"
-URL_OPTIONS = ("timeout", "namespace")
 # secondary_tiers keys: name -> (default, checker, what it allows)
 PARAMS = {"url": (DEFAULT_URL, str, "a cxlalloc:// URL"), "io_threads": (2, int_in(1, 16), "copy threads, 1-16"),
           "locality": ("LOCAL", one_of("LOCAL", "REMOTE"), "LOCAL or REMOTE")}

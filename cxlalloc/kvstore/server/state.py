@@ -82,7 +82,8 @@ class ServerState(ClientsMixin):
             the server's own uid, an operator's ``--status``, is not capped).
         max_pinned_bytes: slot bytes of blocks one owner may hold pinned at once
             (default ``DEFAULT_MAX_PINNED_FRACTION`` of the pool); a lookup
-            stops before the block that would pass it (the rest are misses).
+            stops before the block that would pass it (the rest are misses; the
+            stored ones count in ``pin_budget_blocks``).
 
     ``placement`` (``entries -> entries to publish``) and ``tier`` (an object
     with ``evicted(entry)``, ``write_through(entries) -> int`` and
@@ -168,11 +169,11 @@ class ServerState(ClientsMixin):
         """The longest stored prefix of ``keys`` in ``ns`` (asking the tier
         below for the rest), pinned for ``cid`` under a new lease, up to the
         client's ``max_pinned_bytes``: the blocks past it are answered as misses
-        (``pin_budget_blocks``).
+        (the stored ones, up to the first key not stored, count in ``pin_budget_blocks``).
 
         Returns ``{"lease": id (0: nothing found), "blocks": [[offset, nbytes, tokens], ...],
         "tier_blocks": how many of the blocks (the last ones) the tier below supplied,
-        "budget_cut": keys answered as misses by the pin budget (only when > 0)}``.
+        "budget_cut": stored blocks answered as misses by the pin budget (only when > 0)}``.
 
         Raises:
             protocol.RemoteError: ``limit`` (MAX_LEASES_PER_CLIENT open leases, or
@@ -194,30 +195,31 @@ class ServerState(ClientsMixin):
                 room = self.max_pinned_bytes - o.pinned_bytes
                 got = self.index.match(part, o, new_lookup=not i, budget=room)
                 o.pinned_bytes += sum(map(self.index.slot_size, (e.nbytes for e in got)))
+                refused = 0
                 if len(got) < len(part) and self.index.contains(part[len(got)]):  # stopped by the pin budget
-                    cut = len(ik) - i - len(got)
-                    self.c["pin_budget_blocks"] += cut
+                    cut = self._stored_run(part[len(got):])  # the stored blocks kept out (the keys after: misses)
                     if not entries and not got:
                         self.c["refused_pin_budget"] += 1
-                        self._held(t0)
-                        need = self.index.slot_size(self.index.entries[part[0]].nbytes)
-                        if need > self.max_pinned_bytes:  # no lease to release would make room: say what would
-                            raise P.RemoteError("limit", f"a stored block takes {need} bytes, more than a client may "
-                                                         f"hold pinned ({self.max_pinned_bytes}, --max-pinned): no "
-                                                         "client can ever load it; raise --max-pinned above the "
-                                                         "block size or store smaller blocks")
-                        raise P.RemoteError("limit", f"this client holds {o.pinned_bytes} bytes of blocks pinned; a "
-                                                     f"client may hold {self.max_pinned_bytes} (--max-pinned); "
-                                                     "release some leases")
-                if len(got) < len(part):  # the prefix ends here: the keys after it are misses too
-                    rest = len(ik) - i - len(part)
-                    self.index.c.lookup_blocks += rest
-                    self.index.c.miss_blocks += rest
-                entries += got
-                self.c["hit_bytes"] += sum(e.nbytes for e in got)  # per slice: a sum of 65,536 in one hold is not
-                if len(entries) == len(ik) and entries:  # all found: the lease in the same hold
-                    lid = self._new_lease(o, entries, len(entries))
+                        refused = self.index.slot_size(self.index.entries[part[0]].nbytes)
+                if not refused:
+                    if len(got) < len(part):  # the prefix ends here: the keys after it are misses too
+                        rest = len(ik) - i - len(part)
+                        self.index.c.lookup_blocks += rest
+                        self.index.c.miss_blocks += rest
+                    entries += got
+                    self.c["hit_bytes"] += sum(e.nbytes for e in got)  # per slice: a sum of 65,536 in one hold is not
+                    if len(entries) == len(ik) and entries:  # all found: the lease in the same hold
+                        lid = self._new_lease(o, entries, len(entries))
                 self._held(t0)
+            if cut and cut == len(part) - len(got) and i + n < len(ik):  # the stored run goes on past this slice
+                cut += self._stored_run(ik[i + n:], sliced=True)
+            if refused > self.max_pinned_bytes:  # no lease to release would make room: say what would
+                raise P.RemoteError("limit", f"a stored block takes {refused} bytes, more than a client may hold pinned "
+                                             f"({self.max_pinned_bytes}, --max-pinned): no client can ever load it; "
+                                             "raise --max-pinned above the block size or store smaller blocks")
+            if refused:
+                raise P.RemoteError("limit", f"this client holds {o.pinned_bytes} bytes of blocks pinned; a client may "
+                                             f"hold {self.max_pinned_bytes} (--max-pinned); release some leases")
             if len(got) < len(part):
                 break
         below = []
@@ -237,6 +239,26 @@ class ServerState(ClientsMixin):
         if cut:  # said to the client (it warns once): stored blocks answered as misses by its pin budget
             out["budget_cut"] = cut
         return out
+
+    def _stored_run(self, keys: Sequence[bytes], sliced: bool = False) -> int:
+        """How many of ``keys``, from the first, are stored (ready): blocks that a lookup cut by the pin budget
+        answers as misses, added to ``pin_budget_blocks``.  Called under the lock; ``sliced``: not, it takes
+        the lock a slice at a time while the run lasts."""
+        if not sliced:
+            run = next((j for j, k in enumerate(keys) if not self.index.contains(k)), len(keys))
+            self.c["pin_budget_blocks"] += run
+            return run
+        total = 0
+        for i in range(0, len(keys), self.slice_keys):
+            part = keys[i:i + self.slice_keys]
+            with self.lock:
+                t0 = HoldRecord.start()
+                run = self._stored_run(part)
+                self._held(t0)
+            total += run
+            if run < len(part):
+                break
+        return total
 
     def _new_lease(self, o: Owner, entries: List[Entry], counted: int = 0) -> int:
         """Record ``entries`` (pinned for ``o``) as a new lease of ``o`` (under the lock); returns its id.

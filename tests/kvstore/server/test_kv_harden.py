@@ -11,20 +11,20 @@ MiB = 1 << 20
 KiB = 1 << 10
 
 
-def test_pinned_tiny_blocks_on_top_of_every_chunk_keep_90_percent_of_the_honest_capacity(server_proc):
-    # 64 MiB pool, 16 chunks of 4 MiB.  The attacker fills it with 16,384 one-byte blocks (a 4 KiB page
-    # each), then pins the top block of every chunk (one lease, kept open): 64 KiB pinned in all.
-    sp = server_proc("--size", "64MiB", "--chunk", "4MiB", "--log-level", "error")
+def _attacker_fills_the_pool(sp):
+    """An attacker that fills the 64 MiB pool with 16,384 one-byte blocks (a 4 KiB page each), committed:
+    ``(client, keys, slot offsets)``."""
     atk = RawClient(sp.socket, want_fd=False, name="attacker")
     keys = [key(i, b"atk") for i in range(16384)]
     r = atk.call("reserve", ns="a", keys=keys, nbytes=1, tokens=1)
     assert r["ok"] and sum(s is not None for s in r["slots"]) == 16384
     assert atk.call("commit", res=r["res"])["published"] == 16384
-    tops = [k for k, off in zip(keys, r["slots"]) if (off + 4 * KiB) % (4 * MiB) == 0]
-    assert len(tops) == 16
-    lease = atk.call("lookup", ns="a", keys=tops)
-    assert lease["ok"] and len(lease["blocks"]) == 16
-    # An honest writer of 64 KiB blocks: 1,024 fit the pool; 16 x 63 = 1,008 fit below the pinned tops.
+    return atk, keys, r["slots"]
+
+
+def _honest_writer_fills_what_is_left(sp):
+    """An honest writer of 1,024 blocks of 64 KiB (the pool's capacity), 128 a request: ``(client, keys, the
+    pool's status, how many of its blocks the pool kept)``."""
     honest = RawClient(sp.socket, want_fd=False, name="honest")
     hkeys = [key(i, b"honest") for i in range(1024)]
     for i in range(0, 1024, 128):
@@ -32,7 +32,20 @@ def test_pinned_tiny_blocks_on_top_of_every_chunk_keep_90_percent_of_the_honest_
         assert r["ok"], r
         honest.call("commit", res=r["res"])
     pool = sp.status()["pool"]
-    kept = pool["namespaces"]["h"]["used_bytes"] // (64 * KiB)
+    return honest, hkeys, pool, pool["namespaces"]["h"]["used_bytes"] // (64 * KiB)
+
+
+def test_pinned_tiny_blocks_on_top_of_every_chunk_keep_90_percent_of_the_honest_capacity(server_proc):
+    # 64 MiB pool, 16 chunks of 4 MiB.  The attacker fills it with 16,384 one-byte blocks (a 4 KiB page
+    # each), then pins the top block of every chunk (one lease, kept open): 64 KiB pinned in all.
+    sp = server_proc("--size", "64MiB", "--chunk", "4MiB", "--log-level", "error")
+    atk, keys, slots = _attacker_fills_the_pool(sp)
+    tops = [k for k, off in zip(keys, slots) if (off + 4 * KiB) % (4 * MiB) == 0]
+    assert len(tops) == 16
+    lease = atk.call("lookup", ns="a", keys=tops)
+    assert lease["ok"] and len(lease["blocks"]) == 16
+    # An honest writer of 64 KiB blocks: 1,024 fit the pool; 16 x 63 = 1,008 fit below the pinned tops.
+    honest, hkeys, pool, kept = _honest_writer_fills_what_is_left(sp)
     capacity = 64 * MiB // (64 * KiB)
     print(f"honest capacity under the pinned-top attack: {kept}/{capacity} blocks ({kept / capacity:.1%})")
     assert kept >= 0.9 * capacity, (kept, pool)
@@ -51,23 +64,13 @@ def test_one_client_pins_up_to_max_pinned_then_is_refused_and_anothers_capacity_
     # writer of 64 KiB blocks loses at most 64 of the pool's 1,024 (93.75 % kept).  Without the bound the
     # attacker pinned one page of every span and the honest writer kept nothing.
     sp = server_proc("--size", "64MiB", "--chunk", "4MiB", "--max-pinned", "256KiB", "--log-level", "error")
-    atk = RawClient(sp.socket, want_fd=False, name="attacker")
-    keys = [key(i, b"atk") for i in range(16384)]
-    r = atk.call("reserve", ns="a", keys=keys, nbytes=1, tokens=1)
-    assert atk.call("commit", res=r["res"])["published"] == 16384
+    atk, keys, _ = _attacker_fills_the_pool(sp)
     every_span = keys[::16]  # one page in each 64 KiB span of the pool
     got = atk.call("lookup", ns="a", keys=every_span)
     assert got["ok"] and len(got["blocks"]) == 64  # cut at its budget: the other 960 answered as misses
     more = atk.call("lookup", ns="a", keys=every_span[64:])
     assert more["code"] == "limit" and "--max-pinned" in more["error"]  # at the cap: refused
-    honest = RawClient(sp.socket, want_fd=False, name="honest")
-    hkeys = [key(i, b"honest") for i in range(1024)]
-    for i in range(0, 1024, 128):
-        r = honest.call("reserve", ns="h", keys=hkeys[i:i + 128], nbytes=64 * KiB, tokens=16)
-        assert r["ok"], r
-        honest.call("commit", res=r["res"])
-    pool = sp.status()["pool"]
-    kept = pool["namespaces"]["h"]["used_bytes"] // (64 * KiB)
+    honest, _, pool, kept = _honest_writer_fills_what_is_left(sp)
     print(f"honest capacity beside a client at --max-pinned 256KiB pinning one page per 64 KiB span: {kept}/1024 "
           f"({kept / 1024:.1%}); refused lookups {pool['refused_pin_budget']}, blocks not pinned "
           f"{pool['pin_budget_blocks']}")

@@ -293,6 +293,24 @@ def test_a_disconnect_is_released_in_slices_and_another_client_sees_it_half_rele
     assert st.reserve(b, "", mine[-1:], 1, 1)["res"]  # the aborted key is free again
 
 
+@pytest.mark.parametrize("slice_keys", [64, 3])
+def test_pin_budget_blocks_counts_only_the_stored_blocks_a_cut_kept_out(slice_keys):
+    """A lookup cut by --max-pinned counts (and tells the client, budget_cut) the stored blocks it answered as
+    misses: the run of stored keys from the cut, not the keys after the first one not stored (misses anyway).
+    slice_keys=3: the run crosses slices (counted a slice per hold).  Before: every key after the cut counted."""
+    st = ServerState(64 * MiB, 0, 16 * MiB, max_pinned_bytes=2 * BLOCK, slice_keys=slice_keys)
+    a, b = (st.admit(os.getpid(), os.getuid(), os.getgid()).id for _ in range(2))
+    stored = [key(i) for i in range(6)] + [key(i) for i in range(10, 14)]
+    assert st.commit(a, st.reserve(a, "", stored, BLOCK, 16)["res"]) == 10
+    asked = [key(i) for i in range(6)] + [key(99)] + [key(i) for i in range(10, 14)]  # a gap at key 99
+    got = st.lookup(b, "", asked)
+    assert len(got["blocks"]) == 2 and got["budget_cut"] == 4  # keys 2..5; key 99 and what follows: misses
+    with pytest.raises(P.RemoteError, match="--max-pinned"):
+        st.lookup(b, "", asked[2:])  # refused whole: the 4 stored before the gap count again
+    assert st.snapshot()[0]["pin_budget_blocks"] == 4 + 4
+    st.check()
+
+
 def test_a_client_pins_up_to_its_max_pinned_bytes_then_lookups_are_cut_and_refused():
     st = ServerState(64 * MiB, 0, 16 * MiB, max_pinned_bytes=8 * BLOCK)
     a, b = (st.admit(os.getpid(), os.getuid(), os.getgid()).id for _ in range(2))
