@@ -21,6 +21,8 @@ from cxlalloc import _C
 
 __all__ = ["write_blocks", "streaming_available", "raw_pointers", "copy_raw"]
 
+_STRIDED = torch.strided
+
 
 def streaming_available() -> bool:
     """Whether this CPU has the streaming stores :func:`write_blocks` uses (SSE2 on x86-64; False elsewhere,
@@ -31,7 +33,8 @@ def streaming_available() -> bool:
 def _raw_ok(t: torch.Tensor) -> bool:
     """The tensor's bytes are one contiguous CPU range, as torch would copy them (no lazy conjugate or
     negative bit, not quantized or sparse)."""
-    return (t.is_cpu and t.layout == torch.strided and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+    # Cheapest checks first (a 64-block batch makes 64 of these calls: ~0.6 us each here).
+    return (t.is_cpu and t.layout is _STRIDED and t.is_contiguous() and not t.is_conj() and not t.is_neg()
             and not t.is_quantized)
 
 
@@ -48,7 +51,7 @@ def raw_pointers(sources: Sequence[Optional[torch.Tensor]], nbytes: int) -> Opti
         if s is None:
             out.append(None)
             continue
-        n = s.numel() * s.element_size()
+        n = s.nbytes
         if n != nbytes:
             raise ValueError(f"write_blocks: source {i} has {n} bytes, its slot {nbytes}; a source must fill its "
                              "slot exactly")
