@@ -7,6 +7,7 @@
 #include "common/log.h"
 #include "common/write_guard.h"
 #include "kvstore/host_arena.h"
+#include "kvstore/stream_copy.h"
 #include "python/bindings.h"
 #include "python/convert.h"
 
@@ -52,6 +53,29 @@ void bind_kvstore(py::module_& m) {
         "Mark written every guarded range no longer read-only in /proc/self/maps; returns how many.");
   m.def("guard_stats", []() { return py::make_tuple(guard::active_ranges(), guard::faults_handled()); },
         "(guarded ranges, faults handled).");
+
+  // Writes into the pool (cxlalloc.kvstore.blockcopy): the Python side passes only pointers and sizes of tensors
+  // it checked (CPU, contiguous, same byte count), so nothing here can be handed a Python object it misreads.
+  m.def("stream_copy_available", &kvstore::stream_copy_available,
+        "Whether this CPU has the streaming stores stream_copy_many uses (SSE2 on x86-64; checked at run time).");
+  m.def(
+      "stream_copy_many",
+      [](const std::vector<std::uintptr_t>& dsts, const std::vector<std::uintptr_t>& srcs,
+         const std::vector<size_t>& sizes, bool allow_stream) {
+        if (dsts.size() != srcs.size() || dsts.size() != sizes.size())
+          throw py::value_error("stream_copy_many: dsts, srcs and sizes must have the same length");
+        size_t streamed = 0;
+        py::gil_scoped_release nogil;  // a 4 MiB batch takes ~1 ms: other threads of the process run meanwhile
+        for (size_t i = 0; i < dsts.size(); ++i)
+          streamed += kvstore::stream_copy(reinterpret_cast<void*>(dsts[i]), reinterpret_cast<const void*>(srcs[i]),
+                                           sizes[i], allow_stream)
+                          ? 1
+                          : 0;
+        return streamed;
+      },
+      py::arg("dsts"), py::arg("srcs"), py::arg("sizes"), py::arg("allow_stream") = true,
+      "Copy sizes[i] bytes from address srcs[i] to dsts[i] for each i (non-overlapping), with streaming stores where "
+      "available and a copy is >= 4 KiB (else memcpy); returns how many copies streamed.  The GIL is released.");
 
   py::class_<kvstore::HostArena, std::shared_ptr<kvstore::HostArena>>(
       m, "HostArena",

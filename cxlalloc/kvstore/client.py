@@ -42,133 +42,18 @@ import time
 import warnings
 from typing import List, Optional, Sequence
 
-import torch
-
 from cxlalloc import _C
 from cxlalloc.config import format_bytes, parse_size
 from cxlalloc.kvstore import protocol as P
-from cxlalloc.kvstore.connection import _Broken, _Conn, _Pool, _slot_views
-from cxlalloc.kvstore.handles import ScopedHandle, close_fds
+from cxlalloc.kvstore.connection import _Broken, _Conn, _Pool, _slot_views  # noqa: F401 (tests import it from here)
+from cxlalloc.kvstore.handles import close_fds
 from cxlalloc.kvstore.local import KVStoreWarning, LocalBlockStore
+from cxlalloc.kvstore.remote_handles import PendingReservation, RemoteLease, RemoteReservation, _Nothing
 from cxlalloc.kvstore.store import AccountedStore, hit_rate
 
 DEFAULT_TIMEOUT_S = 5.0
 _BACKOFF_MIN_S = 0.2
 _BACKOFF_MAX_S = 10.0
-
-
-class RemoteLease(ScopedHandle):
-    """Blocks found on the server, pinned there until :meth:`close`."""
-
-    def __init__(self, store, conn: Optional[_Conn], lease_id: int, views: List[torch.Tensor], from_tier: int = 0):
-        self._store, self._conn, self._id, self.views = store, conn, lease_id, views
-        # Where the blocks came from, in order: the server's pool, then the tier below it (read through).
-        self.tiers = [("pool", len(views) - from_tier), ("remote", from_tier)]
-
-    @property
-    def blocks(self) -> int:
-        return len(self.views)
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        self.views = []
-        if conn is None:
-            return
-        try:
-            if conn.broken:
-                pass  # closing the connection (unhold) drops the pins
-            elif conn.one_way_release:  # one round trip per hit: the release is not waited for
-                conn.send_one_way({"op": "release", "leases": [self._id], "reply": False})
-            else:
-                conn.request({"op": "release", "leases": [self._id]})
-        except (_Broken, P.RemoteError) as e:
-            self._store._failed(e, conn)
-        finally:
-            conn.unhold()
-
-    _release = close
-
-
-class RemoteReservation(ScopedHandle):
-    """Slots in the server's pool: write ``views[i]`` (None = skip), then :meth:`commit`."""
-
-    def __init__(self, store, conn: Optional[_Conn], res_id: int, views: List[Optional[torch.Tensor]]):
-        self._store, self._conn, self._id, self.views = store, conn, res_id, views
-
-    @property
-    def slots(self) -> int:
-        return sum(1 for v in self.views if v is not None)
-
-    def _finish(self, op: str, wait: bool = True) -> int:
-        conn, self._conn = self._conn, None
-        if conn is None:
-            return 0
-        try:
-            if conn.broken:
-                return 0
-            if not wait:
-                n = self.slots
-                conn.send_one_way({"op": op, "res": self._id, "reply": False}, pending=n)
-                self._store._count("pipelined_commits")
-                return n
-            reply = conn.request({"op": op, "res": self._id})
-            return int(reply.get("published", 0))
-        except (_Broken, P.RemoteError) as e:
-            self._store._failed(e, conn)
-            return 0
-        finally:
-            conn.unhold()
-
-    def commit(self, wait: Optional[bool] = None) -> int:
-        """Publish the written blocks to every client (write every view first).
-
-        Waited (``wait=True``, or a server older than protocol 3, or the
-        store's ``commit="wait"``): returns how many became visible (0 when
-        the server went away: nothing half-written is ever visible).
-        Pipelined (the default against a protocol-3 server): the commit is
-        sent without waiting for its reply and the slots sent are returned;
-        the server publishes them before it reads this connection's next
-        request, and the next reply acknowledges them (``committed_blocks``
-        counts what it published; a failure is counted and warned about
-        then, :meth:`RemoteBlockStore.flush` waits for them).  Either way a
-        block becomes visible only after its bytes were written, and a
-        connection that closes before the commit arrives aborts it."""
-        conn = self._conn
-        if wait is None:
-            wait = not (conn is not None and conn.pipelined_commit and self._store.pipeline_commits)
-        n = self._finish("commit", wait)
-        if wait:
-            self._store._count("committed_blocks", n)
-        return n
-
-    def abort(self) -> None:
-        self._finish("abort")
-
-    _release = abort
-
-
-class _Nothing:
-    """An empty lease / a reservation with no slots."""
-
-    def __init__(self, n: int = 0):
-        self.views = [None] * n
-        self.blocks = 0
-        self.slots = 0
-
-    def close(self):
-        pass
-
-    def commit(self):
-        return 0
-
-    def abort(self):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
 
 
 class RemoteBlockStore(AccountedStore):
@@ -474,8 +359,10 @@ class RemoteBlockStore(AccountedStore):
         Raises:
             ValueError: a block larger than one chunk of the server (naming its ``--chunk``).
         """
-        keys = list(keys)
         self._count("reserves")
+        return self._reserve_now(ns, list(keys), nbytes, tokens)
+
+    def _reserve_now(self, ns: str, keys: List[bytes], nbytes: int, tokens: int):
         try:
             c, reply = self._held_request({"op": "reserve", "ns": ns, "keys": keys, "nbytes": int(nbytes),
                                            "tokens": int(tokens)},
@@ -486,14 +373,30 @@ class RemoteBlockStore(AccountedStore):
             if reply == "away" and self.fallback is not None:
                 return self.fallback.reserve(ns, keys, nbytes, tokens)
             return _Nothing(len(keys))
-        rid = int(reply.get("res") or 0)
-        slots = reply.get("slots") or []
-        if not rid:
-            c.unhold()
-            return _Nothing(len(keys))
-        views = _slot_views(c.pool, slots, int(nbytes), self._register)
-        self._count("reserved_blocks", sum(1 for v in views if v is not None))
-        return RemoteReservation(self, c, rid, views)
+        return _reservation(self, c, reply, len(keys), nbytes)
+
+    def reserve_ahead(self, ns: str, keys: Sequence[bytes], nbytes: int, tokens: int) -> PendingReservation:
+        """:meth:`reserve` sent now, its reply read by :meth:`PendingReservation.result`: the server reserves
+        the next batch while this process copies the current one (docs/kv-server.md, "Reserving ahead").
+        Slots are for keys not stored when the server handles it; closed without ``result()``: aborted.
+
+        Raises:
+            ValueError: a block larger than one chunk of the server (naming its ``--chunk``).
+        """
+        keys = list(keys)
+        self._count("reserves")
+        c = self._get_conn()
+        if c is not None:
+            self.check_block_bytes(nbytes)
+            c.hold()
+            try:
+                d = c.send_deferred({"op": "reserve", "ns": ns, "keys": keys, "nbytes": int(nbytes),
+                                     "tokens": int(tokens)})
+                return PendingReservation(c, d, lambda read: _reserve_reply(self, c, read, ns, keys, nbytes, tokens))
+            except _Broken as e:
+                return PendingReservation(None, None, None,
+                                          _reserve_reply(self, c, _raiser(e), ns, keys, nbytes, tokens))
+        return PendingReservation(None, None, None, self._reserve_now(ns, keys, nbytes, tokens))
 
     def check_block_bytes(self, nbytes: int) -> None:
         """Raise ValueError naming ``kv_store`` if a block of ``nbytes`` can never fit
@@ -550,6 +453,50 @@ class RemoteBlockStore(AccountedStore):
         pool = self._pool
         where = f"pool {pool.pool_id}, {format_bytes(pool.size)} on node {pool.node}" if pool else "not connected"
         return f"<cxlalloc RemoteBlockStore {self.path}: {where}>"
+
+
+def _reservation(st: "RemoteBlockStore", c: _Conn, reply: dict, n: int, nbytes: int):
+    """The reservation a reserve's reply on ``c`` (held) opens, or an empty one of ``n`` keys (unheld)."""
+    rid = int(reply.get("res") or 0)
+    if not rid:
+        c.unhold()
+        return _Nothing(n)
+    slots = reply.get("slots") or []
+    res = RemoteReservation(st, c, rid, c.pool, [None if o is None else int(o) for o in slots], int(nbytes))
+    st._count("reserved_blocks", res.slots)
+    return res
+
+
+def _reserve_reply(st: "RemoteBlockStore", c: _Conn, read, ns: str, keys: List[bytes], nbytes: int, tokens: int):
+    """The reservation of a reserve sent ahead on ``c`` (held): ``read()`` reads its reply (kept out of
+    :class:`RemoteBlockStore`: one job per piece).  As ``_held_request``: a connection that worked and is
+    found broken (a restarted server, or one closed by --idle-timeout) is dialled once more at once and the
+    reserve sent again there, so the insert is not lost; a refusal is counted and warned once per code."""
+    try:
+        reply = read()
+    except _Broken as e:
+        c.unhold()
+        again = c.established
+        st._failed(e, c, warn=not again)
+        if not again:
+            return _Nothing(len(keys))
+        with st._lock:
+            st._down_until = 0.0
+        return st._reserve_now(ns, keys, nbytes, tokens)
+    except P.RemoteError as e:
+        c.unhold()
+        if e.code == "too_large":
+            raise ValueError(f"cxlalloc option 'kv_store': {e}") from None
+        st._failed(e)
+        return _Nothing(len(keys))
+    return _reservation(st, c, reply, len(keys), nbytes)
+
+
+def _raiser(exc: BaseException):
+    """A reply reader that raises ``exc`` (a request whose send already failed)."""
+    def read():
+        raise exc
+    return read
 
 
 def _stats_of(st: "RemoteBlockStore") -> dict:

@@ -2,7 +2,10 @@
 
 ``_Conn`` sends one request at a time and reads its reply (each with the store's timeout); one-way
 messages (protocol 2's release, protocol 3's pipelined commit) are sent without a reply, and the
-outcomes of pipelined commits that ride on a later reply are handed to the store.  ``_Pool`` is the
+outcomes of pipelined commits that ride on a later reply are handed to the store.  A *deferred*
+request (:meth:`_Conn.send_deferred`: a reservation asked for ahead of its use) is sent now and its
+reply read later: the server answers every request in order, so replies are read in the order sent
+(any version of the protocol), a later request first reading the replies still unread before it.  ``_Pool`` is the
 server's pool mapped into this process; ``_slot_views`` cuts a reservation's or lease's slots out of
 it.  Nothing here decides policy (reconnects, fallbacks, warnings): that is the store's.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from collections import deque
 from typing import List, Optional, Sequence
 
 import torch
@@ -48,6 +52,7 @@ class _Conn:
         self.timed_out = False             # it broke on a time-out (the server hangs) rather than a reset
         self.pending = {}                  # pipelined commits sent, not yet acknowledged: res -> blocks sent
         self.on_commits = None             # called with (outcomes, pending) as a reply acknowledges them
+        self.unread = deque()              # deferred requests sent whose replies are not read yet, in order
 
     @property
     def established(self) -> bool:
@@ -57,21 +62,80 @@ class _Conn:
         return not self.timed_out
 
     def request(self, msg: dict) -> dict:
+        acks: list = []
         with self.lock:
             if self.broken:
                 raise _Broken("the connection failed earlier")
             try:
                 P.send_msg(self.sock, msg)
-                reply, _ = P.recv_msg(self.sock)
+                self._read_unread(None, acks)  # replies of deferred requests sent before this one come first
+                reply = self._read_one(acks)
             except (OSError, P.ProtocolError) as e:  # socket.timeout is an OSError
-                self.broken = True
-                self.timed_out = isinstance(e, socket.timeout)
-                self._close_if_idle()
+                self._broke(e)
                 raise _Broken(f"{type(e).__name__}: {e}") from None
-            self.served += 1
-            acked = self._acked(reply)
-        if acked is not None and self.on_commits is not None:
-            self.on_commits(*acked)
+        return self._answer(reply, acks)
+
+    def send_deferred(self, msg: dict) -> "_Deferred":
+        """Send a request whose reply is read later (:meth:`wait`), so the server handles it while this
+        process works; a request sent after it reads its reply first (replies come in order)."""
+        with self.lock:
+            if self.broken:
+                raise _Broken("the connection failed earlier")
+            try:
+                P.send_msg(self.sock, msg)
+            except (OSError, P.ProtocolError) as e:
+                self._broke(e)
+                raise _Broken(f"{type(e).__name__}: {e}") from None
+            d = _Deferred()
+            self.unread.append(d)
+            return d
+
+    def wait(self, d: "_Deferred") -> dict:
+        """The reply of deferred request ``d`` (read now if no later request read it already).
+
+        Raises:
+            _Broken: the connection failed before the reply was read.
+            protocol.RemoteError: the server refused the request.
+        """
+        acks: list = []
+        with self.lock:
+            if d.reply is None:
+                if self.broken:
+                    raise _Broken("the connection failed before the reply was read")
+                try:
+                    self._read_unread(d, acks)
+                except (OSError, P.ProtocolError) as e:
+                    self._broke(e)
+                    raise _Broken(f"{type(e).__name__}: {e}") from None
+        return self._answer(d.reply, acks)
+
+    def _read_one(self, acks: list) -> dict:
+        """Read the next reply (under the request lock); the pipelined commits it acknowledges go to ``acks``."""
+        reply, _ = P.recv_msg(self.sock)
+        self.served += 1
+        acked = self._acked(reply)
+        if acked is not None:
+            acks.append(acked)
+        return reply
+
+    def _read_unread(self, upto: Optional["_Deferred"], acks: list) -> None:
+        """Read deferred replies in order until ``upto``'s (None: all of them), keeping each on its request."""
+        while self.unread:
+            d = self.unread.popleft()
+            d.reply = self._read_one(acks)
+            if d is upto:
+                return
+
+    def _broke(self, e: BaseException) -> None:
+        self.broken = True
+        self.timed_out = isinstance(e, socket.timeout)
+        self._close_if_idle()
+
+    def _answer(self, reply: dict, acks: list) -> dict:
+        """Hand acknowledged commits to the store (outside the request lock), then the reply or its error."""
+        if self.on_commits is not None:
+            for acked in acks:
+                self.on_commits(*acked)
         if not reply.get("ok"):
             raise P.RemoteError(str(reply.get("code", "?")), str(reply.get("error", "")))
         return reply
@@ -147,6 +211,15 @@ class _Conn:
         self._close_if_idle()
 
 
+class _Deferred:
+    """A deferred request's reply: None until read (:meth:`_Conn.wait`, or a later request reading it first)."""
+
+    __slots__ = ("reply",)
+
+    def __init__(self):
+        self.reply: Optional[dict] = None
+
+
 _PAGE = os.sysconf("SC_PAGESIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -179,4 +252,4 @@ def _slot_views(pool: _Pool, slots: Sequence, nbytes: int, register) -> List[Opt
     return views
 
 
-__all__ = ["_Broken", "_Conn", "_Pool", "_slot_views"]
+__all__ = ["_Broken", "_Conn", "_Deferred", "_Pool", "_slot_views"]

@@ -227,6 +227,7 @@ def part_insert(ctx, w, work: str) -> None:
     import torch
 
     import cxlalloc
+    from cxlalloc import _C
     from cxlalloc.kvstore.client import RemoteBlockStore
     from cxlalloc_apps.bench.method import goal_record, interleave, noise_floor
 
@@ -272,10 +273,29 @@ def part_insert(ctx, w, work: str) -> None:
             st.flush()
 
             def insert(store=st, batch=per):
+                """The path before reserve_ahead/write (2026-12-03b): each reserve waited, copy_ per block."""
                 def arm():
                     for _ in range(INSERT_BATCHES):
                         fill(store, batch)
                     if not store.flush():  # the sample ends when every commit is acknowledged
+                        raise RuntimeError("the kv-server did not acknowledge the commits")
+                return arm
+
+            def insert_ahead(store=st, batch=per):
+                """The goal's path: the next reservation asked for before this one's blocks are written
+                (reserve_ahead), the batch written in one streaming copy (write), the commit pipelined."""
+                def arm():
+                    n = INSERT_BATCHES * (per // batch)
+                    pending = store.reserve_ahead("", new_keys(batch), B, 16)
+                    for k in range(n):
+                        res = pending.result()
+                        pending = store.reserve_ahead("", new_keys(batch), B, 16) if k + 1 < n else None
+                        i = (k * batch) % per
+                        if res.write(src[i:i + batch]) != batch:
+                            raise RuntimeError("no slot for a new block")
+                        if res.commit() != batch:
+                            raise RuntimeError("a block was not published")
+                    if not store.flush():
                         raise RuntimeError("the kv-server did not acknowledge the commits")
                 return arm
 
@@ -292,8 +312,21 @@ def part_insert(ctx, w, work: str) -> None:
                         cold[at[0]:at[0] + B].copy_(s_)
                         at[0] += B
 
-            arms = {"memcpy": memcpy, "insert": insert(), "insert_commit_waited": insert(st_wait),
-                    "insert_one_per_reservation": insert(st, 1), "memcpy_cold": memcpy_cold}
+            def memcpy_cold_stream():
+                """The physical bound of writing to the pool: the same streaming copy as write(), into a
+                touched pool-sized buffer, a new place each time."""
+                for _ in range(INSERT_BATCHES):
+                    dsts = []
+                    for _s in src:
+                        if at[0] + B > pool:
+                            at[0] = 0
+                        dsts.append(cold.data_ptr() + at[0])
+                        at[0] += B
+                    _C.stream_copy_many(dsts, [s_.data_ptr() for s_ in src], [B] * len(dsts), True)
+
+            arms = {"memcpy": memcpy, "insert": insert_ahead(), "insert_reserve_waited": insert(),
+                    "insert_commit_waited": insert(st_wait), "insert_one_per_reservation": insert_ahead(st, 1),
+                    "memcpy_cold": memcpy_cold, "memcpy_cold_stream": memcpy_cold_stream}
             cmp = interleave(arms, rounds, warmup=1)
             # The same arms, each sample the CPU seconds this process and the kv-server spent (not the wall
             # time): on a shared machine, time spent descheduled is left out (the wake-up latencies too).
@@ -307,10 +340,13 @@ def part_insert(ctx, w, work: str) -> None:
                    "ms_per_batch_median": {a: round(v / INSERT_BATCHES * 1e3, 3) for a, v in med.items()},
                    "GBps_median": {a: round(total / v / 1e9, 3) for a, v in med.items()},
                    "ratio_insert_over_memcpy": ratio.as_dict(),
+                   "ratio_insert_reserve_waited_over_memcpy": cmp.ratio("memcpy", "insert_reserve_waited").as_dict(),
                    "ratio_insert_commit_waited_over_memcpy": cmp.ratio("memcpy", "insert_commit_waited").as_dict(),
                    "ratio_one_per_reservation_over_memcpy": cmp.ratio("memcpy", "insert_one_per_reservation").as_dict(),
                    "ratio_insert_over_memcpy_cold": cmp.ratio("memcpy_cold", "insert").as_dict(),
-                   "ratio_pipelined_over_waited": cmp.ratio("insert_commit_waited", "insert").as_dict(),
+                   "ratio_insert_over_memcpy_cold_stream": cmp.ratio("memcpy_cold_stream", "insert").as_dict(),
+                   "ratio_ahead_over_reserve_waited": cmp.ratio("insert_reserve_waited", "insert").as_dict(),
+                   "ratio_pipelined_over_waited": cmp.ratio("insert_commit_waited", "insert_reserve_waited").as_dict(),
                    "cpu_ms_per_batch_median": {a: round(cpu.spread(a).median / INSERT_BATCHES * 1e3, 3)
                                                for a in cpu.arms},
                    "cpu_ratio_insert_over_memcpy": cpu.ratio("memcpy", "insert").as_dict(),
@@ -321,13 +357,19 @@ def part_insert(ctx, w, work: str) -> None:
                    "goal": goal_record(f"insert {B // KiB} KiB batch >= {goal}x memcpy", ratio, goal, "higher"),
                    "noise_floor_memcpy_aa": floor.as_dict(),
                    "comparison": cmp.as_dict(),
-                   "method": f"{per} new blocks of {B} bytes per reservation: reserve of all {per} keys, a torch "
-                             "copy_ of each block into its slot in the mapped pool, commit (pipelined: protocol 3, "
-                             "acknowledged by the next reply; insert_commit_waited: commit=wait, the old path); "
-                             f"each sample {INSERT_BATCHES} reservations and a flush (every commit acknowledged); vs "
-                             "memcpy: a torch copy_ of each of the same blocks into one preallocated touched buffer "
-                             "(memcpy_cold: into a touched pool-sized buffer, a new place each time, as the pool "
-                             "is written); the pool was filled once before (committed pages, eviction on); ratios "
+                   "method": f"{per} new blocks of {B} bytes per reservation; insert (the goal): the next "
+                             "reservation asked for before this one's blocks are written (reserve_ahead: its reply "
+                             "read when needed, so the server reserves while the client copies), the batch written "
+                             "by RemoteReservation.write (one C++ call, streaming stores), commit pipelined "
+                             "(protocol 3); insert_reserve_waited: the path before (each reserve waited, a torch "
+                             "copy_ per block, commit pipelined); insert_commit_waited: that path with commit=wait; "
+                             "insert_one_per_reservation: the goal's path with one block per reservation; "
+                             f"each sample {INSERT_BATCHES} reservations' worth of blocks and a flush (every commit "
+                             "acknowledged); vs memcpy: a torch copy_ of each of the same blocks into one "
+                             "preallocated touched buffer (the goal's baseline; memcpy_cold: into a touched "
+                             "pool-sized buffer, a new place each time, as the pool is written; memcpy_cold_stream: "
+                             "the same with write()'s streaming copy: the bound of writing to the pool); the pool "
+                             "was filled once before (committed pages, eviction on); ratios "
                              "are memcpy time / insert time per round (higher is better); cpu_*: the same arms interleaved "
                              "again, each "
                              "sample the CPU time of this process plus the kv-server's (/proc schedstat), which "

@@ -825,6 +825,15 @@ def test_kvspeed_insert_table_is_generated_from_the_record():
         in table
     assert table.count("\n") == 4 and "| missed |" in table and "| within noise |" in table
     assert ks.insert_markdown({"results": [r for r in rec["results"] if r.get("part") != "insert"]}) == ""
+    # a record with the reserve-ahead arms (2026-12-03c on) gets their columns; the figures are still the record's
+    path = os.path.join(ROOT, "benchmarks", "results", "kvspeed-insert-cpu-2026-12-03c", "kvspeed.json")
+    with open(path) as f:
+        rec = json.load(f)
+    table = ks.insert_markdown(rec)
+    assert "| reserve ahead + streaming write (goal) | each reserve waited + copy_ (before) |" in table
+    r = rec["results"][0]["ratio_insert_reserve_waited_over_memcpy"]
+    assert f"| **{r['median']:.3f}x** (IQR {r['q1']:.3f}-{r['q3']:.3f}, n=25) |" in table
+    assert table.count("\n") == 4 and table.splitlines()[1].count("---") == 11
 
 
 def test_engines_runs_only_when_named_and_says_why_it_skips(tmp_path):

@@ -24,7 +24,8 @@ TOP_LEVEL = ("cxlalloc.config", "cxlalloc.allocator", "cxlalloc.engine", "cxlall
              "cxlalloc.cli", "cxlalloc.cli_usage", "cxlalloc.serve_cli")
 # The top of cxlalloc.kvstore: the store contract, the in-process store and what client and server share.
 KVSTORE_TOP = tuple(f"cxlalloc.kvstore.{m}" for m in ("store", "keys", "layout", "index", "local", "open", "handles",
-                                                       "counters", "protocol", "client"))
+                                                       "counters", "protocol", "client", "remote_handles",
+                                                       "blockcopy"))
 
 
 class Rule(NamedTuple):

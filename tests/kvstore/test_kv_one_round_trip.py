@@ -79,7 +79,7 @@ def test_a_closed_connection_drops_the_leases_of_a_client_that_never_released(kv
 def test_a_version_1_client_gets_every_reply_and_a_one_way_release_from_it_is_answered(kv_server, alloc):
     srv = kv_server()
     st = RemoteBlockStore(srv.url, alloc())
-    st.reserve("", [key(7)], BLOCK, 16).commit()
+    st.reserve("", [key(7)], BLOCK, 16).commit(wait=True)  # published before the other connection asks
     old = RawClient(srv.socket_path, want_fd=False, name="v1")
     P.send_msg(old.sock, {"op": "hello", "v": 1, "pid": os.getpid(), "want_fd": False, "name": "v1"})
     reply, _ = P.recv_msg(old.sock)
