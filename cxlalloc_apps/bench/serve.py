@@ -65,7 +65,7 @@ from cxlalloc_apps.bench.model import save_chat_llama
 from cxlalloc_apps.bench.serve_trace import QUICK, Trace, TraceText, parse_overrides, replay, summarize
 
 MiB = 1 << 20
-WEIGHT_SEGMENT = 4 * MiB  # the model's weights fill one 4 MiB device segment of the wrapped model
+SEGMENT = 2 * MiB  # the device tier's granularity: the weights take whole 2 MiB segments, KV whole 2 MiB chunks
 STOP_TIMEOUT_S = 15.0  # a server's graceful shutdown, then SIGKILL
 SERVER_THREADS = 1  # torch intra-op threads of every server (OMP_NUM_THREADS)
 ARMS = ("plain", "plain_same_blocks", "cxlalloc")
@@ -87,7 +87,15 @@ def make_model_dir(path: str, t: Trace) -> Dict[str, Any]:
                                intermediate_size=2 * t.hidden, num_hidden_layers=t.layers,
                                num_attention_heads=t.hidden // 32, num_key_value_heads=t.kv_heads, head_dim=32,
                                max_position_embeddings=positions)
-    return model.config.to_dict()
+    cfg = model.config.to_dict()
+    cfg["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    return cfg
+
+
+def weight_segments(cfg: Dict[str, Any]) -> int:
+    """Device bytes the model's weights take in ``cxlalloc serve``: their bytes rounded up to whole
+    :data:`SEGMENT` s (all of the tiny model's tensors are small ones, packed into 2 MiB segments)."""
+    return -(-int(cfg["weight_bytes"]) // SEGMENT) * SEGMENT
 
 
 def model_text(t: Trace) -> str:
@@ -247,7 +255,8 @@ def run(ctx) -> Dict[str, Any]:
         budget = t.budget_blocks * bb
         wr.record["parameters"].update(block_bytes=bb, device_kv_budget_bytes=budget,
                                        cxlalloc_num_blocks=t.host_factor * t.budget_blocks,
-                                       cxlalloc_device_limit=WEIGHT_SEGMENT + budget)
+                                       weight_bytes=cfg["weight_bytes"],
+                                       cxlalloc_device_limit=weight_segments(cfg) + budget)
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p),
                    OMP_NUM_THREADS=str(SERVER_THREADS))
@@ -260,7 +269,7 @@ def run(ctx) -> Dict[str, Any]:
         argvs = {"plain": plain + ["--cb-num-blocks", str(t.budget_blocks)],
                  "plain_same_blocks": plain + ["--cb-num-blocks", str(t.host_factor * t.budget_blocks)],
                  "cxlalloc": [sys.executable, "-m", "cxlalloc", "serve", mdir, "--device", device, "--device-limit",
-                              str(WEIGHT_SEGMENT + budget), "--host-limit", str(512 * MiB), "--kv-store", "local",
+                              str(weight_segments(cfg) + budget), "--host-limit", str(512 * MiB), "--kv-store", "local",
                               "--option", "device_headroom=0", "--cb-num-blocks",
                               str(t.host_factor * t.budget_blocks), *cb]}
         wr.record["parameters"]["commands"] = {a: " ".join(v) for a, v in argvs.items()}

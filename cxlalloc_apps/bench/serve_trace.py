@@ -92,8 +92,10 @@ class Trace:
 
 
 QUICK = Trace(concurrency=2, window_s=4.0, turns=2, system_prompts=2, system_words=16, documents=2,
-              doc_tokens="64-128", rag_fraction=0.5, user_words=6, max_tokens=4, budget_blocks=32, max_batch_tokens=256,
-              rounds=1, warmup=0)
+              doc_tokens="512-1024", rag_fraction=0.5, user_words=6, max_tokens=4, budget_blocks=128,
+              max_batch_tokens=256, rounds=1, warmup=0)
+"""``--quick``: a smoke run (one round, 2 slots for 4 s); its device budget is one 2 MiB chunk of KV (128 blocks
+of the model's 16 KiB), which the two documents and the chats outgrow, so cxlalloc spills."""
 
 
 def parse_overrides(base: Trace, text: Optional[str]) -> Trace:
