@@ -10,17 +10,19 @@ nothing downloaded), all with transformers' continuous batching (on the CPU; on 
   budget holds;
 * ``plain_same_blocks``: the same with ``host_factor x B`` blocks, as many as cxlalloc's — what a device
   ``host_factor`` times larger would do (the ceiling cxlalloc's spill is measured against);
-* ``cxlalloc``: ``cxlalloc serve DIR --device-limit WEIGHTS+B*block --cb-num-blocks host_factor*B --kv-store
+* ``cxlalloc``: ``cxlalloc serve DIR --device-limit WEIGHTS+B*block (the weights' whole 2 MiB segments) --cb-num-blocks host_factor*B --kv-store
   local`` — the same device bytes for KV, the rest of its blocks on the host tier (the simulated driver's on a
   CPU), prefixes kept in the in-process store.
 
-The trace (seeded): ``concurrency`` session slots, closed loop (a slot starts its next session when its last one
-ends), for ``window_s`` seconds.  A session picks one of ``system_prompts`` shared system prompts
-(``system_words`` tokens each, Zipf popularity) and runs ``turns`` turns: each turn is the whole conversation so
-far plus a new ``user_words``-token question, streamed by the real ``openai`` client, greedy, ``max_tokens``
-tokens.  The prompt of turn k+1 extends turn k's, so prefix reuse (the system prompt, then the conversation)
-decides how much is prefilled again.  At the window's end no new turn starts; turns in flight finish (drain)
-and are measured, but only sessions whose last turn ended inside the window count as completed.
+The trace (:mod:`.serve_trace`, seeded; issue 28's shape by default; any field set with ``--serve-trace
+KEY=VALUE,...``): ``concurrency`` session slots in a closed loop for ``window_s`` seconds; each session one of a few
+shared system prompts and, for a RAG session, one of ``documents`` shared documents of ``doc_tokens`` (1-8K)
+tokens, both Zipf-popular, then ``turns`` turns of the whole conversation so far plus a new question, streamed by
+the real ``openai`` client, greedy, a short answer of ``max_tokens``.  What is prefilled again (the document, the
+system prompt, the conversation) is decided by each server's prefix reuse: plain ``transformers serve``'s prefix
+sharing (on by default; its cached blocks all go at once under memory pressure) or cxlalloc's larger tiered paged
+cache and its KV store.  The model is sized by the trace (``layers``, ``hidden``, ``kv_heads``: by default 2
+layers, hidden 64, so that a 4K-token prefill takes well under a second on the CPU).
 
 Per arm and round: sessions completed (per minute of window), requests, TTFT p50/p99 (request sent to the first
 streamed content chunk, ms, over every request of the round), TPOT (median over requests of (last chunk - first
@@ -383,8 +385,9 @@ def plot(rec: Dict[str, Any], path: str) -> Optional[str]:
         ax.grid(True, axis="y", alpha=0.3)
     p = rec["parameters"]
     fig.suptitle(("SIMULATION (CPU): " if rec.get("simulated") else "")
-                 + f"cxlalloc serve vs transformers serve, {p.get('concurrency')} sessions, "
-                   f"{p.get('budget_blocks')}-block device KV budget, n={s.get('rounds')} rounds (median, IQR)")
+                 + f"cxlalloc serve vs transformers serve, {p.get('concurrency')} sessions, documents of "
+                   f"{p.get('doc_tokens', '-')} tokens, {p.get('budget_blocks')}-block device KV budget, "
+                   f"n={s.get('rounds')} rounds (median, IQR)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
