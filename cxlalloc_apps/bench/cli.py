@@ -52,9 +52,11 @@ Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, 
                process; arms interleaved (:mod:`.engines`; CPU, vLLM's CPU build from
                scripts/install_engines.sh, a clone's tests/engines stand-in connector)
   serve        cxlalloc serve vs plain transformers serve at one device KV budget:
-               a closed-loop multi-turn chat trace with shared system prompts
-               streamed by the openai client; sessions completed, TTFT p50/p99,
-               TPOT, tokens/s; arms interleaved (:mod:`.serve`; CPU)
+               issue 28's closed-loop trace (shared system prompts and 1-8K-token
+               documents, Zipf reuse, RAG and multi-turn chat; --serve-trace
+               KEY=VALUE,... changes it) streamed by the openai client; sessions
+               completed, TTFT p50/p99, TPOT, tokens/s; arms interleaved
+               (:mod:`.serve`; CPU)
 
 Each writes ``DIR/<name>.json`` (:mod:`.meta` describes the record; decode's
 ``parameters`` hold the grid that ran: ``points``, ``models``, ``contexts``,
