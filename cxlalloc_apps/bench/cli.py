@@ -52,9 +52,11 @@ Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, 
                process; arms interleaved (:mod:`.engines`; CPU, vLLM's CPU build from
                scripts/install_engines.sh, a clone's tests/engines stand-in connector)
   serve        cxlalloc serve vs plain transformers serve at one device KV budget:
-               a closed-loop multi-turn chat trace with shared system prompts
-               streamed by the openai client; sessions completed, TTFT p50/p99,
-               TPOT, tokens/s; arms interleaved (:mod:`.serve`; CPU)
+               issue 28's closed-loop trace (shared system prompts and 1-8K-token
+               documents, Zipf reuse, RAG and multi-turn chat; --serve-trace
+               KEY=VALUE,... changes it) streamed by the openai client; sessions
+               completed, TTFT p50/p99, TPOT, tokens/s; arms interleaved
+               (:mod:`.serve`; CPU)
 
 Each writes ``DIR/<name>.json`` (:mod:`.meta` describes the record; decode's
 ``parameters`` hold the grid that ran: ``points``, ``models``, ``contexts``,
@@ -158,6 +160,9 @@ def make_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--policy-free-backend", default="host-vmm", choices=("host-vmm", "managed", "pinned"),
                    help="backend of the policy-free spill baseline")
     p.add_argument("--ceiling-bytes", type=int, default=None, help="buffer size of the bandwidth probes (bytes)")
+    p.add_argument("--serve-trace", default=None, metavar="KEY=VALUE,...",
+                   help="serve: trace fields to change, e.g. concurrency=64,doc_tokens=1024-8192,zipf_s=1.1,"
+                        "window_s=60 (cxlalloc_apps/bench/serve_trace.py: Trace)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress display")
     return p
 
@@ -256,6 +261,13 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
         parser.error(f"--time-budget: {args.time_budget!r} must be a positive number of seconds")
     if args.ceiling_bytes is not None and args.ceiling_bytes < 1 << 20:
         parser.error(f"--ceiling-bytes: {args.ceiling_bytes} is below 1 MiB ({1 << 20} bytes)")
+    if args.serve_trace is not None:
+        from cxlalloc_apps.bench.serve_trace import QUICK, Trace, parse_overrides
+
+        try:
+            parse_overrides(QUICK if args.quick else Trace(), args.serve_trace)
+        except ValueError as e:
+            parser.error(str(e))
     if args.simulate and "decode" in names:
         from cxlalloc_apps.bench.decode import sim_grid_error
 

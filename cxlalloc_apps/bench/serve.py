@@ -10,17 +10,19 @@ nothing downloaded), all with transformers' continuous batching (on the CPU; on 
   budget holds;
 * ``plain_same_blocks``: the same with ``host_factor x B`` blocks, as many as cxlalloc's — what a device
   ``host_factor`` times larger would do (the ceiling cxlalloc's spill is measured against);
-* ``cxlalloc``: ``cxlalloc serve DIR --device-limit WEIGHTS+B*block --cb-num-blocks host_factor*B --kv-store
+* ``cxlalloc``: ``cxlalloc serve DIR --device-limit WEIGHTS+B*block (the weights' whole 2 MiB segments) --cb-num-blocks host_factor*B --kv-store
   local`` — the same device bytes for KV, the rest of its blocks on the host tier (the simulated driver's on a
   CPU), prefixes kept in the in-process store.
 
-The trace (seeded): ``concurrency`` session slots, closed loop (a slot starts its next session when its last one
-ends), for ``window_s`` seconds.  A session picks one of ``system_prompts`` shared system prompts
-(``system_words`` tokens each, Zipf popularity) and runs ``turns`` turns: each turn is the whole conversation so
-far plus a new ``user_words``-token question, streamed by the real ``openai`` client, greedy, ``max_tokens``
-tokens.  The prompt of turn k+1 extends turn k's, so prefix reuse (the system prompt, then the conversation)
-decides how much is prefilled again.  At the window's end no new turn starts; turns in flight finish (drain)
-and are measured, but only sessions whose last turn ended inside the window count as completed.
+The trace (:mod:`.serve_trace`, seeded; issue 28's shape by default; any field set with ``--serve-trace
+KEY=VALUE,...``): ``concurrency`` session slots in a closed loop for ``window_s`` seconds; each session one of a few
+shared system prompts and, for a RAG session, one of ``documents`` shared documents of ``doc_tokens`` (1-8K)
+tokens, both Zipf-popular, then ``turns`` turns of the whole conversation so far plus a new question, streamed by
+the real ``openai`` client, greedy, a short answer of ``max_tokens``.  What is prefilled again (the document, the
+system prompt, the conversation) is decided by each server's prefix reuse: plain ``transformers serve``'s prefix
+sharing (on by default; its cached blocks all go at once under memory pressure) or cxlalloc's larger tiered paged
+cache and its KV store.  The model is sized by the trace (``layers``, ``hidden``, ``kv_heads``: by default 2
+layers, hidden 64, so that a 4K-token prefill takes well under a second on the CPU).
 
 Per arm and round: sessions completed (per minute of window), requests, TTFT p50/p99 (request sent to the first
 streamed content chunk, ms, over every request of the round), TPOT (median over requests of (last chunk - first
@@ -47,15 +49,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from typing import Any, Dict, List, Optional, Tuple
@@ -63,39 +64,14 @@ from typing import Any, Dict, List, Optional, Tuple
 from cxlalloc_apps.bench import method
 from cxlalloc_apps.bench.meta import REPO_ROOT, RecordWriter, new_record
 from cxlalloc_apps.bench.model import save_chat_llama
+from cxlalloc_apps.bench.serve_trace import QUICK, Trace, TraceText, parse_overrides, replay, summarize
 
 MiB = 1 << 20
-WEIGHT_SEGMENT = 4 * MiB  # the model's weights fill one 4 MiB device segment of the wrapped model
+SEGMENT = 2 * MiB  # the device tier's granularity: the weights take whole 2 MiB segments, KV whole 2 MiB chunks
 STOP_TIMEOUT_S = 15.0  # a server's graceful shutdown, then SIGKILL
 SERVER_THREADS = 1  # torch intra-op threads of every server (OMP_NUM_THREADS)
 ARMS = ("plain", "plain_same_blocks", "cxlalloc")
 RATIOS = (("cxlalloc", "plain"), ("cxlalloc", "plain_same_blocks"))
-
-
-@dataclasses.dataclass
-class Trace:
-    """The chat trace, the budget and the rounds (tokens; blocks of ``page`` tokens; seconds)."""
-
-    concurrency: int = 32  # issue 28 asks 32-128 sessions (8 until 2026-12-03)
-    window_s: float = 30.0  # long enough for 32 slots to complete ~3 sessions each on a 2-core CPU
-    turns: int = 3
-    system_prompts: int = 3
-    system_words: int = 384
-    user_words: int = 24
-    max_tokens: int = 16
-    zipf_s: float = 1.1
-    page: int = 16
-    budget_blocks: int = 128  # the device KV budget, in blocks (plain's num_blocks): 8 MiB of 64 KiB blocks
-    host_factor: int = 4  # cxlalloc's num_blocks = host_factor x budget_blocks (the rest on the host tier)
-    max_batch_tokens: int = 256
-    vocab_words: int = 1000
-    rounds: int = 5
-    warmup: int = 1
-    seed: int = 0
-
-
-QUICK = Trace(concurrency=2, window_s=3.0, turns=2, system_prompts=2, system_words=48, user_words=6, max_tokens=4,
-              budget_blocks=32, rounds=1, warmup=0)
 
 
 def block_bytes(cfg: Dict[str, Any], page: int) -> int:
@@ -103,14 +79,31 @@ def block_bytes(cfg: Dict[str, Any], page: int) -> int:
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 4 * page
 
 
-def make_model_dir(path: str, vocab_words: int = 1000) -> Dict[str, Any]:
-    """Save the benchmark's tiny Llama (4 layers, hidden 128, 4 KV heads x 32, fp32, random weights, seed 0) with
-    a word-level tokenizer (words ``w0``..``w{vocab_words-1}``; one word = one token) and a ChatML-like template
-    into ``path`` (:func:`.model.save_chat_llama`); returns the model's config as a dict."""
-    model, _ = save_chat_llama(path, [f"w{i}" for i in range(vocab_words)], hidden_size=128, intermediate_size=256,
-                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
-                               max_position_embeddings=4096)
-    return model.config.to_dict()
+def make_model_dir(path: str, t: Trace) -> Dict[str, Any]:
+    """Save the benchmark's tiny Llama (``t.layers`` layers, hidden ``t.hidden``, heads of 32, ``t.kv_heads`` KV
+    heads, MLP 2 x hidden, fp32, random weights, seed 0; positions for the trace's longest prompt) with a word-level
+    tokenizer (words ``w0``..``w{vocab_words-1}``; one word = one token) and a ChatML-like template into ``path``
+    (:func:`.model.save_chat_llama`); returns the model's config as a dict."""
+    positions = 1 << max(12, math.ceil(math.log2(t.max_prompt_tokens())))
+    model, _ = save_chat_llama(path, [f"w{i}" for i in range(t.vocab_words)], hidden_size=t.hidden,
+                               intermediate_size=2 * t.hidden, num_hidden_layers=t.layers,
+                               num_attention_heads=t.hidden // 32, num_key_value_heads=t.kv_heads, head_dim=32,
+                               max_position_embeddings=positions)
+    cfg = model.config.to_dict()
+    cfg["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    return cfg
+
+
+def weight_segments(cfg: Dict[str, Any]) -> int:
+    """Device bytes the model's weights take in ``cxlalloc serve``: their bytes rounded up to whole
+    :data:`SEGMENT` s (all of the tiny model's tensors are small ones, packed into 2 MiB segments)."""
+    return -(-int(cfg["weight_bytes"]) // SEGMENT) * SEGMENT
+
+
+def model_text(t: Trace) -> str:
+    """The record's one-line description of the model."""
+    return (f"tiny Llama ({t.layers} layers, hidden {t.hidden}, {t.hidden // 32} heads and {t.kv_heads} KV heads x 32, "
+            "fp32, random weights), word-level tokenizer (one word = one token)")
 
 
 def _free_port() -> int:
@@ -204,99 +197,6 @@ class Server:
         return self.wait_or_kill(timeout)
 
 
-def _words(rng: random.Random, n: int, vocab_words: int) -> str:
-    return " ".join(f"w{rng.randrange(vocab_words)}" for _ in range(n))
-
-
-class TraceText:
-    """The trace's text, a function of the seed and the session number only (the same for every arm)."""
-
-    def __init__(self, t: Trace):
-        self.t = t
-        rng = random.Random(t.seed)
-        self.systems = [_words(rng, t.system_words, t.vocab_words) for _ in range(t.system_prompts)]
-        self.weights = [1.0 / (k + 1) ** t.zipf_s for k in range(t.system_prompts)]
-
-    def session(self, sid: int) -> Tuple[int, List[str]]:
-        """(system prompt index, the ``turns`` user questions) of session ``sid``."""
-        rng = random.Random(self.t.seed * 1_000_003 + sid + 1)
-        k = rng.choices(range(self.t.system_prompts), self.weights)[0]
-        return k, [_words(rng, self.t.user_words, self.t.vocab_words) for _ in range(self.t.turns)]
-
-
-def replay(client, model: str, text: TraceText, t: Trace) -> Dict[str, Any]:
-    """One round of the closed-loop trace against one server: every request's timings and reply, and the
-    sessions completed inside the window."""
-    lock = threading.Lock()
-    counter = [0]
-    reqs: List[dict] = []
-    sessions: List[dict] = []
-    errors: List[str] = []
-    t0 = time.perf_counter()
-    end = t0 + t.window_s
-
-    def slot():
-        while time.perf_counter() < end:
-            with lock:
-                sid = counter[0]
-                counter[0] += 1
-            k, questions = text.session(sid)
-            messages = [{"role": "system", "content": text.systems[k]}]
-            done = True
-            for turn, q in enumerate(questions):
-                if time.perf_counter() >= end:
-                    done = False
-                    break
-                messages.append({"role": "user", "content": q})
-                s = time.perf_counter()
-                first = last = None
-                parts: List[str] = []
-                try:
-                    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=t.max_tokens,
-                                                            temperature=0, stream=True)
-                    for chunk in stream:
-                        if chunk.choices and chunk.choices[0].delta.content:
-                            last = time.perf_counter()
-                            first = first or last
-                            parts.append(chunk.choices[0].delta.content)
-                except Exception as e:  # recorded: a failed request is a measured outcome
-                    with lock:
-                        errors.append(f"session {sid} turn {turn}: {type(e).__name__}: {str(e)[:200]}")
-                    done = False
-                    break
-                reply = "".join(parts)
-                with lock:
-                    reqs.append({"sid": sid, "turn": turn, "sent": s - t0, "ttft_ms": None if first is None else
-                                 (first - s) * 1e3, "tpot_ms": (last - first) * 1e3 / (len(parts) - 1)
-                                 if len(parts) > 1 else None, "tokens": len(parts), "end": time.perf_counter() - t0,
-                                 "reply": reply})
-                messages.append({"role": "assistant", "content": reply})
-            with lock:
-                sessions.append({"sid": sid, "completed": done and time.perf_counter() <= end})
-
-    threads = [threading.Thread(target=slot, daemon=True) for _ in range(t.concurrency)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return {"wall_s": time.perf_counter() - t0, "requests": reqs, "sessions": sessions, "errors": errors}
-
-
-def summarize(res: Dict[str, Any], window_s: float) -> Dict[str, Any]:
-    """A round's figures: sessions completed (and per minute of window), requests, TTFT p50/p99, TPOT, tokens/s."""
-    reqs = res["requests"]
-    ttft = [r["ttft_ms"] for r in reqs if r["ttft_ms"] is not None]
-    tpot = [r["tpot_ms"] for r in reqs if r["tpot_ms"] is not None]
-    tokens = sum(r["tokens"] for r in reqs)
-    done = sum(1 for s in res["sessions"] if s["completed"])
-    q = method.quantile
-    return {"sessions_completed": done, "sessions_per_min": round(done * 60.0 / window_s, 3),
-            "sessions_started": len(res["sessions"]), "requests": len(reqs), "failed_requests": len(res["errors"]),
-            "ttft_p50_ms": round(q(ttft, 0.5), 3), "ttft_p99_ms": round(q(ttft, 0.99), 3),
-            "tpot_ms": round(q(tpot, 0.5), 3), "output_tokens": tokens,
-            "tokens_per_s": round(tokens / res["wall_s"], 3), "wall_s": round(res["wall_s"], 3)}
-
-
 def _counter_delta(before: Optional[dict], after: Optional[dict]) -> Dict[str, Any]:
     if not after:
         return {}
@@ -319,7 +219,7 @@ GOALS = (("sessions completed at the same device budget >= 2x plain", "sessions_
 
 def run(ctx) -> Dict[str, Any]:
     """``bench --only serve``: the record ``serve.json`` (and ``serve.png``)."""
-    t = dataclasses.replace(QUICK) if ctx.quick else Trace()
+    t = parse_overrides(QUICK if ctx.quick else Trace(), getattr(ctx.args, "serve_trace", None))
     for mod in ("openai", "fastapi", "uvicorn"):
         try:
             __import__(mod)
@@ -331,8 +231,7 @@ def run(ctx) -> Dict[str, Any]:
     on_gpu = ctx.gpu_ready()[0]
     device = f"cuda:{ctx.device}" if on_gpu else "cpu"
     params = dataclasses.asdict(t)
-    params.update(model="tiny Llama (4 layers, hidden 128, 4 KV heads x 32, fp32, random weights), word-level "
-                        "tokenizer (one word = one token)", device=device, client=f"openai {openai.__version__}",
+    params.update(model=model_text(t), device=device, client=f"openai {openai.__version__}",
                   server_threads=SERVER_THREADS, units="ms, tokens/s, sessions per minute of window, bytes")
     wr = RecordWriter(ctx.out_dir, new_record("serve", params, not on_gpu, ctx.argv, ctx.device))
     if on_gpu:
@@ -341,15 +240,25 @@ def run(ctx) -> Dict[str, Any]:
     else:
         wr.note("CPU run: both servers compute on the CPU; cxlalloc's tiers are the simulated driver's (a spilled block "
             "costs a host memcpy, not a PCIe/CXL transfer). Not yet run on a GPU.")
+    wr.note("plain transformers serve runs with its prefix sharing on (ContinuousBatchingConfig.allow_block_sharing, "
+            "True by default in transformers 5.24: complete blocks are hashed and a new request's prompt is matched "
+            "against them; unreferenced hashed blocks stay cached until memory pressure, when evict_cached_blocks() "
+            "returns all of them to the pool at once); it has no tier below its paged cache")
+    lo, hi = t.doc_range()
+    wr.note(f"trace: {t.concurrency} session slots, {t.window_s:g} s window, {t.turns} turns a session, "
+            f"{t.system_prompts} system prompts of {t.system_words} tokens, {t.documents} documents of {lo}-{hi} tokens "
+            f"(log-uniform) in {t.rag_fraction:.0%} of the sessions, Zipf exponent {t.zipf_s:g}, {t.user_words}-token "
+            f"questions, {t.max_tokens}-token greedy answers")
     work = tempfile.mkdtemp(prefix="cxlalloc-bench-serve-")
     servers: Dict[str, Server] = {}
     try:
-        cfg = make_model_dir(os.path.join(work, "model"), t.vocab_words)
+        cfg = make_model_dir(os.path.join(work, "model"), t)
         bb = block_bytes(cfg, t.page)
         budget = t.budget_blocks * bb
         wr.record["parameters"].update(block_bytes=bb, device_kv_budget_bytes=budget,
                                        cxlalloc_num_blocks=t.host_factor * t.budget_blocks,
-                                       cxlalloc_device_limit=WEIGHT_SEGMENT + budget)
+                                       weight_bytes=cfg["weight_bytes"],
+                                       cxlalloc_device_limit=weight_segments(cfg) + budget)
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p),
                    OMP_NUM_THREADS=str(SERVER_THREADS))
@@ -362,7 +271,7 @@ def run(ctx) -> Dict[str, Any]:
         argvs = {"plain": plain + ["--cb-num-blocks", str(t.budget_blocks)],
                  "plain_same_blocks": plain + ["--cb-num-blocks", str(t.host_factor * t.budget_blocks)],
                  "cxlalloc": [sys.executable, "-m", "cxlalloc", "serve", mdir, "--device", device, "--device-limit",
-                              str(WEIGHT_SEGMENT + budget), "--host-limit", str(512 * MiB), "--kv-store", "local",
+                              str(weight_segments(cfg) + budget), "--host-limit", str(512 * MiB), "--kv-store", "local",
                               "--option", "device_headroom=0", "--cb-num-blocks",
                               str(t.host_factor * t.budget_blocks), *cb]}
         wr.record["parameters"]["commands"] = {a: " ".join(v) for a, v in argvs.items()}
@@ -373,6 +282,7 @@ def run(ctx) -> Dict[str, Any]:
                    for a, s in servers.items()}
         models = {a: c.models.list().data[0].id for a, c in clients.items()}
         text = TraceText(t)
+        wr.record["parameters"]["document_tokens"] = text.doc_sizes
         loop = method.Rounds(ARMS, t.rounds, warmup=t.warmup, deadline=ctx.deadline, skip=wr.skip)
         samples: Dict[str, Dict[str, List[float]]] = {m: {a: [] for a in ARMS} for m, _ in METRICS}
         replies: Dict[str, List[Dict[Tuple[int, int], str]]] = {a: [] for a in ARMS}
@@ -417,7 +327,7 @@ def run(ctx) -> Dict[str, Any]:
         summary.update(method=method.describe("rotate", n, t.warmup),
                        load_before=load_before, load_after=load_after)
         ctx.log("bench serve: noise floor (A/A, one short request to plain)")
-        probe = [{"role": "user", "content": text.session(0)[1][0]}]
+        probe = [{"role": "user", "content": text.session(0)[2][0]}]
 
         def one():
             clients["plain"].chat.completions.create(model=models["plain"], messages=probe, max_tokens=4,
@@ -475,8 +385,9 @@ def plot(rec: Dict[str, Any], path: str) -> Optional[str]:
         ax.grid(True, axis="y", alpha=0.3)
     p = rec["parameters"]
     fig.suptitle(("SIMULATION (CPU): " if rec.get("simulated") else "")
-                 + f"cxlalloc serve vs transformers serve, {p.get('concurrency')} sessions, "
-                   f"{p.get('budget_blocks')}-block device KV budget, n={s.get('rounds')} rounds (median, IQR)")
+                 + f"cxlalloc serve vs transformers serve, {p.get('concurrency')} sessions, documents of "
+                   f"{p.get('doc_tokens', '-')} tokens, {p.get('budget_blocks')}-block device KV budget, "
+                   f"n={s.get('rounds')} rounds (median, IQR)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -216,19 +216,8 @@ class PlacementMixin:
             # plan_moves would return no move; skip ranking every block of the batch (profiled: about 2/3 of this
             # method's per-step cost, issue 33).
             return 0, 0, 0
+        rank = self._chunk_ranks(part, states)
         chunk = part.chunk
-        rank: Dict[int, int] = {}
-        for ca in self.cache_allocators.values():  # each views the whole tensor in blocks of its own size
-            size = part.block_bytes if self.striped else ca.bytes_per_block
-            for state in states:
-                table = ca.block_table.get(state.request_id, [])
-                n = len(table)
-                for i, b in enumerate(table):
-                    start = b * size  # block ids count from the tensor's start (trash sectors included)
-                    r = n - 1 - i  # 0: the request's newest block
-                    for c in range(start // chunk, (start + size - 1) // chunk + 1):
-                        if r < rank.get(c, 1 << 62):
-                            rank[c] = r
         on_device = [c for c, t in tiers.items() if t == "device"]
         free_chunks = self._rooms(part)[0] // chunk
         demote, promote = plan_moves(rank, on_device, len(on_device) + free_chunks)
@@ -246,6 +235,38 @@ class PlacementMixin:
                 failures += 1
                 break
         return moved_down, moved_up, failures
+
+    def _chunk_ranks(self, part, states) -> Dict[int, int]:
+        """``{chunk: rank}`` of the chunks holding the scheduled requests' blocks: the lowest ``n - 1 - i`` over
+        the blocks ``i`` of a request's table of ``n`` blocks that touch the chunk (0: some request's newest
+        block).  When blocks tile chunks (a chunk is a whole number of blocks: a block never straddles two), one
+        dict comprehension per request keeps each chunk's newest block (about 4x fewer Python steps than the
+        per-block loop, which cost about 4 % of a serving step with 4K-token prompts, profiled 2026-12-03)."""
+        chunk = part.chunk
+        rank: Dict[int, int] = {}
+        for ca in self.cache_allocators.values():  # each views the whole tensor in blocks of its own size
+            size = part.block_bytes if self.striped else ca.bytes_per_block
+            tiled = size <= chunk and chunk % size == 0
+            per = chunk // size if tiled else 0
+            for state in states:
+                table = ca.block_table.get(state.request_id)
+                if not table:
+                    continue
+                n = len(table)
+                if tiled:  # block ids count from the tensor's start (trash sectors included)
+                    newest = {b // per: i for i, b in enumerate(table)}  # a later (newer) block overwrites
+                    for c, i in newest.items():
+                        r = n - 1 - i  # 0: the request's newest block
+                        if r < rank.get(c, 1 << 62):
+                            rank[c] = r
+                    continue
+                for i, b in enumerate(table):
+                    start = b * size
+                    r = n - 1 - i
+                    for c in range(start // chunk, (start + size - 1) // chunk + 1):
+                        if r < rank.get(c, 1 << 62):
+                            rank[c] = r
+        return rank
 
     def _note_tiers(self) -> None:
         desc = self.describe()
