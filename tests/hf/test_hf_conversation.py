@@ -125,3 +125,23 @@ def test_a_turn_crossing_a_block_boundary_copies_nothing_from_the_store(fresh_si
         assert store["bytes_loaded"] == 0 and store["loads"] == 0, (t, store)
         turn = torch.cat([out, ids(BT + 1, seed=20 + t)], 1)
     assert reuse(m)["counters"]["conversation_hits"] == 3
+
+
+def test_a_growing_conversation_regrows_its_cache_geometrically_not_every_turn(fresh_sim):
+    """Each turn reserves a little more than the last; reserving exactly that re-created the kept cache and
+    copied its whole KV on nearly every turn (13 of 20 turns of the kvspeed chat).  Grown x2 in whole rounds,
+    8 turns of 40 tokens regrow it at most twice, and the copies stay below two whole conversations."""
+    ref = tiny_llama(hidden=256, heads=8, kv_heads=8, layers=16)
+    m = tiny_llama(hidden=256, heads=8, kv_heads=8, layers=16)  # 64 KiB of KV a token: 32 tokens a 2 MiB chunk
+    wrap(m)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    turn = ids(40, seed=4)
+    for t in range(8):
+        out = plain(m, input_ids=turn, **kw)
+        assert torch.equal(out, plain(ref, input_ids=turn, **kw)), f"turn {t}: tokens differ from a recompute"
+        assert t == 0 or reuse(m)["last"]["conversation"]
+        turn = torch.cat([out, ids(34, seed=30 + t)], 1)
+    st = hf.stats(m)["hf"]["cache"]
+    assert st["live_tokens"] == out.shape[1] - 1 == 40 + 7 * 40 + 6 - 1
+    assert st["regrowths"] <= 2, st["regrowths"]
+    assert st["bytes_copied_existing"] < 2 * st["live_tokens"] * st["bytes_per_token"], st
