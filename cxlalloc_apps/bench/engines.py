@@ -161,7 +161,7 @@ class _Setup:
 
     def specs(self, group: str) -> Dict[str, Dict[str, Any]]:
         """The engines ``group`` needs that are not running yet: name -> (spec, LMCache config or None)."""
-        from cxlalloc.kvstore.engines.config import vllm_offload_config
+        from cxlalloc.kvstore import vllm_offload_config
 
         base = {"model": self.model, "max_model_len": MAX_MODEL_LEN, "kv_cache_bytes": KV_CACHE_BYTES,
                 "prefix_caching": False}
