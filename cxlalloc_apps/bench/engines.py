@@ -426,3 +426,39 @@ def markdown(rec: Dict[str, Any]) -> str:
                        f"({q['q1']:.2f}-{q['q3']:.2f}, {q['min']:.2f}-{q['max']:.2f}) | {g['verdict']} "
                        f"| {nf['q1']:.2f}-{nf['q3']:.2f} | {q['n']} | {min(loads):.1f}-{max(loads):.1f} |")
     return "\n".join(out) + "\n"
+
+
+TABLE_DOCS = ("docs/engines.md", "benchmarks/README.md")
+START, END = "<!-- engines-results:start -->", "<!-- engines-results:end -->"
+
+
+def write_tables(record_path: str, docs=TABLE_DOCS) -> None:
+    """Rewrites each page of ``docs`` (paths under the checkout) between ``START`` and ``END`` with
+    :func:`markdown` of the record at ``record_path``.  Raises ValueError when a page lacks the markers or the
+    record has no comparison."""
+    from cxlalloc_apps.bench.meta import REPO_ROOT
+
+    with open(record_path) as f:
+        table = markdown(json.load(f))
+    if not table:
+        raise ValueError(f"{record_path}: no comparison to tabulate")
+    for doc in docs:
+        path = os.path.join(REPO_ROOT, doc)
+        with open(path) as f:
+            text = f.read()
+        if START not in text or END not in text:
+            raise ValueError(f"{doc}: no {START} ... {END} block")
+        head, rest = text.split(START, 1)
+        with open(path, "w") as f:
+            f.write(head + START + "\n" + table + END + rest.split(END, 1)[1])
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--tables"] and len(sys.argv) == 3:   # python -m cxlalloc_apps.bench.engines --tables REC
+        write_tables(sys.argv[2])
+        sys.exit(0)
+    from cxlalloc_apps.bench.cli import main
+
+    sys.exit(main(["--only", "engines"] + sys.argv[1:]))
