@@ -67,7 +67,9 @@ QUICK_SIZES = (1024,)
 MAX_MODEL_LEN = 8192
 KV_CACHE_BYTES = 320 << 20         # vLLM's KV cache per engine: one 8,192-token request is 189 MB
 LOCAL_CPU_GB = 0.5                 # LMCache's CPU buffer per process (the docs' 5 GB is touched in full)
-MP_L1_GB = 0.5                     # each lmcache server's L1 (the docs' 5 GB is allocated at start)
+MP_L1_GB = 1.0                     # each lmcache server's L1 (the docs' 5 GB is allocated at start); at 0.5 GB,
+                                   # above its 0.8 eviction watermark, LMCache 0.5.6 refused the batched allocation
+                                   # of a 7,936-token prefix's 31 chunks (record engines-cpu-2026-12-03b)
 TIER_CPU_BYTES = 384 << 20         # vLLM's CPU primary tier per offloading engine (the docs': 1 GiB)
 POOL = ("--size", "768MiB", "--chunk", "8MiB")
 SETTLE_S = 1.2                     # idle before each measured request: a vLLM process that just answered busy-polls
@@ -359,7 +361,10 @@ def run(ctx) -> Dict[str, Any]:
             try:
                 st.start(group)
                 for size in sizes:
-                    w.add(_measure(ctx, w, st, group, arms, size, rounds, counter, doc, qs))
+                    row = _measure(ctx, w, st, group, arms, size, rounds, counter, doc, qs)
+                    w.add(row)
+                    if row["status"] != "ok":   # the record is then partial, not ok
+                        w.error(f"{group} {size}", row["error"])
             except Exception as e:
                 import traceback
 

@@ -860,13 +860,20 @@ def test_engines_record_is_on_the_method_and_the_docs_tables_are_its_markdown(tm
     comps = [r for r in rec["results"] if r["kind"] == "comparison"]
     assert {(r["group"], r["prefix_tokens"]) for r in comps} == {(g, s) for g, _ in eng.GROUPS for s in eng.SIZES}
     for r in comps:
+        if "comparison" not in r:   # the one cell that failed (docs/engines.md says why): no usable round
+            assert (r["group"], r["prefix_tokens"], r["status"]) == ("lmcache_mp", 7936, "error"), r
+            continue
         assert r["comparison"]["rounds"] >= MIN_ROUNDS and len(r["round_loads"]) >= MIN_ROUNDS, r["group"]
         assert {g["verdict"] for g in r["goals"]} <= {"met", "missed", "within noise"} and len(r["goals"]) == 1
-    reqs = [r for r in rec["results"] if r["kind"] == "request" and r["status"] == "ok"]
+    reqs = [r for r in rec["results"] if r["kind"] == "request"]
     assert {r["arm"] for r in reqs} == set(eng.ARMS)
-    assert all(r["cached_tokens"] == (0 if r["arm"] == "no_cache" else r["prefix_tokens"]) for r in reqs)
+    # every request got the cached tokens its arm must (the whole prefix; none for no_cache), but B's of MP mode
+    # at 7,936 tokens, which found nothing (process A's MP server could not allocate the prefix in its L1)
+    bad = [r for r in reqs if r["cached_tokens"] != (0 if r["arm"] == "no_cache" else r["prefix_tokens"])]
+    assert {(r["arm"], r["prefix_tokens"], r["cached_tokens"], r["status"]) for r in bad} == {
+        ("cxlalloc_lmcache_mp", 7936, 0, "error")}
     table = eng.markdown(rec)
-    assert table.count("| met |") + table.count("| missed |") + table.count("| within noise |") == 12
+    assert table.count("| met |") + table.count("| missed |") + table.count("| within noise |") == 11
     for doc in ("docs/engines.md", "benchmarks/README.md"):
         with open(os.path.join(ROOT, doc)) as f:
             text = f.read()
