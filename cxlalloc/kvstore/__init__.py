@@ -51,6 +51,7 @@ _EXPORTS = {
     "KVServer": "cxlalloc.kvstore.server",
     "lmcache_yaml": "cxlalloc.kvstore.engines",
     "engine_lines": "cxlalloc.kvstore.engines",
+    "vllm_offload_config": "cxlalloc.kvstore.engines",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -47,10 +47,12 @@ Run only when named (``--only reuse``, ``--only kvserver``, ``--only lmcache``, 
   cluster      the Redis tier on a local 3+3 Redis/Valkey Cluster vs one server vs
                redis-py's mget_nonatomic, 1-512 keys, 1-16 clients, and reads
                during a primary's failover (:mod:`.cluster`; CPU)
-  engines      vLLM's time to first token with a shared 1,280-token prefix: no cache,
-               vLLM's prefix cache, LMCache's local CPU tier, cxlalloc:// from another
-               process; arms interleaved (:mod:`.engines`; CPU, vLLM's CPU build from
-               scripts/install_engines.sh, a clone's tests/engines stand-in connector)
+  engines      vLLM's time to first token and prefill tokens/s with a 1-8K-token shared
+               prefix: no cache, vLLM's prefix cache, LMCache's local CPU tier, and the
+               pool from another process three ways (cxlalloc:// via LMCache, LMCache MP's
+               L2 adapter, vLLM's offloading tier); method.py rounds, ratios per round, a
+               verdict for 1.3x LMCache's CPU tier (:mod:`.engines`; CPU, vLLM's CPU build
+               from scripts/install_engines.sh, a clone's tests/engines stand-ins)
   serve        cxlalloc serve vs plain transformers serve at one device KV budget:
                issue 28's closed-loop trace (shared system prompts and 1-8K-token
                documents, Zipf reuse, RAG and multi-turn chat; --serve-trace

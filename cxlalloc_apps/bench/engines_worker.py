@@ -1,7 +1,9 @@
 """One long-lived vLLM engine of ``bench --only engines`` (:mod:`.engines`), run with the engine venv's Python.
 
-``python -m cxlalloc_apps.bench.engines_worker SPEC_JSON``: starts ``vllm.LLM`` (SPEC: model, ``lmcache``:
-LMCache's connector with ``LMCACHE_CONFIG_FILE``, ``prefix_caching``), prints one line ``MARK + {"ready": ...}``,
+``python -m cxlalloc_apps.bench.engines_worker SPEC_JSON``: starts ``vllm.LLM`` (SPEC: model, ``max_model_len``,
+``prefix_caching``, ``kv_cache_bytes`` (vLLM's KV cache, bytes), and either ``kv_transfer_config``: vLLM's
+``--kv-transfer-config`` JSON as a dict, used as given, or ``lmcache``: true for LMCache's connector with
+``LMCACHE_CONFIG_FILE``), prints one line ``MARK + {"ready": ...}``,
 then answers each JSON line on stdin, ``{"ids": [...]}``, with one line: vLLM's time to the first token
 (``ttft_s``, from its request metrics), the request's wall time and ``num_cached_tokens``.  EOF ends it.
 """
@@ -23,7 +25,13 @@ def main(argv) -> int:
     kw = dict(model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"], enforce_eager=True,
               seed=0, enable_prefix_caching=bool(spec["prefix_caching"]),
               max_num_batched_tokens=spec["max_model_len"], disable_log_stats=False)
-    if spec["lmcache"]:
+    if spec.get("kv_cache_bytes"):  # instead of the CPU build's VLLM_CPU_KVCACHE_SPACE (whole GiB only)
+        kw["kv_cache_memory_bytes"] = int(spec["kv_cache_bytes"])
+    if spec.get("kv_transfer_config"):
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    elif spec.get("lmcache"):
         from vllm.config import KVTransferConfig
 
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")

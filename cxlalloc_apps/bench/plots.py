@@ -228,3 +228,55 @@ def make_plots(latest: Dict[str, Dict[str, Any]], out_dir: str, sim: bool = Fals
                 print(f"cxlalloc bench report: plot {'simulation ' if sim else ''}{name} failed: "
                       f"{type(e).__name__}: {e}", file=sys.stderr)
     return files
+
+
+def plot_engines(rec: Dict[str, Any], path: str):
+    """``bench --only engines``: left, each arm's median TTFT (IQR bars) against the prefix size (one line per
+    arm and group); right, each pool arm's per-round TTFT ratio to LMCache's local CPU tier (median, IQR) with
+    the 1.3x goal.  Returns ``path``, or None when the record has no comparison."""
+    rows = [r for r in rec.get("results", []) if r.get("kind") == "comparison" and r.get("comparison")]
+    if not rows:
+        return None
+    plt = _plt()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    series: Dict[str, List] = {}
+    ratios: Dict[str, List] = {}
+    for r in rows:
+        for arm, sp in r["comparison"]["spread"].items():
+            if arm == "lmcache_local_cpu_again":
+                continue
+            key = arm if arm not in ("no_cache", "lmcache_local_cpu") else f"{arm} ({r['group']})"
+            series.setdefault(key, []).append((r["prefix_tokens"], sp))
+        for g in r.get("goals", []):
+            ratios.setdefault(g["arm"], []).append((r["prefix_tokens"], g["ratio"]))
+    for key, pts in sorted(series.items()):
+        pts.sort(key=lambda p: p[0])
+        xs, med = [p[0] for p in pts], [p[1]["median"] for p in pts]
+        a.errorbar(xs, med, yerr=[[m - p[1]["q1"] for m, p in zip(med, pts)], [p[1]["q3"] - m for m, p in zip(med, pts)]],
+                   fmt="o-" if key.startswith("cxlalloc") else ".--", label=key, capsize=3, alpha=0.85)
+    a.set_xscale("log", base=2)
+    a.set_yscale("log")
+    a.set_xlabel("shared prefix (tokens)")
+    a.set_ylabel("TTFT s (median, IQR)")
+    a.set_title("vLLM time to first token")
+    a.grid(True, alpha=0.3)
+    a.legend(fontsize=7)
+    for arm, pts in sorted(ratios.items()):
+        pts.sort(key=lambda p: p[0])
+        xs, med = [p[0] for p in pts], [p[1]["median"] for p in pts]
+        b.errorbar(xs, med, yerr=[[m - p[1]["q1"] for m, p in zip(med, pts)], [p[1]["q3"] - m for m, p in zip(med, pts)]],
+                   fmt="o-", label=arm, capsize=3)
+    goal = rec.get("parameters", {}).get("goal", 1.3)
+    b.axhline(goal, color="red", linestyle=":", label=f"goal <= {goal}x")
+    b.axhline(1.0, color="gray", linestyle="-", linewidth=0.5)
+    b.set_xscale("log", base=2)
+    b.set_xlabel("shared prefix (tokens)")
+    b.set_ylabel("TTFT / LMCache local CPU, per round (median, IQR)")
+    b.set_title("a pool hit in process B vs LMCache's in-process CPU tier")
+    b.grid(True, alpha=0.3)
+    b.legend(fontsize=7)
+    fig.suptitle("vLLM CPU build, SmolLM2-135M bf16, 2-core shared machine (no GPU; not yet run on a GPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -837,7 +837,7 @@ def test_kvspeed_insert_table_is_generated_from_the_record():
 
 
 def test_engines_runs_only_when_named_and_says_why_it_skips(tmp_path):
-    """``bench --only engines`` (vLLM's TTFT, four arms) without the engine venv: a skipped record naming
+    """``bench --only engines`` (vLLM's TTFT, six arms) without the engine venv: a skipped record naming
     scripts/install_engines.sh, never a silent nothing."""
     assert "engines" in meta.OPT_IN and "engines" not in meta.BENCHMARKS
     env = child_env(hide_gpus=False, keep_cxlalloc=False, unbuffered=True)
@@ -849,14 +849,49 @@ def test_engines_runs_only_when_named_and_says_why_it_skips(tmp_path):
         rec = json.load(f)
     assert meta.validate_record(rec) == [] and rec["status"] == "skipped"
     assert "scripts/install_engines.sh" in rec["skipped"][0]["reason"]
-    # the shipped run (docs/engines.md's table): every cached arm got the whole prefix on every round
-    with open(os.path.join(meta.REPO_ROOT, "benchmarks/results/engines-cpu-2026-12-03/engines.json")) as f:
-        shipped = json.load(f)
-    assert meta.validate_record(shipped) == [] and shipped["status"] == "ok"
-    reqs = [r for r in shipped["results"] if r["kind"] == "request"]
-    assert {r["arm"] for r in reqs} == {"no_cache", "vllm_prefix_cache", "lmcache_local_cpu", "cxlalloc"}
-    assert all(r["cached_tokens"] == (0 if r["arm"] == "no_cache" else 1280) for r in reqs)
-    assert len({r["round"] for r in reqs}) >= 5
+
+
+ENGINES_RECORD = "benchmarks/results/engines-cpu-2026-12-03b/engines.json"
+
+
+def test_engines_record_is_on_the_method_and_the_docs_tables_are_its_markdown(tmp_path):
+    """The shipped engines record (docs/engines.md's and benchmarks/README.md's table): every group at every prefix
+    size on >= 5 timed rounds of the method, a verdict per pool arm, every request that made a comparison got the
+    cached tokens its arm must (the whole prefix, none for no_cache); the tables are ``engines.markdown(record)``
+    and the record plots."""
+    from cxlalloc_apps.bench import engines as eng
+    from cxlalloc_apps.bench.method import MIN_ROUNDS
+    from cxlalloc_apps.bench.plots import plot_engines
+
+    with open(os.path.join(ROOT, ENGINES_RECORD)) as f:
+        rec = json.load(f)
+    assert meta.validate_record(rec) == [] and rec["parameters"]["quick"] is False
+    comps = [r for r in rec["results"] if r["kind"] == "comparison"]
+    assert {(r["group"], r["prefix_tokens"]) for r in comps} == {(g, s) for g, _ in eng.GROUPS for s in eng.SIZES}
+    for r in comps:
+        if "comparison" not in r:   # the one cell that failed (docs/engines.md says why): no usable round
+            assert (r["group"], r["prefix_tokens"], r["status"]) == ("lmcache_mp", 7936, "error"), r
+            continue
+        assert r["comparison"]["rounds"] >= MIN_ROUNDS and len(r["round_loads"]) >= MIN_ROUNDS, r["group"]
+        assert {g["verdict"] for g in r["goals"]} <= {"met", "missed", "within noise"} and len(r["goals"]) == 1
+    reqs = [r for r in rec["results"] if r["kind"] == "request"]
+    assert {r["arm"] for r in reqs} == set(eng.ARMS)
+    # every request got the cached tokens its arm must (the whole prefix; none for no_cache), but B's of MP mode
+    # at 7,936 tokens, which found nothing (process A's MP server could not allocate the prefix in its L1)
+    bad = [r for r in reqs if r["cached_tokens"] != (0 if r["arm"] == "no_cache" else r["prefix_tokens"])]
+    assert {(r["arm"], r["prefix_tokens"], r["cached_tokens"], r["status"]) for r in bad} == {
+        ("cxlalloc_lmcache_mp", 7936, 0, "error")}
+    table = eng.markdown(rec)
+    assert table.count("| met |") + table.count("| missed |") + table.count("| within noise |") == 11
+    for doc in ("docs/engines.md", "benchmarks/README.md"):
+        with open(os.path.join(ROOT, doc)) as f:
+            text = f.read()
+        block = text.split("<!-- engines-results:start -->", 1)[1].split("<!-- engines-results:end -->", 1)[0]
+        assert table in block, doc
+    assert eng.markdown({"results": []}) == ""
+    out = plot_engines(rec, str(tmp_path / "engines.png"))
+    assert out and os.path.getsize(out) > 10_000
+    assert plot_engines({"results": []}, str(tmp_path / "none.png")) is None
 
 
 def test_lmcache_get_record_table_and_plot_from_per_round_ratios(tmp_path):

