@@ -28,6 +28,7 @@ import signal
 import socket
 import sys
 import threading
+import warnings
 from typing import List, Optional
 
 from cxlalloc.config import make_config
@@ -166,6 +167,20 @@ def on_gpu(device: str) -> bool:
     return device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+def one_line_warnings(prog: str) -> None:
+    """Print every warning of this process as one line naming the command (``cxlalloc serve: warning: ...``),
+    not Python's ``file:line: Category: message`` form with a source line, which a user trial read as a crash
+    (a ``--host-limit`` beyond the node's memory, clamped, is a warning before the model loads)."""
+    warnings.formatwarning = lambda message, category, *rest, **kw: f"{prog}: warning: {message}\n"
+
+
+def _flag_of(text: str, opts: dict) -> str:
+    """The command-line flag (``--device-limit``) of the option an allocator error names (``cxlalloc option
+    'device_limit': ...``), so that the one line says what the user typed; ``the options`` when none is named."""
+    return next((f"--{k.replace('_', '-')}" for k in opts if f"'{k}'" in text or text.startswith(k + ":")),
+                "the options")
+
+
 def check_limits_simulated(prog: str, opts: dict) -> None:
     """In simulation, the limits given tried on a throwaway allocator of the
     simulated driver (it reserves nothing): one below the allocation
@@ -181,10 +196,7 @@ def check_limits_simulated(prog: str, opts: dict) -> None:
     try:
         cxlalloc.Allocator(simulate=True, **engine)
     except (ValueError, cxlalloc.OutOfMemoryError) as e:
-        text = str(e)
-        flag = next((f"--{k.replace('_', '-')}" for k in engine if f"'{k}'" in text or text.startswith(k + ":")),
-                    "the limits")
-        fail(prog, f"{flag}: {text}")
+        fail(prog, f"{_flag_of(str(e), engine)}: {e}")
 
 
 def mode_line(prog: str, device: str, model: str, gpu: bool) -> str:
@@ -218,7 +230,7 @@ def parse_options(args, prog: str) -> dict:
         if reuse:
             make_config(**{k: v for k, v in reuse.items() if k in ("kv_store", "kv_store_limit")})
     except ValueError as e:
-        fail(prog, str(e))
+        fail(prog, f"{_flag_of(str(e), opts)}: {e}")
     if reuse and "kv_store" not in reuse:
         fail(prog, f"{', '.join('--' + k.replace('_', '-') for k in reuse)} given without --kv-store "
              "(local, unix:///path/kv.sock or redis://host:port/db)")
@@ -244,6 +256,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc serve") -> int:
     cancelled, and the process exits EXIT_DRAIN_TIMEOUT (3) at most EXIT_GRACE_S after that force quit
     began (``os._exit``: main does not return then)."""
     args = make_parser(prog).parse_args(argv)
+    one_line_warnings(prog)
     port = _positive_int(prog, "--port", args.port, 1, 65535)
     if args.log_level.lower() not in LOG_LEVELS:
         fail(prog, f"--log-level {args.log_level!r} is not allowed; allowed: {', '.join(LOG_LEVELS)}")

@@ -280,6 +280,19 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
                 status.signals.append(signal_mod.Signals(sig).name)
             super().handle_exit(sig, frame)
 
+        async def startup(self, sockets=None) -> None:
+            # uvicorn ends a failed listen (the port taken by another process while the model loaded: the CLI
+            # checked it before) with sys.exit(3), the exit status cxlalloc serve gives a drain's force quit:
+            # a one-line error naming the options instead (the CLI exits 2 on it, as for a busy port).
+            try:
+                await super().startup(sockets)
+            except SystemExit as e:
+                if e.code != uvicorn.config.STARTUP_FAILURE:
+                    raise
+                raise RuntimeError(f"--host {self.config.host} --port {self.config.port}: could not listen there "
+                                   "once the model had loaded (uvicorn's error above: another process may have "
+                                   "taken the port meanwhile); choose another --port") from None
+
         async def shutdown(self, sockets=None) -> None:
             await super().shutdown(sockets)
             if self.force_exit:

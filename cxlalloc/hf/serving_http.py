@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 def header_timeout_protocol(seconds: float):
     """uvicorn's h11 protocol class with a header timeout: a connection that has
@@ -49,8 +51,11 @@ def header_timeout_protocol(seconds: float):
             if self.transport.is_closing() or self.cycle is not cycle_when_armed:
                 return  # closed, or a request head arrived since
             if self._head_bytes:
-                body = f"no complete request head within {seconds:g} s (--header-timeout)\n".encode()
-                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                # OpenAI's error form, like every other 4xx of the server (the openai client reads it)
+                body = json.dumps({"error": {
+                    "message": f"no complete request head within {seconds:g} s (--header-timeout)",
+                    "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                                      b"connection: close\r\ncontent-length: " + str(len(body)).encode()
                                      + b"\r\n\r\n" + body)
             self.transport.close()

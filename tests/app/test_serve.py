@@ -185,7 +185,10 @@ def test_four_concurrent_multi_turn_conversations_streamed_and_not(served):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--port", "70000"], "--port '70000' is out of range"),
-    (["--device-limit", "lots"], "device_limit"),
+    (["--device-limit", "lots"], "--device-limit: cxlalloc option 'device_limit'"),  # the flag the user typed
+    (["--host-limit", "-1"], "--host-limit: "),
+    (["--kv-store", "bogus"], "--kv-store: "),
+    (["--backend", "bogus"], "--backend: "),
     (["--block-tokens", "16"], "without --kv-store"),
     (["/no/such/model"], "is not a directory"),
     (["--log-level", "loud"], "--log-level 'loud' is not allowed"),
@@ -387,7 +390,10 @@ def test_a_stalled_request_head_gets_408_and_the_server_goes_on(served_default):
                 break
             got += part
     assert got.startswith(b"HTTP/1.1 408 "), got
-    assert b"--header-timeout" in got
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), head  # OpenAI's error form, like every 4xx
+    err = json.loads(body)["error"]
+    assert "--header-timeout" in err["message"] and err["code"] == "request_timeout", err
     assert _get(f"http://127.0.0.1:{port}/health")["status"] == "ok"
     # a kept-alive connection idle between requests is not a stalled head: no 408 on it, it is reused
     import http.client
@@ -532,3 +538,34 @@ def test_a_null_content_is_400_naming_it_except_on_an_assistant_tool_call(served
                                                  {"role": "tool", "tool_call_id": "call_0", "content": "low tide"}],
                                        **ok)
     assert r.choices[0].message.content is not None and proc.poll() is None
+
+
+def test_a_warning_before_the_model_loads_is_one_line_naming_the_command():
+    """``--host-limit`` beyond the node's memory is clamped with a warning; it printed Python's
+    ``serve_cli.py:NNN: UserWarning`` form and the source line (a user trial read it as a crash)."""
+    code = ("import warnings, cxlalloc.serve_cli as c; c.one_line_warnings('cxlalloc serve'); "
+            "warnings.warn('host_limit 64 GiB is more than host NUMA node 0 has; clamped')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                       capture_output=True, text=True, timeout=60)
+    assert r.stderr == "cxlalloc serve: warning: host_limit 64 GiB is more than host NUMA node 0 has; clamped\n", \
+        r.stderr
+
+
+def test_a_port_taken_while_the_model_loads_is_exit_2_naming_the_port(tmp_path):
+    """The CLI checks the port before loading, but another process can take it while the model loads; uvicorn
+    then ended with its own sys.exit(3), the exit status of a drain's force quit (a user trial: two servers
+    started on one port).  Now one line naming --port, exit 2.  (The early check is bypassed here to reach it.)"""
+    _need_serving()
+    _tiny_model_dir(str(tmp_path / "m"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = ("import sys, cxlalloc.serve_cli as c; c.check_listen = lambda *a: None; "
+                f"sys.exit(c.main([{str(tmp_path / 'm')!r}, '--port', '{port}', '--device', 'cpu']))")
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                           capture_output=True, text=True, timeout=240)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("cxlalloc serve: error: --host 127.0.0.1 --port") and f"--port {port}" in last, last
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
