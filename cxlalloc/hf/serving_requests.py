@@ -148,6 +148,15 @@ def request_models():
         logprobs: Optional[Literal[0]] = None
         suffix: Optional[StrictStr] = None
 
+        @model_validator(mode="after")
+        def _no_insertion(self):
+            # OpenAI's suffix asks for an insertion (the text between prompt and suffix); transformers' handler
+            # appended it to the completion as it was (a user trial got "...x"): refused, named
+            if self.suffix:
+                raise InvalidRequest("suffix", "suffix: insertion (text between the prompt and a suffix) is not "
+                                     f"supported by this server; it completes the prompt only (got {self.suffix!r})")
+            return self
+
     _MODELS.update(chat=ChatRequest, completion=CompletionRequest)
     return ChatRequest, CompletionRequest
 

@@ -232,6 +232,7 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 @pytest.mark.parametrize("route, change, param", [
+    ("completions", {"prompt": "hi", "suffix": "x"}, "suffix"),  # was appended to the text as it was
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"max_tokens": -1}, "max_tokens"),
     ("chat/completions", {"max_tokens": 0}, "max_tokens"),
