@@ -50,7 +50,8 @@ from cxlalloc.hf.serving_drain import DRAIN_TASK_WAIT_S, FORCE_QUIT_CANCEL, Disc
 from cxlalloc.hf.serving_http import header_timeout_protocol
 from cxlalloc.hf.serving_managers import guarded_cb_manager, stoppable_generate_manager
 from cxlalloc.hf.serving_metrics import add_metrics
-from cxlalloc.hf.serving_requests import InvalidRequest, openai_error, request_models, validate_request
+from cxlalloc.hf.serving_requests import (InvalidRequest, openai_error, refuse_stop_with_continuous_batching,
+                                         request_models, validate_request)
 
 STATS_ROUTE = "/v1/cxlalloc/stats"
 DEFAULT_HEADER_TIMEOUT_S = 30.0
@@ -210,6 +211,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
         def _validate_request(self, body):
             validate_request("chat", body)
             check_model(self.model_manager, body)
+            if continuous_batching:
+                refuse_stop_with_continuous_batching(body)
             super()._validate_request(body)
 
     class CheckedCompletion(completion_mod.CompletionHandler):
@@ -218,6 +221,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
         def _validate_request(self, body):
             validate_request("completion", body)
             check_model(self.model_manager, body)
+            if continuous_batching:
+                refuse_stop_with_continuous_batching(body)
             super()._validate_request(body)
 
     def build_server(*args, **kwargs):

@@ -61,6 +61,21 @@ def openai_error(exc) -> "InvalidRequest":
 
 
 _MODELS: Dict[str, Any] = {}
+MAX_STOP = 4  # OpenAI's limit on ``stop`` sequences
+
+
+def refuse_stop_with_continuous_batching(body: dict) -> None:
+    """Refuse a ``stop`` the continuous-batching manager would ignore (transformers 5.24's paged generation has no
+    stop strings: the answer ran past them, ``finish_reason`` "stop").  ``stop`` null or ``[]`` asks nothing.
+
+    Raises:
+        InvalidRequest: 400 naming ``stop``; ``--no-continuous-batching`` (``generate()``) applies it.
+    """
+    stop = body.get("stop")
+    if stop is not None and stop != []:
+        raise InvalidRequest("stop", f"stop: not supported with continuous batching (got {stop!r}): transformers' "
+                                     "paged generation has no stop strings; serve with --no-continuous-batching "
+                                     "to apply them", code="unsupported_value")
 
 
 def request_models():
@@ -95,11 +110,18 @@ def request_models():
         frequency_penalty: Optional[Number] = Field(None, gt=-1, le=2)
         seed: Optional[StrictInt] = None
         stream: Optional[StrictBool] = None
-        stop: Union[StrictStr, List[StrictStr], None] = None
+        stop: Union[StrictStr, List[StrictStr], None] = None  # OpenAI: up to 4 sequences (checked below)
         # ignored by transformers' server: only the default is honest
         n: Optional[StrictInt] = Field(None, ge=1, le=1, description="one choice per request")
         presence_penalty: Optional[Number] = Field(None, ge=0, le=0, description="not supported: 0 only")
         user: Optional[StrictStr] = None
+
+        @model_validator(mode="after")
+        def _stop_count(self):
+            if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+                raise InvalidRequest("stop", f"stop: at most {MAX_STOP} stop sequences (OpenAI's limit; got "
+                                             f"{len(self.stop)})")
+            return self
 
     class ChatRequest(Sampling):
         messages: List[Message] = Field(min_length=1)

@@ -249,6 +249,10 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     ("chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/cat.png"}}]}]}, "messages.0.content.0.type"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text"),
+    ("chat/completions", {"stop": ["Paris"]}, "stop"),  # continuous batching has no stop strings: refused
+    ("chat/completions", {"stop": "Paris", "stream": True}, "stop"),
+    ("completions", {"prompt": "hi", "stop": ["\n"]}, "stop"),
+    ("chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # OpenAI's limit: 4
     ("chat/completions", b"{not json", "body"),
     ("chat/completions", b"[1, 2]", "body"),
 ])
@@ -271,6 +275,9 @@ def test_bad_request_is_400_naming_the_field_and_the_next_good_one_answers(serve
     err = json.loads(e.value.read())["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
     assert err["message"].startswith(param + ":"), err
+    if param == "stop":  # never a silent no-op: the limit, or the mode that applies stop, is named
+        assert ("at most 4" in err["message"] if change["stop"] == ["a", "b", "c", "d", "e"]
+                else "--no-continuous-batching" in err["message"]), err
     ok = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(
         dict(GOOD, temperature=0)).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(ok, timeout=120) as r:
