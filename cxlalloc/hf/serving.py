@@ -50,7 +50,7 @@ from cxlalloc.hf.serving_drain import DRAIN_TASK_WAIT_S, FORCE_QUIT_CANCEL, Disc
 from cxlalloc.hf.serving_http import header_timeout_protocol
 from cxlalloc.hf.serving_managers import guarded_cb_manager, stoppable_generate_manager
 from cxlalloc.hf.serving_metrics import add_metrics
-from cxlalloc.hf.serving_requests import (InvalidRequest, openai_error, refuse_stop_with_continuous_batching,
+from cxlalloc.hf.serving_requests import (PROMPT_PARAM, InvalidRequest, openai_error, refuse_stop_with_continuous_batching,
                                          request_models, validate_request)
 
 STATS_ROUTE = "/v1/cxlalloc/stats"
@@ -209,6 +209,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
         """transformers' chat handler behind :func:`validate_request`."""
 
         def _validate_request(self, body):
+            PROMPT_PARAM.set("messages")
             validate_request("chat", body)
             check_model(self.model_manager, body)
             if continuous_batching:
@@ -219,6 +220,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
         """transformers' completion handler behind :func:`validate_request`."""
 
         def _validate_request(self, body):
+            PROMPT_PARAM.set("prompt")
             validate_request("completion", body)
             check_model(self.model_manager, body)
             if continuous_batching:

@@ -1,7 +1,7 @@
 """transformers' generation managers as ``cxlalloc serve`` runs them (:mod:`cxlalloc.hf.serving`): the
 continuous-batching manager with its guards and cancellation (:func:`guarded_cb_manager`), and the
 one-``generate()``-at-a-time manager whose cancelled request stops at its next token
-(:func:`stoppable_generate_manager`).
+(:func:`stoppable_generate_manager`); both refuse a request over the model's context (:func:`check_context`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 from typing import Optional
 
 from cxlalloc.hf.serving_drain import ServeStatus
-from cxlalloc.hf.serving_requests import InvalidRequest
+from cxlalloc.hf.serving_requests import PROMPT_PARAM, InvalidRequest
 
 
 def paged_capacity_tokens(stats: dict) -> Optional[int]:
@@ -20,6 +20,36 @@ def paged_capacity_tokens(stats: dict) -> Optional[int]:
     cache = ((stats.get("hf") or {}).get("continuous_batching") or {}).get("cache") or {}
     n, page = cache.get("num_blocks"), cache.get("page_size")
     return int(n) * int(page) if n and page else None
+
+
+def prompt_tokens(inputs) -> int:
+    """Tokens of the prompt in transformers' ``inputs`` (a list of ids with continuous batching, a ``[1, n]``
+    tensor without)."""
+    ids = inputs["input_ids"]
+    return len(ids) if isinstance(ids, list) else int(ids.shape[-1])
+
+
+def check_context(model, inputs, gen_config) -> None:
+    """Refuse, before generation, a request the model cannot hold: an empty prompt (transformers' worker died on
+    it), or a prompt plus ``max_tokens`` (``gen_config.max_new_tokens``) over the model's context
+    (``config.max_position_embeddings``; past it the answer is junk, and a huge ``max_tokens`` asked
+    ``generate()`` for a KV cache of tens of GiB).  Applies with and without continuous batching.
+
+    Raises:
+        InvalidRequest: 400 naming the prompt's field (``messages`` or ``prompt``: :data:`PROMPT_PARAM`) when the
+            prompt alone fills the context, else ``max_tokens``, with the token counts and the limit.
+    """
+    prompt, new = prompt_tokens(inputs), int(gen_config.max_new_tokens or 0)
+    param = PROMPT_PARAM.get()
+    if prompt == 0:
+        what = "after the chat template " if param == "messages" else ""
+        raise InvalidRequest(param, f"{param}: the prompt is empty {what}(0 tokens)")
+    ctx = getattr(model.config, "max_position_embeddings", None)  # a transformers config field
+    if isinstance(ctx, int) and prompt + new > ctx:
+        param = param if prompt >= ctx else "max_tokens"
+        raise InvalidRequest(param, f"{param}: the prompt ({prompt} tokens) plus max_tokens ({new}) is "
+                                    f"{prompt + new} tokens, more than the model's context "
+                                    f"(max_position_embeddings {ctx}); shorten the prompt or lower max_tokens")
 
 
 def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
@@ -81,19 +111,11 @@ def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
             super()._check_alive(request_id)
 
         def _check_fits(self, model, inputs, gen_config) -> None:
+            check_context(model, inputs, gen_config)
             cap = paged_capacity_tokens(stats(model))
-            prompt = len(inputs["input_ids"])
-            new = int(gen_config.max_new_tokens or 0)
-            if prompt == 0:  # transformers' worker dies on a request of no token ("cannot reshape ... 0 elements")
-                raise InvalidRequest("messages", "messages: the prompt is empty after the chat template (0 tokens)")
-            ctx = getattr(model.config, "max_position_embeddings", None)  # a transformers config field
-            if isinstance(ctx, int) and prompt + new > ctx:
-                param = "messages" if prompt >= ctx else "max_tokens"
-                raise InvalidRequest(param, f"{param}: the prompt ({prompt} tokens) plus max_tokens ({new}) is "
-                                            f"{prompt + new} tokens, more than the model's context "
-                                            f"(max_position_embeddings {ctx}); shorten the prompt or lower max_tokens")
+            prompt, new = prompt_tokens(inputs), int(gen_config.max_new_tokens or 0)
             if cap is not None and prompt + new > cap:
-                param = "messages" if prompt >= cap else "max_tokens"
+                param = PROMPT_PARAM.get() if prompt >= cap else "max_tokens"
                 raise InvalidRequest(param, f"{param}: the prompt ({prompt} tokens) plus max_tokens ({new}) "
                                             f"needs {prompt + new} tokens of KV, more than the paged KV cache "
                                             f"holds ({cap} tokens: --cb-num-blocks x --cb-block-size); shorten "
@@ -141,7 +163,13 @@ def stoppable_generate_manager(base, status: Optional[ServeStatus] = None):
     streamer raises at the next token)."""
 
     class StoppableGenerateManager(base):
+        def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
+            check_context(model, inputs, gen_config)
+            return super().generate_streaming(model, processor, inputs, gen_config, request_id,
+                                              response_parser=response_parser)
+
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+            check_context(model, inputs, gen_config)
             import torch
             from transformers import StoppingCriteria, StoppingCriteriaList
 

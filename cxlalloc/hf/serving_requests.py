@@ -6,7 +6,12 @@ handler sees it, and every 4xx of the server is put in OpenAI's error form (:cla
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any, Dict, List, Literal, Optional, Union
+
+#: the request field holding the prompt (``"messages"`` on ``/v1/chat/completions``, ``"prompt"`` on
+#: ``/v1/completions``): set by the route's handler, read by the generation managers' checks to name it
+PROMPT_PARAM: "contextvars.ContextVar[str]" = contextvars.ContextVar("cxlalloc_prompt_param", default="messages")
 
 
 class InvalidRequest(Exception):

@@ -506,6 +506,11 @@ def test_a_request_that_cannot_fit_the_paged_cache_is_400_and_the_server_goes_on
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(messages=messages, **dict(ok, max_tokens=max_tokens))
         assert e.value.body["param"] == param and why in e.value.body["message"], e.value.body
+    for prompt, param in ((huge, "prompt"), (big, "prompt")):  # /v1/completions names its own field (user trial)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(prompt=prompt, **ok)
+        assert e.value.body["param"] == param and e.value.body["message"].startswith("prompt: the prompt ("), \
+            e.value.body
     with pytest.raises(openai.BadRequestError) as e:  # an empty prompt killed transformers' worker (user trial)
         client.completions.create(prompt="", **ok)
     assert e.value.body["param"] == "prompt", e.value.body
