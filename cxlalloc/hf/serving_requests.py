@@ -7,6 +7,7 @@ handler sees it, and every 4xx of the server is put in OpenAI's error form (:cla
 from __future__ import annotations
 
 import contextvars
+import re
 from typing import Any, Dict, List, Literal, Optional, Union
 
 #: the request field holding the prompt (``"messages"`` on ``/v1/chat/completions``, ``"prompt"`` on
@@ -179,6 +180,12 @@ def request_models():
     return ChatRequest, CompletionRequest
 
 
+# pydantic's names of union members in an error's loc ("int", "float", "str", "list[dict[any,any]]")
+_UNION_TAG = re.compile(r"^(int|float|str|bool|bytes|none|(list|dict|literal|tuple|set)\[.*\])$")
+_KIND = {"int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean", "list": "a list",
+         "dict": "an object", "literal": "one of the allowed values"}
+
+
 def validate_request(kind: str, body: Any) -> None:
     """Check a request body against :func:`request_models` (``kind``: ``"chat"`` or ``"completion"``).
 
@@ -200,8 +207,21 @@ def validate_request(kind: str, body: Any) -> None:
         if isinstance(cause, InvalidRequest):
             raise cause from None
         loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-", "union["))]
+        tag = next((i for i, x in enumerate(loc) if _UNION_TAG.match(x)), None)
+        if tag is not None:
+            # a union field (temperature: int or float; content: a string or a list of parts): pydantic names
+            # each member it tried in the loc ("temperature.int"); the field alone is named, with every member
+            prefix = [str(x) for x in err["loc"]][:len(err["loc"]) - len(loc) + tag]
+            members = [str(x["loc"][len(prefix)]) for x in e.errors(include_url=False)
+                       if [str(y) for y in x["loc"]][:len(prefix)] == prefix and len(x["loc"]) > len(prefix)]
+            loc = loc[:tag]
+            kinds = list(dict.fromkeys(_KIND.get(m.split("[")[0], m) for m in members))
+            if "a number" in kinds and "an integer" in kinds:  # int or float: a number
+                kinds.remove("an integer")
+            msg = "must be " + " or ".join(kinds)
+        else:
+            msg = err["msg"][0].lower() + err["msg"][1:]
         param = ".".join(loc) or "body"
-        msg = err["msg"][0].lower() + err["msg"][1:]
         got = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
         hint = {"n": "; this server returns one choice per request", "best_of": "; one completion per request",
                 "presence_penalty": "; presence_penalty is not supported (frequency_penalty is)",

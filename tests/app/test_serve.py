@@ -249,6 +249,9 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     ("chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/cat.png"}}]}]}, "messages.0.content.0.type"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text"),
+    ("chat/completions", {"temperature": "hot"}, "temperature"),  # not "temperature.int" (a union member's name)
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("completions", {"prompt": "hi", "top_p": "high"}, "top_p"),
     ("chat/completions", {"stop": ["Paris"]}, "stop"),  # continuous batching has no stop strings: refused
     ("chat/completions", {"stop": "Paris", "stream": True}, "stop"),
     ("completions", {"prompt": "hi", "stop": ["\n"]}, "stop"),
