@@ -201,11 +201,22 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
 
     def check_model(manager, body) -> None:
         forced, requested = manager.force_model, body.get("model")
+        if forced is not None and requested is not None and requested == _short_name(manager, forced):
+            body["model"] = requested = forced  # the name transformers answered with before (DIR for DIR:FILE.gguf)
         if forced is not None and requested is not None and requested != forced:
             raise InvalidRequest("model", f"model: {requested!r} does not exist on this server; it serves "
                                           f"{forced!r} only (GET /v1/models)", status=404, code="model_not_found")
 
-    class CheckedChat(chat_mod.ChatCompletionHandler):
+    class _ListedName:
+        """Answers name the served model as ``GET /v1/models`` lists it (transformers answered a GGUF's
+        ``DIR:FILE.gguf`` as ``DIR``, a hub model as ``org/model@main``)."""
+
+        def _resolve_model(self, body):
+            model_id, loaded, processor = super()._resolve_model(body)
+            forced = self.model_manager.force_model
+            return (forced if forced is not None else model_id), loaded, processor
+
+    class CheckedChat(_ListedName, chat_mod.ChatCompletionHandler):
         """transformers' chat handler behind :func:`validate_request`."""
 
         def _validate_request(self, body):
@@ -216,7 +227,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
                 refuse_stop_with_continuous_batching(body)
             super()._validate_request(body)
 
-    class CheckedCompletion(completion_mod.CompletionHandler):
+    class CheckedCompletion(_ListedName, completion_mod.CompletionHandler):
         """transformers' completion handler behind :func:`validate_request`."""
 
         def _validate_request(self, body):
@@ -335,6 +346,15 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
             state.shutdown()
     return running
 
+
+
+def _short_name(manager, forced: str) -> str:
+    """The name transformers 5.24's handlers answered with for the served model ``forced``: its repository or
+    directory without a ``:FILE.gguf``, a hub repository with ``@main`` (``ModelManager.process_model_name``);
+    accepted in a request's ``model`` as the name ``GET /v1/models`` lists."""
+    from transformers.cli.serving.utils import split_model_id
+
+    return manager.process_model_name(split_model_id(forced)[0])
 
 
 def _jsonable(x):

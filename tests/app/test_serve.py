@@ -218,6 +218,17 @@ def test_default_model_is_the_shipped_gguf_and_answers_the_openai_client(served_
                                        "What is the capital of France?"}], max_tokens=12, temperature=0)
     assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
     assert 0 < r.usage.completion_tokens <= 12
+    # user trial: answers named the model DIR, /v1/models DIR:FILE.gguf, and DIR sent back was a 404.  Now
+    # answers (chat, completion, streamed) use the listed name, and both spellings are accepted
+    assert r.model == model, (r.model, model)
+    short = model.rsplit(":", 1)[0]
+    c = client.completions.create(model=short, prompt="The capital of France is", max_tokens=2, temperature=0)
+    assert c.model == model and c.choices[0].text, c
+    chunks = list(client.chat.completions.create(model=short, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=2, temperature=0, stream=True))
+    assert chunks and {ch.model for ch in chunks} == {model}, {ch.model for ch in chunks}
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=short + "-other", prompt="hi", max_tokens=2)
     with open(path) as f:
         first = f.readline()
     assert "SIMULATION" in first and "SmolLM2-135M-Instruct.Q4_1.gguf" in first, first
