@@ -52,6 +52,27 @@ def check_context(model, inputs, gen_config) -> None:
                                     f"(max_position_embeddings {ctx}); shorten the prompt or lower max_tokens")
 
 
+def check_stop_strings(processor, gen_config) -> None:
+    """Build transformers' ``StopStringCriteria`` for ``gen_config.stop_strings`` before ``generate()`` does:
+    it cannot read some tokenizers' vocabularies (a word-level one: "substring not found"), which was an HTTP 500
+    from inside ``generate()``.  Its result is cached by transformers per tokenizer and stop strings.
+
+    Raises:
+        InvalidRequest: 400 naming ``stop`` when this model's tokenizer cannot apply stop strings.
+    """
+    stop = getattr(gen_config, "stop_strings", None)
+    if not stop:
+        return
+    from transformers import StopStringCriteria
+
+    try:
+        StopStringCriteria(tokenizer=getattr(processor, "tokenizer", processor), stop_strings=stop)
+    except ValueError as e:
+        raise InvalidRequest("stop", f"stop: this model's tokenizer cannot apply stop strings (transformers' "
+                                     f"StopStringCriteria: {e}); send the request without stop",
+                             code="unsupported_value") from None
+
+
 def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
     """transformers' ``CBGenerateManager`` with two guards (issue 29, item 3: one request used to kill the
     continuous-batching worker for good, every later request a 503 "CB worker is dead") and cancellation:
@@ -165,11 +186,13 @@ def stoppable_generate_manager(base, status: Optional[ServeStatus] = None):
     class StoppableGenerateManager(base):
         def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
             check_context(model, inputs, gen_config)
+            check_stop_strings(processor, gen_config)
             return super().generate_streaming(model, processor, inputs, gen_config, request_id,
                                               response_parser=response_parser)
 
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
             check_context(model, inputs, gen_config)
+            check_stop_strings(processor, gen_config)
             import torch
             from transformers import StoppingCriteria, StoppingCriteriaList
 

@@ -85,6 +85,14 @@ def test_without_continuous_batching_a_disconnected_generate_stops_at_its_next_t
             err = json.loads(e.value.read())["error"]
             assert e.value.code == 400 and err["param"] == param, err
             assert "more than the model's context (max_position_embeddings 2048)" in err["message"], err
+        # transformers' StopStringCriteria cannot read this word-level tokenizer: a 500 from generate() before
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(
+            {"model": d, "prompt": PROMPT, "max_tokens": 4, "stop": ["rain"]}).encode(),
+            headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        err = json.loads(e.value.read())["error"]
+        assert e.value.code == 400 and err["param"] == "stop" and "cannot apply stop strings" in err["message"], err
         t = time.time()
         _answered(port, d, 100)
         per_100 = time.time() - t  # the time of 100 tokens here
