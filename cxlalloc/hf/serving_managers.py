@@ -73,6 +73,55 @@ def check_stop_strings(processor, gen_config) -> None:
                              code="unsupported_value") from None
 
 
+def cut_at_stop(text: str, stop) -> str:
+    """``text`` up to (without) the first of the ``stop`` strings in it (OpenAI's rule: the stop sequence is not
+    returned); ``text`` itself when none is in it."""
+    cuts = [text.find(s) for s in ([stop] if isinstance(stop, str) else stop or ()) if s and s in text]
+    return text[:min(cuts)] if cuts else text
+
+
+class StopTrimQueue:
+    """The streamed answer's text queue (transformers' ``DirectStreamer`` fills ``inner`` with text pieces, then
+    None) with the first stop string and what follows it left out: text that could still begin a stop string is
+    held back until it cannot.  ``get``/``get_nowait`` as ``asyncio.Queue``'s (transformers' SSE generators use
+    these two); items that are not plain text (tool calls, errors, the end) pass through."""
+
+    def __init__(self, inner: asyncio.Queue, stop) -> None:
+        self.inner, self.stops = inner, [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+        self.pending, self.stopped, self.ready = "", False, []
+
+    def _take(self, item) -> None:
+        if type(item) is not str:  # None (the end), an error, a tool call, reasoning text: flush, pass on
+            if self.pending and not self.stopped:
+                self.ready.append(self.pending)
+            self.pending = ""
+            self.ready.append(item)
+            return
+        if self.stopped:
+            return
+        text = self.pending + item
+        cut = cut_at_stop(text, self.stops)
+        if len(cut) < len(text):
+            self.stopped, self.pending = True, ""
+            if cut:
+                self.ready.append(cut)
+            return
+        hold = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        self.pending = text[len(text) - hold:] if hold else ""
+        if len(text) > hold:
+            self.ready.append(text[:len(text) - hold])
+
+    async def get(self):
+        while not self.ready:
+            self._take(await self.inner.get())
+        return self.ready.pop(0)
+
+    def get_nowait(self):
+        while not self.ready:
+            self._take(self.inner.get_nowait())  # raises asyncio.QueueEmpty when nothing is there
+        return self.ready.pop(0)
+
+
 def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
     """transformers' ``CBGenerateManager`` with two guards (issue 29, item 3: one request used to kill the
     continuous-batching worker for good, every later request a 503 "CB worker is dead") and cancellation:
@@ -187,8 +236,10 @@ def stoppable_generate_manager(base, status: Optional[ServeStatus] = None):
         def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
             check_context(model, inputs, gen_config)
             check_stop_strings(processor, gen_config)
-            return super().generate_streaming(model, processor, inputs, gen_config, request_id,
-                                              response_parser=response_parser)
+            queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id,
+                                                         response_parser=response_parser)
+            stop = getattr(gen_config, "stop_strings", None)
+            return (StopTrimQueue(queue, stop) if stop else queue), streamer
 
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
             check_context(model, inputs, gen_config)
@@ -217,7 +268,8 @@ def stoppable_generate_manager(base, status: Optional[ServeStatus] = None):
                 raise
             input_len = inputs["input_ids"].shape[-1]
             generated_ids = sequences[0, input_len:]
-            return processor.decode(generated_ids, skip_special_tokens=True), input_len, generated_ids
+            text = processor.decode(generated_ids, skip_special_tokens=True)
+            return cut_at_stop(text, getattr(gen_config, "stop_strings", None)), input_len, generated_ids
 
     return StoppableGenerateManager
 

