@@ -20,7 +20,9 @@ Things transformers' server does not do are done here:
   transformers' handler sees it: an empty ``messages``, ``max_tokens <= 0``,
   ``n > 1``, an out-of-range ``temperature``/``top_p``/penalty, or a field this
   server would ignore (``logprobs``, ``presence_penalty``, ...) set to something
-  else than its default is an HTTP 400 in OpenAI's error form
+  else than its default, more than 4 ``stop`` strings, or any ``stop`` with continuous
+  batching (transformers' paged generation has none; ``generate()`` applies them,
+  the answer cut before the first) is an HTTP 400 in OpenAI's error form
   (``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``)
   naming the field, never a 500 or a silent change; every other 4xx (a ``model``
   not served: 404 ``model_not_found``, a body that is not UTF-8, an unknown
