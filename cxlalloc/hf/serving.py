@@ -20,7 +20,9 @@ Things transformers' server does not do are done here:
   transformers' handler sees it: an empty ``messages``, ``max_tokens <= 0``,
   ``n > 1``, an out-of-range ``temperature``/``top_p``/penalty, or a field this
   server would ignore (``logprobs``, ``presence_penalty``, ...) set to something
-  else than its default is an HTTP 400 in OpenAI's error form
+  else than its default, more than 4 ``stop`` strings, or any ``stop`` with continuous
+  batching (transformers' paged generation has none; ``generate()`` applies them,
+  the answer cut before the first) is an HTTP 400 in OpenAI's error form
   (``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``)
   naming the field, never a 500 or a silent change; every other 4xx (a ``model``
   not served: 404 ``model_not_found``, a body that is not UTF-8, an unknown
@@ -50,7 +52,8 @@ from cxlalloc.hf.serving_drain import DRAIN_TASK_WAIT_S, FORCE_QUIT_CANCEL, Disc
 from cxlalloc.hf.serving_http import header_timeout_protocol
 from cxlalloc.hf.serving_managers import guarded_cb_manager, stoppable_generate_manager
 from cxlalloc.hf.serving_metrics import add_metrics
-from cxlalloc.hf.serving_requests import InvalidRequest, openai_error, request_models, validate_request
+from cxlalloc.hf.serving_requests import (PROMPT_PARAM, InvalidRequest, openai_error, refuse_stop_with_continuous_batching,
+                                         request_models, validate_request)
 
 STATS_ROUTE = "/v1/cxlalloc/stats"
 DEFAULT_HEADER_TIMEOUT_S = 30.0
@@ -200,24 +203,41 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
 
     def check_model(manager, body) -> None:
         forced, requested = manager.force_model, body.get("model")
+        if forced is not None and requested is not None and requested == _short_name(manager, forced):
+            body["model"] = requested = forced  # the name transformers answered with before (DIR for DIR:FILE.gguf)
         if forced is not None and requested is not None and requested != forced:
             raise InvalidRequest("model", f"model: {requested!r} does not exist on this server; it serves "
                                           f"{forced!r} only (GET /v1/models)", status=404, code="model_not_found")
 
-    class CheckedChat(chat_mod.ChatCompletionHandler):
+    class _ListedName:
+        """Answers name the served model as ``GET /v1/models`` lists it (transformers answered a GGUF's
+        ``DIR:FILE.gguf`` as ``DIR``, a hub model as ``org/model@main``)."""
+
+        def _resolve_model(self, body):
+            model_id, loaded, processor = super()._resolve_model(body)
+            forced = self.model_manager.force_model
+            return (forced if forced is not None else model_id), loaded, processor
+
+    class CheckedChat(_ListedName, chat_mod.ChatCompletionHandler):
         """transformers' chat handler behind :func:`validate_request`."""
 
         def _validate_request(self, body):
+            PROMPT_PARAM.set("messages")
             validate_request("chat", body)
             check_model(self.model_manager, body)
+            if continuous_batching:
+                refuse_stop_with_continuous_batching(body)
             super()._validate_request(body)
 
-    class CheckedCompletion(completion_mod.CompletionHandler):
+    class CheckedCompletion(_ListedName, completion_mod.CompletionHandler):
         """transformers' completion handler behind :func:`validate_request`."""
 
         def _validate_request(self, body):
+            PROMPT_PARAM.set("prompt")
             validate_request("completion", body)
             check_model(self.model_manager, body)
+            if continuous_batching:
+                refuse_stop_with_continuous_batching(body)
             super()._validate_request(body)
 
     def build_server(*args, **kwargs):
@@ -341,6 +361,15 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
             state.shutdown()
     return running
 
+
+
+def _short_name(manager, forced: str) -> str:
+    """The name transformers 5.24's handlers answered with for the served model ``forced``: its repository or
+    directory without a ``:FILE.gguf``, a hub repository with ``@main`` (``ModelManager.process_model_name``);
+    accepted in a request's ``model`` as the name ``GET /v1/models`` lists."""
+    from transformers.cli.serving.utils import split_model_id
+
+    return manager.process_model_name(split_model_id(forced)[0])
 
 
 def _jsonable(x):

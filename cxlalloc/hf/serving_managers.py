@@ -1,7 +1,7 @@
 """transformers' generation managers as ``cxlalloc serve`` runs them (:mod:`cxlalloc.hf.serving`): the
 continuous-batching manager with its guards and cancellation (:func:`guarded_cb_manager`), and the
 one-``generate()``-at-a-time manager whose cancelled request stops at its next token
-(:func:`stoppable_generate_manager`).
+(:func:`stoppable_generate_manager`); both refuse a request over the model's context (:func:`check_context`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 from typing import Optional
 
 from cxlalloc.hf.serving_drain import ServeStatus
-from cxlalloc.hf.serving_requests import InvalidRequest
+from cxlalloc.hf.serving_requests import PROMPT_PARAM, InvalidRequest
 
 
 def paged_capacity_tokens(stats: dict) -> Optional[int]:
@@ -20,6 +20,106 @@ def paged_capacity_tokens(stats: dict) -> Optional[int]:
     cache = ((stats.get("hf") or {}).get("continuous_batching") or {}).get("cache") or {}
     n, page = cache.get("num_blocks"), cache.get("page_size")
     return int(n) * int(page) if n and page else None
+
+
+def prompt_tokens(inputs) -> int:
+    """Tokens of the prompt in transformers' ``inputs`` (a list of ids with continuous batching, a ``[1, n]``
+    tensor without)."""
+    ids = inputs["input_ids"]
+    return len(ids) if isinstance(ids, list) else int(ids.shape[-1])
+
+
+def check_context(model, inputs, gen_config) -> None:
+    """Refuse, before generation, a request the model cannot hold: an empty prompt (transformers' worker died on
+    it), or a prompt plus ``max_tokens`` (``gen_config.max_new_tokens``) over the model's context
+    (``config.max_position_embeddings``; past it the answer is junk, and a huge ``max_tokens`` asked
+    ``generate()`` for a KV cache of tens of GiB).  Applies with and without continuous batching.
+
+    Raises:
+        InvalidRequest: 400 naming the prompt's field (``messages`` or ``prompt``: :data:`PROMPT_PARAM`) when the
+            prompt alone fills the context, else ``max_tokens``, with the token counts and the limit.
+    """
+    prompt, new = prompt_tokens(inputs), int(gen_config.max_new_tokens or 0)
+    param = PROMPT_PARAM.get()
+    if prompt == 0:
+        what = "after the chat template " if param == "messages" else ""
+        raise InvalidRequest(param, f"{param}: the prompt is empty {what}(0 tokens)")
+    ctx = getattr(model.config, "max_position_embeddings", None)  # a transformers config field
+    if isinstance(ctx, int) and prompt + new > ctx:
+        param = param if prompt >= ctx else "max_tokens"
+        raise InvalidRequest(param, f"{param}: the prompt ({prompt} tokens) plus max_tokens ({new}) is "
+                                    f"{prompt + new} tokens, more than the model's context "
+                                    f"(max_position_embeddings {ctx}); shorten the prompt or lower max_tokens")
+
+
+def check_stop_strings(processor, gen_config) -> None:
+    """Build transformers' ``StopStringCriteria`` for ``gen_config.stop_strings`` before ``generate()`` does:
+    it cannot read some tokenizers' vocabularies (a word-level one: "substring not found"), which was an HTTP 500
+    from inside ``generate()``.  Its result is cached by transformers per tokenizer and stop strings.
+
+    Raises:
+        InvalidRequest: 400 naming ``stop`` when this model's tokenizer cannot apply stop strings.
+    """
+    stop = getattr(gen_config, "stop_strings", None)
+    if not stop:
+        return
+    from transformers import StopStringCriteria
+
+    try:
+        StopStringCriteria(tokenizer=getattr(processor, "tokenizer", processor), stop_strings=stop)
+    except ValueError as e:
+        raise InvalidRequest("stop", f"stop: this model's tokenizer cannot apply stop strings (transformers' "
+                                     f"StopStringCriteria: {e}); send the request without stop",
+                             code="unsupported_value") from None
+
+
+def cut_at_stop(text: str, stop) -> str:
+    """``text`` up to (without) the first of the ``stop`` strings in it (OpenAI's rule: the stop sequence is not
+    returned); ``text`` itself when none is in it."""
+    cuts = [text.find(s) for s in ([stop] if isinstance(stop, str) else stop or ()) if s and s in text]
+    return text[:min(cuts)] if cuts else text
+
+
+class StopTrimQueue:
+    """The streamed answer's text queue (transformers' ``DirectStreamer`` fills ``inner`` with text pieces, then
+    None) with the first stop string and what follows it left out: text that could still begin a stop string is
+    held back until it cannot.  ``get``/``get_nowait`` as ``asyncio.Queue``'s (transformers' SSE generators use
+    these two); items that are not plain text (tool calls, errors, the end) pass through."""
+
+    def __init__(self, inner: asyncio.Queue, stop) -> None:
+        self.inner, self.stops = inner, [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+        self.pending, self.stopped, self.ready = "", False, []
+
+    def _take(self, item) -> None:
+        if type(item) is not str:  # None (the end), an error, a tool call, reasoning text: flush, pass on
+            if self.pending and not self.stopped:
+                self.ready.append(self.pending)
+            self.pending = ""
+            self.ready.append(item)
+            return
+        if self.stopped:
+            return
+        text = self.pending + item
+        cut = cut_at_stop(text, self.stops)
+        if len(cut) < len(text):
+            self.stopped, self.pending = True, ""
+            if cut:
+                self.ready.append(cut)
+            return
+        hold = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        self.pending = text[len(text) - hold:] if hold else ""
+        if len(text) > hold:
+            self.ready.append(text[:len(text) - hold])
+
+    async def get(self):
+        while not self.ready:
+            self._take(await self.inner.get())
+        return self.ready.pop(0)
+
+    def get_nowait(self):
+        while not self.ready:
+            self._take(self.inner.get_nowait())  # raises asyncio.QueueEmpty when nothing is there
+        return self.ready.pop(0)
 
 
 def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
@@ -81,19 +181,11 @@ def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
             super()._check_alive(request_id)
 
         def _check_fits(self, model, inputs, gen_config) -> None:
+            check_context(model, inputs, gen_config)
             cap = paged_capacity_tokens(stats(model))
-            prompt = len(inputs["input_ids"])
-            new = int(gen_config.max_new_tokens or 0)
-            if prompt == 0:  # transformers' worker dies on a request of no token ("cannot reshape ... 0 elements")
-                raise InvalidRequest("messages", "messages: the prompt is empty after the chat template (0 tokens)")
-            ctx = getattr(model.config, "max_position_embeddings", None)  # a transformers config field
-            if isinstance(ctx, int) and prompt + new > ctx:
-                param = "messages" if prompt >= ctx else "max_tokens"
-                raise InvalidRequest(param, f"{param}: the prompt ({prompt} tokens) plus max_tokens ({new}) is "
-                                            f"{prompt + new} tokens, more than the model's context "
-                                            f"(max_position_embeddings {ctx}); shorten the prompt or lower max_tokens")
+            prompt, new = prompt_tokens(inputs), int(gen_config.max_new_tokens or 0)
             if cap is not None and prompt + new > cap:
-                param = "messages" if prompt >= cap else "max_tokens"
+                param = PROMPT_PARAM.get() if prompt >= cap else "max_tokens"
                 raise InvalidRequest(param, f"{param}: the prompt ({prompt} tokens) plus max_tokens ({new}) "
                                             f"needs {prompt + new} tokens of KV, more than the paged KV cache "
                                             f"holds ({cap} tokens: --cb-num-blocks x --cb-block-size); shorten "
@@ -141,7 +233,17 @@ def stoppable_generate_manager(base, status: Optional[ServeStatus] = None):
     streamer raises at the next token)."""
 
     class StoppableGenerateManager(base):
+        def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
+            check_context(model, inputs, gen_config)
+            check_stop_strings(processor, gen_config)
+            queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id,
+                                                         response_parser=response_parser)
+            stop = getattr(gen_config, "stop_strings", None)
+            return (StopTrimQueue(queue, stop) if stop else queue), streamer
+
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+            check_context(model, inputs, gen_config)
+            check_stop_strings(processor, gen_config)
             import torch
             from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -166,7 +268,8 @@ def stoppable_generate_manager(base, status: Optional[ServeStatus] = None):
                 raise
             input_len = inputs["input_ids"].shape[-1]
             generated_ids = sequences[0, input_len:]
-            return processor.decode(generated_ids, skip_special_tokens=True), input_len, generated_ids
+            text = processor.decode(generated_ids, skip_special_tokens=True)
+            return cut_at_stop(text, getattr(gen_config, "stop_strings", None)), input_len, generated_ids
 
     return StoppableGenerateManager
 

@@ -6,7 +6,13 @@ handler sees it, and every 4xx of the server is put in OpenAI's error form (:cla
 
 from __future__ import annotations
 
+import contextvars
+import re
 from typing import Any, Dict, List, Literal, Optional, Union
+
+#: the request field holding the prompt (``"messages"`` on ``/v1/chat/completions``, ``"prompt"`` on
+#: ``/v1/completions``): set by the route's handler, read by the generation managers' checks to name it
+PROMPT_PARAM: "contextvars.ContextVar[str]" = contextvars.ContextVar("cxlalloc_prompt_param", default="messages")
 
 
 class InvalidRequest(Exception):
@@ -61,6 +67,21 @@ def openai_error(exc) -> "InvalidRequest":
 
 
 _MODELS: Dict[str, Any] = {}
+MAX_STOP = 4  # OpenAI's limit on ``stop`` sequences
+
+
+def refuse_stop_with_continuous_batching(body: dict) -> None:
+    """Refuse a ``stop`` the continuous-batching manager would ignore (transformers 5.24's paged generation has no
+    stop strings: the answer ran past them, ``finish_reason`` "stop").  ``stop`` null or ``[]`` asks nothing.
+
+    Raises:
+        InvalidRequest: 400 naming ``stop``; ``--no-continuous-batching`` (``generate()``) applies it.
+    """
+    stop = body.get("stop")
+    if stop is not None and stop != []:
+        raise InvalidRequest("stop", f"stop: not supported with continuous batching (got {stop!r}): transformers' "
+                                     "paged generation has no stop strings; serve with --no-continuous-batching "
+                                     "to apply them", code="unsupported_value")
 
 
 def request_models():
@@ -95,11 +116,18 @@ def request_models():
         frequency_penalty: Optional[Number] = Field(None, gt=-1, le=2)
         seed: Optional[StrictInt] = None
         stream: Optional[StrictBool] = None
-        stop: Union[StrictStr, List[StrictStr], None] = None
+        stop: Union[StrictStr, List[StrictStr], None] = None  # OpenAI: up to 4 sequences (checked below)
         # ignored by transformers' server: only the default is honest
         n: Optional[StrictInt] = Field(None, ge=1, le=1, description="one choice per request")
         presence_penalty: Optional[Number] = Field(None, ge=0, le=0, description="not supported: 0 only")
         user: Optional[StrictStr] = None
+
+        @model_validator(mode="after")
+        def _stop_count(self):
+            if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+                raise InvalidRequest("stop", f"stop: at most {MAX_STOP} stop sequences (OpenAI's limit; got "
+                                             f"{len(self.stop)})")
+            return self
 
     class ChatRequest(Sampling):
         messages: List[Message] = Field(min_length=1)
@@ -161,6 +189,12 @@ def request_models():
     return ChatRequest, CompletionRequest
 
 
+# pydantic's names of union members in an error's loc ("int", "float", "str", "list[dict[any,any]]")
+_UNION_TAG = re.compile(r"^(int|float|str|bool|bytes|none|(list|dict|literal|tuple|set)\[.*\])$")
+_KIND = {"int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean", "list": "a list",
+         "dict": "an object", "literal": "one of the allowed values"}
+
+
 def validate_request(kind: str, body: Any) -> None:
     """Check a request body against :func:`request_models` (``kind``: ``"chat"`` or ``"completion"``).
 
@@ -182,8 +216,21 @@ def validate_request(kind: str, body: Any) -> None:
         if isinstance(cause, InvalidRequest):
             raise cause from None
         loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-", "union["))]
+        tag = next((i for i, x in enumerate(loc) if _UNION_TAG.match(x)), None)
+        if tag is not None:
+            # a union field (temperature: int or float; content: a string or a list of parts): pydantic names
+            # each member it tried in the loc ("temperature.int"); the field alone is named, with every member
+            prefix = [str(x) for x in err["loc"]][:len(err["loc"]) - len(loc) + tag]
+            members = [str(x["loc"][len(prefix)]) for x in e.errors(include_url=False)
+                       if [str(y) for y in x["loc"]][:len(prefix)] == prefix and len(x["loc"]) > len(prefix)]
+            loc = loc[:tag]
+            kinds = list(dict.fromkeys(_KIND.get(m.split("[")[0], m) for m in members))
+            if "a number" in kinds and "an integer" in kinds:  # int or float: a number
+                kinds.remove("an integer")
+            msg = "must be " + " or ".join(kinds)
+        else:
+            msg = err["msg"][0].lower() + err["msg"][1:]
         param = ".".join(loc) or "body"
-        msg = err["msg"][0].lower() + err["msg"][1:]
         got = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
         hint = {"n": "; this server returns one choice per request", "best_of": "; one completion per request",
                 "presence_penalty": "; presence_penalty is not supported (frequency_penalty is)",

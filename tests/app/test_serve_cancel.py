@@ -70,6 +70,29 @@ def test_without_continuous_batching_a_disconnected_generate_stops_at_its_next_t
     proc, port, log = _start([d, "--device", "cpu", "--device-limit", "8MiB", "--host-limit", "256MiB",
                               "--no-continuous-batching"], path)
     try:
+        # user trial: without continuous batching a huge max_tokens was a 500 (a 28 GiB KV cache asked for) and a
+        # prompt over the context was answered with junk: both are the 400 the default mode gives, streamed or not
+        huge = " ".join(["harbour tide station report"] * 600)  # ~2,400 tokens: over the model's 2,048 positions
+        for body, param in (({"prompt": PROMPT, "max_tokens": 1_000_000_000}, "max_tokens"),
+                            ({"prompt": huge, "max_tokens": 4}, "prompt"),
+                            ({"prompt": huge, "max_tokens": 4, "stream": True}, "prompt"),
+                            ({"messages": [{"role": "user", "content": huge}], "max_tokens": 4}, "messages")):
+            route = "chat/completions" if "messages" in body else "completions"
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/{route}", data=json.dumps(
+                dict(body, model=d)).encode(), headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=60)
+            err = json.loads(e.value.read())["error"]
+            assert e.value.code == 400 and err["param"] == param, err
+            assert "more than the model's context (max_position_embeddings 2048)" in err["message"], err
+        # transformers' StopStringCriteria cannot read this word-level tokenizer: a 500 from generate() before
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(
+            {"model": d, "prompt": PROMPT, "max_tokens": 4, "stop": ["rain"]}).encode(),
+            headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        err = json.loads(e.value.read())["error"]
+        assert e.value.code == 400 and err["param"] == "stop" and "cannot apply stop strings" in err["message"], err
         t = time.time()
         _answered(port, d, 100)
         per_100 = time.time() - t  # the time of 100 tokens here
