@@ -34,6 +34,7 @@ URL options (``unix:///path/kv.sock?timeout=5&fallback=256MiB&commit=wait``):
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -272,22 +273,22 @@ class RemoteBlockStore(AccountedStore):
         return not c.pending
 
     # ------------------------------------------------------------ blocks
-    def _held_request(self, msg: dict, before=None, passes: Sequence[str] = ()):
+    def _held_request(self, msg: dict, before=None, passes: Sequence[str] = (), sent=None):
         """Send ``msg`` on the connection, held for the lease/reservation its reply opens: ``(conn, reply)``.
         A connection that worked and is found broken (most often a restarted server, or one closed by
         --idle-timeout while the model was idle) is dialled once more at once (one try, no backoff), so the
         request is not lost; a server really away then counts as down.  ``before()`` runs once connected.
         Nothing held: ``(None, "away")`` (no connection), ``"failed"`` (broken: counted, warned once) or
-        ``"refused"`` (counted, warned once per code); a refusal whose code is in ``passes`` is raised."""
+        ``"refused"`` (counted, warned once per code); a refusal whose code is in ``passes`` is raised.
+        ``sent``: ``(conn, read)`` of ``msg`` already sent on ``conn`` (held) by :meth:`reserve_ahead`; its
+        reply is read first, and a broken connection dials again as above."""
         for last in (False, True):
-            c = self._get_conn()
-            if c is None:
+            got, sent = sent or _dialled(self, msg, before), None
+            if got is None:
                 return None, "away"
-            if before is not None:
-                before()
-            c.hold()  # before the request: the connection must not close while its pins/slots are in use
+            c, read = got
             try:
-                return c, c.request(msg)
+                return c, read()
             except _Broken as e:
                 c.unhold()
                 retry = not last and c.established
@@ -362,11 +363,12 @@ class RemoteBlockStore(AccountedStore):
         self._count("reserves")
         return self._reserve_now(ns, list(keys), nbytes, tokens)
 
-    def _reserve_now(self, ns: str, keys: List[bytes], nbytes: int, tokens: int):
+    def _reserve_now(self, ns: str, keys: List[bytes], nbytes: int, tokens: int, sent=None):
         try:
             c, reply = self._held_request({"op": "reserve", "ns": ns, "keys": keys, "nbytes": int(nbytes),
                                            "tokens": int(tokens)},
-                                          before=lambda: self.check_block_bytes(nbytes), passes=("too_large",))
+                                          before=lambda: self.check_block_bytes(nbytes), passes=("too_large",),
+                                          sent=sent)
         except P.RemoteError as e:
             raise ValueError(f"cxlalloc option 'kv_store': {e}") from None
         if c is None:
@@ -392,10 +394,10 @@ class RemoteBlockStore(AccountedStore):
             try:
                 d = c.send_deferred({"op": "reserve", "ns": ns, "keys": keys, "nbytes": int(nbytes),
                                      "tokens": int(tokens)})
-                return PendingReservation(c, d, lambda read: _reserve_reply(self, c, read, ns, keys, nbytes, tokens))
+                return PendingReservation(c, d, lambda read: self._reserve_now(ns, keys, nbytes, tokens, (c, read)))
             except _Broken as e:
                 return PendingReservation(None, None, None,
-                                          _reserve_reply(self, c, _raiser(e), ns, keys, nbytes, tokens))
+                                          self._reserve_now(ns, keys, nbytes, tokens, (c, _raiser(e))))
         return PendingReservation(None, None, None, self._reserve_now(ns, keys, nbytes, tokens))
 
     def check_block_bytes(self, nbytes: int) -> None:
@@ -467,29 +469,16 @@ def _reservation(st: "RemoteBlockStore", c: _Conn, reply: dict, n: int, nbytes: 
     return res
 
 
-def _reserve_reply(st: "RemoteBlockStore", c: _Conn, read, ns: str, keys: List[bytes], nbytes: int, tokens: int):
-    """The reservation of a reserve sent ahead on ``c`` (held): ``read()`` reads its reply (kept out of
-    :class:`RemoteBlockStore`: one job per piece).  As ``_held_request``: a connection that worked and is
-    found broken (a restarted server, or one closed by --idle-timeout) is dialled once more at once and the
-    reserve sent again there, so the insert is not lost; a refusal is counted and warned once per code."""
-    try:
-        reply = read()
-    except _Broken as e:
-        c.unhold()
-        again = c.established
-        st._failed(e, c, warn=not again)
-        if not again:
-            return _Nothing(len(keys))
-        with st._lock:
-            st._down_until = 0.0
-        return st._reserve_now(ns, keys, nbytes, tokens)
-    except P.RemoteError as e:
-        c.unhold()
-        if e.code == "too_large":
-            raise ValueError(f"cxlalloc option 'kv_store': {e}") from None
-        st._failed(e)
-        return _Nothing(len(keys))
-    return _reservation(st, c, reply, len(keys), nbytes)
+def _dialled(st: "RemoteBlockStore", msg: dict, before):
+    """``(conn, read)``: ``msg`` ready to send on a connection of ``st``, held (``read()`` sends it and reads the
+    reply); None when there is no connection.  ``before()`` runs once connected."""
+    c = st._get_conn()
+    if c is None:
+        return None
+    if before is not None:
+        before()
+    c.hold()  # before the request: the connection must not close while its pins/slots are in use
+    return c, functools.partial(c.request, msg)
 
 
 def _raiser(exc: BaseException):
