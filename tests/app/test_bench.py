@@ -834,6 +834,16 @@ def test_kvspeed_insert_table_is_generated_from_the_record():
     r = rec["results"][0]["ratio_insert_reserve_waited_over_memcpy"]
     assert f"| **{r['median']:.3f}x** (IQR {r['q1']:.3f}-{r['q3']:.3f}, n=25) |" in table
     assert table.count("\n") == 4 and table.splitlines()[1].count("---") == 11
+    # the quiet-machine runs (2026-12-03e): every row of benchmarks/README.md's tables is the record's markdown
+    with open(os.path.join(ROOT, "benchmarks", "README.md")) as f:
+        readme = f.read()
+    folder = os.path.join(ROOT, "benchmarks", "results", "kvspeed-insert-cpu-2026-12-03e")
+    for name in ("kvspeed.json", "kvspeed-run-2.json", "kvspeed-run-3.json", "kvspeed-run-4.json"):
+        with open(os.path.join(folder, name)) as f:
+            rec = json.load(f)
+        rows = ks.insert_markdown(rec).strip().splitlines()[2:]
+        assert len(rows) == 2 and all(row in readme for row in rows), name
+        assert [r["goal"]["verdict"] for r in rec["results"] if r.get("part") == "insert"] == ["met", "met"], name
 
 
 def test_engines_runs_only_when_named_and_says_why_it_skips(tmp_path):
