@@ -74,7 +74,7 @@ import torch
 from cxlalloc.hf import store_io
 from cxlalloc.hf.cache import CxlCache
 from cxlalloc.hf.conversation import ConversationMixin, _Conversation
-from cxlalloc.hf.forward_state import foreign_hooks, forward_state
+from cxlalloc.hf.forward_state import StateMemo, foreign_hooks, forward_state
 from cxlalloc.hf.layers import STOCK_KIND, CxlKVLayer
 from cxlalloc.hf.reuse_options import (DEFAULT_BLOCK_TOKENS, DEFAULT_CONVERSATION_LIMIT,  # noqa: F401
                                       REUSE_OPTIONS, ReuseOptions, parse_reuse_options)
@@ -195,6 +195,7 @@ class PrefixReuse(ConversationMixin):
         self.layout: Optional[BlockLayout] = None
         self.off_reason: Optional[str] = None
         self._weights = kvkeys.WeightsWatch(model, opts.kv_store_fingerprint)
+        self._state_memo = StateMemo()  # the module-state digest, encoded again only where state changed
         self._fingerprint: Optional[bytes] = None
         self._roots = {}
         self._warned_inputs = set()
@@ -263,7 +264,7 @@ class PrefixReuse(ConversationMixin):
         # K/V depend on the modules' own state too (PEFT's active adapter, a norm's eps, training mode):
         # its digest joins the weights'.  Under a hook of unknown effect begin() turns the call's reuse off;
         # a random state here keeps any other path from ever matching a block computed under it.
-        state, why = forward_state(self.model)
+        state, why = forward_state(self.model, self._state_memo)
         fp = kvkeys.with_state(self._weights.fingerprint(), os.urandom(16) if why else state)
         dt = (time.perf_counter() - t0) * 1e3
         with self._lock:

@@ -93,13 +93,37 @@ def _check_mode(mode: str) -> str:
     return mode
 
 
+# Module methods whose torch versions weight_tensors' one walk reproduces; a model class that overrides one
+# (a wrapper that renames or filters its parameters) gets the two calls themselves.
+_WALKS = ("named_parameters", "named_buffers", "named_modules", "_named_members")
+
+
 def weight_tensors(model) -> List[tuple]:
     """``(name, tensor)`` of every parameter and buffer of ``model`` (a tied
     parameter once): everything that can enter a K/V value.  Buffers count
     too (rotary ``inv_freq``, a position table): changing one changes K/V."""
-    out = list(model.named_parameters(remove_duplicate=True))
-    out += [(f"buffer:{n}", b) for n, b in model.named_buffers(remove_duplicate=True) if b is not None]
-    return out
+    import torch
+
+    cls = type(model)
+    if not all(getattr(cls, f, None) is getattr(torch.nn.Module, f, None) for f in _WALKS):
+        out = list(model.named_parameters(remove_duplicate=True))
+        out += [(f"buffer:{n}", b) for n, b in model.named_buffers(remove_duplicate=True) if b is not None]
+        return out
+    # The same pairs in the same order from one walk over the modules instead of two (named_parameters and
+    # named_buffers each walk them; a quarter of a guarded check's time on SmolLM2-135M): torch's
+    # Module._named_members, parameters first, each tensor once, None skipped.
+    params, bufs, seen_p, seen_b = [], [], set(), set()
+    for prefix, mod in model.named_modules():
+        dot = prefix + "." if prefix else ""
+        for k, v in mod._parameters.items():
+            if v is not None and v not in seen_p:
+                seen_p.add(v)
+                params.append((dot + k, v))
+        for k, v in mod._buffers.items():
+            if v is not None and v not in seen_b:
+                seen_b.add(v)
+                bufs.append(("buffer:" + dot + k, v))
+    return params + bufs
 
 
 def _device_digest(flat) -> bytes:

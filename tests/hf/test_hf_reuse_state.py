@@ -15,7 +15,7 @@ import pytest
 from tests.helpers.hf_util import assert_same_tokens, gen, tiny_llama, torch
 
 import cxlalloc.hf as hf
-from cxlalloc.hf.forward_state import forward_state, state_digest
+from cxlalloc.hf.forward_state import StateMemo, forward_state, state_digest
 from cxlalloc.hf.reuse import KVReuseWarning
 
 from tests.hf.test_hf_reuse import wrap  # the same wrap() options (8-token blocks)
@@ -133,3 +133,57 @@ def test_the_state_digest_is_stable_across_calls_and_sees_training_mode(fresh_si
     assert state_digest(m) != d0  # dropout on: other K/V
     m.eval()
     assert forward_state(m) == (d0, None)
+
+
+def test_the_memo_gives_the_plain_digest_under_every_kind_of_change(fresh_sim):
+    """StateMemo (the per-call path) reuses a module's encoding only while its state is the very same objects:
+    after each change below its digest equals state_digest's, which itself changed; and while nothing
+    changes it encodes only the modules holding containers (the model's own dicts and sets)."""
+    torch.manual_seed(0)
+    m = tiny_llama().eval()
+    memo = StateMemo()
+
+    def check():
+        d = state_digest(m)
+        assert forward_state(m, memo) == (d, None)
+        return d
+
+    d = check()
+    assert check() == d
+    base = memo.encoded  # the modules holding a container (the model's own dicts and sets), encoded every time
+    assert base <= 2 < len(list(m.named_modules()))
+    attn, norm = m.model.layers[0].self_attn, m.model.layers[1].input_layernorm
+    seen = {d}
+
+    def changed():
+        d = check()
+        assert d not in seen  # every change below is a change of K/V's inputs
+        seen.add(d)
+
+    norm.variance_epsilon = norm.variance_epsilon * 2   # a float replaced
+    changed()
+    attn.scaling = True                                 # 1.0-like value of another type: bool, not float
+    changed()
+    attn.scaling = 1                                    # an int equal to True: another encoding again
+    changed()
+    attn.extra_list = [1, 2]                            # a new attribute, a container
+    changed()
+    attn.extra_list.append(3)                           # changed in place: same object, same module dict
+    changed()
+    attn.extra_list[0] = 7
+    changed()
+    norm.tbl = torch.zeros(3)                           # a small plain tensor
+    changed()
+    norm.tbl[1] = 5.0                                   # written in place
+    changed()
+    del attn.extra_list                                 # an attribute removed
+    changed()
+    m.model.layers[1].mlp.act_fn = torch.nn.GELU()      # a module replaced by one of another class
+    changed()
+    m.model.layers[1].mlp.__class__ = type("OtherMLP", (type(m.model.layers[1].mlp),), {})  # re-classed
+    changed()
+    m.model.layers[0].train()                           # training mode of part of the model
+    changed()
+    m.model.layers[0].eval()
+    assert check() in seen
+    assert check() == check() and memo.encoded == base + 1  # nothing changed: the container holders (+ norm.tbl)

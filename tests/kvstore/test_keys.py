@@ -94,3 +94,39 @@ def test_docs_give_the_fingerprint_default_the_code_uses():
         found += [(f.name, m) for m in re.findall(r"default `kv_store_fingerprint=\"(\w+)\"`", text)]
     assert len(found) >= 2, found  # the scan finds what it is for
     assert all(m == DEFAULT_WEIGHT_MODE for _, m in found), found
+
+
+def test_weight_tensors_walks_once_and_names_what_torch_names():
+    """weight_tensors' single walk gives torch's named_parameters() then named_buffers() pairs, the same
+    tensors in the same order (a tied parameter once, a None buffer skipped, a shared buffer once); a model
+    class that overrides named_parameters gets its own answer."""
+    import torch
+
+    from cxlalloc.kvstore.keys import weight_tensors
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(5, 4)
+            self.inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+            self.head = torch.nn.Linear(4, 5, bias=False)
+            self.head.weight = self.emb.weight                       # tied
+            self.register_buffer("table", torch.arange(3.0))
+            self.inner[0].register_buffer("table", self.table)       # the same buffer twice
+            self.inner[1].register_buffer("gone", None)              # a None buffer
+            self.again = self.inner                                  # a module reachable twice
+
+    def torch_pairs(m):
+        return list(m.named_parameters()) + [("buffer:" + n, b) for n, b in m.named_buffers() if b is not None]
+
+    net = Net()
+    got, want = weight_tensors(net), torch_pairs(net)
+    assert [n for n, _ in got] == [n for n, _ in want] == [
+        "emb.weight", "inner.0.weight", "inner.0.bias", "inner.1.weight", "inner.1.bias", "buffer:table"]
+    assert all(a is b for (_, a), (_, b) in zip(got, want))
+
+    class Renamed(Net):
+        def named_parameters(self, *a, **k):
+            return ((f"renamed.{n}", p) for n, p in super().named_parameters(*a, **k))
+
+    assert weight_tensors(Renamed())[0][0] == "renamed.emb.weight"
