@@ -933,3 +933,25 @@ def test_lmcache_get_record_table_and_plot_from_per_round_ratios(tmp_path):
     assert "| 16 MiB |" in table and "| 4 % | 1.5 / 2.0 |" in table and lg.markdown({"results": []}) == ""
     out = lg.plot(rec, str(tmp_path / "lmcache_get.png"))
     assert out and os.path.getsize(out) > 10_000 and lg.plot({"results": []}, str(tmp_path / "x.png")) is None
+
+
+def test_chat_and_prefix_tables_of_the_quiet_and_memo_records_are_generated():
+    """benchmarks/README.md's 2026-12-03e/f chat and prefix rows are kvspeed.markdown(record) of the records, and
+    the records say what the README says of them (chat within noise before the state memo, met after; prefix met)."""
+    from cxlalloc_apps.bench import kvspeed as ks
+
+    with open(os.path.join(ROOT, "benchmarks", "README.md")) as f:
+        readme = f.read()
+    res = os.path.join(ROOT, "benchmarks", "results")
+    verdicts = {}
+    for rel in ("kvspeed-cpu-2026-12-03e/kvspeed.json", "kvspeed-cpu-2026-12-03f/kvspeed.json",
+                "kvspeed-cpu-2026-12-03f/kvspeed-memo-only.json", "kvspeed-cpu-2026-12-03f/kvspeed-prefix.json"):
+        with open(os.path.join(res, rel)) as f:
+            rec = json.load(f)
+        rows = ks.markdown(rec).strip().splitlines()[2:]
+        assert rows and all(row in readme for row in rows), rel
+        verdicts[rel] = {r["part"]: r["goal"]["verdict"] for r in rec["results"] if r.get("part") in ("chat", "prefix")}
+    assert verdicts == {"kvspeed-cpu-2026-12-03e/kvspeed.json": {"chat": "within noise", "prefix": "met"},
+                        "kvspeed-cpu-2026-12-03f/kvspeed.json": {"chat": "met"},
+                        "kvspeed-cpu-2026-12-03f/kvspeed-memo-only.json": {"chat": "met"},
+                        "kvspeed-cpu-2026-12-03f/kvspeed-prefix.json": {"prefix": "met"}}
