@@ -12,12 +12,22 @@ each seen to give wrong tokens before this module):
 - **Forward hooks and pre-hooks** (activation steering, probes that edit outputs): their effect cannot be
   seen from outside at all.
 
-:func:`forward_state` digests the first two (every attribute of every module whose value is a number, a
-string, a bool, None, a small tensor that is not a parameter or buffer, or a list/tuple/dict/set of those;
-XXH3-128, a few milliseconds for a 30-layer model) so that the digest joins the fingerprint, and reports a
-reason to turn reuse off for the third: any forward hook or pre-hook, on any module or global, that is not
-known to leave outputs unchanged.  Known: cxlalloc's own hooks and those of transformers and accelerate
-(device placement, output recording), identified by the module that defined the hook function.
+:func:`forward_state` digests the first two (every attribute of every module whose value is a number --
+NumPy's and complex ones too --, a string, a bool, None, a dtype, an enum member, a tensor or NumPy array of
+at most 2^20 elements that is not a registered parameter or buffer, a function (qualified name, code, and
+the plain values of its constants, defaults, closure and a partial's arguments), or a list/tuple/dict/set of
+those; XXH3-128, a few milliseconds for a 30-layer model) so that the digest joins the fingerprint, and
+reports a reason to turn reuse off for the third: any forward hook or pre-hook, on any module or global, that
+is not known to leave outputs unchanged, a ``forward`` replaced on a module instance, and an accelerate
+``ModelHook`` of another package.  Known: cxlalloc's own hooks and those of transformers and accelerate
+(device placement, output recording), identified by the module that defined the hook function.  Reuse is
+turned off too (a reason, not a digest) while some state enters the forward that no digest can cover: a
+module held outside ``_modules`` (a plain list of layers, ``object.__setattr__``: its weights are in no
+digest), a tensor attribute over 2^20 elements, an object-dtype array, containers nested deeper than 3
+(trial33: each of these, and each type above, gave a wrong token before; tests/hf/test_hf_reuse_memo_attacks.py).
+Not seen: a forward patched on the class (``LlamaMLP.forward = f``) or a module-level function patched
+(an xfail test keeps the gap on record), and the state of objects of other types (a config: it is in the
+model fingerprint).
 """
 
 from __future__ import annotations
