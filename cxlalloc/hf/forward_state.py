@@ -23,7 +23,8 @@ is not known to leave outputs unchanged, a ``forward`` replaced on a module inst
 (device placement, output recording), identified by the module that defined the hook function.  Reuse is
 turned off too (a reason, not a digest) while some state enters the forward that no digest can cover: a
 module held outside ``_modules`` (a plain list of layers, ``object.__setattr__``: its weights are in no
-digest), a tensor attribute over 2^20 elements, an object-dtype array, containers nested deeper than 3
+digest), a tensor attribute over 2^20 elements, an object-dtype array, a TorchScript object (quantized
+packed weights), containers nested deeper than 3
 (trial33: each of these, and each type above, gave a wrong token before; tests/hf/test_hf_reuse_memo_attacks.py).
 Not seen: a forward patched on the class (``LlamaMLP.forward = f``) or a module-level function patched
 (an xfail test keeps the gap on record), and the state of objects of other types (a config: it is in the
@@ -196,6 +197,10 @@ def _feed(out: List[bytes], v: Any, depth: int = 0, opaque: Optional[List[str]] 
     if issubclass(tv, enum.Enum):
         out.append(f"enum:{tv.__module__}.{tv.__qualname__}.{v.name};".encode())
         return True
+    if issubclass(tv, torch._C.ScriptObject):  # e.g. quantize_dynamic's packed weights: in no weights digest
+        if opaque is not None:
+            opaque.append(f"{path} (a TorchScript object, such as quantized packed weights, that no digest covers)")
+        return False
     if issubclass(tv, torch.nn.Module):
         if opaque is not None:
             opaque.append(f"{path} (a {tv.__name__} module held outside _modules: its weights are in no digest)")
@@ -366,9 +371,26 @@ class StateMemo:
             return xxhash.xxh3_128_digest(b"".join(pieces)), opaque
 
 
+def numerics() -> bytes:
+    """What of torch's global state changes the K/V a forward computes, as bytes: empty by default (so the
+    fingerprint is the one of before), else autocast on the CPU or CUDA (its dtype: K/V computed in bf16
+    precision must not be served to an fp32 call, nor the reverse) and a float32 matmul precision other than
+    ``"highest"`` (TF32 on a GPU).  Read inside ``generate()``, so a ``with torch.autocast(...)`` around the
+    call counts."""
+    out = []
+    for dev in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(dev):
+            out.append(f"autocast:{dev}:{torch.get_autocast_dtype(dev)};")
+    prec = torch.get_float32_matmul_precision()
+    if prec != "highest":
+        out.append(f"matmul:{prec};")
+    return "".join(out).encode()
+
+
 def forward_state(model: torch.nn.Module,
                   memo: Optional[StateMemo] = None) -> Tuple[Optional[bytes], Optional[str]]:
-    """``(digest, None)``: the 16-byte :func:`state_digest` to add to the model fingerprint; or
+    """``(digest, None)``: the 16-byte :func:`state_digest` to add to the model fingerprint (with
+    :func:`numerics` when they are not torch's defaults: autocast, TF32); or
     ``(None, reason)`` when a forward hook of unknown effect is installed, or some state that enters the
     forward cannot be digested (a module, parameter or large tensor held outside ``_modules``,
     ``_parameters`` and ``_buffers``; containers nested too deep): then no lookup and no store may happen,
@@ -389,4 +411,5 @@ def forward_state(model: torch.nn.Module,
     if opaque:
         more = f" and {len(opaque) - 3} more" if len(opaque) > 3 else ""
         return None, f"module state that no digest can cover: {', '.join(opaque[:3])}{more}"
-    return digest, None
+    glob = numerics()
+    return (xxhash.xxh3_128_digest(digest + glob) if glob else digest), None

@@ -8,6 +8,7 @@ computed in the old state: a wrong token).
 import copy
 import enum
 import functools
+import warnings
 
 import numpy as np
 import pytest
@@ -184,6 +185,25 @@ def scale_layer(mod):
     mod.scale_layer(0.25)
 
 
+def quantized_llama():
+    """tiny_llama with torch's dynamic int8 quantization: each Linear's weights live in a TorchScript object
+    (packed params), no parameter or buffer."""
+    quantize_dynamic = getattr(getattr(torch, "ao", None), "quantization", None)
+    if quantize_dynamic is None or not hasattr(quantize_dynamic, "quantize_dynamic"):
+        pytest.skip("torch.ao.quantization.quantize_dynamic is gone from this torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its deprecation notices
+        return quantize_dynamic.quantize_dynamic(llama(), {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def _set_packed_k_proj(m):
+    k = m.model.layers[0].self_attn.k_proj
+    w, b = k._weight_bias()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        k.set_weight_bias(torch.quantize_per_tensor(w.dequantize() * 2, 0.05, 0, torch.qint8), b)
+
+
 K = "model.layers.0.self_attn.k_proj".split(".")
 K1 = "model.layers.1.self_attn.k_proj".split(".")
 
@@ -220,6 +240,7 @@ CASES = {
     "module-via-object-setattr": (lambda s: s.helper.weight[0, 0],
                                   lambda k: object.__setattr__(k, "helper", _unit_linear()),
                                   _fill(lambda m: knob("helper")(m).weight, 3.0), "module held outside _modules"),
+    "quantize-dynamic-packed-weights": ("quant", None, _set_packed_k_proj, "TorchScript object"),
     # bug: hooks the hook check did not see (reuse off after the change)
     "instance-forward-monkeypatch": (None, None, _patch_forward, None),
     "accelerate-modelhook": (None, None, _accelerate_steer, None),
@@ -254,6 +275,8 @@ def test_a_state_change_never_serves_kv_of_the_old_state(fresh_sim, case, conver
     read, setup, change, opaque = CASES[case]
     if read == "peft":
         m = two_adapters()
+    elif read == "quant":
+        m = quantized_llama()
     elif read is None:
         m = llama()
     else:
@@ -281,3 +304,46 @@ def test_a_class_level_forward_patch_is_seen(fresh_sim):
         run_case(llama(), change)
     finally:
         modeling_llama.LlamaMLP.forward = orig
+
+
+@pytest.mark.parametrize("conversation", [True, False], ids=["conversation-cache", "block-store"])
+def test_blocks_computed_under_autocast_are_not_served_to_an_fp32_call(fresh_sim, conversation):
+    """Bug before trial33: K/V computed under ``torch.autocast`` (bf16 matmuls) hit by a later fp32 call (scores
+    off by 7e-4 on the tiny model; a token can flip on a real one), and the reverse."""
+    m = llama()
+    ref = copy.deepcopy(m)
+    wrap(m, **({} if conversation else {"kv_conversation_limit": 0}))
+    p = prompt()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gen(m, input_ids=p, **KW)
+        gen(m, input_ids=p, **KW)
+        assert hit(m) >= 40  # positive control: autocast calls hit each other's blocks
+    out = gen(m, input_ids=p, **KW)
+    assert hit(m) == 0, "an fp32 call served K/V computed under bf16 autocast"
+    assert_same_tokens(gen(ref, input_ids=p, **KW), out, atol=1e-5)
+    gen(m, input_ids=p, **KW)
+    assert hit(m) >= 40  # fp32's own blocks
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gen(m, input_ids=p, **KW)
+        assert hit(m) >= 40  # the autocast blocks are still there, under their own key
+
+
+def test_the_fingerprint_follows_autocast_and_matmul_precision_and_is_unchanged_by_default():
+    from cxlalloc.hf.forward_state import forward_state, state_digest
+
+    m = llama()
+    d = state_digest(m)
+    assert forward_state(m) == (d, None)  # defaults: the plain digest, as before
+    seen = {d}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        seen.add(forward_state(m)[0])
+    with torch.autocast("cpu", dtype=torch.float16):
+        seen.add(forward_state(m)[0])
+    prec = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        seen.add(forward_state(m)[0])
+    finally:
+        torch.set_float32_matmul_precision(prec)
+    assert len(seen) == 4
+    assert forward_state(m) == (d, None)
