@@ -152,7 +152,16 @@ _FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial, types.Bui
               types.BuiltinMethodType)
 
 
-def _feed(out: List[bytes], v: Any, depth: int = 0, opaque: Optional[List[str]] = None, path: str = "") -> bool:
+def _path(path: Any) -> str:
+    """``"a.b[0]['k']"`` from ``_feed``'s path (a name, or ``(parent path, index or key)``: built only when needed)."""
+    if isinstance(path, tuple) and len(path) == 3:  # (module name, attribute, ".")
+        return f"{path[0]}.{path[1]}" if path[0] else str(path[1])
+    if isinstance(path, tuple):
+        return f"{_path(path[0])}[{path[1]!r}]"
+    return str(path)
+
+
+def _feed(out: List[bytes], v: Any, depth: int = 0, opaque: Optional[List[str]] = None, path: Any = "") -> bool:
     """Append ``v``'s encoding to ``out`` when it is plain state; False (nothing appended) when it is
     something else (skipped: a config, an object of another type).  The digest is the XXH3-128 of the
     concatenation (one update: the same as feeding each piece in turn, without a call per piece).
@@ -164,6 +173,8 @@ def _feed(out: List[bytes], v: Any, depth: int = 0, opaque: Optional[List[str]] 
     # issubclass(type(v), ...) rather than isinstance(v, ...): isinstance falls back to ``v.__class__``, which
     # runs an object's own __getattribute__ (transformers' configs define one: 35 % of a digest's time)
     tv = type(v)
+    if tv in _SKIPPED:  # a type seen before that the digest does not encode (a config): decided by type alone
+        return False
     if v is None or issubclass(tv, _SCALARS):
         out.append(f"{type(v).__name__}:{v!r};".encode())
         return True
@@ -174,7 +185,7 @@ def _feed(out: List[bytes], v: Any, depth: int = 0, opaque: Optional[List[str]] 
             return True
         if v.numel() > _SMALL_TENSOR:
             if opaque is not None:
-                opaque.append(f"{path} (a tensor of {v.numel()} elements outside the parameters and buffers, "
+                opaque.append(f"{_path(path)} (a tensor of {v.numel()} elements outside the parameters and buffers, "
                               f"over {_SMALL_TENSOR} digested at each call)")
             return False
         t = v.detach().to("cpu").contiguous()
@@ -187,7 +198,7 @@ def _feed(out: List[bytes], v: Any, depth: int = 0, opaque: Optional[List[str]] 
     if issubclass(tv, np.ndarray):
         if v.dtype.hasobject or v.size > _SMALL_TENSOR:
             if opaque is not None:
-                opaque.append(f"{path} (a NumPy array of {v.size} elements of {v.dtype})")
+                opaque.append(f"{_path(path)} (a NumPy array of {v.size} elements of {v.dtype})")
             return False
         out.append(f"A{v.shape}{v.dtype.str}:".encode() + np.ascontiguousarray(v).tobytes())
         return True
@@ -199,15 +210,15 @@ def _feed(out: List[bytes], v: Any, depth: int = 0, opaque: Optional[List[str]] 
         return True
     if issubclass(tv, torch._C.ScriptObject):  # e.g. quantize_dynamic's packed weights: in no weights digest
         if opaque is not None:
-            opaque.append(f"{path} (a TorchScript object, such as quantized packed weights, that no digest covers)")
+            opaque.append(f"{_path(path)} (a TorchScript object, such as quantized packed weights, that no digest covers)")
         return False
     if issubclass(tv, torch.nn.Module):
         if opaque is not None:
-            opaque.append(f"{path} (a {tv.__name__} module held outside _modules: its weights are in no digest)")
+            opaque.append(f"{_path(path)} (a {tv.__name__} module held outside _modules: its weights are in no digest)")
         return False
     if depth >= _MAX_DEPTH:
         if issubclass(tv, (list, tuple, set, frozenset, dict) + _FUNCTIONS) and opaque is not None:
-            opaque.append(f"{path} (nested more than {_MAX_DEPTH} deep)")
+            opaque.append(f"{_path(path)} (nested more than {_MAX_DEPTH} deep)")
         return False
     if issubclass(tv, _FUNCTIONS):
         return _feed_function(out, v, depth, opaque, path)
@@ -215,7 +226,7 @@ def _feed(out: List[bytes], v: Any, depth: int = 0, opaque: Optional[List[str]] 
         items: Iterable[Any] = sorted(v, key=repr) if issubclass(tv, (set, frozenset)) else v
         out.append(f"{type(v).__name__}[".encode())
         for i, x in enumerate(items):
-            if not _feed(out, x, depth + 1, opaque, f"{path}[{i}]"):
+            if not _feed(out, x, depth + 1, opaque, (path, i)):
                 out.append(b"?")
         out.append(b"]")
         return True
@@ -223,14 +234,19 @@ def _feed(out: List[bytes], v: Any, depth: int = 0, opaque: Optional[List[str]] 
         out.append(b"{")
         for k in sorted(v, key=repr):
             out.append(repr(k).encode() + b"=")
-            if not _feed(out, v[k], depth + 1, opaque, f"{path}[{k!r}]"):
+            if not _feed(out, v[k], depth + 1, opaque, (path, k)):
                 out.append(b"?")
         out.append(b"}")
         return True
+    _SKIPPED.add(tv)
     return False
 
 
-def _feed_function(out: List[bytes], fn: Any, depth: int, opaque: Optional[List[str]], path: str) -> bool:
+# Types _feed does not encode, learnt as they are met (every check reached this decision by the type alone).
+_SKIPPED: set = set()
+
+
+def _feed_function(out: List[bytes], fn: Any, depth: int, opaque: Optional[List[str]], path: Any) -> bool:
     """A callable attribute (an activation function, a partial, a closure): its qualified name, code, the
     constants, defaults and closure values that are plain state, a partial's arguments; a bound method's
     function (not the object it is bound to).  Names and code, not addresses: the same in every process."""
@@ -262,19 +278,24 @@ def _feed_function(out: List[bytes], fn: Any, depth: int, opaque: Optional[List[
     return True
 
 
-def _encodable_attrs(mod: torch.nn.Module):
-    d = mod.__dict__
-    return [k for k in sorted(d) if k not in _MACHINERY and k not in _PLACEMENT and k not in _HOOKED]
+_NOT_STATE = _MACHINERY | _PLACEMENT | _HOOKED
 
 
-def _module_piece(name: str, mod: torch.nn.Module, opaque: Optional[List[str]] = None) -> bytes:
+def _encodable_attrs(mod: torch.nn.Module) -> List[str]:
+    """The names of ``mod``'s attributes that :func:`_module_piece` digests, in order."""
+    return [k for k in sorted(mod.__dict__) if k not in _NOT_STATE]
+
+
+def _module_piece(name: str, mod: torch.nn.Module, opaque: Optional[List[str]] = None,
+                  keys: Optional[List[str]] = None) -> bytes:
     """One module's part of :func:`state_digest`: its path, class and plain attributes, in key order.
-    ``opaque``: receives what enters the forward but cannot be digested (see :func:`_feed`)."""
+    ``opaque``: receives what enters the forward but cannot be digested (see :func:`_feed`); ``keys``:
+    :func:`_encodable_attrs` when the caller has them."""
     out: List[bytes] = [f"<{name}:{type(mod).__qualname__}>".encode()]
     d = mod.__dict__
-    for k in _encodable_attrs(mod):
+    for k in _encodable_attrs(mod) if keys is None else keys:
         out.append(k.encode() + b"=")
-        if not _feed(out, d[k], 0, opaque, f"{name}.{k}" if name else k):
+        if not _feed(out, d[k], 0, opaque, (name, k, ".")):
             out.pop()
     return b"".join(out)
 
@@ -318,8 +339,9 @@ class _Entry:
         # "the very same object" below never means a new object at an old address.
         self.keys, self.vals = tuple(d), tuple(d.values())
         self.opaque: List[str] = []
-        self.piece = _module_piece(name, mod, self.opaque)
-        self.frozen = all(_frozen(d[k]) for k in _encodable_attrs(mod))
+        keys = _encodable_attrs(mod)
+        self.piece = _module_piece(name, mod, self.opaque, keys)
+        self.frozen = all(_frozen(d[k]) for k in keys)
 
     def same(self, name: str, mod: torch.nn.Module) -> bool:
         d = mod.__dict__
@@ -366,7 +388,8 @@ class StateMemo:
                     encoded += 1
                 new[id(mod)] = e
                 pieces.append(e.piece)
-                opaque += e.opaque
+                if e.opaque:
+                    opaque += e.opaque
             self._entries, self.encoded = new, encoded
             return xxhash.xxh3_128_digest(b"".join(pieces)), opaque
 
