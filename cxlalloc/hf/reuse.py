@@ -67,7 +67,7 @@ import os
 import threading
 import time
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -260,6 +260,11 @@ class PrefixReuse(ConversationMixin):
         (:class:`~cxlalloc.kvstore.keys.WeightsWatch`: a digest of every byte of every parameter and
         buffer, kept by a write guard by default, so no in-place update escapes it); counts
         ``fingerprint_changes`` and ``fingerprint_ms``."""
+        return self._fingerprint_why()[0]
+
+    def _fingerprint_why(self) -> Tuple[bytes, Optional[str]]:
+        """:meth:`fingerprint` and why no block may be looked up or stored under it (None: they may): a
+        hook of unknown effect, or module state no digest can cover (then the fingerprint is random)."""
         t0 = time.perf_counter()
         # K/V depend on the modules' own state too (PEFT's active adapter, a norm's eps, training mode):
         # its digest joins the weights'.  Under a hook of unknown effect begin() turns the call's reuse off;
@@ -274,7 +279,7 @@ class PrefixReuse(ConversationMixin):
                     self.counters["fingerprint_changes"] += 1
                 self._fingerprint = fp
                 self._roots = {}
-        return fp
+        return fp, why
 
     def root(self, salt: Optional[str], fp: Optional[bytes] = None) -> bytes:
         """The chain root of namespace ``salt`` for fingerprint ``fp`` (the current one when None)."""
@@ -390,7 +395,18 @@ class PrefixReuse(ConversationMixin):
         call.pads = pads
         # One fingerprint for the whole call: every lookup, the kept conversation and the stored blocks
         # use it; finish() checks it again before storing (weights changed during the call: nothing kept).
-        call.fp = self.fingerprint()
+        call.fp, why = self._fingerprint_why()
+        if why:  # state that enters the forward but no digest covers (hooks: begin() turned the call off)
+            call.enabled = False
+            rec.skipped = why
+            with self._lock:
+                self.counters["skipped_state"] += 1
+                new = why not in self._warned_state
+                self._warned_state.add(why)
+            if new:
+                warnings.warn(f"cxlalloc.hf: kv_store: {why}; calls do no lookup and no store while it is "
+                              "there (counted in 'skipped_state'; said once)", KVReuseWarning, stacklevel=4)
+            return None
         conv_hit = 0
         if call.conversation_ok and expand == 1 and not call.beam and pads == [0] and ids.shape[0] == 1:
             conv_hit = self._conversation_hit(call, ids[0])
