@@ -47,7 +47,8 @@ CPU only, with test-only stand-ins for the GPU copy where vLLM's CPU build has n
 loaded into the vLLM processes by name as vLLM plugins): LMCache's connector has no CPU KV-cache copy
 (tests/engines/lmcache_cpu_connector.py: the lmcache arms), and vLLM's offloading refuses the CPU platform
 (tests/engines/vllm_offload_cpu_worker.py: the ``cxlalloc_vllm_tier`` arm; a memmove at vLLM's own addresses in
-place of its CUDA copy kernel).  LMCache's MP mode runs as it is.  On a 2-core machine shared with other jobs the
+place of its CUDA copy kernel).  LMCache's MP mode runs as it is, each server's L1 in ``/dev/shm``
+(``--shm-name``, docs/engines.md section 5b: without it LMCache pickles each retrieve to vLLM's CPU worker).  On a 2-core machine shared with other jobs the
 absolute times are a loaded machine's; the ratios of each round compare arms run side by side.  Not yet run on a
 GPU.
 """

@@ -146,6 +146,9 @@ def test_bad_benchmark_name_is_a_usage_error(tmp_path):
     (["--time-budget", "0"], "--time-budget: 0.0 must be a positive number of seconds"),
     (["--ceiling-bytes", "100"], "--ceiling-bytes: 100 is below 1 MiB"),
     (["--parts", "insert,warp"], "'warp' is not one of ttft, concurrency"),
+    (["--engine-groups", "lmcache_mp,warp"], "'warp' is not one of lmcache, lmcache_mp, vllm_tier"),
+    (["--prefixes", "1024,9000"], "9000 is outside [256, 7936]"),
+    (["--prefixes", "1000"], "--prefixes: 1000 not a multiple of 256 tokens"),
 ])
 def test_bad_bench_arguments_are_usage_errors(tmp_path, args, message):
     p = _bench(["--simulate", "--out", str(tmp_path), "--only", "allocation"] + args)
@@ -158,6 +161,27 @@ def test_parts_option_names_every_part_of_the_kv_benchmarks():
     from cxlalloc_apps.bench.cli import PART_NAMES
 
     assert sorted(PART_NAMES) == sorted(list(kvserver.PARTS) + list(kvspeed.PARTS))
+
+
+def test_engine_groups_option_names_every_group_of_the_engines_benchmark():
+    from cxlalloc_apps.bench import engines
+    from cxlalloc_apps.bench.cli import ENGINE_GROUPS
+
+    assert ENGINE_GROUPS == tuple(g for g, _ in engines.GROUPS)
+
+
+def test_engines_mp_servers_run_the_docs_line_with_lmcaches_l1_in_shared_memory():
+    """The bench's lmcache servers run docs/engines.md section 5b's line (the same options), with ``--shm-name``:
+    without it LMCache 0.5.6 pickles every retrieve for vLLM's CPU worker through its message queue (0.4-1.3 s of a
+    4,096-token hit, L1 or L2, on 2 cores; with it the worker reads LMCache's L1 in place)."""
+    from cxlalloc_apps.bench import engines
+    from tests.engines.test_vllm_lmcache_mp import docs_mp_server_args
+
+    docs = docs_mp_server_args("{}", 5556, 5557)
+    bench = engines.mp_server_args("/tmp/kv.sock", 5556, 5557, "cxlalloc_engb_a")
+    assert sorted(a for a in bench if a.startswith("--")) == sorted(a for a in docs if a.startswith("--"))
+    assert bench[bench.index("--shm-name") + 1] == "cxlalloc_engb_a"
+    assert json.loads(bench[bench.index("--l2-adapter") + 1])["adapter_params"] == {"url": "cxlalloc:///tmp/kv.sock"}
 
 
 def test_parts_of_another_benchmark_only_are_a_recorded_skip(tmp_path):
