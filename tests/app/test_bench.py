@@ -918,6 +918,27 @@ def test_engines_record_is_on_the_method_and_the_docs_tables_are_its_markdown(tm
     assert plot_engines({"results": []}, str(tmp_path / "none.png")) is None
 
 
+ENGINES_MP_RECORD = "benchmarks/results/engines-mp-cpu-2026-12-03c/engines.json"
+
+
+def test_engines_mp_rerun_record_is_on_the_method_and_docs_quote_its_table():
+    """The rerun of the MP group with ``--shm-name`` (docs/engines.md): only that group, every prefix size on >= 5
+    timed rounds, each hit got its whole prefix (7,936 included), and the docs carry ``engines.markdown`` of it."""
+    from cxlalloc_apps.bench import engines as eng
+    from cxlalloc_apps.bench.method import MIN_ROUNDS
+
+    with open(os.path.join(ROOT, ENGINES_MP_RECORD)) as f:
+        rec = json.load(f)
+    assert meta.validate_record(rec) == [] and rec["status"] == "ok" and rec["parameters"]["lmcache_mp_shm"] is True
+    comps = [r for r in rec["results"] if r["kind"] == "comparison"]
+    assert {(r["group"], r["prefix_tokens"]) for r in comps} == {("lmcache_mp", s) for s in eng.SIZES}
+    assert all(r["comparison"]["rounds"] >= MIN_ROUNDS for r in comps)
+    reqs = [r for r in rec["results"] if r["kind"] == "request"]
+    assert reqs and all(r["cached_tokens"] == (0 if r["arm"] == "no_cache" else r["prefix_tokens"]) for r in reqs)
+    with open(os.path.join(ROOT, "docs", "engines.md")) as f:
+        assert eng.markdown(rec) in f.read()
+
+
 def test_lmcache_get_record_table_and_plot_from_per_round_ratios(tmp_path):
     """bench --only lmcache_get: the README table comes from the method's per-round ratios (a retrieve at half the
     local CPU backend's rate in every round is 0.5x and misses the 0.8x goal), and the record plots."""
