@@ -125,6 +125,9 @@ def _positive_int(text: str) -> int:
 # The parts of the kvserver and kvspeed benchmarks (their PARTS mappings; a test keeps the two in step: importing
 # them here would be an import circle, as each runs this CLI as its __main__).
 PART_NAMES = ("ttft", "concurrency", "redis", "crash", "lookup", "insert", "chat", "prefix")
+# The groups of arms of the engines benchmark (engines.GROUPS; a test keeps the two in step: importing engines here
+# would load its module for every bench run)
+ENGINE_GROUPS = ("lmcache", "lmcache_mp", "vllm_tier")
 
 
 def make_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
@@ -143,6 +146,12 @@ def make_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p.add_argument("--parts", type=_csv(str, choices=PART_NAMES), default=None, metavar="NAMES",
                    help="kvserver/kvspeed: run only these parts (comma-separated: "
                         f"{', '.join(PART_NAMES)}; default all)")
+    p.add_argument("--engine-groups", type=_csv(str, choices=ENGINE_GROUPS), default=None, metavar="NAMES",
+                   help=f"engines: run only these groups of arms (comma-separated: {', '.join(ENGINE_GROUPS)}; "
+                        "default all)")
+    p.add_argument("--prefixes", type=_csv(int, lo=256, hi=7936), default=None, metavar="TOKENS",
+                   help="engines: shared prefix sizes (tokens, multiples of 256, at most 7,936; default "
+                        "1024,2048,4096,7936)")
     p.add_argument("--quick", action="store_true", help="the small grid of scripts/gpu_check.sh")
     p.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
@@ -261,6 +270,9 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if args.time_budget is not None and not (math.isfinite(args.time_budget) and args.time_budget > 0):
         parser.error(f"--time-budget: {args.time_budget!r} must be a positive number of seconds")
+    bad_prefix = [n for n in args.prefixes or () if n % 256]
+    if bad_prefix:
+        parser.error(f"--prefixes: {', '.join(map(str, bad_prefix))} not a multiple of 256 tokens (LMCache's chunk)")
     if args.ceiling_bytes is not None and args.ceiling_bytes < 1 << 20:
         parser.error(f"--ceiling-bytes: {args.ceiling_bytes} is below 1 MiB ({1 << 20} bytes)")
     if args.serve_trace is not None:

@@ -1,6 +1,6 @@
 """``python -m cxlalloc bench --only engines``: vLLM's time to first token with a shared prefix, six ways (CPU).
 
-    python -m cxlalloc bench --only engines [--quick] --out DIR
+    python -m cxlalloc bench --only engines [--quick] [--engine-groups G,...] [--prefixes N,...] --out DIR
 
 Writes ``DIR/engines.json`` (:mod:`.meta` record) and ``DIR/engines.png``.  Issue 27's goal: a pool hit in vLLM
 costs at most 1.3x the TTFT of LMCache's in-process CPU tier, measured side by side.
@@ -28,7 +28,8 @@ plus a short question.  The arms:
 Not every engine fits in memory at once (about 3 GB resident per vLLM process on this build), so the arms run in
 three groups, one after the other, each with ``no_cache`` and ``lmcache_local_cpu`` beside its pool arm (those two
 engines live through every group): ``lmcache`` (no_cache, vllm_prefix_cache, lmcache_local_cpu,
-cxlalloc_lmcache), ``lmcache_mp`` and ``vllm_tier``.  In a group, per prefix size, the benchmark method
+cxlalloc_lmcache), ``lmcache_mp`` and ``vllm_tier`` (``--engine-groups`` runs some of them, ``--prefixes`` other
+prefix sizes, multiples of LMCache's 256-token chunk).  In a group, per prefix size, the benchmark method
 (:mod:`.method`): 1 warm-up round, then 5 timed rounds (2 and one size with ``--quick``: a smoke, not a figure);
 each round takes a new prefix (no arm finds an earlier round's), lets the processes A store it (and waits for the
 pool to count their chunks), then runs the arms in an order rotated by the round, each after 1.2 s idle (a vLLM
@@ -46,7 +47,8 @@ CPU only, with test-only stand-ins for the GPU copy where vLLM's CPU build has n
 loaded into the vLLM processes by name as vLLM plugins): LMCache's connector has no CPU KV-cache copy
 (tests/engines/lmcache_cpu_connector.py: the lmcache arms), and vLLM's offloading refuses the CPU platform
 (tests/engines/vllm_offload_cpu_worker.py: the ``cxlalloc_vllm_tier`` arm; a memmove at vLLM's own addresses in
-place of its CUDA copy kernel).  LMCache's MP mode runs as it is.  On a 2-core machine shared with other jobs the
+place of its CUDA copy kernel).  LMCache's MP mode runs as it is, each server's L1 in ``/dev/shm``
+(``--shm-name``, docs/engines.md section 5b: without it LMCache pickles each retrieve to vLLM's CPU worker).  On a 2-core machine shared with other jobs the
 absolute times are a loaded machine's; the ratios of each round compare arms run side by side.  Not yet run on a
 GPU.
 """
@@ -92,6 +94,17 @@ QUESTIONS = ("\n\nQuestion: what is this?\nAnswer:", "\n\nQuestion: summarise it
 STAND_INS = {"lmcache_local_cpu": "tests/engines/lmcache_cpu_connector.py",
              "cxlalloc_lmcache": "tests/engines/lmcache_cpu_connector.py", AA: "tests/engines/lmcache_cpu_connector.py",
              "cxlalloc_vllm_tier": "tests/engines/vllm_offload_cpu_worker.py"}
+
+
+def mp_server_args(socket: str, port: int, http_port: int, shm_name: str) -> List[str]:
+    """``lmcache server`` arguments of one MP server: docs/engines.md section 5b's line (its L1 ``MP_L1_GB``), the
+    adapter on the kv-server at ``socket``, its ports and ``--shm-name`` (LMCache's L1 in ``/dev/shm``, read in place
+    by vLLM's CPU worker; without it LMCache 0.5.6 pickles every retrieve through its message queue)."""
+    l2 = json.dumps({"type": "plugin", "module_path": "cxlalloc.kvstore.engines.lmcache_l2",
+                     "class_name": "CxlallocL2Adapter", "adapter_params": {"url": "cxlalloc://" + socket}})
+    return ["--l1-size-gb", str(MP_L1_GB), "--eviction-policy", "LRU", "--chunk-size", "256",
+            "--supported-transfer-mode", "auto", "--shm-name", shm_name, "--l2-adapter", l2, "--port", str(port),
+            "--http-port", str(http_port)]
 
 
 class _Engine:
@@ -183,14 +196,15 @@ class _Setup:
     def _mp_server(self, side: str) -> int:
         from cxlalloc_apps.bench.engine_env import MPServer, free_port
 
-        l2 = json.dumps({"type": "plugin", "module_path": "cxlalloc.kvstore.engines.lmcache_l2",
-                         "class_name": "CxlallocL2Adapter", "adapter_params": {"url": "cxlalloc://" + self.srv.socket}})
         port = free_port()
-        args = ["--l1-size-gb", str(MP_L1_GB), "--eviction-policy", "LRU", "--chunk-size", "256",
-                "--supported-transfer-mode", "auto", "--l2-adapter", l2, "--port", str(port),
-                "--http-port", str(free_port())]
+        args = mp_server_args(self.srv.socket, port, free_port(), self.shm_name(side))
         self.mp.append(MPServer(self.work, "mp-" + side, args, self.py).wait_ready())
         return port
+
+    def shm_name(self, side: str) -> str:
+        """The ``--shm-name`` of side ``side``'s lmcache server: unique per run (the work folder's name), so two runs
+        on one machine never share a segment (LMCache unlinks a stale one of the same name at its start)."""
+        return f"cxlalloc_{os.path.basename(self.work)}_{side}"
 
     def start(self, group: str) -> None:
         """Starts the group's engines that are not running (together) and waits until each is ready."""
@@ -209,6 +223,10 @@ class _Setup:
             self.engines.pop(name).close()
         while self.mp:
             self.mp.pop().stop()
+        for side in ("a", "b"):   # LMCache unlinks its segment at a clean exit; not after a kill
+            path = "/dev/shm/lmcache_l1_pool_" + self.shm_name(side)
+            if os.path.exists(path):
+                os.unlink(path)
 
     def stored(self) -> int:
         return int(self.srv.status()["pool"]["stored_blocks"])
@@ -323,12 +341,16 @@ def run(ctx) -> Dict[str, Any]:
     from cxlalloc_apps.bench.meta import REPO_ROOT, RecordWriter, new_record
     from cxlalloc_apps.bench.method import MIN_ROUNDS, describe
 
-    sizes = QUICK_SIZES if ctx.quick else SIZES
+    args = getattr(ctx, "args", None)
+    sizes = tuple(getattr(args, "prefixes", None) or (QUICK_SIZES if ctx.quick else SIZES))
+    wanted = getattr(args, "engine_groups", None)
+    groups = tuple((g, a) for g, a in GROUPS if not wanted or g in wanted)
     rounds = 2 if ctx.quick else MIN_ROUNDS
-    params = {"arms": list(ARMS), "groups": {g: list(a) for g, a in GROUPS}, "prefix_tokens": list(sizes),
+    params = {"arms": sorted({a for _, arms in groups for a in arms}, key=ARMS.index),
+              "groups": {g: list(a) for g, a in groups}, "prefix_tokens": list(sizes),
               "rounds": rounds, "warmup_rounds": 1, "quick": ctx.quick, "max_tokens": 1, "dtype": "bfloat16",
               "max_model_len": MAX_MODEL_LEN, "kv_cache_bytes": KV_CACHE_BYTES, "lmcache_local_cpu_gb": LOCAL_CPU_GB,
-              "lmcache_mp_l1_gb": MP_L1_GB, "vllm_tier_cpu_bytes": TIER_CPU_BYTES, "kv_server": list(POOL),
+              "lmcache_mp_l1_gb": MP_L1_GB, "lmcache_mp_shm": True, "vllm_tier_cpu_bytes": TIER_CPU_BYTES, "kv_server": list(POOL),
               "goal": GOAL, "settle_s": SETTLE_S,
               "method": describe("rotate", rounds, 1) + f"; {SETTLE_S} s idle before each measured request (vLLM's "
                                                          "1 s busy-poll after a request, on 2 cores)",
@@ -354,7 +376,7 @@ def run(ctx) -> Dict[str, Any]:
     counter = [0]
     try:
         st = _Setup(py, model, work)
-        for group, arms in GROUPS:
+        for group, arms in groups:
             if ctx.deadline.expired():
                 w.skip(group, "time budget used up")
                 continue

@@ -146,6 +146,9 @@ def test_bad_benchmark_name_is_a_usage_error(tmp_path):
     (["--time-budget", "0"], "--time-budget: 0.0 must be a positive number of seconds"),
     (["--ceiling-bytes", "100"], "--ceiling-bytes: 100 is below 1 MiB"),
     (["--parts", "insert,warp"], "'warp' is not one of ttft, concurrency"),
+    (["--engine-groups", "lmcache_mp,warp"], "'warp' is not one of lmcache, lmcache_mp, vllm_tier"),
+    (["--prefixes", "1024,9000"], "9000 is outside [256, 7936]"),
+    (["--prefixes", "1000"], "--prefixes: 1000 not a multiple of 256 tokens"),
 ])
 def test_bad_bench_arguments_are_usage_errors(tmp_path, args, message):
     p = _bench(["--simulate", "--out", str(tmp_path), "--only", "allocation"] + args)
@@ -158,6 +161,27 @@ def test_parts_option_names_every_part_of_the_kv_benchmarks():
     from cxlalloc_apps.bench.cli import PART_NAMES
 
     assert sorted(PART_NAMES) == sorted(list(kvserver.PARTS) + list(kvspeed.PARTS))
+
+
+def test_engine_groups_option_names_every_group_of_the_engines_benchmark():
+    from cxlalloc_apps.bench import engines
+    from cxlalloc_apps.bench.cli import ENGINE_GROUPS
+
+    assert ENGINE_GROUPS == tuple(g for g, _ in engines.GROUPS)
+
+
+def test_engines_mp_servers_run_the_docs_line_with_lmcaches_l1_in_shared_memory():
+    """The bench's lmcache servers run docs/engines.md section 5b's line (the same options), with ``--shm-name``:
+    without it LMCache 0.5.6 pickles every retrieve for vLLM's CPU worker through its message queue (0.4-1.3 s of a
+    4,096-token hit, L1 or L2, on 2 cores; with it the worker reads LMCache's L1 in place)."""
+    from cxlalloc_apps.bench import engines
+    from tests.engines.test_vllm_lmcache_mp import docs_mp_server_args
+
+    docs = docs_mp_server_args("{}", 5556, 5557)
+    bench = engines.mp_server_args("/tmp/kv.sock", 5556, 5557, "cxlalloc_engb_a")
+    assert sorted(a for a in bench if a.startswith("--")) == sorted(a for a in docs if a.startswith("--"))
+    assert bench[bench.index("--shm-name") + 1] == "cxlalloc_engb_a"
+    assert json.loads(bench[bench.index("--l2-adapter") + 1])["adapter_params"] == {"url": "cxlalloc:///tmp/kv.sock"}
 
 
 def test_parts_of_another_benchmark_only_are_a_recorded_skip(tmp_path):
@@ -902,6 +926,27 @@ def test_engines_record_is_on_the_method_and_the_docs_tables_are_its_markdown(tm
     out = plot_engines(rec, str(tmp_path / "engines.png"))
     assert out and os.path.getsize(out) > 10_000
     assert plot_engines({"results": []}, str(tmp_path / "none.png")) is None
+
+
+ENGINES_MP_RECORD = "benchmarks/results/engines-mp-cpu-2026-12-03c/engines.json"
+
+
+def test_engines_mp_rerun_record_is_on_the_method_and_docs_quote_its_table():
+    """The rerun of the MP group with ``--shm-name`` (docs/engines.md): only that group, every prefix size on >= 5
+    timed rounds, each hit got its whole prefix (7,936 included), and the docs carry ``engines.markdown`` of it."""
+    from cxlalloc_apps.bench import engines as eng
+    from cxlalloc_apps.bench.method import MIN_ROUNDS
+
+    with open(os.path.join(ROOT, ENGINES_MP_RECORD)) as f:
+        rec = json.load(f)
+    assert meta.validate_record(rec) == [] and rec["status"] == "ok" and rec["parameters"]["lmcache_mp_shm"] is True
+    comps = [r for r in rec["results"] if r["kind"] == "comparison"]
+    assert {(r["group"], r["prefix_tokens"]) for r in comps} == {("lmcache_mp", s) for s in eng.SIZES}
+    assert all(r["comparison"]["rounds"] >= MIN_ROUNDS for r in comps)
+    reqs = [r for r in rec["results"] if r["kind"] == "request"]
+    assert reqs and all(r["cached_tokens"] == (0 if r["arm"] == "no_cache" else r["prefix_tokens"]) for r in reqs)
+    with open(os.path.join(ROOT, "docs", "engines.md")) as f:
+        assert eng.markdown(rec) in f.read()
 
 
 def test_lmcache_get_record_table_and_plot_from_per_round_ratios(tmp_path):

@@ -47,6 +47,10 @@ def docs_mp_server_args(l2_json: str, port: int, http_port: int):
     assert args.count("L2JSON") == 1, args
     args = [l2_json if a == "L2JSON" else a for a in args]
     args[args.index("--l1-size-gb") + 1] = "0.5"
+    # the docs' shared-memory L1 (vLLM's CPU worker reads it in place instead of a pickled copy per request), its
+    # name this test's (unique per port: LMCache unlinks a segment of the same name at its start)
+    assert args[args.index("--shm-name") + 1] == "cxlalloc", args
+    args[args.index("--shm-name") + 1] = f"cxlalloc_test_{port}"
     return args[2:] + ["--port", str(port), "--http-port", str(http_port)]
 
 
@@ -110,6 +114,7 @@ def test_vllm_through_lmcache_mp_finds_a_prefix_in_the_pool_after_a_server_resta
     b = start_child("b", dict(spec, prompts=prompts[:3], kv_transfer_config=kvt))
     b_out = b.result()
     pool_b = pool(sp)
+    assert "Using shm non-GPU transfer strategy" in mp2.log(), mp2.log()   # not the pickled fallback
     assert [r["num_cached_tokens"] for r in b_out["requests"]] == [PREFIX_TOKENS] * 3, (b_out, mp2.log())
     assert [r["tokens"] for r in b_out["requests"]] == want
     assert pool_b["stored_blocks"] == chunks and pool_b["duplicate_blocks"] == 0, pool_b
