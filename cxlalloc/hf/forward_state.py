@@ -358,9 +358,10 @@ class StateMemo:
     Each module's encoded part is kept with the objects it was made from: the module, its path, its class,
     its ``__dict__`` and that dict's keys and values (strong references).  A later check reuses the part only
     when all of these are the very same objects and every attribute value is of a type whose encoding cannot
-    change in place (``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``; or that the digest does not
-    encode at all: a config, a function); a module holding a container, a tensor or a subclass of a scalar
-    type is encoded again at every check.  An attribute set again, even to an equal value, is a change unless
+    change in place (``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``, ``bytes``, NumPy scalars,
+    dtypes, enum members; or that the digest does not encode at all: a config); a module holding a container,
+    a tensor, an array, a function (its closure and defaults can change) or a subclass of a scalar type is
+    encoded again at every check.  An attribute set again, even to an equal value, is a change unless
     it is the very same object.  So the digest is always the one
     :func:`state_digest` gives (tests/hf/test_hf_reuse_state.py compares them under every kind of change).
     The walk over the modules runs at every check, so a module added, removed, renamed or re-classed is
@@ -371,10 +372,6 @@ class StateMemo:
         self._lock = threading.Lock()
         self._entries: dict = {}
         self.encoded = 0  # modules encoded at the last check (for tests and profiles)
-
-    def digest(self, modules: Iterable[Tuple[str, torch.nn.Module]]) -> bytes:
-        """The :func:`state_digest` of the ``(name, module)`` pairs given (``model.named_modules()``)."""
-        return self.check(modules)[0]
 
     def check(self, modules: Iterable[Tuple[str, torch.nn.Module]]) -> Tuple[bytes, List[str]]:
         """``(digest, opaque)``: the :func:`state_digest` of the ``(name, module)`` pairs given and what of
@@ -410,6 +407,11 @@ def numerics() -> bytes:
     return "".join(out).encode()
 
 
+def _first_three(items: List[str]) -> str:
+    """``"a, b, c and 2 more"``: the first three of ``items`` and how many follow."""
+    return ", ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
+
+
 def forward_state(model: torch.nn.Module,
                   memo: Optional[StateMemo] = None) -> Tuple[Optional[bytes], Optional[str]]:
     """``(digest, None)``: the 16-byte :func:`state_digest` to add to the model fingerprint (with
@@ -423,16 +425,13 @@ def forward_state(model: torch.nn.Module,
     modules = list(model.named_modules())
     hooks = _foreign_hooks(modules)
     if hooks:
-        more = f" and {len(hooks) - 3} more" if len(hooks) > 3 else ""
-        return None, (f"forward hooks whose effect on K/V cannot be known are installed: "
-                      f"{', '.join(hooks[:3])}{more}")
+        return None, f"forward hooks whose effect on K/V cannot be known are installed: {_first_three(hooks)}"
     if memo is None:
         opaque: List[str] = []
         digest = xxhash.xxh3_128_digest(b"".join(_module_piece(n, m, opaque) for n, m in modules))
     else:
         digest, opaque = memo.check(modules)
     if opaque:
-        more = f" and {len(opaque) - 3} more" if len(opaque) > 3 else ""
-        return None, f"module state that no digest can cover: {', '.join(opaque[:3])}{more}"
+        return None, f"module state that no digest can cover: {_first_three(opaque)}"
     glob = numerics()
     return (xxhash.xxh3_128_digest(digest + glob) if glob else digest), None

@@ -327,17 +327,11 @@ class PrefixReuse(ConversationMixin):
                               "and no store (said once per argument)", KVReuseWarning, stacklevel=4)
         hooks = foreign_hooks(self.model) if call.enabled and enabled else []
         if hooks:
-            call.enabled = False
-            call.record.skipped = f"forward hooks of unknown effect on K/V: {', '.join(hooks[:3])}"
-            with self._lock:
-                self.counters["skipped_state"] += 1
-                new = [h for h in hooks if h not in self._warned_state]
-                self._warned_state.update(new)
-            if new:
-                warnings.warn(f"cxlalloc.hf: kv_store: forward hooks whose effect on K/V cannot be known are "
-                              f"installed ({', '.join(new[:3])}{' ...' if len(new) > 3 else ''}); calls do no "
-                              "lookup and no store while they are (counted in 'skipped_state'; said once per "
-                              "hook)", KVReuseWarning, stacklevel=4)
+            self._skip_for_state(call, f"forward hooks of unknown effect on K/V: {', '.join(hooks[:3])}", hooks,
+                                 lambda new: "forward hooks whose effect on K/V cannot be known are installed "
+                                             f"({', '.join(new[:3])}{' ...' if len(new) > 3 else ''}); calls do no "
+                                             "lookup and no store while they are (counted in 'skipped_state'; "
+                                             "said once per hook)")
         if not enabled:
             call.record.skipped = "kv_reuse=False"
         elif self.layout is None:
@@ -346,6 +340,20 @@ class PrefixReuse(ConversationMixin):
         if stack is None:
             stack = self._tls.calls = []
         stack.append(call)
+
+    def _skip_for_state(self, call: _Call, skipped: str, items: List[str], warning) -> None:
+        """Turn reuse off for ``call`` because of state no block key covers (a hook, undigestable module state):
+        ``skipped`` in its record, counted in ``skipped_state``, and a :class:`KVReuseWarning` (``warning(new)``
+        of the ``items`` not warned about before) said once per item."""
+        call.enabled = False
+        call.record.skipped = skipped
+        with self._lock:
+            self.counters["skipped_state"] += 1
+            new = [i for i in items if i not in self._warned_state]
+            self._warned_state.update(new)
+        if new:
+            # stacklevel 5: this method, its caller (begin/load), the generate() wrapper, then the user's call
+            warnings.warn("cxlalloc.hf: kv_store: " + warning(new), KVReuseWarning, stacklevel=5)
 
     def skip(self, reason: str) -> None:
         """This call does no lookup and no store (``reason`` is recorded)."""
@@ -397,15 +405,8 @@ class PrefixReuse(ConversationMixin):
         # use it; finish() checks it again before storing (weights changed during the call: nothing kept).
         call.fp, why = self._fingerprint_why()
         if why:  # state that enters the forward but no digest covers (hooks: begin() turned the call off)
-            call.enabled = False
-            rec.skipped = why
-            with self._lock:
-                self.counters["skipped_state"] += 1
-                new = why not in self._warned_state
-                self._warned_state.add(why)
-            if new:
-                warnings.warn(f"cxlalloc.hf: kv_store: {why}; calls do no lookup and no store while it is "
-                              "there (counted in 'skipped_state'; said once)", KVReuseWarning, stacklevel=4)
+            self._skip_for_state(call, why, [why], lambda new: f"{why}; calls do no lookup and no store while it "
+                                                               "is there (counted in 'skipped_state'; said once)")
             return None
         conv_hit = 0
         if call.conversation_ok and expand == 1 and not call.beam and pads == [0] and ids.shape[0] == 1:
