@@ -73,6 +73,7 @@ import torch
 
 from cxlalloc.hf import store_io
 from cxlalloc.hf.cache import CxlCache
+from cxlalloc.hf.caller import user_stacklevel
 from cxlalloc.hf.conversation import ConversationMixin, _Conversation
 from cxlalloc.hf.forward_state import StateMemo, foreign_hooks, forward_state
 from cxlalloc.hf.layers import STOCK_KIND, CxlKVLayer
@@ -223,7 +224,7 @@ class PrefixReuse(ConversationMixin):
             self.off_reason = (f"prefix reuse stores decoder-only caches; {type(model).__name__} is an "
                                f"encoder-decoder model")
             warnings.warn(f"cxlalloc.hf.wrap: kv_store: {self.off_reason}; KV reuse is off for this model "
-                          "(generate() works as without kv_store)", KVReuseWarning, stacklevel=4)
+                          "(generate() works as without kv_store)", KVReuseWarning, stacklevel=user_stacklevel())
             return
         device = next(p.device for p in model.parameters())
         cache = CxlCache(config=model.config.get_text_config(decoder=True), allocator=self.allocator, max_cache_len=1,
@@ -243,7 +244,7 @@ class PrefixReuse(ConversationMixin):
                 self.off_reason = (f"prefix reuse needs every cache layer to be full attention with its K/V in "
                                    f"cxlalloc (a stored block holds only those); {type(model).__name__} has {what}")
                 warnings.warn(f"cxlalloc.hf.wrap: kv_store: {self.off_reason}; KV reuse is off for this model "
-                              "(generate() works as without kv_store)", KVReuseWarning, stacklevel=4)
+                              "(generate() works as without kv_store)", KVReuseWarning, stacklevel=user_stacklevel())
                 return
             slots = []
             for layer in kv:
@@ -324,7 +325,7 @@ class PrefixReuse(ConversationMixin):
             if new:
                 warnings.warn(f"cxlalloc.hf: kv_store: generate({', '.join(new)}=...) can change K/V without "
                               "changing the token ids, which is all a block key covers; such calls do no lookup "
-                              "and no store (said once per argument)", KVReuseWarning, stacklevel=4)
+                              "and no store (said once per argument)", KVReuseWarning, stacklevel=user_stacklevel())
         hooks = foreign_hooks(self.model) if call.enabled and enabled else []
         if hooks:
             self._skip_for_state(call, f"forward hooks of unknown effect on K/V: {', '.join(hooks[:3])}", hooks,
@@ -352,8 +353,7 @@ class PrefixReuse(ConversationMixin):
             new = [i for i in items if i not in self._warned_state]
             self._warned_state.update(new)
         if new:
-            # stacklevel 5: this method, its caller (begin/load), the generate() wrapper, then the user's call
-            warnings.warn("cxlalloc.hf: kv_store: " + warning(new), KVReuseWarning, stacklevel=5)
+            warnings.warn("cxlalloc.hf: kv_store: " + warning(new), KVReuseWarning, stacklevel=user_stacklevel())
 
     def skip(self, reason: str) -> None:
         """This call does no lookup and no store (``reason`` is recorded)."""
@@ -505,7 +505,7 @@ class PrefixReuse(ConversationMixin):
             self._warned_corrupt = True
             warnings.warn(f"cxlalloc.hf: kv_store: {len(keys)} stored block(s) failed their checksum on load; "
                           "they were dropped and recomputed (counted in reuse counters 'corrupt_blocks'; said "
-                          "once)", KVReuseWarning, stacklevel=5)
+                          "once)", KVReuseWarning, stacklevel=user_stacklevel())
         store_io.discard(self.store, ns, keys)
 
     def finish(self, output, error: bool) -> None:

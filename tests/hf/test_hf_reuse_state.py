@@ -187,3 +187,28 @@ def test_the_memo_gives_the_plain_digest_under_every_kind_of_change(fresh_sim):
     m.model.layers[0].eval()
     assert check() in seen
     assert check() == check() and memo.encoded == base + 1  # nothing changed: the container holders (+ norm.tbl)
+
+
+def test_reuse_off_warnings_point_at_the_line_calling_generate(fresh_sim):
+    """The hook and the undigestable-state warnings name the user's generate() line (fixed stacklevels named
+    ``sys`` and transformers' utils.py: the frames between differ by path)."""
+    torch.manual_seed(0)
+    m = tiny_llama()
+    wrap(m)
+    p = prompt()
+    said = []
+    handle = m.model.layers[0].register_forward_hook(lambda mod, args, out: out)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        m.generate(input_ids=p, **KW)
+    said += w
+    handle.remove()
+    m.model.layers[1].self_attn.helper_table = [[[[1.0]]]]  # nested 4 deep: state no digest covers
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        m.generate(input_ids=p, **KW)
+    said += w
+    said = [x for x in said if issubclass(x.category, KVReuseWarning)]
+    assert [("forward hooks" in str(x.message), "nested" in str(x.message)) for x in said] == [(True, False),
+                                                                                              (False, True)]
+    assert [x.filename for x in said] == [__file__] * 2, [(x.filename, x.lineno) for x in said]
