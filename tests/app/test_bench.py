@@ -949,6 +949,39 @@ def test_engines_mp_rerun_record_is_on_the_method_and_docs_quote_its_table():
         assert eng.markdown(rec) in f.read()
 
 
+ENGINES_QUIET_RECORD = "benchmarks/results/engines-cpu-2026-12-04/engines.json"
+
+
+def test_engines_quiet_rerun_record_is_on_the_method_and_docs_quote_its_table():
+    """The quiet rerun of the connector and vLLM-offloading groups (docs/engines.md, benchmarks/README.md): those two
+    groups at every prefix size on >= 5 timed rounds, each hit got its whole prefix, the pool hit's first token is
+    LMCache's local CPU hit's in every round, the verdicts are the ones the docs state, and both docs carry
+    ``engines.markdown`` of it."""
+    from cxlalloc_apps.bench import engines as eng
+    from cxlalloc_apps.bench.method import MIN_ROUNDS
+
+    with open(os.path.join(ROOT, ENGINES_QUIET_RECORD)) as f:
+        rec = json.load(f)
+    assert meta.validate_record(rec) == [] and rec["status"] == "ok" and rec["parameters"]["quick"] is False
+    comps = [r for r in rec["results"] if r["kind"] == "comparison"]
+    assert {(r["group"], r["prefix_tokens"]) for r in comps} == {(g, s) for g in ("lmcache", "vllm_tier")
+                                                                 for s in eng.SIZES}
+    assert all(r["comparison"]["rounds"] >= MIN_ROUNDS for r in comps)
+    assert {(r["group"], r["prefix_tokens"]): r["goals"][0]["verdict"] for r in comps} == {
+        ("lmcache", 1024): "met", ("lmcache", 2048): "met", ("lmcache", 4096): "within noise",
+        ("lmcache", 7936): "missed", **{("vllm_tier", s): "met" for s in eng.SIZES}}
+    reqs = [r for r in rec["results"] if r["kind"] == "request"]
+    assert reqs and all(r["cached_tokens"] == (0 if r["arm"] == "no_cache" else r["prefix_tokens"]) for r in reqs)
+    first = {}
+    for r in reqs:
+        first.setdefault((r["group"], r["prefix_tokens"], r["round"]), {})[r["arm"]] = r["first_token"]
+    same = [a.get("cxlalloc_lmcache", a.get("cxlalloc_vllm_tier")) == a["lmcache_local_cpu"] for a in first.values()]
+    assert len(same) == 48 and all(same)
+    for doc in ("docs/engines.md", "benchmarks/README.md"):
+        with open(os.path.join(ROOT, doc)) as f:
+            assert eng.markdown(rec) in f.read(), doc
+
+
 def test_lmcache_get_record_table_and_plot_from_per_round_ratios(tmp_path):
     """bench --only lmcache_get: the README table comes from the method's per-round ratios (a retrieve at half the
     local CPU backend's rate in every round is 0.5x and misses the 0.8x goal), and the record plots."""
