@@ -20,9 +20,7 @@ Things transformers' server does not do are done here:
   transformers' handler sees it: an empty ``messages``, ``max_tokens <= 0``,
   ``n > 1``, an out-of-range ``temperature``/``top_p``/penalty, or a field this
   server would ignore (``logprobs``, ``presence_penalty``, ...) set to something
-  else than its default, more than 4 ``stop`` strings, or any ``stop`` with continuous
-  batching (transformers' paged generation has none; ``generate()`` applies them,
-  the answer cut before the first) is an HTTP 400 in OpenAI's error form
+  else than its default, or more than 4 ``stop`` strings is an HTTP 400 in OpenAI's error form
   (``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``)
   naming the field, never a 500 or a silent change; every other 4xx (a ``model``
   not served: 404 ``model_not_found``, a body that is not UTF-8, an unknown
@@ -52,8 +50,7 @@ from cxlalloc.hf.serving_drain import DRAIN_TASK_WAIT_S, FORCE_QUIT_CANCEL, Disc
 from cxlalloc.hf.serving_http import header_timeout_protocol
 from cxlalloc.hf.serving_managers import guarded_cb_manager, stoppable_generate_manager
 from cxlalloc.hf.serving_metrics import add_metrics
-from cxlalloc.hf.serving_requests import (PROMPT_PARAM, InvalidRequest, openai_error, refuse_stop_with_continuous_batching,
-                                         request_models, validate_request)
+from cxlalloc.hf.serving_requests import PROMPT_PARAM, InvalidRequest, openai_error, request_models, validate_request
 
 STATS_ROUTE = "/v1/cxlalloc/stats"
 DEFAULT_HEADER_TIMEOUT_S = 30.0
@@ -225,8 +222,6 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
             PROMPT_PARAM.set("messages")
             validate_request("chat", body)
             check_model(self.model_manager, body)
-            if continuous_batching:
-                refuse_stop_with_continuous_batching(body)
             super()._validate_request(body)
 
     class CheckedCompletion(_ListedName, completion_mod.CompletionHandler):
@@ -236,8 +231,6 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
             PROMPT_PARAM.set("prompt")
             validate_request("completion", body)
             check_model(self.model_manager, body)
-            if continuous_batching:
-                refuse_stop_with_continuous_batching(body)
             super()._validate_request(body)
 
     def build_server(*args, **kwargs):

@@ -1,5 +1,5 @@
 """transformers' generation managers as ``cxlalloc serve`` runs them (:mod:`cxlalloc.hf.serving`): the
-continuous-batching manager with its guards and cancellation (:func:`guarded_cb_manager`), and the
+continuous-batching manager with its guards, cancellation and ``stop`` strings (:func:`guarded_cb_manager`), and the
 one-``generate()``-at-a-time manager whose cancelled request stops at its next token
 (:func:`stoppable_generate_manager`); both refuse a request over the model's context (:func:`check_context`).
 """
@@ -7,6 +7,7 @@ one-``generate()``-at-a-time manager whose cancelled request stops at its next t
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from typing import Optional
 
@@ -86,9 +87,10 @@ class StopTrimQueue:
     held back until it cannot.  ``get``/``get_nowait`` as ``asyncio.Queue``'s (transformers' SSE generators use
     these two); items that are not plain text (tool calls, errors, the end) pass through."""
 
-    def __init__(self, inner: asyncio.Queue, stop) -> None:
+    def __init__(self, inner: asyncio.Queue, stop, on_stop=None) -> None:
         self.inner, self.stops = inner, [s for s in ([stop] if isinstance(stop, str) else stop) if s]
         self.pending, self.stopped, self.ready = "", False, []
+        self.on_stop = on_stop  # called once, when the first stop string is seen (continuous batching ends there)
 
     def _take(self, item) -> None:
         if type(item) is not str:  # None (the end), an error, a tool call, reasoning text: flush, pass on
@@ -105,6 +107,8 @@ class StopTrimQueue:
             self.stopped, self.pending = True, ""
             if cut:
                 self.ready.append(cut)
+            if self.on_stop is not None:
+                self.on_stop()
             return
         hold = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
         self.pending = text[len(text) - hold:] if hold else ""
@@ -135,7 +139,12 @@ def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
       blocks freed, it leaves the scheduler at the worker's next step) and counted in
       ``status.engine_cancelled``.
       transformers 5.24 does this for a streamed request only (its SSE generator's ``streamer.cancel()``);
-      a non-streamed request ran to its end.
+      a non-streamed request ran to its end;
+    * ``stop`` strings, which transformers 5.24's paged generation does not have: the answer's text is checked
+      as it is decoded (:class:`StopTrimQueue`, a non-streamed request run as a stream), and at the first stop
+      string the request is cancelled in the worker (not counted as a cancellation) and the answer ends
+      before it, ``finish_reason`` "stop", as OpenAI's; the worker's shared generation config never takes the
+      first request's stop strings.
     """
 
     class GuardedCBManager(base):
@@ -146,8 +155,9 @@ def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
             if status is not None:
                 status.managers.append(self)
 
-        def _cancel(self, request_id: str) -> None:
-            """Cancel ``request_id`` in the continuous-batching manager, drop its result handler, count it."""
+        def _cancel(self, request_id: str, count: bool = True) -> None:
+            """Cancel ``request_id`` in the continuous-batching manager, drop its result handler; ``count``: a
+            cancellation (its client went away), not a request that ended at a stop string."""
             cb = self._cb
             if cb is None:
                 return
@@ -156,10 +166,15 @@ def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
             if router is not None:
                 with router._lock:
                     router.result_handlers.pop(request_id, None)
-            if status is not None:
+            if status is not None and count:
                 status.count(engine="continuous_batching")
 
         def init_cb(self, model, gen_config) -> None:
+            if getattr(gen_config, "stop_strings", None):
+                # The worker's shared config comes from the first request: its stop strings are that request's
+                # (applied below per request), never every later request's.
+                gen_config = copy.copy(gen_config)
+                gen_config.stop_strings = None
             self._model, self._gen_config = model, gen_config
             super().init_cb(model, gen_config)
 
@@ -210,15 +225,63 @@ def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
                     self._cancel(request_id)
 
             streamer.end, streamer.cancel = end, cancel
-            return queue, streamer
+            stop = getattr(gen_config, "stop_strings", None)
+            if not stop:
+                return queue, streamer
+
+            def stopped() -> None:
+                """The answer reached a stop string: the request ends there, as OpenAI's does (its blocks freed
+                in the worker at its next step), and the stream ends."""
+                if not state["ended"] and not state["cancelled"]:
+                    state["cancelled"] = True
+                    self._cancel(request_id, count=False)
+                    end()
+
+            return StopTrimQueue(queue, stop, on_stop=stopped), streamer
 
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
             self._check_fits(model, inputs, gen_config)
+            if getattr(gen_config, "stop_strings", None):
+                return await self._until_stop(model, processor, inputs, gen_config, request_id)
             try:
                 return await super().generate_non_streaming(model, processor, inputs, gen_config, request_id)
             except asyncio.CancelledError:  # the client went away, or the drain deadline ran out
                 self._cancel(request_id)
                 raise
+
+        async def _until_stop(self, model, processor, inputs, gen_config, request_id):
+            """A non-streamed request with ``stop``: run as a stream, so the answer is checked as it grows and the
+            request ends at the first stop string instead of running to ``max_tokens``; returns what
+            transformers' ``generate_non_streaming`` does, ``(text, prompt tokens, generated token ids)``, the
+            text cut before the stop string (the ids: every token the worker made, the stop string's included)."""
+            queue, streamer = self.generate_streaming(model, processor, inputs, gen_config, request_id)
+            ids: list = []
+            base_put = streamer.put
+
+            def put(output) -> None:
+                ids[:] = output.generated_tokens  # cumulative: every token of the request so far
+                base_put(output)
+
+            streamer.put = put
+            parts = []
+            try:
+                while True:
+                    item = await queue.get()
+                    if item is None:
+                        break
+                    if isinstance(item, str):
+                        parts.append(item)
+                    elif type(item).__name__ == "_StreamError":  # transformers' failed request, as its own path
+                        cb = self._cb
+                        if cb is not None and cb.background_thread_status.fatal_error is not None:
+                            from transformers.cli.serving.utils import CBWorkerDeadError
+
+                            raise CBWorkerDeadError(f"CB worker died during request {request_id}: {item.msg}")
+                        raise RuntimeError(f"CB generation failed for {request_id}: {item.msg}")
+            except asyncio.CancelledError:  # the client went away, or the drain deadline ran out
+                streamer.cancel()
+                raise
+            return "".join(parts), prompt_tokens(inputs), list(ids)
 
     return GuardedCBManager
 

@@ -70,20 +70,6 @@ _MODELS: Dict[str, Any] = {}
 MAX_STOP = 4  # OpenAI's limit on ``stop`` sequences
 
 
-def refuse_stop_with_continuous_batching(body: dict) -> None:
-    """Refuse a ``stop`` the continuous-batching manager would ignore (transformers 5.24's paged generation has no
-    stop strings: the answer ran past them, ``finish_reason`` "stop").  ``stop`` null or ``[]`` asks nothing.
-
-    Raises:
-        InvalidRequest: 400 naming ``stop``; ``--no-continuous-batching`` (``generate()``) applies it.
-    """
-    stop = body.get("stop")
-    if stop is not None and stop != []:
-        raise InvalidRequest("stop", f"stop: not supported with continuous batching (got {stop!r}): transformers' "
-                                     "paged generation has no stop strings; serve with --no-continuous-batching "
-                                     "to apply them", code="unsupported_value")
-
-
 def request_models():
     """The pydantic models of the request bodies checked here: ``(ChatRequest, CompletionRequest)``.
 

@@ -267,10 +267,8 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     ("chat/completions", {"temperature": "hot"}, "temperature"),  # not "temperature.int" (a union member's name)
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ("completions", {"prompt": "hi", "top_p": "high"}, "top_p"),
-    ("chat/completions", {"stop": ["Paris"]}, "stop"),  # continuous batching has no stop strings: refused
-    ("chat/completions", {"stop": "Paris", "stream": True}, "stop"),
-    ("completions", {"prompt": "hi", "stop": ["\n"]}, "stop"),
     ("chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # OpenAI's limit: 4
+    ("completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("chat/completions", b"{not json", "body"),
     ("chat/completions", b"[1, 2]", "body"),
 ])
@@ -293,9 +291,8 @@ def test_bad_request_is_400_naming_the_field_and_the_next_good_one_answers(serve
     err = json.loads(e.value.read())["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
     assert err["message"].startswith(param + ":"), err
-    if param == "stop":  # never a silent no-op: the limit, or the mode that applies stop, is named
-        assert ("at most 4" in err["message"] if change["stop"] == ["a", "b", "c", "d", "e"]
-                else "--no-continuous-batching" in err["message"]), err
+    if param == "stop":  # the limit is named
+        assert "at most 4" in err["message"], err
     ok = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(
         dict(GOOD, temperature=0)).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(ok, timeout=120) as r:
@@ -395,6 +392,48 @@ def test_prometheus_metrics_count_requests_tokens_ttft_and_the_tiers(served_defa
     assert _sample(after, "cxlalloc_cb_scheduled_requests_total") == cb["scheduled_requests"] >= 2
     assert _sample(after, "cxlalloc_limit_bytes", tier="device") == st["device"]["limit_bytes"] > 0
     assert _sample(after, "cxlalloc_cb_kv_peak_bytes", tier="device") == cb["peak_kv_device_bytes"] > 0
+
+
+def test_continuous_batching_stop_ends_the_answer_and_the_request_at_the_stop_string(served_default):
+    """With continuous batching (the default) ``stop`` applies as OpenAI's does, though transformers 5.24's paged
+    generation has no stop strings: through the real ``openai`` client on the shipped SmolLM2, the answer, streamed
+    and not, chat and completions, ends before the first stop string with ``finish_reason`` "stop"; the request
+    ends there in the worker (fewer completion tokens than without stop, the scheduler empty after, not counted as
+    a cancellation); a request without stop running beside it gets its whole answer."""
+    import concurrent.futures
+
+    import openai
+
+    port = served_default[0]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+    ask = dict(model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+               max_tokens=24, temperature=0)
+    plain = client.chat.completions.create(**ask)
+    full = plain.choices[0].message.content
+    assert "Paris" in full, full
+    cut = full[:full.index("Paris")]
+    before = _sample(_metrics(port), "cxlalloc_serve_engine_cancelled_requests_total")
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:  # the stopped request and a whole one side by side
+        other = ex.submit(client.chat.completions.create, **ask)
+        r = client.chat.completions.create(stop=["Paris"], **ask)
+        assert other.result().choices[0].message.content == full
+    assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop", r
+    assert r.usage.completion_tokens < plain.usage.completion_tokens, (r.usage, plain.usage)
+    chunks = list(client.chat.completions.create(stop="Paris", stream=True, **ask))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == cut
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    prompt = dict(model=model, prompt="The capital of France is", max_tokens=16, temperature=0)
+    text = client.completions.create(**prompt).choices[0].text
+    word = next(w for w in text.split() if len(w) > 3)  # a word the answer holds after its start
+    stopped = client.completions.create(stop=[word], **prompt).choices[0]
+    assert stopped.text == text[:text.index(word)] and stopped.finish_reason == "stop", (stopped, text)
+    deadline = time.time() + 30
+    while _sample(_metrics(port), "cxlalloc_serve_cb_requests") and time.time() < deadline:
+        time.sleep(0.2)
+    m = _metrics(port)
+    assert _sample(m, "cxlalloc_serve_cb_requests") == 0  # the stopped requests left the scheduler
+    assert _sample(m, "cxlalloc_serve_engine_cancelled_requests_total") == before  # a stop is not a cancellation
 
 
 def test_a_stalled_request_head_gets_408_and_the_server_goes_on(served_default):
@@ -596,6 +635,28 @@ def test_a_port_taken_while_the_model_loads_is_exit_2_naming_the_port(tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("cxlalloc serve: error: --host 127.0.0.1 --port") and f"--port {port}" in last, last
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_continuous_batching_worker_config_never_takes_the_first_requests_stop_strings():
+    """The worker's shared generation config comes from the first request (transformers' ``init_cb``): its stop
+    strings are dropped there (applied per request), the request's own config left as it was."""
+    from transformers import GenerationConfig
+
+    from cxlalloc.hf.serving_managers import guarded_cb_manager
+
+    seen = []
+
+    class Base:
+        def __init__(self, *a, **k):
+            self._cb = None
+
+        def init_cb(self, model, gen_config):
+            seen.append(gen_config)
+
+    mgr = guarded_cb_manager(Base, stats=None)()
+    first = GenerationConfig(max_new_tokens=8, stop_strings=["Paris"])
+    mgr.init_cb("model", first)
+    assert seen[0].stop_strings is None and seen[0].max_new_tokens == 8 and first.stop_strings == ["Paris"]
 
 
 def test_without_continuous_batching_stop_ends_the_answer_before_the_stop_string(tmp_path):
