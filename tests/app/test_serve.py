@@ -436,6 +436,53 @@ def test_continuous_batching_stop_ends_the_answer_and_the_request_at_the_stop_st
     assert _sample(m, "cxlalloc_serve_engine_cancelled_requests_total") == before  # a stop is not a cancellation
 
 
+def test_continuous_batching_stop_is_seen_at_its_token_when_the_event_loop_lags_the_worker(served_default):
+    """The stop string is checked as each token's text is decoded, not when the handler reads it: while a huge
+    prompt's tokenization holds the event loop, the worker runs ahead, and the stopped request still reports
+    ``finish_reason`` "stop" and the completion tokens it has alone (up to the stop's token), streamed and not.
+    It used to report "length" and ``max_tokens`` tokens (the worker's outputs past the stop were counted)."""
+    import openai
+
+    port = served_default[0]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+    ask = dict(model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+               max_tokens=16, temperature=0, stop=["Paris"])
+    alone = client.chat.completions.create(**ask)
+    assert alone.choices[0].finish_reason == "stop" and alone.usage.completion_tokens < 16, alone
+    huge = json.dumps({"model": model, "messages": [{"role": "user", "content": "word " * 400_000}],
+                       "max_tokens": 4}).encode()  # ~1 s of tokenization on the event loop, then a 400
+
+    def hold_the_loop():
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", huge,
+                                     {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError, match="400"):
+            urllib.request.urlopen(req, timeout=120)
+
+    for stream in (False, True):
+        got = {}
+
+        def ask_stopped():
+            if stream:
+                chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                             **ask))
+                got["text"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                got["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+                got["tokens"] = [c.usage.completion_tokens for c in chunks if c.usage][-1]
+            else:
+                r = client.chat.completions.create(**ask)
+                got.update(text=r.choices[0].message.content, finish=r.choices[0].finish_reason,
+                           tokens=r.usage.completion_tokens)
+
+        t = threading.Thread(target=ask_stopped)
+        t.start()
+        time.sleep(0.05)
+        hold_the_loop()
+        t.join(120)
+        assert got == {"text": alone.choices[0].message.content, "finish": "stop",
+                       "tokens": alone.usage.completion_tokens}, (stream, got)
+
+
 def test_a_stalled_request_head_gets_408_and_the_server_goes_on(served_default):
     """A client that sends half a request head and stalls (slowloris): 408 and
     the connection closed after --header-timeout (2 s here), while a whole
