@@ -269,6 +269,8 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     ("completions", {"prompt": "hi", "top_p": "high"}, "top_p"),
     ("chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # OpenAI's limit: 4
     ("completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("chat/completions", {"stop": ""}, "stop"),  # matched before the first token without continuous batching
+    ("completions", {"prompt": "hi", "stop": ["a", ""]}, "stop"),
     ("chat/completions", b"{not json", "body"),
     ("chat/completions", b"[1, 2]", "body"),
 ])
@@ -291,8 +293,8 @@ def test_bad_request_is_400_naming_the_field_and_the_next_good_one_answers(serve
     err = json.loads(e.value.read())["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
     assert err["message"].startswith(param + ":"), err
-    if param == "stop":  # the limit is named
-        assert "at most 4" in err["message"], err
+    if param == "stop":  # the limit, or the empty string, is named
+        assert ("at most 4" if len(change["stop"]) > 4 else "an empty string") in err["message"], err
     ok = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(
         dict(GOOD, temperature=0)).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(ok, timeout=120) as r:
