@@ -82,10 +82,12 @@ def cut_at_stop(text: str, stop) -> str:
 
 
 class StopTrimQueue:
-    """The streamed answer's text queue (transformers' ``DirectStreamer`` fills ``inner`` with text pieces, then
-    None) with the first stop string and what follows it left out: text that could still begin a stop string is
-    held back until it cannot.  ``get``/``get_nowait`` as ``asyncio.Queue``'s (transformers' SSE generators use
-    these two); items that are not plain text (tool calls, errors, the end) pass through."""
+    """The streamed answer's text queue (transformers' streamer fills ``inner`` with text pieces, then None) with
+    the first stop string and what follows it left out: text that could still begin a stop string is held back
+    until it cannot.  Read side: ``get``/``get_nowait`` as ``asyncio.Queue``'s (transformers' SSE generators use
+    these two).  Write side: ``put_nowait`` filters each piece as the streamer puts it, into ``inner``, which the
+    reader then reads itself: the stop is seen at the token that completes it, however far behind the reader is.
+    Items that are not plain text (tool calls, errors, the end) pass through."""
 
     def __init__(self, inner: asyncio.Queue, stop, on_stop=None) -> None:
         self.inner, self.stops = inner, [s for s in ([stop] if isinstance(stop, str) else stop) if s]
@@ -114,6 +116,12 @@ class StopTrimQueue:
         self.pending = text[len(text) - hold:] if hold else ""
         if len(text) > hold:
             self.ready.append(text[:len(text) - hold])
+
+    def put_nowait(self, item) -> None:
+        """Filter ``item`` (a text piece, or anything else: passed on) into ``inner`` (write side)."""
+        self._take(item)
+        while self.ready:
+            self.inner.put_nowait(self.ready.pop(0))
 
     async def get(self):
         while not self.ready:
@@ -212,12 +220,13 @@ def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
                                                          response_parser=response_parser)
             # transformers' SSE generator calls streamer.cancel() when the response is cancelled; cancel once,
             # and only a request still running (not one whose last token was already delivered)
-            state = {"ended": False, "cancelled": False}
-            base_end = streamer.end
+            state = {"ended": False, "cancelled": False, "stop_at": None}
+            base_end, base_put = streamer.end, streamer.put
 
             def end() -> None:
-                state["ended"] = True
-                base_end()
+                if not state["ended"]:  # once: a stopped request's last output may still come, finished
+                    state["ended"] = True
+                    base_end()
 
             def cancel() -> None:
                 if not state["ended"] and not state["cancelled"]:
@@ -231,13 +240,28 @@ def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
 
             def stopped() -> None:
                 """The answer reached a stop string: the request ends there, as OpenAI's does (its blocks freed
-                in the worker at its next step), and the stream ends."""
+                in the worker at its next step), its tokens counted up to the one that completed the stop string,
+                and the stream ends."""
+                state["stop_at"] = streamer.total_tokens
                 if not state["ended"] and not state["cancelled"]:
                     state["cancelled"] = True
                     self._cancel(request_id, count=False)
-                    end()
+                end()
 
-            return StopTrimQueue(queue, stop, on_stop=stopped), streamer
+            def put(output) -> None:
+                """The worker's outputs, on the event loop: none after the stop (the worker may have run ahead of
+                the loop, its outputs already scheduled); ``total_tokens`` ends at the stop's token."""
+                if state["stop_at"] is None:
+                    base_put(output)
+                if state["stop_at"] is not None:
+                    streamer.total_tokens = state["stop_at"]
+
+            # the stop is checked as the streamer puts each token's text (CBStreamer's queue, transformers 5.24),
+            # not when the handler reads it: a reader behind the worker saw it tokens late, with finish_reason
+            # "length" and usage counting tokens past the stop
+            streamer._queue = StopTrimQueue(queue, stop, on_stop=stopped)
+            streamer.put = put
+            return queue, streamer
 
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
             self._check_fits(model, inputs, gen_config)
@@ -253,14 +277,14 @@ def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
             """A non-streamed request with ``stop``: run as a stream, so the answer is checked as it grows and the
             request ends at the first stop string instead of running to ``max_tokens``; returns what
             transformers' ``generate_non_streaming`` does, ``(text, prompt tokens, generated token ids)``, the
-            text cut before the stop string (the ids: every token the worker made, the stop string's included)."""
+            text cut before the stop string (the ids: the tokens up to the one that completed the stop string)."""
             queue, streamer = self.generate_streaming(model, processor, inputs, gen_config, request_id)
             ids: list = []
             base_put = streamer.put
 
             def put(output) -> None:
-                ids[:] = output.generated_tokens  # cumulative: every token of the request so far
                 base_put(output)
+                ids[:] = output.generated_tokens[:streamer.total_tokens]  # cumulative, up to the stop
 
             streamer.put = put
             parts = []

@@ -113,6 +113,11 @@ def request_models():
             if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
                 raise InvalidRequest("stop", f"stop: at most {MAX_STOP} stop sequences (OpenAI's limit; got "
                                              f"{len(self.stop)})")
+            if self.stop == "" or (isinstance(self.stop, list) and "" in self.stop):
+                # transformers' stop strings matched it at the first token (a 1-token answer, not cut); continuous
+                # batching ignored it: refused in both modes, as vLLM does
+                raise InvalidRequest("stop", "stop: an empty string cannot be a stop sequence (it would match "
+                                             "before the first token); send non-empty strings or no stop")
             return self
 
     class ChatRequest(Sampling):

@@ -269,6 +269,8 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     ("completions", {"prompt": "hi", "top_p": "high"}, "top_p"),
     ("chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # OpenAI's limit: 4
     ("completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("chat/completions", {"stop": ""}, "stop"),  # matched before the first token without continuous batching
+    ("completions", {"prompt": "hi", "stop": ["a", ""]}, "stop"),
     ("chat/completions", b"{not json", "body"),
     ("chat/completions", b"[1, 2]", "body"),
 ])
@@ -291,8 +293,8 @@ def test_bad_request_is_400_naming_the_field_and_the_next_good_one_answers(serve
     err = json.loads(e.value.read())["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
     assert err["message"].startswith(param + ":"), err
-    if param == "stop":  # the limit is named
-        assert "at most 4" in err["message"], err
+    if param == "stop":  # the limit, or the empty string, is named
+        assert ("at most 4" if len(change["stop"]) > 4 else "an empty string") in err["message"], err
     ok = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(
         dict(GOOD, temperature=0)).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(ok, timeout=120) as r:
@@ -434,6 +436,53 @@ def test_continuous_batching_stop_ends_the_answer_and_the_request_at_the_stop_st
     m = _metrics(port)
     assert _sample(m, "cxlalloc_serve_cb_requests") == 0  # the stopped requests left the scheduler
     assert _sample(m, "cxlalloc_serve_engine_cancelled_requests_total") == before  # a stop is not a cancellation
+
+
+def test_continuous_batching_stop_is_seen_at_its_token_when_the_event_loop_lags_the_worker(served_default):
+    """The stop string is checked as each token's text is decoded, not when the handler reads it: while a huge
+    prompt's tokenization holds the event loop, the worker runs ahead, and the stopped request still reports
+    ``finish_reason`` "stop" and the completion tokens it has alone (up to the stop's token), streamed and not.
+    It used to report "length" and ``max_tokens`` tokens (the worker's outputs past the stop were counted)."""
+    import openai
+
+    port = served_default[0]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+    ask = dict(model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+               max_tokens=16, temperature=0, stop=["Paris"])
+    alone = client.chat.completions.create(**ask)
+    assert alone.choices[0].finish_reason == "stop" and alone.usage.completion_tokens < 16, alone
+    huge = json.dumps({"model": model, "messages": [{"role": "user", "content": "word " * 400_000}],
+                       "max_tokens": 4}).encode()  # ~1 s of tokenization on the event loop, then a 400
+
+    def hold_the_loop():
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", huge,
+                                     {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError, match="400"):
+            urllib.request.urlopen(req, timeout=120)
+
+    for stream in (False, True):
+        got = {}
+
+        def ask_stopped():
+            if stream:
+                chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                             **ask))
+                got["text"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                got["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+                got["tokens"] = [c.usage.completion_tokens for c in chunks if c.usage][-1]
+            else:
+                r = client.chat.completions.create(**ask)
+                got.update(text=r.choices[0].message.content, finish=r.choices[0].finish_reason,
+                           tokens=r.usage.completion_tokens)
+
+        t = threading.Thread(target=ask_stopped)
+        t.start()
+        time.sleep(0.05)
+        hold_the_loop()
+        t.join(120)
+        assert got == {"text": alone.choices[0].message.content, "finish": "stop",
+                       "tokens": alone.usage.completion_tokens}, (stream, got)
 
 
 def test_a_stalled_request_head_gets_408_and_the_server_goes_on(served_default):
