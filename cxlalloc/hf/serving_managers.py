@@ -264,9 +264,9 @@ def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
             return queue, streamer
 
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
-            self._check_fits(model, inputs, gen_config)
-            if getattr(gen_config, "stop_strings", None):
+            if getattr(gen_config, "stop_strings", None):  # generate_streaming checks that it fits
                 return await self._until_stop(model, processor, inputs, gen_config, request_id)
+            self._check_fits(model, inputs, gen_config)
             try:
                 return await super().generate_non_streaming(model, processor, inputs, gen_config, request_id)
             except asyncio.CancelledError:  # the client went away, or the drain deadline ran out
