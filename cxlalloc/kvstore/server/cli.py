@@ -547,6 +547,16 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc kv-server") -> 
     except Exception as e:  # mapping the pool failed (size, memfd, mbind)
         print(f"cxlalloc kv-server: cannot create the pool: {e}", file=sys.stderr)
         return 1
+    # The stop handlers go in before the socket listens: a client (or a supervisor) that sees the
+    # server answer may stop it at once, and a SIGTERM landing between start() and the handlers
+    # killed it with the default action (exit -15, pool and socket file not cleaned up; seen in CI).
+    done = threading.Event()
+
+    def on_signal(signum, frame):
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         server.start()
     except ValueError as e:  # the socket path: a server already listening there, a regular file (usage: exit 2)
@@ -567,13 +577,6 @@ def main(argv: Optional[List[str]] = None, prog: str = "cxlalloc kv-server") -> 
             server.stop(0.1)
             print(f"cxlalloc kv-server: metrics: {e}", file=sys.stderr)
             return 1
-    done = threading.Event()
-
-    def on_signal(signum, frame):
-        done.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     log.info("ready: pool %s (%d bytes) on NUMA node %d (%s), chunks of %s, %s committed, socket %s (mode %s), "
              "pool %s, ready in %.0f ms%s%s", format_bytes(server.size), server.size, server.node, server.node_reason,
              format_bytes(server.chunk_bytes), format_bytes(server.committed_bytes()), server.socket_path,

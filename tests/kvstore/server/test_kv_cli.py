@@ -83,6 +83,26 @@ def test_busy_socket_exits_2_and_a_pool_beyond_the_node_warns(server_proc, sockd
     assert big.proc.wait(timeout=10) == 0
 
 
+def test_sigterm_as_soon_as_the_socket_appears_exits_0(sockdir):
+    """A SIGTERM that lands the moment the socket file exists (a supervisor that sees the
+    server up stops it at once) is a clean stop, exit 0, socket file gone: the stop handlers
+    go in before the socket listens.  CI once saw exit -15 here (the handlers went in after
+    the server answered), which left the socket file behind."""
+    for i in range(3):
+        sock = os.path.join(sockdir, f"early{i}.sock")
+        p = subprocess.Popen([sys.executable, "-m", "cxlalloc", "kv-server", "--size", "64MiB", "--chunk", "4MiB",
+                              "--socket", sock], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env=_env(), cwd=ROOT)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(sock) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        assert p.poll() is None, p.stderr.read()
+        p.send_signal(signal.SIGTERM)
+        err = p.communicate(timeout=20)[1]
+        assert p.returncode == 0, err
+        assert not os.path.exists(sock), "the socket file outlived a clean stop"
+
+
 def test_status_without_a_server_exits_1(sockdir):
     r = _run("--status", "--socket", os.path.join(sockdir, "none.sock"))
     assert r.returncode == 1 and "no server answers" in r.stderr
