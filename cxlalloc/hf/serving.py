@@ -25,6 +25,12 @@ Things transformers' server does not do are done here:
   naming the field, never a 500 or a silent change; every other 4xx (a ``model``
   not served: 404 ``model_not_found``, a body that is not UTF-8, an unknown
   field, route or method) has the same form (:func:`openai_error`);
+* ``/v1/responses`` is answered whole unless ``stream`` is true (OpenAI's default) and is checked like
+  the others; transformers' ``/reset``, ``/load_model`` (any client could unload the model, or load
+  another), ``/v1/systemone`` and ``/v1/audio/transcriptions`` are a 404 naming why
+  (:data:`REFUSED_ROUTES`);
+* a prompt of more than ``OFF_LOOP_PROMPT_CHARS`` characters is counted in a worker thread first, and
+  refused there when it fills the context, so its tokenization does not hold the event loop;
 * a client that goes away cancels its request where it is computed, streamed or
   not (:class:`cxlalloc.hf.serving_drain.DisconnectMiddleware`,
   :mod:`cxlalloc.hf.serving_managers`); a shutdown waits ``drain_timeout`` seconds
@@ -48,9 +54,11 @@ from typing import Any, Dict, Iterator, Optional
 from cxlalloc.extras import install_hint
 from cxlalloc.hf.serving_drain import DRAIN_TASK_WAIT_S, FORCE_QUIT_CANCEL, DisconnectMiddleware, ServeStatus
 from cxlalloc.hf.serving_http import header_timeout_protocol
-from cxlalloc.hf.serving_managers import guarded_cb_manager, stoppable_generate_manager
+from cxlalloc.hf.serving_managers import (OFF_LOOP_PROMPT_CHARS, guarded_cb_manager, refuse_prompt_over_context,
+                                          stoppable_generate_manager)
 from cxlalloc.hf.serving_metrics import add_metrics
-from cxlalloc.hf.serving_requests import PROMPT_PARAM, InvalidRequest, openai_error, request_models, validate_request
+from cxlalloc.hf.serving_requests import (LENGTH_PARAM, PROMPT_PARAM, InvalidRequest, openai_error, prompt_texts,
+                                          request_models, validate_request)
 
 STATS_ROUTE = "/v1/cxlalloc/stats"
 DEFAULT_HEADER_TIMEOUT_S = 30.0
@@ -167,7 +175,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
     import cxlalloc.hf as hf
 
     serve_mod, model_manager, server = serving_modules()
-    from transformers.cli.serving import chat_completion as chat_mod, completion as completion_mod
+    from transformers.cli.serving import chat_completion as chat_mod, completion as completion_mod, \
+        response as response_mod
 
     request_models()
     status = status if status is not None else ServeStatus()
@@ -215,22 +224,58 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
             forced = self.model_manager.force_model
             return (forced if forced is not None else model_id), loaded, processor
 
-    class CheckedChat(_ListedName, chat_mod.ChatCompletionHandler):
+    class _CountsLongPrompts:
+        """A prompt of more than :data:`OFF_LOOP_PROMPT_CHARS` characters is validated, then counted in a worker
+        thread, before transformers' handler tokenizes it on the event loop; one too long for the model is a 400
+        from that count, so one client's huge prompt no longer stalls every other client's stream."""
+
+        kind = "chat"
+
+        async def handle_request(self, body, request_id):
+            texts = prompt_texts(self.kind, body) if isinstance(body, dict) else []
+            if sum(map(len, texts)) > OFF_LOOP_PROMPT_CHARS:
+                self._validate_request(body)  # a bad field is named first, as for any request
+                _, model, processor = self._resolve_model(body)
+                await asyncio.to_thread(refuse_prompt_over_context, model, processor, texts, PROMPT_PARAM.get())
+            return await super().handle_request(body, request_id)
+
+    class CheckedChat(_CountsLongPrompts, _ListedName, chat_mod.ChatCompletionHandler):
         """transformers' chat handler behind :func:`validate_request`."""
 
         def _validate_request(self, body):
             PROMPT_PARAM.set("messages")
+            LENGTH_PARAM.set("max_completion_tokens" if isinstance(body, dict) and body.get("max_tokens") is None
+                             and body.get("max_completion_tokens") is not None else "max_tokens")
             validate_request("chat", body)
             check_model(self.model_manager, body)
             super()._validate_request(body)
 
-    class CheckedCompletion(_ListedName, completion_mod.CompletionHandler):
+    class CheckedCompletion(_CountsLongPrompts, _ListedName, completion_mod.CompletionHandler):
         """transformers' completion handler behind :func:`validate_request`."""
+
+        kind = "completion"
 
         def _validate_request(self, body):
             PROMPT_PARAM.set("prompt")
+            LENGTH_PARAM.set("max_tokens")
             validate_request("completion", body)
             check_model(self.model_manager, body)
+            super()._validate_request(body)
+
+    class CheckedResponse(_CountsLongPrompts, _ListedName, response_mod.ResponseHandler):
+        """transformers' Responses API handler behind :func:`validate_request`; a body without ``stream`` is
+        answered whole, as OpenAI's API does (transformers 5.24 streamed it: the ``openai`` client's
+        ``responses.create()`` got an SSE stream it could not read)."""
+
+        kind = "response"
+
+        def _validate_request(self, body):
+            PROMPT_PARAM.set("input")
+            LENGTH_PARAM.set("max_output_tokens")
+            validate_request("response", body)
+            check_model(self.model_manager, body)
+            if body.get("stream") is None:
+                body["stream"] = False
             super()._validate_request(body)
 
     def build_server(*args, **kwargs):
@@ -238,6 +283,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
         from fastapi.responses import JSONResponse
 
         app = base_build(*args, **kwargs)
+        refuse_routes(app)
 
         from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -339,7 +385,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
     with _swapped(uvicorn, "Config", config), _swapped(uvicorn, "Server", SignalledServer), \
             _swapped(model_manager, "ModelManager", TieredModelManager), _swapped(server, "build_server", build_server), \
             _swapped(chat_mod, "ChatCompletionHandler", CheckedChat), \
-            _swapped(completion_mod, "CompletionHandler", CheckedCompletion):
+            _swapped(completion_mod, "CompletionHandler", CheckedCompletion), \
+            _swapped(response_mod, "ResponseHandler", CheckedResponse):
         running = serve_mod.Serve(force_model=model, continuous_batching=continuous_batching, device=device,
                                   host=host, port=port, log_level=log_level, default_seed=default_seed,
                                   cb_block_size=cb.get("block_size"), cb_num_blocks=cb.get("num_blocks"),
@@ -354,6 +401,38 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, continuous_b
             state.shutdown()
     return running
 
+
+
+#: transformers 5.24's routes that ``cxlalloc serve`` does not serve, and why: each answers 404 in OpenAI's form
+REFUSED_ROUTES = {
+    "/reset": "it would unload the served model under every other client's requests (transformers' admin route); "
+              "restart the server instead",
+    "/load_model": "this server serves the one model it was started with (GET /v1/models), and a client may not "
+                   "make it load (or download) another; start another cxlalloc serve for another model",
+    "/v1/systemone": "transformers' typed-decision route is not part of OpenAI's API",
+    "/v1/audio/transcriptions": "the served model is a text-only causal LM",
+}
+#: the routes ``cxlalloc serve`` answers (named in the 404 of a route it refuses)
+SERVED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
+                 STATS_ROUTE)
+
+
+def refuse_routes(app) -> None:
+    """Replace :data:`REFUSED_ROUTES` in transformers' FastAPI ``app`` by a 404 in OpenAI's error form naming why
+    and the routes served (any method).  ``/reset`` and ``/load_model`` let any client unload the model or load
+    another (a download from the Hub) under every other client; the others do not apply to the served model."""
+    from starlette.routing import Route
+
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in REFUSED_ROUTES]
+
+    def refused(why: str):
+        async def endpoint(request):
+            raise InvalidRequest(None, f"{request.url.path}: not served by cxlalloc serve: {why}; it serves "
+                                       f"{', '.join(SERVED_ROUTES)}", status=404, code="not_found")
+        return endpoint
+
+    for path, why in REFUSED_ROUTES.items():
+        app.router.routes.append(Route(path, refused(why), methods=["GET", "POST", "PUT", "DELETE", "PATCH"]))
 
 
 def _short_name(manager, forced: str) -> str:

@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional
 
 from cxlalloc.hf.serving_requests import InvalidRequest
 
-COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 # how long a request cancelled at the drain deadline is waited for after its error was sent (its handler's own
 # clean-up); the process does not wait for it beyond this
 DRAIN_TASK_WAIT_S = 0.5

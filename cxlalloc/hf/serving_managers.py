@@ -12,7 +12,7 @@ import threading
 from typing import Optional
 
 from cxlalloc.hf.serving_drain import ServeStatus
-from cxlalloc.hf.serving_requests import PROMPT_PARAM, InvalidRequest
+from cxlalloc.hf.serving_requests import LENGTH_PARAM, PROMPT_PARAM, InvalidRequest
 
 
 def paged_capacity_tokens(stats: dict) -> Optional[int]:
@@ -37,20 +37,58 @@ def check_context(model, inputs, gen_config) -> None:
     ``generate()`` for a KV cache of tens of GiB).  Applies with and without continuous batching.
 
     Raises:
-        InvalidRequest: 400 naming the prompt's field (``messages`` or ``prompt``: :data:`PROMPT_PARAM`) when the
-            prompt alone fills the context, else ``max_tokens``, with the token counts and the limit.
+        InvalidRequest: 400 naming the prompt's field (``messages``, ``prompt`` or ``input``: :data:`PROMPT_PARAM`)
+            when the prompt alone fills the context, else the length field (``max_tokens``,
+            ``max_completion_tokens`` or ``max_output_tokens``: :data:`LENGTH_PARAM`), with the token counts and
+            the limit.
     """
     prompt, new = prompt_tokens(inputs), int(gen_config.max_new_tokens or 0)
-    param = PROMPT_PARAM.get()
+    param, length = PROMPT_PARAM.get(), LENGTH_PARAM.get()
     if prompt == 0:
-        what = "after the chat template " if param == "messages" else ""
+        what = "after the chat template " if param in ("messages", "input") else ""
         raise InvalidRequest(param, f"{param}: the prompt is empty {what}(0 tokens)")
     ctx = getattr(model.config, "max_position_embeddings", None)  # a transformers config field
     if isinstance(ctx, int) and prompt + new > ctx:
-        param = param if prompt >= ctx else "max_tokens"
-        raise InvalidRequest(param, f"{param}: the prompt ({prompt} tokens) plus max_tokens ({new}) is "
+        param = param if prompt >= ctx else length
+        raise InvalidRequest(param, f"{param}: the prompt ({prompt} tokens) plus {length} ({new}) is "
                                     f"{prompt + new} tokens, more than the model's context "
-                                    f"(max_position_embeddings {ctx}); shorten the prompt or lower max_tokens")
+                                    f"(max_position_embeddings {ctx}); shorten the prompt or lower {length}")
+
+
+#: characters of prompt text above which a request's prompt is counted in a worker thread before transformers'
+#: handler tokenizes it on the event loop: tokenizing 2 MB of text held the loop 1.3 s (every other request's
+#: stream stalled that long); below this, transformers' own tokenization takes ~20 ms at most (0.6 us/char here)
+OFF_LOOP_PROMPT_CHARS = 32 * 1024
+#: tokens a text piece may lose when the chat template puts it between its own tokens (a merge at each end)
+TEMPLATE_MERGE_SLACK = 4
+
+
+def refuse_prompt_over_context(model, processor, texts, param: str) -> None:
+    """Count the tokens of a request's prompt text (``texts``: its pieces, :func:`serving_requests.prompt_texts`)
+    and refuse it when even that lower bound fills the model's context.  Meant for a worker thread
+    (``asyncio.to_thread``): the tokenizer (HF tokenizers, Rust) lets the event loop run meanwhile (the loop's
+    longest pause was 40-50 ms while 2 MB were counted, against 1.3 s when transformers' handler tokenized
+    them on it).  A prompt under the bound is left to transformers' handler and :func:`check_context`.
+
+    Args:
+        model: the served model (``config.max_position_embeddings``: its context in tokens).
+        processor: its tokenizer or processor (``.tokenizer``).
+        texts: the prompt's text pieces (str).
+        param: the request field the 400 names (``messages``, ``prompt``, ``input``).
+
+    Raises:
+        InvalidRequest: 400 naming ``param``: the pieces' tokens, less :data:`TEMPLATE_MERGE_SLACK` per piece,
+            are the model's context or more.
+    """
+    ctx = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(ctx, int):
+        return
+    tok = getattr(processor, "tokenizer", processor)
+    counted = sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts)
+    at_least = counted - TEMPLATE_MERGE_SLACK * len(texts)
+    if at_least >= ctx:
+        raise InvalidRequest(param, f"{param}: the prompt is at least {at_least} tokens, more than the model's "
+                                    f"context (max_position_embeddings {ctx}); shorten the prompt")
 
 
 def check_stop_strings(processor, gen_config) -> None:
@@ -208,11 +246,12 @@ def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
             cap = paged_capacity_tokens(stats(model))
             prompt, new = prompt_tokens(inputs), int(gen_config.max_new_tokens or 0)
             if cap is not None and prompt + new > cap:
-                param = PROMPT_PARAM.get() if prompt >= cap else "max_tokens"
-                raise InvalidRequest(param, f"{param}: the prompt ({prompt} tokens) plus max_tokens ({new}) "
+                length = LENGTH_PARAM.get()
+                param = PROMPT_PARAM.get() if prompt >= cap else length
+                raise InvalidRequest(param, f"{param}: the prompt ({prompt} tokens) plus {length} ({new}) "
                                             f"needs {prompt + new} tokens of KV, more than the paged KV cache "
                                             f"holds ({cap} tokens: --cb-num-blocks x --cb-block-size); shorten "
-                                            "the prompt or lower max_tokens")
+                                            f"the prompt or lower {length}")
 
         def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
             self._check_fits(model, inputs, gen_config)

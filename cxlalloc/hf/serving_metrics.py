@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterable, Optional
 
 from cxlalloc.extras import install_hint
 
-ROUTES = ("/v1/chat/completions", "/v1/completions")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 METRICS_ROUTE = "/metrics"
 # seconds; TTFT on a CPU simulation runs from ~10 ms to tens of seconds
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -166,7 +166,8 @@ class _Watch:
                 obj = json.loads(payload)
             except ValueError:
                 continue
-            if any(_content(c) for c in obj.get("choices") or []):
+            if any(_content(c) for c in obj.get("choices") or []) or (
+                    obj.get("type") == "response.output_text.delta" and obj.get("delta")):  # /v1/responses
                 now = time.perf_counter()
                 self.first = self.first if self.first is not None else now
                 self.last = now
@@ -189,8 +190,9 @@ class _Watch:
             usage = json.loads(bytes(self.body)).get("usage") or {}
         except ValueError:
             return
-        m.output_tokens.labels(route=route).inc(int(usage.get("completion_tokens") or 0))
-        m.prompt_tokens.labels(route=route).inc(int(usage.get("prompt_tokens") or 0))
+        # /v1/responses names them input_tokens and output_tokens
+        m.output_tokens.labels(route=route).inc(int(usage.get("completion_tokens") or usage.get("output_tokens") or 0))
+        m.prompt_tokens.labels(route=route).inc(int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0))
 
 
 def _content(choice: dict) -> bool:

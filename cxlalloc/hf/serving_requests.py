@@ -13,6 +13,9 @@ from typing import Any, Dict, List, Literal, Optional, Union
 #: the request field holding the prompt (``"messages"`` on ``/v1/chat/completions``, ``"prompt"`` on
 #: ``/v1/completions``): set by the route's handler, read by the generation managers' checks to name it
 PROMPT_PARAM: "contextvars.ContextVar[str]" = contextvars.ContextVar("cxlalloc_prompt_param", default="messages")
+#: the request field holding the answer's length limit (``"max_tokens"``; ``"max_output_tokens"`` on
+#: ``/v1/responses``): named by the same checks when the prompt fits but the prompt plus that limit does not
+LENGTH_PARAM: "contextvars.ContextVar[str]" = contextvars.ContextVar("cxlalloc_length_param", default="max_tokens")
 
 
 class InvalidRequest(Exception):
@@ -71,7 +74,8 @@ MAX_STOP = 4  # OpenAI's limit on ``stop`` sequences
 
 
 def request_models():
-    """The pydantic models of the request bodies checked here: ``(ChatRequest, CompletionRequest)``.
+    """The pydantic models of the request bodies checked here: ``(ChatRequest, CompletionRequest,
+    ResponseRequest)`` (``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``).
 
     Built on first use (pydantic comes with the ``serve`` extra).  Only the
     fields whose values matter are declared; any other field is left to
@@ -83,7 +87,7 @@ def request_models():
     ``best_of``, ``echo``, ...) accept only their default value.
     """
     if _MODELS:
-        return _MODELS["chat"], _MODELS["completion"]
+        return _MODELS["chat"], _MODELS["completion"], _MODELS["response"]
     from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
     Number = Union[StrictInt, float]
@@ -107,6 +111,11 @@ def request_models():
         n: Optional[StrictInt] = Field(None, ge=1, le=1, description="one choice per request")
         presence_penalty: Optional[Number] = Field(None, ge=0, le=0, description="not supported: 0 only")
         user: Optional[StrictStr] = None
+
+        @model_validator(mode="after")
+        def _no_generation_config(self):
+            refuse_generation_config(self.model_extra)
+            return self
 
         @model_validator(mode="after")
         def _stop_count(self):
@@ -176,8 +185,91 @@ def request_models():
                                      f"supported by this server; it completes the prompt only (got {self.suffix!r})")
             return self
 
-    _MODELS.update(chat=ChatRequest, completion=CompletionRequest)
-    return ChatRequest, CompletionRequest
+    class ResponseRequest(BaseModel):
+        """OpenAI's Responses API body (``/v1/responses``), as far as transformers 5.24's handler applies it."""
+
+        model_config = ConfigDict(extra="allow")
+        model: Optional[StrictStr] = None
+        input: Union[StrictStr, List[dict]]
+        instructions: Optional[StrictStr] = None
+        max_output_tokens: Optional[StrictInt] = Field(None, gt=0)
+        temperature: Optional[Number] = Field(None, ge=0, le=2)
+        top_p: Optional[Number] = Field(None, gt=0, le=1)
+        seed: Optional[StrictInt] = None
+        stream: Optional[StrictBool] = None
+        # transformers' handler ignores these (UNUSED_RESPONSE_FIELDS, a warning in its log): only what it
+        # does anyway is accepted, anything else is refused, named
+        previous_response_id: None = Field(None, description="this server stores no responses")
+        background: Optional[Literal[False]] = None
+        include: Optional[List[Any]] = Field(None, max_length=0)
+        prompt: None = Field(None, description="no stored prompt templates")
+        top_logprobs: Optional[Literal[0]] = None
+        truncation: Optional[Literal["disabled"]] = None
+        tool_choice: Optional[Literal["auto"]] = None
+        max_tool_calls: None = Field(None, description="not enforced by this server")
+        service_tier: Optional[Literal["auto", "default"]] = None
+        user: Optional[StrictStr] = None
+        store: Optional[StrictBool] = None  # accepted; nothing is stored (previous_response_id is refused)
+
+        @model_validator(mode="after")
+        def _input(self):
+            refuse_generation_config(self.model_extra)
+            if self.input == "" or self.input == []:
+                raise InvalidRequest("input", "input: the input is empty; send a string or a list of messages")
+            fmt = ((self.model_extra or {}).get("text") or {}).get("format") \
+                if isinstance((self.model_extra or {}).get("text"), dict) else (self.model_extra or {}).get("text")
+            if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+                raise InvalidRequest("text", "text: only the format {'type': 'text'} is supported by this server "
+                                     f"(got {fmt!r})")
+            items = self.input if isinstance(self.input, list) else []
+            for i, item in enumerate(items):
+                if not isinstance(item, dict):
+                    raise InvalidRequest(f"input.{i}", f"input.{i}: an input item must be an object (got {item!r})")
+                for j, part in enumerate(item.get("content") if isinstance(item.get("content"), list) else ()):
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind not in ("input_text", "output_text", "text"):
+                        param = f"input.{i}.content.{j}.type"
+                        raise InvalidRequest(param, f"{param}: this server serves a text-only model; a content "
+                                             f"part must be input_text or output_text (got {kind!r})")
+            return self
+
+    _MODELS.update(chat=ChatRequest, completion=CompletionRequest, response=ResponseRequest)
+    return ChatRequest, CompletionRequest, ResponseRequest
+
+
+def prompt_texts(kind: str, body: dict) -> List[str]:
+    """The text pieces of a request's prompt (``kind``: ``"chat"``, ``"completion"`` or ``"response"``): each
+    message's string content or text parts, the completion's prompt, the Responses ``input`` and
+    ``instructions``; what is not text is left out.  The chat template's own text is not included."""
+    def parts(content) -> List[str]:
+        if isinstance(content, str):
+            return [content]
+        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)] \
+            if isinstance(content, list) else []
+
+    if kind == "completion":
+        return parts(body.get("prompt"))
+    if kind == "chat":
+        return [t for m in body.get("messages") or () if isinstance(m, dict) for t in parts(m.get("content"))]
+    inp = body.get("input")
+    items = [t for m in inp if isinstance(m, dict) for t in parts(m.get("content") if "content" in m else
+                                                                   m.get("output"))] \
+        if isinstance(inp, list) else parts(inp)
+    return items + parts(body.get("instructions"))
+
+
+def refuse_generation_config(extra: Optional[dict]) -> None:
+    """Refuse transformers' ``generation_config`` request field (a JSON ``GenerationConfig`` that replaces the
+    served model's whole generation config: its EOS tokens, ``max_new_tokens`` 20, beams and return sequences
+    that the server's answers cannot carry; bad JSON was a plain-text HTTP 500).  Not part of OpenAI's API.
+
+    Raises:
+        InvalidRequest: 400 naming ``generation_config`` when the field is present and not null.
+    """
+    if (extra or {}).get("generation_config") is not None:
+        raise InvalidRequest("generation_config", "generation_config: not accepted by this server (transformers' "
+                             "field replaces the served model's whole generation config, its EOS tokens included); "
+                             "use the route's OpenAI fields (max_tokens or max_output_tokens, temperature, top_p, seed, ...)")
 
 
 # pydantic's names of union members in an error's loc ("int", "float", "str", "list[dict[any,any]]")
@@ -187,7 +279,8 @@ _KIND = {"int": "an integer", "float": "a number", "str": "a string", "bool": "a
 
 
 def validate_request(kind: str, body: Any) -> None:
-    """Check a request body against :func:`request_models` (``kind``: ``"chat"`` or ``"completion"``).
+    """Check a request body against :func:`request_models` (``kind``: ``"chat"``, ``"completion"`` or
+    ``"response"``).
 
     Raises:
         InvalidRequest: the first field at fault, named, with its value and the
@@ -195,11 +288,11 @@ def validate_request(kind: str, body: Any) -> None:
     """
     from pydantic import ValidationError
 
-    chat, completion = request_models()
+    models = dict(zip(("chat", "completion", "response"), request_models()))
     if not isinstance(body, dict):
         raise InvalidRequest("body", f"the request body must be a JSON object (got {type(body).__name__})")
     try:
-        (chat if kind == "chat" else completion).model_validate(body)
+        models[kind].model_validate(body)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         # a validator raising InvalidRequest arrives wrapped
@@ -227,7 +320,15 @@ def validate_request(kind: str, body: Any) -> None:
                 "presence_penalty": "; presence_penalty is not supported (frequency_penalty is)",
                 "logprobs": "; log probabilities are not returned by this server",
                 "top_logprobs": "; log probabilities are not returned by this server",
-                "frequency_penalty": " (it becomes repetition_penalty = 1 + frequency_penalty)"}.get(loc[0] if loc
-                                                                                                   else "", "")
+                "frequency_penalty": " (it becomes repetition_penalty = 1 + frequency_penalty)",
+                # /v1/responses: what transformers' handler would have ignored
+                "previous_response_id": "; this server stores no responses: send the whole conversation in input",
+                "background": "; background responses are not supported",
+                "include": "; this server includes nothing extra in its responses",
+                "prompt": "; stored prompt templates are not supported: send the text in input",
+                "truncation": "; a prompt over the model's context is refused, not truncated",
+                "tool_choice": "; the model chooses whether to call a tool (auto) on this server",
+                "max_tool_calls": "; not enforced by this server",
+                "service_tier": "; this server has one tier"}.get(loc[0] if loc else "", "")
         raise InvalidRequest(param, f"{param}: {msg}{got}{hint}") from None
 

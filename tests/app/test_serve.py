@@ -271,6 +271,13 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     ("completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("chat/completions", {"stop": ""}, "stop"),  # matched before the first token without continuous batching
     ("completions", {"prompt": "hi", "stop": ["a", ""]}, "stop"),
+    # transformers' escape hatch: replaced the whole generation config (EOS included); bad JSON was a plain 500
+    ("chat/completions", {"generation_config": "{not json"}, "generation_config"),
+    ("completions", {"prompt": "hi", "generation_config": "{}"}, "generation_config"),
+    ("responses", {"input": ""}, "input"),
+    ("responses", {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),  # was ignored
+    ("responses", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ("responses", {"input": "hi", "generation_config": "{}"}, "generation_config"),
     ("chat/completions", b"{not json", "body"),
     ("chat/completions", b"[1, 2]", "body"),
 ])
@@ -282,7 +289,7 @@ def test_bad_request_is_400_naming_the_field_and_the_next_good_one_answers(serve
     if isinstance(change, bytes):
         data = change
     else:
-        body = dict(GOOD) if route == "chat/completions" else {"max_tokens": 4}
+        body = dict(GOOD) if route == "chat/completions" else {"max_tokens": 4} if route == "completions" else {}
         body.update(change)
         data = json.dumps(body).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/{route}", data=data,
@@ -439,10 +446,12 @@ def test_continuous_batching_stop_ends_the_answer_and_the_request_at_the_stop_st
 
 
 def test_continuous_batching_stop_is_seen_at_its_token_when_the_event_loop_lags_the_worker(served_default):
-    """The stop string is checked as each token's text is decoded, not when the handler reads it: while a huge
-    prompt's tokenization holds the event loop, the worker runs ahead, and the stopped request still reports
-    ``finish_reason`` "stop" and the completion tokens it has alone (up to the stop's token), streamed and not.
-    It used to report "length" and ``max_tokens`` tokens (the worker's outputs past the stop were counted)."""
+    """The stop string is checked as each token's text is decoded, not when the handler reads it: with another
+    client's huge prompt sent meanwhile, the stopped request still reports ``finish_reason`` "stop" and the
+    completion tokens it has alone (up to the stop's token), streamed and not.  It used to report "length" and
+    ``max_tokens`` tokens (the worker's outputs past the stop were counted) while that prompt's tokenization
+    held the event loop; the prompt is now counted off the loop, and the write side is tested alone in
+    tests/app/test_serve_units.py."""
     import openai
 
     port = served_default[0]
@@ -453,7 +462,7 @@ def test_continuous_batching_stop_is_seen_at_its_token_when_the_event_loop_lags_
     alone = client.chat.completions.create(**ask)
     assert alone.choices[0].finish_reason == "stop" and alone.usage.completion_tokens < 16, alone
     huge = json.dumps({"model": model, "messages": [{"role": "user", "content": "word " * 400_000}],
-                       "max_tokens": 4}).encode()  # ~1 s of tokenization on the event loop, then a 400
+                       "max_tokens": 4}).encode()  # counted off the event loop (~1 s), then a 400
 
     def hold_the_loop():
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", huge,
@@ -483,6 +492,108 @@ def test_continuous_batching_stop_is_seen_at_its_token_when_the_event_loop_lags_
         t.join(120)
         assert got == {"text": alone.choices[0].message.content, "finish": "stop",
                        "tokens": alone.usage.completion_tokens}, (stream, got)
+
+
+def test_the_responses_api_answers_the_openai_client_and_leaves_a_chat_stream_beside_it_alone(served_default):
+    """``/v1/responses`` through the ``openai`` client: ``responses.create()`` answered whole (OpenAI's default;
+    transformers 5.24 streamed a body without ``stream``, which the client could not read), the streaming helper
+    with the same text, bad fields named; and a chat stream running beside them answers exactly as alone
+    (transformers' handler named the model differently and made a second continuous-batching manager, which
+    killed the running one's generation loop: the chat stream ended in an error)."""
+    import openai
+
+    port = served_default[0]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+    chat = dict(model=model, messages=[{"role": "user", "content": "Count from 1 to 30, one number per line."}],
+                max_tokens=60, temperature=0)
+
+    def streamed_text():
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **chat)
+                       if c.choices)
+
+    alone = streamed_text()
+    got = {}
+    t = threading.Thread(target=lambda: got.update(text=streamed_text()))
+    t.start()
+    ask = dict(model=model, input="What is the capital of France?", max_output_tokens=16, temperature=0)
+    r = client.responses.create(**ask)
+    assert r.status == "completed" and "Paris" in r.output_text, r
+    assert r.model == model and 0 < r.usage.output_tokens <= 16 and r.usage.input_tokens > 0, r
+    with client.responses.stream(**ask) as s:
+        final = s.get_final_response()
+    assert final.output_text == r.output_text
+    r2 = client.responses.create(**dict(ask, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "What is the capital of France?"}]}]))
+    assert r2.output_text == r.output_text
+    t.join(120)
+    assert got == {"text": alone}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**dict(ask, max_output_tokens=100_000))
+    assert e.value.body["param"] == "max_output_tokens" and "max_position_embeddings" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(**dict(ask, model="nope"))
+
+
+@pytest.mark.parametrize("path, body", [("/reset", b""), ("/load_model", b'{"model": "gpt2"}'),
+                                        ("/v1/systemone", b"{}"), ("/v1/audio/transcriptions", b"")])
+def test_transformers_admin_and_other_routes_are_404_and_the_model_stays_loaded(served_default, path, body):
+    """transformers 5.24's ``/reset`` let any client unload the served model under every other client's requests
+    (it answered 200 and the next request reloaded it), ``/load_model`` made the server fetch any model from the
+    Hub; both, and the routes that do not apply to a text LM, are a 404 in OpenAI's form naming why and the
+    routes served.  The same model answers after, never reloaded."""
+    port, proc, path_log = served_default
+    with open(path_log) as f:
+        loads = f.read().count("Loading weights")
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", body, {"Content-Type": "application/json"},
+                                 method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    err = json.loads(e.value.read())["error"]
+    assert e.value.code == 404 and err["code"] == "not_found", err
+    assert err["message"].startswith(f"{path}: not served by cxlalloc serve") and "/v1/chat/completions" in err[
+        "message"], err
+    ok = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(
+        dict(GOOD, temperature=0)).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(ok, timeout=120) as r:
+        assert json.loads(r.read())["choices"][0]["message"]["content"]
+    with open(path_log) as f:
+        assert f.read().count("Loading weights") == loads  # nothing unloaded or loaded meanwhile
+
+
+def test_a_huge_prompt_is_counted_off_the_event_loop_while_other_clients_are_answered(served_default):
+    """A 4 MB prompt (800,000 tokens) on each route is refused with a 400 naming its field ("at least N tokens"),
+    counted in a worker thread: a request sent while it is counted is answered first.  transformers' handler
+    tokenized it on the event loop (1.3 s per 2 MB on this machine), every other client waiting."""
+    port = served_default[0]
+    model = _get(f"http://127.0.0.1:{port}/v1/models")["data"][0]["id"]
+    text = "word " * 800_000
+    for route, body, param in [
+            ("chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 4}, "messages"),
+            ("completions", {"prompt": text, "max_tokens": 4}, "prompt"),
+            ("responses", {"input": text, "max_output_tokens": 4}, "input")]:
+        done, errors = [], []
+
+        def huge():
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/{route}", json.dumps(
+                dict(body, model=model)).encode(), {"Content-Type": "application/json"})
+            try:
+                urllib.request.urlopen(req, timeout=120)
+            except urllib.error.HTTPError as e:
+                errors.append((e.code, json.loads(e.read())["error"]))
+            done.append("huge")
+
+        t = threading.Thread(target=huge)
+        t.start()
+        time.sleep(0.5)  # the body sent, its count begun (it takes seconds)
+        _get(f"http://127.0.0.1:{port}/v1/models", timeout=60)
+        done.append("models")
+        t.join(120)
+        assert done == ["models", "huge"], (route, done)
+        code, err = errors[0]
+        assert code == 400 and err["param"] == param, err
+        assert err["message"].startswith(f"{param}: the prompt is at least ") and "max_position_embeddings" in err[
+            "message"], err
 
 
 def test_a_stalled_request_head_gets_408_and_the_server_goes_on(served_default):
