@@ -119,6 +119,16 @@ def cut_at_stop(text: str, stop) -> str:
     return text[:min(cuts)] if cuts else text
 
 
+def end_as_stopped(gen_config) -> None:
+    """Mark a request whose answer ended at a stop string so transformers' handler reports ``finish_reason``
+    "stop" (OpenAI's: the stop sequence was reached) even when the stop completed on the ``max_tokens``-th token:
+    transformers 5.24 says "length" whenever the tokens reach ``gen_config.max_new_tokens``, which it reads only
+    for that after the answer's end.  ``gen_config`` is the request's own copy (transformers' handler builds one
+    per request; the worker's shared config never is a request's with stop strings, see ``init_cb``), and the
+    token limit was already handed to the generation, so clearing it changes nothing else."""
+    gen_config.max_new_tokens = None
+
+
 class StopTrimQueue:
     """The streamed answer's text queue (transformers' streamer fills ``inner`` with text pieces, then None) with
     the first stop string and what follows it left out: text that could still begin a stop string is held back
@@ -282,6 +292,7 @@ def guarded_cb_manager(base, stats, status: Optional[ServeStatus] = None):
                 in the worker at its next step), its tokens counted up to the one that completed the stop string,
                 and the stream ends."""
                 state["stop_at"] = streamer.total_tokens
+                end_as_stopped(gen_config)
                 if not state["ended"] and not state["cancelled"]:
                     state["cancelled"] = True
                     self._cancel(request_id, count=False)
@@ -365,7 +376,8 @@ def stoppable_generate_manager(base, status: Optional[ServeStatus] = None):
             queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id,
                                                          response_parser=response_parser)
             stop = getattr(gen_config, "stop_strings", None)
-            return (StopTrimQueue(queue, stop) if stop else queue), streamer
+            return (StopTrimQueue(queue, stop, on_stop=lambda: end_as_stopped(gen_config)) if stop else queue), \
+                streamer
 
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
             check_context(model, inputs, gen_config)
@@ -395,7 +407,10 @@ def stoppable_generate_manager(base, status: Optional[ServeStatus] = None):
             input_len = inputs["input_ids"].shape[-1]
             generated_ids = sequences[0, input_len:]
             text = processor.decode(generated_ids, skip_special_tokens=True)
-            return cut_at_stop(text, getattr(gen_config, "stop_strings", None)), input_len, generated_ids
+            cut = cut_at_stop(text, getattr(gen_config, "stop_strings", None))
+            if len(cut) < len(text):
+                end_as_stopped(gen_config)
+            return cut, input_len, generated_ids
 
     return StoppableGenerateManager
 

@@ -445,6 +445,16 @@ def test_continuous_batching_stop_ends_the_answer_and_the_request_at_the_stop_st
     assert _sample(m, "cxlalloc_serve_engine_cancelled_requests_total") == before  # a stop is not a cancellation
 
 
+def test_continuous_batching_stop_on_the_last_allowed_token_is_finish_reason_stop(served_default):
+    import openai
+
+    port = served_default[0]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    _stop_on_the_last_allowed_token_is_finish_reason_stop(client, dict(
+        model=client.models.list().data[0].id, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16, temperature=0))
+
+
 def test_continuous_batching_stop_is_seen_at_its_token_when_the_event_loop_lags_the_worker(served_default):
     """The stop string is checked as each token's text is decoded, not when the handler reads it: with another
     client's huge prompt sent meanwhile, the stopped request still reports ``finish_reason`` "stop" and the
@@ -848,5 +858,24 @@ def test_without_continuous_batching_stop_ends_the_answer_before_the_stop_string
         text = client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
                                          temperature=0, stop=["\n"]).choices[0].text
         assert text and "\n" not in text, text
+        _stop_on_the_last_allowed_token_is_finish_reason_stop(client, ask)
     finally:
         _stop(proc, log)
+
+
+def _stop_on_the_last_allowed_token_is_finish_reason_stop(client, ask):
+    """A stop string completed by the ``max_tokens``-th token: ``finish_reason`` "stop" (OpenAI's: the stop was
+    reached), streamed and not, the same text and token count; transformers 5.24 said "length" (it compares the
+    token count with max_tokens only)."""
+    first = client.chat.completions.create(**dict(ask, stop=["Paris"]))
+    k = first.usage.completion_tokens  # the tokens up to the one that completed "Paris"
+    assert first.choices[0].finish_reason == "stop" and k < ask["max_tokens"], first
+    at = dict(ask, stop=["Paris"], max_tokens=k)
+    r = client.chat.completions.create(**at)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens) == (
+        first.choices[0].message.content, "stop", k), r
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **at))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop", chunks[-3:]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == first.choices[0].message.content
+    one_less = client.chat.completions.create(**dict(at, max_tokens=k - 1))  # the stop never completes
+    assert one_less.choices[0].finish_reason == "length" and one_less.usage.completion_tokens == k - 1, one_less
