@@ -401,7 +401,11 @@ def run(ctx) -> Dict[str, Any]:
     finally:
         if st is not None:
             st.close()
-        shutil.rmtree(work, ignore_errors=True)
+        if w.record.get("errors"):  # the engines' own logs say why: kept, and the record says where
+            w.record["parameters"]["worker_logs"] = work
+            ctx.log(f"engines: errors in the record; the engine workers' logs are kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     from cxlalloc_apps.bench.plots import plot_engines
 
     return w.finish_and_plot(plot_engines, ctx.log)
