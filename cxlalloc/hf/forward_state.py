@@ -26,9 +26,16 @@ module held outside ``_modules`` (a plain list of layers, ``object.__setattr__``
 digest), a tensor attribute over 2^20 elements, an object-dtype array, a TorchScript object (quantized
 packed weights), containers nested deeper than 3
 (trial33: each of these, and each type above, gave a wrong token before; tests/hf/test_hf_reuse_memo_attacks.py).
-Not seen: a forward patched on the class (``LlamaMLP.forward = f``) or a module-level function patched
-(an xfail test keeps the gap on record), and the state of objects of other types (a config: it is in the
-model fingerprint).
+A ``forward`` patched on a module's class (``LlamaMLP.forward = f``) joins the digest too
+(:func:`class_forward_patches`): the class's ``forward`` is taken as patched when it is not the function
+the class (or the base it inherits it from) defined -- its qualified name is not ``Class.forward`` of that
+class and module -- or when it is not the one this process first saw on the class; a patched one is digested
+as a function attribute is (name, code, constants, closure values: the function it wraps among them), so the
+patched model's blocks get keys of their own, and restoring the original brings the old keys back.  An
+unpatched model's fingerprint is what it was before this check (nothing is added).  Not seen: a patch made
+with ``functools.wraps`` (which copies the original's name) before the process first used the class, a
+patched module-level function (``modeling_llama.apply_rotary_pos_emb = f``), and the state of objects of
+other types (a config: it is in the model fingerprint).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import functools
 import operator
 import threading
 import types
+import weakref
 from typing import Any, Iterable, List, Optional, Tuple
 
 import numpy as np
@@ -407,6 +415,53 @@ def numerics() -> bytes:
     return "".join(out).encode()
 
 
+# The forward this process first saw on each module class, and whether it is the class's own (see
+# class_forward_patches); weak keys: a class made at run time and dropped leaves nothing behind.
+_FIRST_FORWARD: "weakref.WeakKeyDictionary[type, Tuple[Any, bool]]" = weakref.WeakKeyDictionary()
+_FIRST_FORWARD_LOCK = threading.Lock()
+
+
+def _defined_by_its_class(cls: type, fn: Any) -> bool:
+    """Whether ``fn`` (``cls.forward``) is the function that the class holding it in its MRO defined: its
+    qualified name is ``Owner.forward`` of that class and module (``functools.wraps`` decorators, as
+    transformers' ``can_return_tuple``, keep them), or torch's own ``Module.forward`` placeholder."""
+    if fn is torch.nn.Module.forward:
+        return True
+    for owner in cls.__mro__:
+        if owner.__dict__.get("forward") is fn:
+            return getattr(fn, "__qualname__", None) == f"{owner.__qualname__}.forward" and \
+                getattr(fn, "__module__", None) == owner.__module__
+    return False
+
+
+def class_forward_patches(classes: Iterable[type]) -> List[Tuple[type, Any]]:
+    """The module classes among ``classes`` whose ``forward`` is patched, with it, sorted by class name:
+    a ``forward`` the class did not define itself (:func:`_defined_by_its_class`), or another than the one
+    this process first saw on the class (a patch with ``functools.wraps`` after that).  Empty for a model
+    nobody patched: the fingerprint then stays what it was without this check."""
+    out = []
+    for cls in classes:
+        fn = getattr(cls, "forward", None)
+        with _FIRST_FORWARD_LOCK:
+            first = _FIRST_FORWARD.get(cls)
+            if first is None:
+                first = _FIRST_FORWARD[cls] = (fn, _defined_by_its_class(cls, fn))
+        if fn != first[0] or not first[1]:  # == : a classmethod gives a new bound method per getattr
+            out.append((cls, fn))
+    return sorted(out, key=lambda p: f"{p[0].__module__}.{p[0].__qualname__}")
+
+
+def _patches_piece(patches: List[Tuple[type, Any]]) -> bytes:
+    """The digest's part for :func:`class_forward_patches`: each class's name and its forward encoded as a
+    function attribute is (:func:`_feed_function`)."""
+    out: List[bytes] = []
+    for cls, fn in patches:
+        out.append(f"<forward of {cls.__module__}.{cls.__qualname__}>".encode())
+        if not _feed(out, fn, 0, None, "forward"):
+            out.append(b"?")
+    return b"".join(out)
+
+
 def _first_three(items: List[str]) -> str:
     """``"a, b, c and 2 more"``: the first three of ``items`` and how many follow."""
     return ", ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
@@ -415,7 +470,8 @@ def _first_three(items: List[str]) -> str:
 def forward_state(model: torch.nn.Module,
                   memo: Optional[StateMemo] = None) -> Tuple[Optional[bytes], Optional[str]]:
     """``(digest, None)``: the 16-byte :func:`state_digest` to add to the model fingerprint (with
-    :func:`numerics` when they are not torch's defaults: autocast, TF32); or
+    :func:`numerics` when they are not torch's defaults: autocast, TF32, and the forwards patched on module
+    classes, :func:`class_forward_patches`); or
     ``(None, reason)`` when a forward hook of unknown effect is installed, or some state that enters the
     forward cannot be digested (a module, parameter or large tensor held outside ``_modules``,
     ``_parameters`` and ``_buffers``; containers nested too deep): then no lookup and no store may happen,
@@ -434,4 +490,7 @@ def forward_state(model: torch.nn.Module,
     if opaque:
         return None, f"module state that no digest can cover: {_first_three(opaque)}"
     glob = numerics()
+    patches = class_forward_patches({type(m) for _, m in modules})
+    if patches:
+        glob += _patches_piece(patches)
     return (xxhash.xxh3_128_digest(digest + glob) if glob else digest), None
