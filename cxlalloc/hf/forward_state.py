@@ -32,10 +32,12 @@ the class (or the base it inherits it from) defined -- its qualified name is not
 class and module -- or when it is not the one this process first saw on the class; a patched one is digested
 as a function attribute is (name, code, constants, closure values: the function it wraps among them), so the
 patched model's blocks get keys of their own, and restoring the original brings the old keys back.  An
-unpatched model's fingerprint is what it was before this check (nothing is added).  Not seen: a patch made
-with ``functools.wraps`` (which copies the original's name) before the process first used the class, a
-patched module-level function (``modeling_llama.apply_rotary_pos_emb = f``), and the state of objects of
-other types (a config: it is in the model fingerprint).
+unpatched model's fingerprint is what it was before this check (nothing is added).  So does a function
+replaced, since the process first used the model's classes, where their forwards look it up
+(:func:`function_patches`: a module-level function of the modeling file, ``modeling_llama.apply_rotary_pos_emb =
+f``, or an entry of transformers' ``ALL_ATTENTION_FUNCTIONS``).  Not seen: a ``functools.wraps`` class patch
+or a function patch made before the process first used the classes, and the state of objects of other
+types (a config: it is in the model fingerprint).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from __future__ import annotations
 import enum
 import functools
 import operator
+import sys
 import threading
 import types
 import weakref
@@ -451,13 +454,50 @@ def class_forward_patches(classes: Iterable[type]) -> List[Tuple[type, Any]]:
     return sorted(out, key=lambda p: f"{p[0].__module__}.{p[0].__qualname__}")
 
 
-def _patches_piece(patches: List[Tuple[type, Any]]) -> bytes:
-    """The digest's part for :func:`class_forward_patches`: each class's name and its forward encoded as a
-    function attribute is (:func:`_feed_function`)."""
+# The functions this process first saw in each place a forward looks its helpers up: a module's globals
+# (``{module name: {name: function}}``) and transformers' attention-function registry.
+_FIRST_FUNCTIONS: dict = {}
+
+
+def _function_places(classes: Iterable[type]) -> List[Tuple[str, Any]]:
+    """``(label, mapping)`` of where the forwards of ``classes`` look functions up at call time: the globals
+    of each class's module, and transformers' ``ALL_ATTENTION_FUNCTIONS`` (``AttentionInterface``'s global
+    mapping: ``"sdpa"`` -> the function) when transformers is loaded."""
+    places = []
+    for name in sorted({cls.__module__ for cls in classes}):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            places.append((name, vars(mod)))
+    mu = sys.modules.get("transformers.modeling_utils")
+    registry = getattr(getattr(mu, "ALL_ATTENTION_FUNCTIONS", None), "_global_mapping", None)
+    if isinstance(registry, dict):
+        places.append(("ALL_ATTENTION_FUNCTIONS", registry))
+    return places
+
+
+def function_patches(classes: Iterable[type]) -> List[Tuple[str, Any]]:
+    """The functions replaced where the forwards of ``classes`` look them up (a module-level function of a
+    modeling file, ``modeling_llama.apply_rotary_pos_emb = f``; an entry of transformers'
+    ``ALL_ATTENTION_FUNCTIONS``) since this process first saw that place: ``[("module.name", new value)]``,
+    sorted.  Only functions present at first sight are watched (a few dozen dictionary lookups per call)."""
+    out = []
+    for label, names in _function_places(classes):
+        with _FIRST_FORWARD_LOCK:
+            first = _FIRST_FUNCTIONS.get(label)
+            if first is None:
+                first = _FIRST_FUNCTIONS[label] = {k: v for k, v in names.items()
+                                                   if isinstance(v, (types.FunctionType, functools.partial))}
+        out += [(f"{label}.{k}", names.get(k)) for k, fn in first.items() if names.get(k) is not fn]
+    return sorted(out, key=lambda p: p[0])
+
+
+def _patches_piece(patches: List[Tuple[str, Any]]) -> bytes:
+    """The digest's part for :func:`class_forward_patches` and :func:`function_patches`: each place's name and
+    the function now there, encoded as a function attribute is (:func:`_feed_function`)."""
     out: List[bytes] = []
-    for cls, fn in patches:
-        out.append(f"<forward of {cls.__module__}.{cls.__qualname__}>".encode())
-        if not _feed(out, fn, 0, None, "forward"):
+    for where, fn in patches:
+        out.append(f"<{where}>".encode())
+        if not _feed(out, fn, 0, None, where):
             out.append(b"?")
     return b"".join(out)
 
@@ -470,8 +510,8 @@ def _first_three(items: List[str]) -> str:
 def forward_state(model: torch.nn.Module,
                   memo: Optional[StateMemo] = None) -> Tuple[Optional[bytes], Optional[str]]:
     """``(digest, None)``: the 16-byte :func:`state_digest` to add to the model fingerprint (with
-    :func:`numerics` when they are not torch's defaults: autocast, TF32, and the forwards patched on module
-    classes, :func:`class_forward_patches`); or
+    :func:`numerics` when they are not torch's defaults: autocast, TF32, and the forwards and functions
+    patched since, :func:`class_forward_patches`, :func:`function_patches`); or
     ``(None, reason)`` when a forward hook of unknown effect is installed, or some state that enters the
     forward cannot be digested (a module, parameter or large tensor held outside ``_modules``,
     ``_parameters`` and ``_buffers``; containers nested too deep): then no lookup and no store may happen,
@@ -490,7 +530,9 @@ def forward_state(model: torch.nn.Module,
     if opaque:
         return None, f"module state that no digest can cover: {_first_three(opaque)}"
     glob = numerics()
-    patches = class_forward_patches({type(m) for _, m in modules})
+    classes = {type(m) for _, m in modules}
+    patches = [(f"forward of {c.__module__}.{c.__qualname__}", fn) for c, fn in class_forward_patches(classes)]
+    patches += function_patches(classes)
     if patches:
         glob += _patches_piece(patches)
     return (xxhash.xxh3_128_digest(digest + glob) if glob else digest), None

@@ -319,12 +319,53 @@ def test_a_class_level_forward_patch_is_seen(fresh_sim, wraps):
     assert hit(m) >= 40  # the original forward again: the blocks stored before the patch
 
 
+@pytest.mark.parametrize("where", ["module-function", "attention-registry"])
+def test_a_patched_function_the_forward_looks_up_is_seen(fresh_sim, where):
+    """Was a known gap: a module-level function of the modeling file replaced (``modeling_llama.repeat_kv`` /
+    ``apply_rotary_pos_emb = f``), or an entry of transformers' ``ALL_ATTENTION_FUNCTIONS``, changed K/V and no
+    part of the fingerprint.  Now the function replaced since the process first used the classes joins the
+    digest: no hit after the patch, the old blocks again after the restore."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama import modeling_llama
+
+    registry = ALL_ATTENTION_FUNCTIONS._global_mapping
+    impl = "sdpa"
+    if where == "module-function":
+        holder, name = vars(modeling_llama), "apply_rotary_pos_emb"
+    else:
+        holder, name = registry, impl
+    orig = holder[name]
+
+    if where == "module-function":
+        def patched(q, k, cos, sin, *a, **kw):
+            q2, k2 = orig(q, k, cos, sin, *a, **kw)
+            return q2, k2 * 1.5
+    else:
+        def patched(module, query, key, value, *a, **kw):
+            return orig(module, query, key * 1.5, value * 1.5, *a, **kw)
+
+    def change(m):
+        holder[name] = patched
+
+    try:
+        m = llama()
+        if where == "attention-registry":
+            assert m.config._attn_implementation == impl, m.config._attn_implementation
+        assert run_case(m, change) == 0
+    finally:
+        holder[name] = orig
+    p = prompt()
+    gen(m, input_ids=p, **KW)
+    assert hit(m) >= 40  # the original function again: the blocks stored before the patch
+
+
 def test_an_unpatched_model_has_the_fingerprint_it_had_before_the_patch_check():
     """The class-forward check adds nothing to an unpatched model's digest (no stored block changes key)."""
-    from cxlalloc.hf.forward_state import class_forward_patches, forward_state, state_digest
+    from cxlalloc.hf.forward_state import class_forward_patches, forward_state, function_patches, state_digest
 
     m = llama()
-    assert class_forward_patches({type(x) for _, x in m.named_modules()}) == []
+    classes = {type(x) for _, x in m.named_modules()}
+    assert class_forward_patches(classes) == [] and function_patches(classes) == []
     assert forward_state(m) == (state_digest(m), None)  # the digest of the modules' state alone
 
 
