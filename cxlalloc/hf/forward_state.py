@@ -502,7 +502,7 @@ def _patches_piece(patches: List[Tuple[str, Any]]) -> bytes:
     return b"".join(out)
 
 
-def _first_three(items: List[str]) -> str:
+def first_three(items: List[str]) -> str:
     """``"a, b, c and 2 more"``: the first three of ``items`` and how many follow."""
     return ", ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
 
@@ -521,14 +521,14 @@ def forward_state(model: torch.nn.Module,
     modules = list(model.named_modules())
     hooks = _foreign_hooks(modules)
     if hooks:
-        return None, f"forward hooks whose effect on K/V cannot be known are installed: {_first_three(hooks)}"
+        return None, f"forward hooks whose effect on K/V cannot be known are installed: {first_three(hooks)}"
     if memo is None:
         opaque: List[str] = []
         digest = xxhash.xxh3_128_digest(b"".join(_module_piece(n, m, opaque) for n, m in modules))
     else:
         digest, opaque = memo.check(modules)
     if opaque:
-        return None, f"module state that no digest can cover: {_first_three(opaque)}"
+        return None, f"module state that no digest can cover: {first_three(opaque)}"
     glob = numerics()
     classes = {type(m) for _, m in modules}
     patches = [(f"forward of {c.__module__}.{c.__qualname__}", fn) for c, fn in class_forward_patches(classes)]

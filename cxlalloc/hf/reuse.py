@@ -75,7 +75,7 @@ from cxlalloc.hf import store_io
 from cxlalloc.hf.cache import CxlCache
 from cxlalloc.hf.caller import user_stacklevel
 from cxlalloc.hf.conversation import ConversationMixin, _Conversation
-from cxlalloc.hf.forward_state import StateMemo, foreign_hooks, forward_state
+from cxlalloc.hf.forward_state import StateMemo, first_three, foreign_hooks, forward_state
 from cxlalloc.hf.layers import STOCK_KIND, CxlKVLayer
 from cxlalloc.hf.reuse_options import (DEFAULT_BLOCK_TOKENS, DEFAULT_CONVERSATION_LIMIT,  # noqa: F401
                                       REUSE_OPTIONS, ReuseOptions, parse_reuse_options)
@@ -328,9 +328,9 @@ class PrefixReuse(ConversationMixin):
                               "and no store (said once per argument)", KVReuseWarning, stacklevel=user_stacklevel())
         hooks = foreign_hooks(self.model) if call.enabled and enabled else []
         if hooks:
-            self._skip_for_state(call, f"forward hooks of unknown effect on K/V: {', '.join(hooks[:3])}", hooks,
+            self._skip_for_state(call, f"forward hooks of unknown effect on K/V: {first_three(hooks)}", hooks,
                                  lambda new: "forward hooks whose effect on K/V cannot be known are installed "
-                                             f"({', '.join(new[:3])}{' ...' if len(new) > 3 else ''}); calls do no "
+                                             f"({first_three(new)}); calls do no "
                                              "lookup and no store while they are (counted in 'skipped_state'; "
                                              "said once per hook)")
         if not enabled:
